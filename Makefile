@@ -1,0 +1,23 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Each creates or updates .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pdserve generate --model models/demo --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+clean:
+	rm -rf $(VENV) build *.egg-info
