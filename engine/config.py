@@ -1,0 +1,80 @@
+"""`EngineConfig`: every engine option in one validated, frozen record, and how `"auto"`
+values resolve. Only composition roots (`LLMEngine`, the CLI, the workers' mains) read it whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.loader import DTYPES
+from kernels import BACKENDS
+
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto: the config's dtype on CUDA, float32 on CPU
+    device: str = "auto"
+    kernel_backend: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0  # draws the seeds of requests that bring none
+    draft_model: str | None = None
+    num_speculative_tokens: int = 0
+    speculative_method: str | None = None  # "draft" or "ngram"; inferred from draft_model
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype, f"must be one of {('auto', *DTYPES)}")
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device,
+               "must be 'auto', 'cpu' or 'cuda'")
+        _check(self.kernel_backend in BACKENDS, "kernel_backend", self.kernel_backend, f"must be one of {BACKENDS}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
+        _check(self.num_speculative_tokens >= 0, "num_speculative_tokens", self.num_speculative_tokens, "must be >= 0")
+        _check(self.speculative_method in (None, *SPECULATIVE_METHODS), "speculative_method",
+               self.speculative_method, f"must be one of {SPECULATIVE_METHODS}")
+        _check(not (self.speculative_method == "draft" and not self.draft_model), "draft_model", self.draft_model,
+               "is required when speculative_method='draft'")
+        _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", (self.ngram_min, self.ngram_max),
+               "must satisfy 1 <= ngram_min <= ngram_max")
+
+    @property
+    def spec_method(self) -> str | None:
+        """The proposer in use, or None when speculation is off."""
+        if self.num_speculative_tokens == 0:
+            return None
+        return self.speculative_method or ("draft" if self.draft_model else "ngram")
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{name} {why}, got {value!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half types are slow and inexact on CPU
+    return DTYPES.get(cfg.config_dtype, torch.float16)

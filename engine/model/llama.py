@@ -1,0 +1,148 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+
+It runs one flat batch of tokens from many sequences (prefill chunks and decode tokens mixed),
+with every op taken from one `KernelOps` chosen at construction. Parameter names follow the
+Hugging Face checkpoints, except that q/k/v and gate/up are stored fused (`loader.py` splits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.config import ModelConfig
+from kernels import KernelOps, build_rope_cache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's tokens go in the cache and what they attend to.
+
+    The batch is ordered decode tokens first (one per sequence, `paged_decode_attention`), then
+    the query chunks of the other sequences (`extend_attention`).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decode_seqs, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decode_seqs] int32
+    extend_block_tables: torch.Tensor  # [num_extend_seqs, max_blocks] int32
+    extend_cu_seqlens_q: torch.Tensor  # [num_extend_seqs + 1] int32
+    extend_context_lens: torch.Tensor  # [num_extend_seqs] int32
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.split = (q_size, kv_size, kv_size)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata):
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.apply_rotary(q, k, positions, *rope)
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self.ops.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        if nd < num_tokens:
+            out[nd:] = self.ops.extend_attention(
+                q[nd:], k_cache, v_cache, meta.extend_block_tables, meta.extend_cu_seqlens_q,
+                meta.extend_context_lens, self.scale)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.ops = ops
+        self.self_attn = Attention(cfg, ops)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rope, kv_cache, meta):
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, x = x, self.ops.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            x, residual = self.ops.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.ops.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`forward` gives final hidden states for every token; `compute_logits` only for the rows
+    that are sampled (the last token of each sequence, or every verified position)."""
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.model = DecoderModel(cfg, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rope(self, max_position: int, device: torch.device) -> None:
+        cos, sin = build_rope_cache(self.cfg.head_dim, max_position, self.cfg.rope_theta, self.cfg.rope_scaling_dict)
+        self.rope = (cos.to(device), sin.to(device))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        norm = self.model.norm
+        x, _ = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab_size] float32
+        return self.lm_head(hidden).float()

@@ -1,0 +1,92 @@
+"""`ModelRunner`: owns the model weights and the KV cache tensors, and runs one step.
+
+It turns a list of (sequence, new tokens, rows to score) into one flat batch — decode tokens
+first, then prefill/verify chunks — with positions, slot mapping and block tables, runs the
+model, and returns logits only for the rows the caller samples from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model.config import ModelConfig
+from engine.model.llama import AttentionMetadata
+from engine.model.loader import build_model
+from engine.sequence import Sequence
+from kernels import KernelOps
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    seq: Sequence
+    num_new_tokens: int  # run tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
+    num_logits: int  # score the last num_logits of them (0: a prefill chunk that samples nothing)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
+                 device: torch.device, num_blocks: int, block_size: int):
+        self.cfg, self.device, self.block_size = cfg, device, block_size
+        self.model = build_model(cfg, model_dir, ops, dtype, device)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # zeros, not empty: padded attention rows read stale slots, which must be finite
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, batch: list[BatchEntry]) -> torch.Tensor:
+        """Logits [sum(num_logits), vocab_size] float32, rows in the order of `batch`."""
+        order = sorted(range(len(batch)), key=lambda i: batch[i].num_new_tokens != 1)  # decodes first
+        input_ids, positions, meta, row_starts = self._prepare([batch[i] for i in order])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows = []
+        for i in range(len(batch)):  # back to the caller's order
+            j = order.index(i)
+            end = row_starts[j] + batch[i].num_new_tokens
+            rows.extend(range(end - batch[i].num_logits, end))
+        if not rows:
+            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def _prepare(self, batch: list[BatchEntry]):
+        ids, pos, slots, starts = [], [], [], []
+        bs = self.block_size
+        for e in batch:
+            start = e.seq.num_computed_tokens
+            starts.append(len(ids))
+            ids.extend(e.seq.token_ids[start:start + e.num_new_tokens])
+            table = e.seq.block_table
+            for p in range(start, start + e.num_new_tokens):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+        nd = sum(1 for e in batch if e.num_new_tokens == 1)
+        dev = self.device
+        context_lens = [e.seq.num_computed_tokens + e.num_new_tokens for e in batch]
+        tables = _pad_tables([e.seq.block_table for e in batch], dev)
+        cu = [0]
+        for e in batch[nd:]:
+            cu.append(cu[-1] + e.num_new_tokens)
+        lens = torch.tensor(context_lens, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode_tokens=nd,
+            decode_block_tables=tables[:nd], decode_context_lens=lens[:nd],
+            extend_block_tables=tables[nd:], extend_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            extend_context_lens=lens[nd:],
+        )
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                meta, starts)
+
+
+def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0) or 1
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.int32, device=device)

@@ -1,0 +1,133 @@
+"""`Scheduler`: iteration-level continuous batching with chunked prefill. Holds no torch.
+
+Life cycle of a sequence:
+
+    waiting ──admit (blocks for its first chunk, prefix-cache hits adopted)──► running
+    running ──each step: its uncomputed tokens (a prefill chunk, or 1 + lookahead to decode)──► running
+    running ──blocks short: the newest running sequence is preempted──► front of waiting
+    running ──finished / aborted──► gone (blocks freed)
+
+A step's token budget (`max_num_batched_tokens`) is spent on running sequences first, oldest
+first, then on admitting waiting ones in arrival order (FCFS: a head that does not fit blocks
+the queue). A long prompt spreads over steps in chunks and shares each step with decodes.
+Preemption is by recompute: the victim's blocks are freed and its prompt plus the tokens it has
+generated are prefilled again when it is readmitted; seeded sampling makes it continue with
+exactly the tokens it would have produced.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens run through the model this step, starting at num_computed_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+# Extra KV slots a decoding sequence needs this step (speculative lookahead); 0 by default.
+LookaheadFn = Callable[[Sequence], int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, lookahead: LookaheadFn = lambda seq: 0) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, lookahead)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, lookahead: LookaheadFn) -> int:
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            extra = lookahead(seq) if seq.num_uncomputed_tokens == 1 else 0
+            num_new = min(seq.num_uncomputed_tokens + extra, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                kept.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+        self.running = kept + queue  # unscheduled ones stay running and wait for budget
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = bm.match_prefix(seq)
+            num_cached = len(prefix) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not bm.allocate(seq, num_cached + num_new, prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence wherever it is and free its blocks. Idempotent."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,74 @@
+"""`Sequence`: one request's tokens, KV blocks and progress, as the scheduler sees it.
+
+Token accounting:
+
+    token_ids           = prompt_token_ids + output_token_ids
+    num_computed_tokens = tokens whose K/V are in the cache (a prefix of token_ids)
+    num_cached_tokens   = how many of those came from the prefix cache at admission
+
+A sequence is "prefilling" while num_computed_tokens < num_tokens - 1 and "decoding" after.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled, or failed (transfer, timeout)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int = 0  # FCFS order
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    # top-N log-probs per output token, when params.logprobs is set: (token_id, logprob) pairs
+    output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random-weight checkpoints saved with `transformers`, cached per session."""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=211, max_position_embeddings=512)
+
+ARCH_CONFIGS = {
+    # Llama 3 style: GQA and llama3 rope scaling
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=256, head_dim=32,
+                                                              num_attention_heads=4, hidden_size=96)),
+}
+
+
+def build_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides):
+    import transformers
+
+    cfg_name, model_name, extra = ARCH_CONFIGS[arch]
+    config = getattr(transformers, cfg_name)(**{**TINY, **extra, **overrides})
+    config.eos_token_id = overrides.get("eos_token_id", 2)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # random init is small; widen it so logits have real spread
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch="llama", seed=0, **config_overrides) -> path, built once per argument set."""
+    cache = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides):
+        key = json.dumps([arch, seed, overrides], sort_keys=True)
+        if key not in cache:
+            cache[key] = build_checkpoint(tmp_path_factory.mktemp(arch), arch, seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+def hf_model(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model = hf_model(path)
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
