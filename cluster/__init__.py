@@ -1,0 +1,1 @@
+"""Cluster: Ray placement, worker registry, and the `pdserve` command line."""
