@@ -33,6 +33,7 @@ class EngineConfig:
     speculative_method: str | None = None  # "draft" or "ngram"; inferred from draft_model
     ngram_max: int = 4
     ngram_min: int = 1
+    spec_adaptive: bool = True  # per-sequence depth from acceptance and step costs; False: always k
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype, f"must be one of {('auto', *DTYPES)}")

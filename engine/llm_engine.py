@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig, resolve_device, resolve_dtype
@@ -21,6 +24,10 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
+from engine.spec_decode.depth import AdaptiveDepth, LinearCost
+from engine.spec_decode.draft import DraftProposer
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.speculator import Proposal, Speculator
 from engine.tokenizer import Tokenizer
 from kernels import select_ops
 
@@ -39,11 +46,14 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
-        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        self.draft_config = load_model_config(config.draft_model) if config.spec_method == "draft" else None
+        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len,
+                                 self.draft_config.max_model_len if self.draft_config else cfg.max_model_len)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size)
+        self.speculator = self._build_speculator(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
@@ -59,8 +69,40 @@ class LLMEngine:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.draft_config:
+            per_block += kv_bytes_per_block(self.draft_config, self.config.block_size, self.dtype)
         useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
         return max(1, min(self.config.kv_cache_memory_bytes // per_block, useful))
+
+    def _build_speculator(self, num_blocks: int) -> Speculator | None:
+        config, method = self.config, self.config.spec_method
+        if method is None:
+            return None
+        self.target_cost = LinearCost(a=5e-3, b=5e-4)
+        draft_cost = None
+        if method == "ngram":
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        else:
+            self._check_draft_matches()
+            draft_cost = LinearCost(a=2e-3, b=5e-5)
+            draft_runner = ModelRunner(self.draft_config, Path(config.draft_model), self.ops, self.dtype,
+                                       self.device, num_blocks, config.block_size)
+            proposer = DraftProposer(draft_runner, self.ops, draft_cost)
+        depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
+        return Speculator(proposer, depth, self.ops, self.model_config.vocab_size)
+
+    def _check_draft_matches(self) -> None:
+        draft, target = self.draft_config, self.model_config
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"draft model vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
+        paths = [Path(self.config.model) / "tokenizer.json", Path(self.config.draft_model) / "tokenizer.json"]
+        if all(p.is_file() for p in paths) and paths[0].read_bytes() != paths[1].read_bytes():
+            raise ValueError("draft model's tokenizer.json differs from the target's: they must share one tokenizer")
+
+    @property
+    def draft_runner(self) -> ModelRunner | None:
+        proposer = self.speculator.proposer if self.speculator else None
+        return proposer.runner if isinstance(proposer, DraftProposer) else None
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -128,38 +170,75 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._lookahead)
         if sched.is_empty:
             return []
         batch = self._batch(sched)
+        proposals = self._propose(batch)
+        start = time.perf_counter()
         logits = self.runner.execute(batch)
-        return self._postprocess(batch, logits)
+        if self.speculator is not None:
+            self.target_cost.observe(sum(e.num_new_tokens for e in batch), time.perf_counter() - start)
+        return self._postprocess(batch, logits, proposals)
+
+    def _lookahead(self, seq: Sequence) -> int:
+        if self.speculator is None:
+            return 0
+        return self.speculator.choose_k(seq, len(self.scheduler.running), self.max_model_len)
 
     @staticmethod
     def _batch(sched: SchedulerOutput) -> list[BatchEntry]:
-        return [BatchEntry(s.seq, s.num_new_tokens, int(s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens))
+        return [BatchEntry(s.seq, s.num_new_tokens, int(s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens))
                 for s in sched.scheduled]
 
-    def _postprocess(self, batch: list[BatchEntry], logits) -> list[RequestOutput]:
+    def _propose(self, batch: list[BatchEntry]) -> dict[int, Proposal]:
+        """Draft tokens for the decoding entries given lookahead slots; entries grow to verify them."""
+        idx = [i for i, e in enumerate(batch) if e.num_new_tokens > 1 and e.seq.num_uncomputed_tokens == 1]
+        if not idx:
+            return {}
+        props = self.speculator.propose([batch[i].seq for i in idx], [batch[i].num_new_tokens - 1 for i in idx])
+        for i, prop in zip(idx, props):
+            batch[i].extra_token_ids = prop.token_ids
+            batch[i].num_new_tokens = batch[i].num_logits = 1 + len(prop.token_ids)
+        return {i: prop for i, prop in zip(idx, props) if prop.token_ids}
+
+    def _postprocess(self, batch: list[BatchEntry], logits, proposals: dict[int, Proposal]) -> list[RequestOutput]:
+        rows = logits.split([e.num_logits for e in batch])
         for e in batch:
             e.seq.num_computed_tokens += e.num_new_tokens
-        sampled = [e.seq for e in batch if e.num_logits]
-        tokens = self.sampler.sample(logits, [s.params for s in sampled], [s.seed for s in sampled],
-                                     [s.num_tokens for s in sampled])
-        logprobs = self._logprobs(logits, sampled, tokens)
-        outputs = []
-        for i, (seq, tok) in enumerate(zip(sampled, tokens)):
-            if logprobs is not None and seq.params.logprobs is not None:
-                seq.output_logprobs.append(logprobs[i][:seq.params.logprobs + 1])
-            outputs.append(self.append_tokens(seq, [tok]))
+        plain = [i for i, e in enumerate(batch) if e.num_logits and i not in proposals]
+        outputs = self._sample_plain([batch[i].seq for i in plain], [rows[i] for i in plain])
+        for i, prop in proposals.items():
+            outputs.append(self._verify(batch[i].seq, prop, rows[i]))
         for e in batch:
             if not e.num_logits:
                 self.block_manager.commit(e.seq)
+            elif self.speculator is not None and not e.seq.is_finished:
+                self.block_manager.truncate(e.seq, e.seq.num_tokens)  # unused lookahead slots
         return outputs
 
-    def _logprobs(self, logits, sampled: list[Sequence], tokens: list[int]):
-        num = max((s.params.logprobs for s in sampled if s.params.logprobs is not None), default=None)
-        return None if num is None else self.sampler.top_logprobs(logits, tokens, num)
+    def _sample_plain(self, seqs: list[Sequence], rows: list) -> list[RequestOutput]:
+        if not seqs:
+            return []
+        logits = torch.cat(rows)
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                                     [s.num_tokens for s in seqs])
+        outputs = []
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            self._record_logprobs(seq, logits[i:i + 1], [tok])
+            outputs.append(self.append_tokens(seq, [tok]))
+        return outputs
+
+    def _verify(self, seq: Sequence, prop: Proposal, logits) -> RequestOutput:
+        before = seq.num_tokens
+        tokens = self.speculator.verify(seq, prop, logits)
+        self.speculator.rollback(seq, before, len(tokens) - 1)
+        self._record_logprobs(seq, logits[:len(tokens)], tokens)
+        return self.append_tokens(seq, tokens)
+
+    def _record_logprobs(self, seq: Sequence, logits, tokens: list[int]) -> None:
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.extend(self.sampler.top_logprobs(logits, tokens, seq.params.logprobs))
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append accepted tokens to a running sequence, stopping at the first that finishes it."""
@@ -191,6 +270,8 @@ class LLMEngine:
         if req.seq.finish_reason is None:
             req.seq.finish_reason = reason
         self.scheduler.finish(req.seq)
+        if self.speculator is not None:
+            self.speculator.forget(req.seq.req_id)
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -205,6 +286,6 @@ class LLMEngine:
             req_id=seq.req_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
             text=text, new_token_ids=new_ids, new_text=delta, finished=finished,
             finish_reason=seq.finish_reason if finished else None,
-            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            logprobs=seq.output_logprobs[:seq.num_output_tokens] if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
         )

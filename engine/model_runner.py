@@ -6,7 +6,7 @@ model, and returns logits only for the rows the caller samples from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,9 +20,18 @@ from kernels import KernelOps
 
 @dataclass(slots=True)
 class BatchEntry:
+    """Run tokens [start, start + num_new_tokens) of seq.token_ids + extra_token_ids, writing
+    their K/V by the sequence's block table, and score the last `num_logits` of them."""
+
     seq: Sequence
-    num_new_tokens: int  # run tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)
-    num_logits: int  # score the last num_logits of them (0: a prefill chunk that samples nothing)
+    num_new_tokens: int
+    num_logits: int  # 0: a prefill chunk that samples nothing
+    start: int = -1  # -1: seq.num_computed_tokens
+    extra_token_ids: list[int] = field(default_factory=list)  # draft tokens, not yet in seq
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            self.start = self.seq.num_computed_tokens
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -60,16 +69,16 @@ class ModelRunner:
         ids, pos, slots, starts = [], [], [], []
         bs = self.block_size
         for e in batch:
-            start = e.seq.num_computed_tokens
+            start = e.start
             starts.append(len(ids))
-            ids.extend(e.seq.token_ids[start:start + e.num_new_tokens])
+            ids.extend((e.seq.token_ids + e.extra_token_ids)[start:start + e.num_new_tokens])
             table = e.seq.block_table
             for p in range(start, start + e.num_new_tokens):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
         nd = sum(1 for e in batch if e.num_new_tokens == 1)
         dev = self.device
-        context_lens = [e.seq.num_computed_tokens + e.num_new_tokens for e in batch]
+        context_lens = [e.start + e.num_new_tokens for e in batch]
         tables = _pad_tables([e.seq.block_table for e in batch], dev)
         cu = [0]
         for e in batch[nd:]:

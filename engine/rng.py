@@ -11,6 +11,7 @@ _MASK = (1 << 64) - 1
 SAMPLE_STREAM = 0
 ACCEPT_STREAM = 1
 RESIDUAL_STREAM = 2
+DRAFT_STREAM = 3
 
 
 def _splitmix64(x: int) -> int:

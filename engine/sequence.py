@@ -5,6 +5,7 @@ Token accounting:
     token_ids           = prompt_token_ids + output_token_ids
     num_computed_tokens = tokens whose K/V are in the cache (a prefix of token_ids)
     num_cached_tokens   = how many of those came from the prefix cache at admission
+    num_draft_computed_tokens = likewise for the draft model's cache (speculative decoding)
 
 A sequence is "prefilling" while num_computed_tokens < num_tokens - 1 and "decoding" after.
 """
@@ -41,6 +42,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's cache
     num_preemptions: int = 0
     # top-N log-probs per output token, when params.logprobs is set: (token_id, logprob) pairs
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -5,9 +5,14 @@ import json
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests run tiny models, often beside server processes on 2 cores: one intra-op thread each
+# avoids OpenMP spin-waiting under oversubscription (a 30 us op took 8 ms with 2 threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+torch.set_num_threads(1)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=211, max_position_embeddings=512)

@@ -1,0 +1,55 @@
+"""Draft-model proposals: a small model with the target's tokenizer runs k steps
+autoregressively, batched across sequences.
+
+The draft has its own KV tensors but shares the target's block tables: block b holds the
+target's K/V in the target cache and the draft's K/V in the draft cache. Each sequence tracks
+`num_draft_computed_tokens`; the first proposal step catches the draft up on whatever it has
+not seen (a fresh prompt, the last step's accepted and bonus tokens) in one pass.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine import rng
+from engine.model_runner import BatchEntry, ModelRunner
+from engine.sampler import param_tensors
+from engine.sequence import Sequence
+from engine.spec_decode.depth import LinearCost
+from kernels import KernelOps, sample_from_probs_ref
+
+
+class DraftProposer:
+    def __init__(self, runner: ModelRunner, ops: KernelOps, cost: LinearCost):
+        self.runner, self.ops, self.cost = runner, ops, cost
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Per sequence: (draft tokens, their distributions q [k, vocab_size])."""
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
+                              start=seqs[i].num_draft_computed_tokens) for i in active]
+        step = 0
+        while active:
+            q = self._run(entries, [seqs[i] for i in active])
+            u = rng.uniforms([seqs[i].seed for i in active], [seqs[i].num_tokens + step for i in active], rng.DRAFT_STREAM)
+            picks = sample_from_probs_ref(q, u).tolist()
+            for row, i in enumerate(active):
+                seqs[i].num_draft_computed_tokens = entries[row].start + entries[row].num_new_tokens
+                tokens[i].append(picks[row])
+                probs[i].append(q[row])
+            step += 1
+            active = [i for i in active if ks[i] > step]
+            entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
+                       for i in active]
+        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _run(self, entries: list[BatchEntry], seqs: list[Sequence]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.runner.execute(entries)
+        q = self.ops.filter_probs(logits, *param_tensors([s.params for s in seqs], logits.device))
+        q = q.cpu()
+        self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
+        return q

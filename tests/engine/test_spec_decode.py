@@ -1,0 +1,300 @@
+"""Speculative decoding: greedy equality, losslessness in distribution, the rejection sampler's
+hand-made cases, rollback and adaptive depth."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from conftest import hf_model
+from engine import LLM, SamplingParams
+from engine.sequence import Sequence
+from engine.spec_decode.depth import AdaptiveDepth, LinearCost
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.rejection_sampler import verify_one
+from kernels import TORCH_OPS
+from engine.sampler import param_tensors
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10, [7], list(range(150, 60, -3))]
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def useless_draft(checkpoint):
+    return checkpoint("llama", seed=7, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return [o.token_ids for o in LLM(target).generate(PROMPTS, GREEDY)]
+
+
+def assert_all_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("options", [
+    dict(speculative_method="ngram", num_speculative_tokens=3),
+    dict(speculative_method="ngram", num_speculative_tokens=5, spec_adaptive=False),
+    dict(num_speculative_tokens=4, spec_adaptive=False, draft="target"),  # a perfect draft
+    dict(num_speculative_tokens=3, spec_adaptive=False, draft="useless"),  # nearly all rejected
+    dict(num_speculative_tokens=3, draft="useless"),
+], ids=["ngram", "ngram-fixed-k", "draft-perfect", "draft-useless-fixed-k", "draft-useless-adaptive"])
+def test_greedy_with_speculation_equals_without(target, useless_draft, baseline, options):
+    draft = options.pop("draft", None)
+    if draft:
+        options["draft_model"] = target if draft == "target" else useless_draft
+    llm = LLM(target, **options)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == baseline
+    assert_all_free(llm)
+    st = llm.engine.speculator.stats
+    assert st.num_drafts > 0
+    if draft == "target":
+        assert st.acceptance_rate == 1.0 and st.mean_accepted_length > 4.0  # k shrinks near max_tokens
+    if options.get("spec_adaptive") is False and draft == "useless":
+        assert st.acceptance_rate < 0.3
+
+
+def test_chunked_prefill_and_preemption_with_speculation(target, useless_draft, baseline):
+    llm = LLM(target, draft_model=target, num_speculative_tokens=3, max_num_batched_tokens=16, num_kv_blocks=16)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == baseline
+    assert_all_free(llm)
+
+
+# ---- losslessness ------------------------------------------------------------------------
+VOCAB = 24
+PROMPT = [3, 9, 4]
+
+
+@pytest.fixture(scope="module")
+def small_pair(checkpoint):
+    t = checkpoint("llama", seed=11, vocab_size=VOCAB)
+    d = checkpoint("llama", seed=12, vocab_size=VOCAB, num_hidden_layers=1)
+    return t, d
+
+
+def exact_distributions(path, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(2nd token) and P(3rd token) from the target alone, after the sampling filters."""
+    model = hf_model(path)
+
+    def processed(ids: torch.Tensor) -> torch.Tensor:  # [n, len] -> [n, vocab] next-token probs
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].float()
+        return TORCH_OPS.filter_probs(logits, *param_tensors([params] * len(ids), logits.device)).double()
+
+    p1 = processed(torch.tensor([PROMPT]))[0]
+    firsts = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+    p2_given = processed(firsts)  # [V, V]
+    p2 = p1 @ p2_given
+    pairs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+    p3_given = processed(pairs).view(VOCAB, VOCAB, VOCAB)
+    p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return p2, p3
+
+
+def assert_matches(samples: torch.Tensor, exact: torch.Tensor, n: int) -> None:
+    counts = torch.bincount(samples, minlength=VOCAB).double()
+    kept = exact > 1e-9
+    assert counts[~kept].sum() == 0, "a token outside the filtered support was emitted"
+    expected = exact[kept] / exact[kept].sum() * n
+    big = expected >= 5  # chi-square needs expected counts >= 5: pool the rest into one cell
+    obs = torch.cat([counts[kept][big], counts[kept][~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+        exp = exp / exp.sum() * obs.sum()
+    # significance 1e-3: a correct sampler fails one run in a thousand
+    assert stats.chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    k = int(kept.sum())  # Bretagnolle-Huber-Carol: P(TV >= eps) <= 2^k exp(-2 n eps^2), delta = 1e-3
+    eps = math.sqrt((k * math.log(2) + math.log(1e3)) / (2 * n))
+    assert 0.5 * float((counts / n - exact).abs().sum()) < eps
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.7, max_tokens=3, ignore_eos=True),
+], ids=["t1", "topk5", "topp0.7"])
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_is_lossless_in_distribution(small_pair, params, method):
+    target, draft = small_pair
+    options = dict(num_speculative_tokens=2, spec_adaptive=False, max_num_seqs=256, max_num_batched_tokens=4096)
+    if method == "draft":
+        options["draft_model"] = draft
+    else:
+        options["speculative_method"] = "ngram"
+    llm = LLM(target, **options)
+    n = 3000
+    seeded = [SamplingParams(**{**{f: getattr(params, f) for f in ("temperature", "top_k", "top_p", "max_tokens",
+                                                                     "ignore_eos")}, "seed": s}) for s in range(n)]
+    # every token occurs in the n-gram prompt, so each step finds a lookup to propose from
+    prompt = PROMPT + list(range(VOCAB)) + PROMPT if method == "ngram" else PROMPT
+    outs = llm.generate([prompt] * n, seeded)
+    st = llm.engine.speculator.stats
+    # the test needs both outcomes in numbers (n-gram drafts are accepted with probability p(x) only)
+    assert st.num_accepted_tokens >= 20 and st.acceptance_rate < 0.95
+    if method == "ngram":
+        p2, p3 = exact_distributions_for(target, params, prompt)
+    else:
+        p2, p3 = exact_distributions(target, params)
+    assert_matches(torch.tensor([o.token_ids[1] for o in outs]), p2, n)
+    assert_matches(torch.tensor([o.token_ids[2] for o in outs]), p3, n)
+    assert_all_free(llm)
+
+
+def exact_distributions_for(path, params, prompt):
+    global PROMPT
+    saved, PROMPT = PROMPT, prompt
+    try:
+        return exact_distributions(path, params)
+    finally:
+        PROMPT = saved
+
+
+# ---- the rejection sampler by hand ---------------------------------------------------------
+def one_hot(*ids, v=4):
+    t = torch.zeros(len(ids), v)
+    t[torch.arange(len(ids)), torch.tensor(ids)] = 1
+    return t
+
+
+def test_rejected_at_first_position_yields_residual_token():
+    p = one_hot(2, 1, 1)  # target wants 2, then 1
+    q = one_hot(3, 1)  # draft proposed 3 (p=0): rejected; residual max(0, p-q) is all on 2
+    assert verify_one(p, q, [3, 1], [0.0, 0.0], [0.5, 0.5], 0.5) == [2]
+
+
+def test_all_accepted_yields_bonus_from_last_row():
+    p = torch.cat([one_hot(0, 1), torch.tensor([[0.1, 0.2, 0.3, 0.4]])])
+    q = one_hot(0, 1)
+    assert verify_one(p, q, [0, 1], [0.99, 0.99], [0.0, 0.0], 0.35) == [0, 1, 2]  # cdf .1 .3 .6 1: u=.35 -> 2
+
+
+def test_draft_token_with_q_zero_is_accepted():
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25] * 4])
+    q = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # x = 1 has q = 0 < p
+    assert verify_one(p, q, [1], [0.999], [0.0], 0.0) == [1, 0]
+
+
+def test_acceptance_probability_is_min_one_p_over_q():
+    p = torch.tensor([[0.3, 0.7], [0.5, 0.5]])
+    q = torch.tensor([[0.6, 0.4]])  # x = 0: accept iff u < 0.5
+    assert verify_one(p, q, [0], [0.49], [0.0], 0.0)[0] == 0
+    assert verify_one(p, q, [0], [0.51], [0.0], 0.0) == [1]  # residual max(0, p-q) = [0, .3]
+
+
+@pytest.mark.parametrize("p, q, ids, match", [
+    (torch.tensor([[0.5, 0.6], [0.5, 0.5]]), torch.tensor([[0.5, 0.5]]), [0], "target_probs rows must sum to 1"),
+    (torch.tensor([[0.5, 0.5], [0.5, 0.5]]), torch.tensor([[1.5, -0.5]]), [0], "draft_probs has negative"),
+    (torch.tensor([[0.5, 0.5], [0.5, 0.5]]), torch.tensor([[0.5, 0.5]]), [2], r"draft token ids must be in \[0, 2\)"),
+    (torch.tensor([[0.5, 0.5]]), torch.tensor([[0.5, 0.5]]), [0], "need 2 target rows"),
+])
+def test_rejection_sampler_rejects_bad_input(p, q, ids, match):
+    with pytest.raises(ValueError, match=match):
+        verify_one(p, q, ids, [0.5] * len(ids), [0.5] * len(ids), 0.5)
+
+
+# ---- rollback, depth, proposers -------------------------------------------------------------
+def test_no_blocks_leak_over_many_steps_with_random_acceptance(target, useless_draft):
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False, num_kv_blocks=40)
+    eng = llm.engine
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100 + 5 * i, ignore_eos=True) for i in range(12)]
+    seqs = [eng.add_request(f"r{i}", PROMPTS[i % len(PROMPTS)], sp) for i, sp in enumerate(params)]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        running = eng.scheduler.running
+        eng.block_manager.check_invariants(running)
+        for seq in running:
+            assert seq.num_draft_computed_tokens <= seq.num_computed_tokens <= seq.num_tokens
+            assert len(seq.block_table) <= eng.block_manager.blocks_for(seq.num_tokens + 4)
+    assert steps > 50 and any(s.num_preemptions for s in seqs)
+    assert_all_free(llm)
+    st = eng.speculator.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert sum(st.accepted_per_pos) == st.num_accepted_tokens
+    assert st.accepted_per_pos == sorted(st.accepted_per_pos, reverse=True)
+
+
+def test_seeded_requests_reproducible_with_speculation(target, useless_draft):
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=20, ignore_eos=True)
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3, spec_adaptive=False)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    again = llm.generate([PROMPTS[1]], params)[0].token_ids
+    other = SamplingParams(temperature=0.5, seed=1, max_tokens=30, ignore_eos=True)
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [other, params, other])[1].token_ids
+    assert alone == again == batch
+
+
+def make_depth(max_k=4, a_t=0.05, b_t=0.001, a_d=0.002, b_d=0.0002):
+    t, d = LinearCost(a_t, b_t), LinearCost(a_d, b_d)
+    return AdaptiveDepth(max_k, True, t, d)
+
+
+def seq_(req_id="r"):
+    return Sequence(req_id, [1, 2, 3], SamplingParams(), seed=0)
+
+
+def test_depth_follows_acceptance():
+    depth = make_depth(a_d=0.02)  # a draft step costs 40% of a target step
+    good, bad = seq_("good"), seq_("bad")
+    for _ in range(20):
+        depth.record("good", 4, 4)
+        depth.record("bad", 4, 0)
+    assert depth.choose(good, 1, 10) == 4
+    assert depth.choose(bad, 1, 10) == 0
+    assert depth.choose(good, 1, 2) == 2  # never past the room left
+
+
+def test_depth_drops_to_zero_when_verification_is_not_free():
+    depth = make_depth(a_t=0.001, b_t=0.01)  # compute-bound target: cost grows with tokens verified
+    s = seq_()
+    for _ in range(20):
+        depth.record("r", 4, 3)
+    assert depth.choose(s, 32, 10) == 0
+    cheap = make_depth(a_t=0.05, b_t=0.0001)  # memory-bound target: verifying k + 1 is nearly free
+    for _ in range(20):
+        cheap.record("r", 4, 3)
+    assert cheap.choose(s, 1, 10) >= 3
+
+
+def test_depth_drifts_back_so_a_sequence_retries():
+    depth = make_depth(a_d=0.02)
+    s = seq_()
+    for _ in range(10):
+        depth.record("r", 4, 0)
+    assert depth.choose(s, 1, 10) == 0
+    for _ in range(200):
+        depth.choose(s, 1, 10)
+    assert depth.alpha("r") > 0.6
+
+
+def test_linear_cost_learns_a_line():
+    cost = LinearCost(1.0, 1.0)
+    for _ in range(200):
+        for n in (1, 8, 32):
+            cost.observe(n, 0.01 + 0.002 * n)
+    assert cost.a == pytest.approx(0.01, rel=0.05) and cost.b == pytest.approx(0.002, rel=0.05)
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    ng = NgramProposer(1, 3)
+    assert ng.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]
+    assert ng.propose_one([4, 5, 6], 3) == []
+    assert ng.propose_one([8, 1, 8], 4) == [1, 8]
+
+
+def test_draft_must_share_the_vocabulary(target, checkpoint):
+    other = checkpoint("llama", seed=3, vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size 100 differs"):
+        LLM(target, draft_model=other, num_speculative_tokens=2)
