@@ -274,9 +274,8 @@ def test_depth_drifts_back_so_a_sequence_retries():
     for _ in range(10):
         depth.record("r", 4, 0)
     assert depth.choose(s, 1, 10) == 0
-    for _ in range(200):
-        depth.choose(s, 1, 10)
-    assert depth.alpha("r") > 0.6
+    ks = [depth.choose(s, 1, 10) for _ in range(200)]
+    assert ks[0] == 0 and max(ks) >= 1  # it speculates again once its estimate drifts up
 
 
 def test_linear_cost_learns_a_line():
