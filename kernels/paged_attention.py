@@ -161,7 +161,7 @@ def paged_decode_attention_reduce_kernel(
              mask=offs_d < head_dim)
 
 
-def _dot_precision(*dtypes: torch.dtype) -> str:
+def dot_precision(*dtypes: torch.dtype) -> str:
     # 16-bit values are exact in tf32, so tensor cores lose nothing on them; fp32 inputs get ieee
     # to match the fp32 reference.
     return "tf32" if all(d in (torch.float16, torch.bfloat16) for d in dtypes) else "ieee"
@@ -233,7 +233,7 @@ def paged_decode_attention_with_partitions(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=is_split,
-        DOT_PRECISION=_dot_precision(q.dtype, k_cache.dtype),
+        DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
     )
     if is_split:
         paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](
