@@ -70,8 +70,8 @@ def extend_attention_kernel(
     if pid < tl.load(tile_cu_ptr + num_seqs):
         # the last sequence whose first tile is <= pid (empty sequences share their start with
         # the next one, so "last" skips them)
-        lo = 0
-        hi = num_seqs
+        lo = tl.zeros([], tl.int32)  # tensors, not Python ints: num_seqs == 1 arrives as a constexpr
+        hi = lo + num_seqs
         while hi - lo > 1:
             mid = (lo + hi) // 2
             go_right = tl.load(tile_cu_ptr + mid) <= pid

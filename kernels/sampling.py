@@ -39,6 +39,7 @@ def filter_probs_ref(
     """The distribution a request samples from, after its own sampling parameters."""
     logits = logits.float()
     is_greedy = temperature <= 0
+    is_sampling = temperature > 0
     scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]
     scaled = scaled.masked_fill(_top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
     probs = scaled.softmax(-1)
@@ -108,6 +109,7 @@ def sample_kernel(
     logits_row = logits_ptr + row * logits_row_stride
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     is_greedy = temperature <= 0
+    is_sampling = temperature > 0
     divisor = tl.where(is_greedy, 1.0, temperature)  # the same division as the reference: exact
     top_k = tl.load(top_k_ptr + row).to(tl.int64)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
@@ -126,7 +128,7 @@ def sample_kernel(
     no_key = tl.full([], -2147483649, tl.int64)  # below every key: "keep everything"
 
     # top-k: invariant count(key >= lo) >= k > count(key >= hi); skipped when off or greedy
-    is_top_k = (top_k > 0) & (top_k < vocab_size) & (not is_greedy)
+    is_top_k = (top_k > 0) & (top_k < vocab_size) & is_sampling
     lo = no_key
     hi = tl.where(is_top_k, key_max + 1, no_key + 1)
     while hi - lo > 1:
@@ -142,7 +144,7 @@ def sample_kernel(
 
     # top-p over the top-k set: invariant mass(key > lo) >= top_p > mass(key > hi)
     total_k = _masked_exp_sum(logits_row, divisor, m, threshold, vocab_size, BLOCK_V)
-    is_top_p = (top_p < 1) & (not is_greedy)
+    is_top_p = (top_p < 1) & is_sampling
     lo = threshold - 1
     hi = tl.where(is_top_p, key_max, threshold)
     while hi - lo > 1:
