@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import gather_kv
+from kernels._triton import tl, triton
+from kernels.paged_attention import dot_precision, check_paged_inputs, gather_kv, load_kv_tile
 
 
 def extend_attention_ref(
@@ -39,4 +40,114 @@ def extend_attention_ref(
             attn_mask=mask, scale=scale, enable_gqa=True,
         )
         out[start:end] = o.transpose(0, 1)
+    return out
+
+
+# --- Triton ------------------------------------------------------------------------------
+#
+# Programs are (query tile, query head). Sequence s owns tiles tile_cu[s] .. tile_cu[s+1]-1
+# of BLOCK_M query tokens each; a program finds its sequence by binary search in tile_cu, so
+# the grid is sized from shapes alone (num_tokens / BLOCK_M + num_seqs tiles at most) and the
+# launcher never waits on the GPU for the chunk lengths. Spare programs exit at once.
+#
+#     seq 0: q tokens [0, 20)  -> tiles 0, 1       tile_cu = [0, 2, 3, 3, 5]
+#     seq 1: q tokens [20, 25) -> tile 2
+#     seq 2: (empty)           -> no tile
+#     seq 3: q tokens [25, 57) -> tiles 3, 4
+
+
+@triton.jit
+def extend_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, tile_cu_ptr,
+    scale, num_seqs, head_dim, num_queries_per_kv,
+    q_token_stride, q_head_stride, out_token_stride, out_head_stride, block_table_stride,
+    cache_block_stride, cache_offset_stride, cache_head_stride,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    if pid < tl.load(tile_cu_ptr + num_seqs):
+        # the last sequence whose first tile is <= pid (empty sequences share their start with
+        # the next one, so "last" skips them)
+        lo = tl.zeros([], tl.int32)  # tensors, not Python ints: num_seqs == 1 arrives as a constexpr
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            go_right = tl.load(tile_cu_ptr + mid) <= pid
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq = lo.to(tl.int64)
+        tile = pid - tl.load(tile_cu_ptr + seq)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        context_len = tl.load(context_lens_ptr + seq)
+        kv_head = head // num_queries_per_kv
+
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        q_pos = context_len - q_len + offs_m  # absolute positions of this tile's queries
+        tokens = (q_start + offs_m).to(tl.int64)
+        io_mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
+        q = tl.load(q_ptr + tokens[:, None] * q_token_stride + head * q_head_stride + offs_d[None, :],
+                    mask=io_mask, other=0.0).to(tl.float32)
+        block_table_ptr = block_tables_ptr + seq * block_table_stride
+        # keys past the tile's last query position are masked for every row: stop there
+        kv_end = tl.minimum(context_len, context_len - q_len + tile * BLOCK_M + BLOCK_M)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(0, kv_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            is_valid = offs_n < kv_end
+            k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+            # key 0 is visible to every row, so each row's running max is finite after tile 0
+            is_visible = is_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            scores = tl.where(is_visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tokens[:, None] * out_token_stride + head * out_head_stride + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def extend_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton `extend_attention_ref`; no host sync (see the tiling note above)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
+    assert cu_seqlens_q.shape == (num_seqs + 1,), f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}"
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    # short chunks (speculative verification: k + 1 tokens) waste less of a 16-row tile
+    block_m = 16 if num_tokens <= 16 * num_seqs else 64
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    tile_cu = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
+    tile_cu[1:] = torch.cumsum((q_lens + block_m - 1) // block_m, 0)
+    max_tiles = triton.cdiv(num_tokens, block_m) + num_seqs
+    extend_attention_kernel[(max_tiles, num_heads)](
+        out, q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tile_cu,
+        scale, num_seqs, head_dim, num_heads // k_cache.shape[2],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=32,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
+    )
     return out

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import tl, triton
+
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -42,3 +44,216 @@ def paged_decode_attention_ref(
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     out = torch.einsum("skgt,stkd->skgd", scores.softmax(-1), v)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+# --- Triton ------------------------------------------------------------------------------
+#
+# One program per (sequence, KV head[, partition]) holds the whole GQA group of query heads as
+# the rows of one tile, so each K/V token is read once for all heads that share it:
+#
+#     q tile  [BLOCK_G, D]   rows = query heads kv_head*G .. kv_head*G+G-1 (padded to >= 16)
+#     K tile  [BLOCK_N, D]   BLOCK_N consecutive tokens, gathered page by page via block_table
+#
+# Split-K (flash-decoding) cuts the context into partitions of PARTITION_SIZE tokens; each
+# writes a normalised partial output and its log-sum-exp, and a reduce kernel merges them.
+
+DEFAULT_PARTITION_SIZE = 512
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+    cache_block_stride, cache_offset_stride, cache_head_stride,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K or V of tokens `offs_n` [BLOCK_N] of one sequence as float32 [BLOCK_N, BLOCK_D]."""
+    block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
+    rows = block_ids * cache_block_stride + (offs_n % BLOCK_SIZE) * cache_offset_stride + kv_head * cache_head_stride
+    mask = is_valid[:, None] & (offs_d[None, :] < head_dim)
+    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def paged_decode_attention_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    scale, head_dim, num_queries_per_kv, max_partitions,
+    q_seq_stride, q_head_stride, out_seq_stride, out_head_stride, block_table_stride,
+    cache_block_stride, cache_offset_stride, cache_head_stride,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    if IS_SPLIT:
+        start = part * PARTITION_SIZE
+        end = tl.minimum(start + PARTITION_SIZE, context_len)
+    else:
+        start = 0
+        end = context_len
+    if start < end:  # partitions past this sequence's end do nothing; the reduce skips them
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kv_head * num_queries_per_kv + offs_g
+        row_mask = (offs_g[:, None] < num_queries_per_kv) & (offs_d[None, :] < head_dim)
+        q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + offs_d[None, :],
+                    mask=row_mask, other=0.0).to(tl.float32)
+        block_table_ptr = block_tables_ptr + seq * block_table_stride
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            is_valid = offs_n < end
+            k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+            scores = tl.where(is_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        if IS_SPLIT:
+            # partial buffers: out [num_seqs, num_heads, max_partitions, D], lse [.., max_partitions]
+            slot = (seq * (tl.num_programs(1) * num_queries_per_kv) + heads) * max_partitions + part
+            tl.store(partial_out_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_mask)
+            tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < num_queries_per_kv)
+        else:
+            tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def paged_decode_attention_reduce_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, context_lens_ptr,
+    head_dim, max_partitions, out_seq_stride, out_head_stride,
+    PARTITION_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Merge a (sequence, head)'s partitions: out = sum_p exp(lse_p - m) o_p / sum_p exp(lse_p - m).
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_parts = tl.cdiv(tl.load(context_lens_ptr + seq), PARTITION_SIZE)
+    base = (seq * tl.num_programs(1) + head) * max_partitions
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        is_valid = offs_p < num_parts
+        lse = tl.load(partial_lse_ptr + base + offs_p, mask=is_valid, other=float("-inf"))
+        o = tl.load(partial_out_ptr + (base + offs_p)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=is_valid[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        denom = denom * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
+    tl.store(out_ptr + seq * out_seq_stride + head * out_head_stride + offs_d, (acc / denom).to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+def dot_precision(*dtypes: torch.dtype) -> str:
+    # 16-bit values are exact in tf32, so tensor cores lose nothing on them; fp32 inputs get ieee
+    # to match the fp32 reference.
+    return "tf32" if all(d in (torch.float16, torch.bfloat16) for d in dtypes) else "ieee"
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_tables, num_rows: int) -> None:
+    """Shape/stride/dtype invariants shared by the paged attention launchers."""
+    assert q.dim() == 3 and q.stride(2) == 1, f"q must be [tokens, heads, head_dim] with contiguous head_dim, got {tuple(q.shape)} {q.stride()}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(), \
+        f"k_cache/v_cache must be equal [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+    assert k_cache.stride(3) == 1, f"cache head_dim must be contiguous, got strides {k_cache.stride()}"
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape[3] == head_dim, f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}"
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_rows and block_tables.stride(1) == 1, \
+        f"block_tables must be [{num_rows}, max_blocks] with contiguous rows, got {tuple(block_tables.shape)}"
+    assert not block_tables.dtype.is_floating_point, f"block_tables must be integers, got {block_tables.dtype}"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200's count; only the split heuristic reads it
+
+
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """0 (one pass) when there are enough (sequence, KV head) programs to fill the GPU or the
+    context is short; otherwise split-K with DEFAULT_PARTITION_SIZE.
+
+    `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
+    """
+    if max_context <= DEFAULT_PARTITION_SIZE or num_seqs * num_kv_heads >= 2 * _num_sms(device):
+        return 0
+    return DEFAULT_PARTITION_SIZE
+
+
+def paged_decode_attention_with_partitions(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
+    scale: float,
+    partition_size: int,  # 0: one pass; else split-K with partitions of this many tokens
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
+    assert context_lens.shape == (num_seqs,), f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}"
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_n = 32
+    assert partition_size == 0 or partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    max_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition_size) if partition_size else 1
+    is_split = partition_size > 0
+    if is_split:
+        partial_out = torch.empty(num_seqs, num_heads, max_partitions, block_d, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_lse = out  # unused
+    paged_decode_attention_kernel[(num_seqs, num_kv_heads, max_partitions)](
+        out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
+        scale, head_dim, group, max_partitions,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=is_split,
+        DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
+    )
+    if is_split:
+        paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](
+            out, partial_out, partial_lse, context_lens, head_dim, max_partitions,
+            out.stride(0), out.stride(1),
+            PARTITION_SIZE=partition_size, BLOCK_P=16, BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Triton `paged_decode_attention_ref`; picks one pass or split-K without a host sync."""
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device)
+    return paged_decode_attention_with_partitions(
+        q, k_cache, v_cache, block_tables, context_lens, scale, partition_size)

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from kernels._triton import tl, triton
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
@@ -66,3 +68,64 @@ def apply_rotary_ref(
     c = cos[positions].to(q.dtype)[:, None, :]
     s = sin[positions].to(q.dtype)[:, None, :]
     return _rotate(q, c, s), _rotate(k, c, s)
+
+
+@triton.jit
+def apply_rotary_kernel(
+    x_ptr, out_ptr, positions_ptr, cos_ptr, sin_ptr,
+    num_heads, x_token_stride, x_head_stride, out_token_stride, out_head_stride, table_stride,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token: every head of q (or k) of that token, both halves at once.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (offs_h < num_heads) & (offs_d < HALF)
+    dtype = x_ptr.dtype.element_ty
+    # the table is cast to x's dtype first, like the reference (and transformers)
+    c = tl.load(cos_ptr + pos * table_stride + offs_d, mask=offs_d < HALF, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * table_stride + offs_d, mask=offs_d < HALF, other=0.0).to(dtype).to(tl.float32)
+    x_base = x_ptr + token * x_token_stride + offs_h * x_head_stride + offs_d
+    x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Round every product and sum to x's dtype, as the reference's `x * cos + rot(x) * sin`
+    # does op by op in that dtype; products of two half-precision values are exact in fp32, so
+    # this reproduces the reference bit for bit.
+    o1 = ((x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)).to(dtype)
+    out_base = out_ptr + token * out_token_stride + offs_h * out_head_stride + offs_d
+    tl.store(out_base, o1, mask=mask)
+    tl.store(out_base + HALF, o2, mask=mask)
+
+
+def _rotate_launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.stride(2) == 1, f"head_dim must be contiguous, got strides {x.stride()}"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_tokens > 0:
+        apply_rotary_kernel[(num_tokens,)](
+            x, out, positions, cos, sin,
+            num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+            HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        )
+    return out
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int
+    cos: torch.Tensor,  # [max_position, head_dim // 2] float32
+    sin: torch.Tensor,  # [max_position, head_dim // 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `apply_rotary_ref`: returns rotated (q, k) as new tensors."""
+    assert q.dim() == 3 and k.dim() == 3, f"q, k must be [num_tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}"
+    assert q.shape[0] == k.shape[0] == positions.shape[0], "q, k and positions must agree on num_tokens"
+    assert q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0, f"head_dim must match and be even, got {q.shape[2]}, {k.shape[2]}"
+    assert q.dtype == k.dtype, f"q and k dtypes differ: {q.dtype}, {k.dtype}"
+    assert cos.shape == sin.shape and cos.shape[1] == q.shape[2] // 2, f"cos/sin must be [max_position, {q.shape[2] // 2}]"
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride(), "cos/sin must be row-contiguous with equal strides"
+    assert not positions.dtype.is_floating_point, f"positions must be integers, got {positions.dtype}"
+    return _rotate_launch(q, positions, cos, sin), _rotate_launch(k, positions, cos, sin)

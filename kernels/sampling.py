@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import tl, triton
+
 
 def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """True where a token is removed. logits: [num_rows, vocab_size] float32."""
@@ -20,8 +22,10 @@ def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop_sorted = rank >= k[:, None]
     probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(-1)
     mass_before = probs.cumsum(-1) - probs
-    # keep the smallest prefix whose mass reaches p; the top token always stays
-    drop_sorted |= (mass_before >= top_p[:, None]) & (rank > 0)
+    # keep the smallest prefix whose mass reaches p; the top token always stays. top_p >= 1 is
+    # off outright: a float32 cumsum reaches 1.0 before the tail ends and would drop tail tokens
+    is_top_p = (top_p < 1)[:, None]
+    drop_sorted |= (mass_before >= top_p[:, None]) & (rank > 0) & is_top_p
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
@@ -35,6 +39,7 @@ def filter_probs_ref(
     """The distribution a request samples from, after its own sampling parameters."""
     logits = logits.float()
     is_greedy = temperature <= 0
+    is_sampling = temperature > 0
     scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]
     scaled = scaled.masked_fill(_top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
     probs = scaled.softmax(-1)
@@ -69,3 +74,185 @@ def sample_ref(
 ) -> torch.Tensor:  # [num_rows] int64
     probs = filter_probs_ref(logits, temperature, top_k, top_p, min_p)
     return sample_from_probs_ref(probs, uniforms)
+
+
+# --- Triton ------------------------------------------------------------------------------
+#
+# One program per row, streaming the vocabulary in BLOCK_V tiles; no sort. Each filter is a
+# threshold on the scaled logit, found by binary search over the float32 bit pattern mapped
+# to an order-preserving integer key, so thresholds are exact logit values:
+#
+#   top-k: the largest key t with count(key >= t) >= k          (the k-th largest logit)
+#   top-p: the smallest key t with mass(key > t) < top_p        (mass over the top-k set)
+#   min-p: p >= min_p * p_max, i.e. the reference's test applied per token
+#
+# Each search costs ~32 passes over the row. Ties at a top-k threshold keep every tied token
+# (the reference's sort keeps an arbitrary k of them); tests avoid ties. Sampling then walks
+# the filtered distribution in token-id order and takes the first id whose running mass
+# exceeds u * total, the reference's inverse CDF.
+
+
+@triton.jit
+def float_key(x):
+    """Order-preserving int64 key of float32 values (negative floats: flip the magnitude bits)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def sample_kernel(
+    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniforms_ptr, probs_ptr, token_ids_ptr,
+    vocab_size, logits_row_stride, probs_row_stride,
+    WRITE_PROBS: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    is_greedy = temperature <= 0
+    is_sampling = temperature > 0
+    divisor = tl.where(is_greedy, 1.0, temperature)  # the same division as the reference: exact
+    top_k = tl.load(top_k_ptr + row).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    min_p = tl.load(min_p_ptr + row).to(tl.float32)
+    offs = tl.arange(0, BLOCK_V)
+
+    # pass: max and (first) argmax of the scaled logits
+    m = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], 0, tl.int64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        x = tl.load(logits_row + v0 + offs, mask=v0 + offs < vocab_size, other=float("-inf")).to(tl.float32) / divisor
+        tile_max = tl.max(x, 0)
+        best = tl.where(tile_max > m, v0 + tl.argmax(x, 0).to(tl.int64), best)
+        m = tl.maximum(m, tile_max)
+    key_max = float_key(m)
+    no_key = tl.full([], -2147483649, tl.int64)  # below every key: "keep everything"
+
+    # top-k: invariant count(key >= lo) >= k > count(key >= hi); skipped when off or greedy
+    is_top_k = (top_k > 0) & (top_k < vocab_size) & is_sampling
+    lo = no_key
+    hi = tl.where(is_top_k, key_max + 1, no_key + 1)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        count = tl.zeros([], tl.int64)
+        for v0 in range(0, vocab_size, BLOCK_V):
+            is_in = v0 + offs < vocab_size
+            x = tl.load(logits_row + v0 + offs, mask=is_in, other=0.0).to(tl.float32) / divisor
+            count += tl.sum((is_in & (float_key(x) >= mid)).to(tl.int64), 0)
+        lo = tl.where(count >= top_k, mid, lo)
+        hi = tl.where(count >= top_k, hi, mid)
+    threshold = lo
+
+    # top-p over the top-k set: invariant mass(key > lo) >= top_p > mass(key > hi)
+    total_k = _masked_exp_sum(logits_row, divisor, m, threshold, vocab_size, BLOCK_V)
+    is_top_p = (top_p < 1) & is_sampling
+    lo = threshold - 1
+    hi = tl.where(is_top_p, key_max, threshold)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        mass = tl.zeros([], tl.float32)
+        for v0 in range(0, vocab_size, BLOCK_V):
+            is_in = v0 + offs < vocab_size
+            x = tl.load(logits_row + v0 + offs, mask=is_in, other=float("-inf")).to(tl.float32) / divisor
+            key = float_key(x)
+            mass += tl.sum(tl.where(is_in & (key > mid) & (key >= threshold), tl.exp(x - m), 0.0), 0)
+        is_inside = mass / total_k < top_p
+        lo = tl.where(is_inside, lo, mid)
+        hi = tl.where(is_inside, mid, hi)
+    threshold = hi
+
+    # min-p on the top-k/top-p distribution, then the normaliser of what is left
+    total = _masked_exp_sum(logits_row, divisor, m, threshold, vocab_size, BLOCK_V)
+    min_prob = min_p * (1.0 / total)  # p_max = exp(0) / total
+    kept_total = tl.zeros([], tl.float32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        p = _filtered_probs(logits_row, v0 + offs, vocab_size, divisor, m, threshold, total, min_prob)
+        kept_total += tl.sum(p, 0)
+
+    # final pass: write the distribution and/or walk its CDF in token-id order
+    if SAMPLE:
+        target = tl.load(uniforms_ptr + row).to(tl.float32) * kept_total
+    cdf = tl.zeros([], tl.float32)
+    chosen = tl.full([], -1, tl.int64)
+    last_nonzero = tl.full([], 0, tl.int64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        ids = v0 + offs
+        p = _filtered_probs(logits_row, ids, vocab_size, divisor, m, threshold, total, min_prob) / kept_total
+        if WRITE_PROBS:
+            p_out = tl.where(is_greedy, tl.where(ids == best, 1.0, 0.0), p)
+            tl.store(probs_ptr + row * probs_row_stride + ids, p_out, mask=ids < vocab_size)
+        if SAMPLE:
+            running = cdf + tl.cumsum(p * kept_total, 0)
+            hit = tl.min(tl.where((running > target) & (p > 0), ids, vocab_size), 0).to(tl.int64)
+            chosen = tl.where((chosen < 0) & (hit < vocab_size), hit, chosen)
+            last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(p > 0, ids, 0), 0).to(tl.int64))
+            cdf += tl.sum(p * kept_total, 0)
+    if SAMPLE:
+        # u * total can round to the total itself: then the last possible token
+        chosen = tl.where(chosen < 0, last_nonzero, chosen)
+        tl.store(token_ids_ptr + row, tl.where(is_greedy, best, chosen))
+
+
+@triton.jit
+def _masked_exp_sum(logits_row, divisor, m, threshold, vocab_size, BLOCK_V: tl.constexpr):
+    """sum of exp(x - m) over tokens with key(x) >= threshold."""
+    offs = tl.arange(0, BLOCK_V)
+    total = tl.zeros([], tl.float32)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        is_in = v0 + offs < vocab_size
+        x = tl.load(logits_row + v0 + offs, mask=is_in, other=float("-inf")).to(tl.float32) / divisor
+        total += tl.sum(tl.where(is_in & (float_key(x) >= threshold), tl.exp(x - m), 0.0), 0)
+    return total
+
+
+@triton.jit
+def _filtered_probs(logits_row, ids, vocab_size, divisor, m, threshold, total, min_prob):
+    """Probabilities after top-k/top-p (key >= threshold) and min-p, before renormalising."""
+    is_in = ids < vocab_size
+    x = tl.load(logits_row + ids, mask=is_in, other=float("-inf")).to(tl.float32) / divisor
+    p = tl.where(is_in & (float_key(x) >= threshold), tl.exp(x - m) / total, 0.0)
+    return tl.where(p < min_prob, 0.0, p)
+
+
+def _launch_sample(logits, temperature, top_k, top_p, min_p, uniforms, write_probs: bool):
+    num_rows, vocab_size = logits.shape
+    assert logits.dim() == 2 and logits.stride(1) == 1, f"logits must be [num_rows, vocab] with contiguous rows, got {logits.stride()}"
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        assert t.shape == (num_rows,), f"{name} must be [{num_rows}], got {tuple(t.shape)}"
+    assert not top_k.dtype.is_floating_point, f"top_k must be integers, got {top_k.dtype}"
+    probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device) if write_probs else None
+    token_ids = None if write_probs else torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if uniforms is not None:
+        assert uniforms.shape == (num_rows,), f"uniforms must be [{num_rows}], got {tuple(uniforms.shape)}"
+    if num_rows > 0:
+        dummy = probs if probs is not None else token_ids
+        sample_kernel[(num_rows,)](
+            logits, temperature, top_k, top_p, min_p, uniforms if uniforms is not None else temperature,
+            probs if probs is not None else dummy, token_ids if token_ids is not None else dummy,
+            vocab_size, logits.stride(0), probs.stride(0) if probs is not None else 0,
+            WRITE_PROBS=write_probs, SAMPLE=not write_probs,
+            BLOCK_V=min(1024, triton.next_power_of_2(vocab_size)),
+        )
+    return probs if write_probs else token_ids
+
+
+def filter_probs(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    temperature: torch.Tensor,  # [num_rows] float
+    top_k: torch.Tensor,  # [num_rows] int
+    top_p: torch.Tensor,  # [num_rows] float
+    min_p: torch.Tensor,  # [num_rows] float
+) -> torch.Tensor:  # [num_rows, vocab_size] float32, rows sum to 1
+    """Triton `filter_probs_ref`."""
+    return _launch_sample(logits, temperature, top_k, top_p, min_p, None, write_probs=True)
+
+
+def sample(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    temperature: torch.Tensor,  # [num_rows]
+    top_k: torch.Tensor,  # [num_rows]
+    top_p: torch.Tensor,  # [num_rows]
+    min_p: torch.Tensor,  # [num_rows]
+    uniforms: torch.Tensor,  # [num_rows]
+) -> torch.Tensor:  # [num_rows] int64
+    """Triton `sample_ref`: filter and sample in one kernel, never materialising the probs."""
+    return _launch_sample(logits, temperature, top_k, top_p, min_p, uniforms, write_probs=False)

@@ -1,0 +1,95 @@
+"""paged_decode_attention: the reference against dense attention, the Triton kernel (one pass
+and split-K) against the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_kv_cases import dense_causal_attention, make_paged_kv
+
+from kernels.paged_attention import (
+    choose_partition_size,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_decode_attention_with_partitions,
+)
+
+BLOCK_SIZE = 16
+# context 1, block boundary -1/0/+1, several blocks, and a batch of very different lengths
+LENGTHS = [[1], [BLOCK_SIZE - 1, BLOCK_SIZE, BLOCK_SIZE + 1], [3, 70, 1, 33]]
+
+# The kernel accumulates in fp32 like the reference, in another order (online softmax over
+# tiles): fp32 agrees to ~1e-6 relative. Half outputs are rounded once to the output dtype, so
+# a one-ulp rounding flip is allowed: 2^-8 (bf16) / 2^-11 (fp16) relative, and an atol for
+# outputs near zero (averages of unit-variance V values).
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=1e-2, rtol=8e-3),
+    torch.float16: dict(atol=2e-3, rtol=1e-3),
+}
+
+
+def _decode_inputs(lengths, num_heads, num_kv_heads, head_dim, dtype, device, seed=0):
+    k_dense, v_dense, k_cache, v_cache, tables = make_paged_kv(
+        lengths, num_kv_heads, head_dim, BLOCK_SIZE, dtype, device, seed)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q.to(device, dtype), k_dense, v_dense, k_cache, v_cache, tables, context_lens
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+def test_decode_ref_matches_dense_attention(lengths, num_heads, num_kv_heads, device):
+    q, k_dense, v_dense, k_cache, v_cache, tables, lens = _decode_inputs(
+        lengths, num_heads, num_kv_heads, 64, torch.float32, device)
+    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    for s in range(len(lengths)):
+        expected = dense_causal_attention(q[s : s + 1], k_dense[s], v_dense[s], 0.125)[0]
+        torch.testing.assert_close(out[s].double(), expected, atol=1e-5, rtol=1e-5)  # fp32 vs fp64 math
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_kernel_matches_ref_fp32(lengths, num_heads, num_kv_heads, head_dim, device):
+    _check_kernel(lengths, num_heads, num_kv_heads, head_dim, torch.float32, device, partition_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_kernel_matches_ref_half(dtype, device):
+    _check_kernel(LENGTHS[2], 8, 2, 64, dtype, device, partition_size=0)
+
+
+@pytest.mark.parametrize("lengths", [[1], [31, 32, 33, 64], [3, 100, 1, 65]])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 1, 128)])
+def test_decode_split_k_matches_ref(lengths, num_heads, num_kv_heads, head_dim, device):
+    # partitions of 32 tokens so short contexts still span several partitions, including
+    # sequences that end exactly on, just before and just after a partition boundary
+    _check_kernel(lengths, num_heads, num_kv_heads, head_dim, torch.float32, device, partition_size=32)
+
+
+def test_decode_split_k_more_partitions_than_one_reduce_tile(device):
+    # 19 partitions: the reduce kernel merges them over two tiles of 16 (its online rescale)
+    _check_kernel([600, 17], 2, 1, 64, torch.float32, device, partition_size=32)
+
+
+def test_decode_split_k_half(device):
+    _check_kernel([5, 90], 8, 2, 64, torch.bfloat16, device, partition_size=32)
+
+
+def test_launcher_dispatch(device):
+    # default launcher on a case the heuristic sends to split-K: few sequences, long tables
+    assert choose_partition_size(1, 1, 4096, torch.device("cpu")) > 0
+    assert choose_partition_size(512, 8, 4096, torch.device("cpu")) == 0
+    assert choose_partition_size(1, 1, 256, torch.device("cpu")) == 0
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
+    torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
+                               paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1), **TOL[torch.float32])
+
+
+def _check_kernel(lengths, num_heads, num_kv_heads, head_dim, dtype, device, partition_size):
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs(
+        lengths, num_heads, num_kv_heads, head_dim, dtype, device, seed=sum(lengths))
+    scale = head_dim ** -0.5
+    out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, scale, partition_size)
+    expected = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
