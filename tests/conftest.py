@@ -13,6 +13,13 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+# Without CUDA the Triton kernels run interpreted. The variable is read when triton is first
+# imported, and `import torch` does not import it, so this is early enough.
+if not torch.cuda.is_available():
+    import sys
+
+    assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
+    os.environ["TRITON_INTERPRET"] = "1"
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=211, max_position_embeddings=512)

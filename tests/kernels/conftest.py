@@ -1,21 +1,18 @@
 """Kernel tests run the Triton kernels on the CPU through Triton's interpreter.
 
-TRITON_INTERPRET must be set before `triton` is first imported (it is read at import time), so it
-is set here, at conftest import, before any test module imports `kernels`. `import torch` does
-not import triton, so asking torch about CUDA first is safe. On a CUDA machine the kernels run
-compiled instead.
+TRITON_INTERPRET must be set before `triton` is first imported (it is read at import time); the
+root `tests/conftest.py` sets it before any test module imports `kernels`. On a CUDA machine the
+kernels run compiled instead.
 """
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    assert "triton" not in sys.modules, "triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET"
-    os.environ["TRITON_INTERPRET"] = "1"
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET"
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
