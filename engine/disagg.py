@@ -107,7 +107,8 @@ def slot_ids(seq: Sequence, block_size: int, token_start: int, num_tokens: int) 
 # ---- prefill side ---------------------------------------------------------------------------
 @dataclass(slots=True)
 class PrefillChunk:
-    """Tokens [token_start, token_start + num_tokens) of `seq` ran in this step."""
+    """Tokens [token_start, token_start + num_tokens) of `seq` whose K/V this step completes: the
+    ones it ran, plus any prefix-cache hits ahead of them."""
 
     seq: Sequence
     token_start: int
@@ -150,7 +151,10 @@ def prefill_step(engine: LLMEngine, on_layer: LayerHook | None = None) -> Prefil
     for s in sched.scheduled:
         seq, start = s.seq, s.seq.num_computed_tokens
         batch.append(BatchEntry(seq, s.num_new_tokens, int(start + s.num_new_tokens == seq.num_tokens)))
-        chunks.append(PrefillChunk(seq, start, s.num_new_tokens, slot_ids(seq, bs, start, s.num_new_tokens)))
+        # a first chunk after prefix-cache hits also carries the cached tokens, which the decode side lacks
+        send_from = 0 if start == seq.num_cached_tokens else start
+        num_send = start + s.num_new_tokens - send_from
+        chunks.append(PrefillChunk(seq, send_from, num_send, slot_ids(seq, bs, send_from, num_send)))
     callback = None if on_layer is None else (lambda i: on_layer(i, chunks))
     logits = engine.runner.execute(batch, layer_callback=callback)
     for e in batch:
