@@ -65,7 +65,43 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     outs = []
     for ids in prompts:
         with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            x = torch.tensor([ids])
+            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
         outs.append(gen[0, len(ids):].tolist())
     return outs
+
+
+TOKENIZER_CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "import os\nimport sys\n\nclass Foo:\n    pass\n",
+    "héllo wörld — naïve café ✓ 你好 🙂\n",
+] * 20
+
+
+def build_tokenizer(path, vocab_size: int = 300):
+    """A tiny byte-level BPE tokenizer with BOS/EOS/PAD specials, saved HF-style."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory):
+    """A tiny Llama with a real byte-level BPE tokenizer (EOS = id 1)."""
+    path = tmp_path_factory.mktemp("text_llama")
+    tok = build_tokenizer(path)
+    build_checkpoint(path, "llama", vocab_size=tok.get_vocab_size(), eos_token_id=1)
+    build_tokenizer(path)  # save_pretrained leaves tokenizer files alone; written again for clarity
+    return path

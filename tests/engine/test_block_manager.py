@@ -1,0 +1,128 @@
+"""The block pool under a property-based state machine: allocate, grow, truncate, free, prefix
+reuse. No block leaked or owned twice; counters always consistent."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BLOCK = 4
+
+
+def make_seq(i: int, tokens: list[int]) -> Sequence:
+    return Sequence(f"r{i}", tokens, SamplingParams(), seed=0)
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 24))
+    def setup(self, num_blocks):
+        self.bm = BlockManager(num_blocks, BLOCK)
+        self.live: list[Sequence] = []
+        self.n = 0
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=30))
+    def admit(self, prompt):
+        seq = make_seq(self.n, prompt)
+        self.n += 1
+        prefix = self.bm.match_prefix(seq)
+        free_before = self.bm.num_free_blocks
+        if self.bm.allocate(seq, len(prompt), prefix):
+            assert len(seq.block_table) == self.bm.blocks_for(len(prompt))
+            assert seq.num_computed_tokens == len(prefix) * BLOCK < len(prompt)
+            seq.num_computed_tokens = len(prompt)
+            self.bm.commit(seq)
+            self.live.append(seq)
+        else:
+            assert not seq.block_table and self.bm.num_free_blocks == free_before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), extra=st.integers(1, 9))
+    def grow(self, data, extra):
+        seq = data.draw(st.sampled_from(self.live))
+        table = list(seq.block_table)
+        target = seq.num_computed_tokens + extra
+        if self.bm.allocate(seq, target):
+            seq.output_token_ids.extend([1] * extra)
+            seq.num_computed_tokens = target
+            self.bm.commit(seq)
+        else:
+            assert seq.block_table == table
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), back=st.integers(0, 6))
+    def rollback(self, data, back):
+        seq = data.draw(st.sampled_from(self.live))
+        keep = max(seq.num_computed_tokens - back, seq.num_prompt_tokens)
+        del seq.output_token_ids[keep - seq.num_prompt_tokens:]
+        seq.num_computed_tokens = keep
+        self.bm.truncate(seq, keep)
+        assert len(seq.block_table) == self.bm.blocks_for(keep)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.live.remove(seq)
+        self.bm.free(seq)
+        self.bm.free(seq)  # idempotent
+        assert not seq.block_table
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "bm"):
+            self.bm.check_invariants(self.live)
+            owned = len({b for s in self.live for b in s.block_table})
+            assert owned + self.bm.num_free_blocks == self.bm.num_blocks
+
+
+TestBlockPool = BlockPoolMachine.TestCase
+TestBlockPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_hit_shares_blocks_and_survives_free():
+    bm = BlockManager(8, BLOCK)
+    a = make_seq(0, list(range(10)))
+    assert bm.allocate(a, 10)
+    a.num_computed_tokens = 10
+    bm.commit(a)
+    b = make_seq(1, list(range(10)) + [99])
+    hits = bm.match_prefix(b)
+    assert hits == a.block_table[:2]  # two full blocks; never the block holding the last token
+    assert bm.allocate(b, 11, hits)
+    assert b.num_cached_tokens == 8 and bm.blocks[hits[0]].ref_count == 2
+    bm.free(a)
+    bm.free(b)
+    c = make_seq(2, list(range(9)))
+    assert bm.match_prefix(c) == hits  # freed but still cached
+    bm.check_invariants([])
+
+
+def test_eviction_takes_unhashed_blocks_then_a_chain_tail_first():
+    bm = BlockManager(4, BLOCK)
+    a = make_seq(0, list(range(8)))
+    assert bm.allocate(a, 8)
+    a.num_computed_tokens = 8
+    bm.commit(a)
+    head = a.block_table[0]
+    bm.free(a)
+    big = make_seq(1, [50] * 9)  # needs 3 blocks: the two unhashed ones, then one cached
+    assert bm.allocate(big, 9)
+    # a chain is freed tail first, so the tail is evicted and the reusable head survives
+    assert bm.match_prefix(make_seq(2, list(range(8)) + [1])) == [head]
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(3, BLOCK)
+    seq = make_seq(0, [1] * 20)
+    assert not bm.allocate(seq, 20)
+    assert seq.block_table == [] and bm.num_free_blocks == 3
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 16), (4, 0)])
+def test_bad_pool_sizes(num_blocks, block_size):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        BlockManager(num_blocks, block_size)

@@ -1,0 +1,78 @@
+"""Incremental detokenization (UTF-8 safe) and stop strings across token boundaries."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(text_checkpoint) -> Tokenizer:
+    return Tokenizer.from_dir(text_checkpoint)
+
+
+def stream(tok: Tokenizer, ids: list[int], stop=()) -> tuple[list[str], IncrementalDetokenizer]:
+    detok = IncrementalDetokenizer(tok.decode, [], list(stop))
+    deltas = []
+    for i in ids:
+        detok.add(i)
+        deltas.append(detok.take_delta())
+        if detok.stopped:
+            break
+    deltas.append(detok.take_delta(final=True))
+    return deltas, detok
+
+
+def byte_tokens(tok: Tokenizer, text: str) -> list[int]:
+    """One token per byte (the byte-level alphabet), so multi-byte characters span tokens."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    mapped = ByteLevel(add_prefix_space=False).pre_tokenize_str(text)
+    return [tok._tok.token_to_id(ch) for piece, _ in mapped for ch in piece]
+
+
+def test_multibyte_character_split_over_tokens_is_never_broken(tok):
+    text = "naïve ✓ 🙂!"
+    ids = byte_tokens(tok, text)
+    assert len(ids) == len(text.encode())
+    deltas, _ = stream(tok, ids)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    n = len(ids)  # the emoji is bytes n-5 .. n-2: nothing is released until its last byte
+    assert deltas[n - 5:n - 1] == ["", "", "", "\U0001f642"]
+
+
+def test_merged_tokens_decode_like_a_full_decode(tok):
+    text = "def fibonacci(n):\n    return héllo(n - 1)\n"
+    ids = tok.encode(text)
+    deltas, detok = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_sent(tok):
+    text = "import os\nimport sys\n\nclass Foo:\n"
+    ids = byte_tokens(tok, text)
+    deltas, detok = stream(tok, ids, stop=["sys\n\nclass"])
+    assert detok.stopped
+    assert "".join(deltas) == "import os\nimport "
+    assert not any("sy" in d for d in deltas)  # held back while it could start the stop string
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop(tok):
+    deltas, detok = stream(tok, byte_tokens(tok, "a-b-c"), stop=["-x"])
+    assert not detok.stopped and "".join(deltas) == "a-b-c"
+    assert deltas[1] == ""  # "-" waited for the next character
+
+
+def test_engine_applies_stop_strings_and_reports_stop(text_checkpoint):
+    llm = LLM(text_checkpoint)
+    free_run = llm.generate(["def "], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert len(free_run.text) > 4
+    stop = free_run.text[2:4]
+    out = llm.generate(["def "], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason_str == "stop"
+    assert out.text == free_run.text[:free_run.text.find(stop)]
+    deltas = [o.new_text for o in llm.stream("def ", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    assert "".join(deltas) == free_run.text

@@ -1,0 +1,103 @@
+"""The scheduler without a model: queue membership, computed tokens and free blocks, from
+small configs and hand-written runner outputs."""
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+def seq(i: int, n: int) -> Sequence:
+    return Sequence(f"r{i}", list(range(100 * i, 100 * i + n)), SamplingParams(), seed=0, arrival=i)
+
+
+def run_step(sched: Scheduler, out) -> None:
+    """What the engine does after the model ran: advance, and sample a token where a seq is complete."""
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_new_tokens
+        if s.seq.num_computed_tokens == s.seq.num_tokens:
+            s.seq.output_token_ids.append(7)
+        sched.block_manager.commit(s.seq)
+
+
+def test_chunked_prefill_shares_steps_with_decodes():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), BlockManager(32, 4))
+    a, b = seq(0, 3), seq(1, 20)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 3), (b, 5)]
+    run_step(sched, out)
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 0 and b.num_computed_tokens == 5
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 7)]  # decode + chunk
+    run_step(sched, out)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 7)]
+    run_step(sched, out)
+    assert b.num_computed_tokens == 19
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1)]
+    run_step(sched, out)
+    assert b.num_output_tokens == 1
+
+
+def test_max_num_seqs_and_fcfs():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), BlockManager(32, 4))
+    seqs = [seq(i, 4) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == seqs[:2]
+    assert list(sched.waiting) == [seqs[2]]
+    run_step(sched, out)
+    sched.finish(seqs[0])
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [seqs[1], seqs[2]]
+
+
+def test_preemption_frees_newest_and_requeues_it_first():
+    bm = BlockManager(4, 4)  # 16 slots
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100), bm)
+    a, b = seq(0, 8), seq(1, 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, sched.schedule())
+    assert bm.num_free_blocks == 0
+    out = sched.schedule()  # a needs a 3rd block for its decode token: b must go
+    assert out.preempted == [b]
+    assert [s.seq for s in out.scheduled] == [a]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert list(sched.waiting) == [b] and b.num_tokens == 9  # its generated token is kept
+    run_step(sched, out)
+    sched.finish(a)
+    assert bm.num_free_blocks == 4
+    out = sched.schedule()
+    # recompute prompt + output, minus its first block, still in the prefix cache
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(b, 5)]
+    assert b.num_cached_tokens == 4
+
+
+def test_budget_leaves_running_seqs_waiting_their_turn():
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2), BlockManager(32, 4))
+    seqs = [seq(i, 1) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == seqs[:2]
+    run_step(sched, out)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == seqs[:2]  # running first; the third still waits
+    assert list(sched.waiting) == [seqs[2]]
+
+
+def test_finish_frees_blocks_and_is_idempotent():
+    bm = BlockManager(8, 4)
+    sched = Scheduler(SchedulerConfig(), bm)
+    a = seq(0, 10)
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    sched.finish(a)
+    sched.finish(a)
+    assert bm.num_free_blocks == 8 and not sched.has_unfinished()
