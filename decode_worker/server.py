@@ -222,6 +222,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await self.loop.call(lambda e: e.add_request(req_id, ids, params))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
+                transfer_id="", num_free_blocks=self.engine.block_manager.num_free_blocks))
             while not finished:
                 try:
                     out = await asyncio.wait_for(events.get(), self.config.stream_timeout_s)

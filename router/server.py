@@ -76,8 +76,6 @@ class Router:
         while True:
             for w in self.pool.decode_candidates():
                 call = (w.stub.Generate if self.pool.is_colocated else w.stub.Decode)(work, timeout=self.rpc_timeout_s)
-                if self.pool.is_colocated:
-                    return call, w
                 try:
                     event = await call.read()
                 except grpc.aio.AioRpcError as e:

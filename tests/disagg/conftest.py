@@ -142,13 +142,16 @@ class Cluster:
                 pytest.fail(f"blocks still held after {timeout_s:g} s: {stats}")
             time.sleep(0.1)
 
-    def start_router(self, name: str, *args: str) -> Proc:
-        """Another router process, for tests that need one configured differently; not waited for."""
-        proc = Proc(name, ["router", "--model", str(self.model), "--port", str(port := free_port()), *args],
+    def start(self, name: str, command: str, *args: str) -> Proc:
+        """Another process (stopped at teardown), for tests that need one of their own; not waited for."""
+        proc = Proc(name, [command, "--model", str(self.model), "--port", str(port := free_port()), *args],
                     self.procs["P"].log.parent / f"{name}.log", f"127.0.0.1:{port}")
         self.procs[name] = proc
         proc.start()
         return proc
+
+    def start_router(self, name: str, *args: str) -> Proc:
+        return self.start(name, "router", *args)
 
 
 @pytest.fixture(scope="session")

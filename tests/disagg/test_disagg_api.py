@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
+from conftest import START_TIMEOUT_S, wait_serving
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from conftest import MAX_PROMPT_CHARS
@@ -57,3 +59,22 @@ def test_mismatched_pair_is_refused_saying_what_differs(cluster):
     assert proc.popen.wait(timeout=60) == 2
     log = proc.log.read_text()
     assert "refusing mismatched workers" in log and "block_size: prefill has 16, decode has 8" in log, log
+
+
+def test_a_worker_that_fails_stops_getting_traffic(cluster):
+    """A colocated router over D2 and a doomed D3 (more free blocks: the policy prefers it): once D3
+    dies, every request still completes, on D2."""
+    import time
+
+    d3 = cluster.start("D3", "decode-worker", "--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "8")
+    r4 = cluster.start_router("R4", "--decode", f"{cluster.address('D2')},{d3.address}", "--health-interval", "0.3")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    wait_serving(d3, deadline)
+    wait_serving(r4, deadline)
+    d3.popen.kill()
+    d3.popen.wait(timeout=10)
+    for i in range(6):
+        msgs = list(cluster.generation("R4").Generate(gen.GenerateRequest(
+            prompt=f"after the crash {i}", sampling_params=gen.SamplingParams(temperature=0, max_tokens=3)),
+            timeout=60))
+        assert msgs[-1].finish_reason in (gen.LENGTH, gen.STOP)

@@ -72,7 +72,7 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Colocated mode: the decode worker prefills the request itself.
+        """Colocated mode: the decode worker prefills the request itself. Answers Admitted once queued.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
