@@ -56,6 +56,7 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    p.add_argument("--no-prefix-caching", action="store_true")
 
 
 def _setup_logging(level: str) -> None:
@@ -74,7 +75,7 @@ def _worker_engine_config(args: argparse.Namespace):
         torch.set_num_threads(args.num_threads)
     return EngineConfig(model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        seed=args.seed, **engine_options(args))
+                        seed=args.seed, enable_prefix_caching=not args.no_prefix_caching, **engine_options(args))
 
 
 def _decode_worker(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ truncated transfer and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 
 import torch
@@ -34,6 +35,8 @@ class KVSender:
         self.num_bytes = 0
         self.first_token: int | None = None
         self.error: str | None = None
+        self.created_at = time.perf_counter()
+        self.finished_at: float | None = None  # when the trailer was queued
         header = worker_pb2.KVHeader(transfer_id=transfer_id, num_tokens=num_tokens, dtype=dtype, groups=[
             worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                                      head_dim=g.head_dim) for g in groups])
@@ -56,6 +59,7 @@ class KVSender:
 
     def finish(self, first_token: int) -> None:
         self.first_token = first_token
+        self.finished_at = time.perf_counter()
         self._put(worker_pb2.KVChunk(trailer=worker_pb2.KVTrailer(num_chunks=self.num_chunks,
                                                                   first_token_id=first_token)))
         self._put(_END)

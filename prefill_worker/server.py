@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -110,9 +111,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             if call is not None:
                 call.cancel()
             self.loop.call(drop)
+        acked_at = time.perf_counter()
         self.kv_transfer_bytes_total += ack.num_bytes
         return worker_pb2.PrefillResponse(first_token_id=sender.first_token, num_chunks=ack.num_chunks,
-                                          num_bytes=ack.num_bytes)
+                                          num_bytes=ack.num_bytes,
+                                          prefill_seconds=sender.finished_at - sender.created_at,
+                                          tail_seconds=acked_at - sender.finished_at)
 
     async def GetInfo(self, request, context):
         if self.info is None:
