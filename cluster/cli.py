@@ -40,6 +40,75 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    _add_engine_args(p)
+    _add_server_args(p, default_port)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized by memory)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (chunked prefill)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+
+
+def _worker_engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    return EngineConfig(model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        seed=args.seed, enable_prefix_caching=not args.no_prefix_caching, **engine_options(args))
+
+
+def _decode_worker(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from decode_worker.main import run
+    from decode_worker.server import DecodeServerConfig
+
+    config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
+    return run(_worker_engine_config(args), config, args.host, args.port)
+
+
+def _prefill_worker(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from prefill_worker.main import run
+    from prefill_worker.server import PrefillServerConfig
+
+    config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
+    return run(_worker_engine_config(args), config, args.host, args.port)
+
+
+def _router(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from router.main import RouterConfig, run
+
+    split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
+    config = RouterConfig(model=args.model, prefill_addresses=tuple(split(args.prefill)),
+                          decode_addresses=tuple(split(args.decode)), rpc_timeout_s=args.rpc_timeout,
+                          connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
+                          max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
+                          max_prompt_chars=args.max_prompt_chars)
+    return run(config, args.host, args.port, args.http_port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +122,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.set_defaults(func=_generate)
+
+    dec = sub.add_parser("decode-worker", help="serve the decode pool's worker (gRPC)")
+    _add_worker_args(dec, 50052)
+    dec.add_argument("--stream-timeout", type=float, default=120.0, help="seconds between token deltas at most")
+    dec.set_defaults(func=_decode_worker)
+
+    pre = sub.add_parser("prefill-worker", help="serve the prefill pool's worker (gRPC)")
+    _add_worker_args(pre, 50051)
+    pre.add_argument("--max-chunk-bytes", type=int, default=1 << 20, help="KV bytes per PushKV message at most")
+    pre.set_defaults(func=_prefill_worker)
+
+    rt = sub.add_parser("router", help="serve the public Generation API (gRPC) and OpenAI HTTP")
+    rt.add_argument("--model", required=True, help="checkpoint directory: its tokenizer is used")
+    _add_server_args(rt, 50050)
+    rt.add_argument("--http-port", type=int, default=None, help="serve OpenAI /v1/completions here too")
+    rt.add_argument("--prefill", default="", help="prefill worker addresses, comma separated (omit: colocated)")
+    rt.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
+    rt.add_argument("--rpc-timeout", type=float, default=300.0, help="seconds one request may take end to end")
+    rt.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for workers at start")
+    rt.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
+    rt.add_argument("--max-queued-requests", type=int, default=1024)
+    rt.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for admission")
+    rt.add_argument("--max-prompt-chars", type=int, default=1 << 20)
+    rt.set_defaults(func=_router)
     return parser
 
 

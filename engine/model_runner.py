@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,11 +52,12 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, batch: list[BatchEntry]) -> torch.Tensor:
-        """Logits [sum(num_logits), vocab_size] float32, rows in the order of `batch`."""
+    def execute(self, batch: list[BatchEntry], layer_callback: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [sum(num_logits), vocab_size] float32, rows in the order of `batch`.
+        `layer_callback(i)` runs once layer i's K/V for this batch are in the cache (KV streaming)."""
         order = sorted(range(len(batch)), key=lambda i: batch[i].num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, row_starts = self._prepare([batch[i] for i in order])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_callback)
         rows = []
         for i in range(len(batch)):  # back to the caller's order
             j = order.index(i)

@@ -7,6 +7,7 @@ Hugging Face checkpoints, except that q/k/v and gate/up are stored fused (`loade
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,10 +137,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        layer_callback: Callable[[int], None] | None = None,  # called with i once layer i is done
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+            if layer_callback is not None:
+                layer_callback(i)
         norm = self.model.norm
         x, _ = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
         return x

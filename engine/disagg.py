@@ -1,0 +1,215 @@
+"""Engine hooks for prefill/decode disaggregation. Functions over an `LLMEngine`; no gRPC.
+
+Prefill side (a prefill worker's loop):
+
+    add_prefill ──► scheduler waiting ──► running (chunked prefill, `prefill_step`)
+        ──last chunk: first token sampled──► detached (out of the scheduler, blocks kept)
+        ──decode side acknowledged / aborted──► `release` (blocks freed)
+
+Decode side (a decode worker's loop):
+
+    `reserve` (blocks for prompt + 1 tokens, whole or nothing) ──► reserved
+        ──K/V written by `write_kv`, transfer verified──► `activate` (running, prompt computed)
+        ──transfer failed / aborted──► `release`
+
+K/V travel as token ranges of one layer of one named group (`kv_cache_groups`): the target
+model's cache, and the draft model's when speculation uses one. Every group is indexed by the
+same block ids, so one block table (and one token range) addresses all of them.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.model_runner import BatchEntry
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [num_blocks, block_size, num_kv_heads, head_dim]
+KV_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroupLayout:
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_cache_groups(engine: LLMEngine) -> list[tuple[str, KVCache]]:
+    """Every KV cache the engine keeps, by name; all share the engine's block ids."""
+    return [("target", engine.runner.kv_caches)]
+
+
+def kv_group_layouts(engine: LLMEngine) -> list[KVGroupLayout]:
+    return [KVGroupLayout(name, len(kv), kv[0][0].shape[2], kv[0][0].shape[3]) for name, kv in kv_cache_groups(engine)]
+
+
+def model_identity(model: torch.nn.Module, config_hash: str) -> str:
+    """A hash of the config and of every weight's name and shape (not the values: cheap)."""
+    h = hashlib.sha256(config_hash.encode())
+    for name, tensor in model.state_dict().items():
+        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+def engine_identity(engine: LLMEngine) -> str:
+    return model_identity(engine.runner.model, engine.model_config.identity_hash())
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDescription:
+    """What a worker runs. A prefill and a decode worker pair only if `pairing_fields` agree."""
+
+    model_identity: str
+    dtype: str
+    block_size: int
+    kv_layout: str
+    kv_groups: tuple[KVGroupLayout, ...]
+    spec_method: str
+    num_speculative_tokens: int
+    draft_identity: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+def describe(engine: LLMEngine) -> WorkerDescription:
+    cfg = engine.config
+    draft_identity = ""
+    if cfg.draft_model:
+        from engine.model.config import load_model_config
+
+        draft_identity = load_model_config(cfg.draft_model).identity_hash()
+    return WorkerDescription(
+        model_identity=engine_identity(engine), dtype=DTYPE_NAMES[engine.dtype], block_size=cfg.block_size,
+        kv_layout=KV_LAYOUT, kv_groups=tuple(kv_group_layouts(engine)), spec_method=cfg.spec_method or "",
+        num_speculative_tokens=cfg.num_speculative_tokens, draft_identity=draft_identity,
+        max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+        num_blocks=engine.block_manager.num_blocks, eos_token_ids=tuple(sorted(engine.eos_token_ids)))
+
+
+def slot_ids(seq: Sequence, block_size: int, token_start: int, num_tokens: int) -> torch.Tensor:
+    """Flat cache slots of tokens [token_start, token_start + num_tokens) of a sequence."""
+    pos = torch.arange(token_start, token_start + num_tokens)
+    table = torch.tensor(seq.block_table, dtype=torch.int64)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+# ---- prefill side ---------------------------------------------------------------------------
+@dataclass(slots=True)
+class PrefillChunk:
+    """Tokens [token_start, token_start + num_tokens) of `seq` whose K/V this step completes: the
+    ones it ran, plus any prefix-cache hits ahead of them."""
+
+    seq: Sequence
+    token_start: int
+    num_tokens: int
+    slots: torch.Tensor  # [num_tokens] int64
+
+
+@dataclass(slots=True)
+class PrefillDone:
+    seq: Sequence
+    first_token: int
+
+
+# Called with (layer index, this step's chunks) once that layer's K/V are in the cache.
+LayerHook = Callable[[int, list[PrefillChunk]], None]
+
+
+def add_prefill(engine: LLMEngine, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    """Queue a prompt for prefill only. ValueError on a bad request."""
+    seq = engine.make_sequence(req_id, prompt_ids, params)
+    engine.scheduler.add(seq)
+    return seq
+
+
+@dataclass(slots=True)
+class PrefillStepOutput:
+    chunks: list[PrefillChunk]  # what ran, for groups that are not streamed layer by layer
+    done: list[PrefillDone]
+
+
+def prefill_step(engine: LLMEngine, on_layer: LayerHook | None = None) -> PrefillStepOutput:
+    """One chunked-prefill step. `on_layer` sees the target's K/V layer by layer as they land.
+    Sequences whose prompt completes sample their first token and leave the scheduler with their
+    blocks (detached), until `release`."""
+    sched = engine.scheduler.schedule()
+    if sched.is_empty:
+        return PrefillStepOutput([], [])
+    bs = engine.block_manager.block_size
+    batch, chunks = [], []
+    for s in sched.scheduled:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        batch.append(BatchEntry(seq, s.num_new_tokens, int(start + s.num_new_tokens == seq.num_tokens)))
+        # a first chunk after prefix-cache hits also carries the cached tokens, which the decode side lacks
+        send_from = 0 if start == seq.num_cached_tokens else start
+        num_send = start + s.num_new_tokens - send_from
+        chunks.append(PrefillChunk(seq, send_from, num_send, slot_ids(seq, bs, send_from, num_send)))
+    callback = None if on_layer is None else (lambda i: on_layer(i, chunks))
+    logits = engine.runner.execute(batch, layer_callback=callback)
+    for e in batch:
+        e.seq.num_computed_tokens += e.num_new_tokens
+        engine.block_manager.commit(e.seq)
+    sampled = [e.seq for e in batch if e.num_logits]
+    tokens = engine.sampler.sample(logits, [s.params for s in sampled], [s.seed for s in sampled],
+                                   [s.num_tokens for s in sampled])
+    for seq in sampled:
+        engine.scheduler.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED  # for the scheduler: gone; its blocks stay until release
+    return PrefillStepOutput(chunks, [PrefillDone(seq, tok) for seq, tok in zip(sampled, tokens)])
+
+
+def queued_prompt_tokens(engine: LLMEngine) -> int:
+    sched = engine.scheduler
+    return sum(s.num_uncomputed_tokens for s in (*sched.waiting, *sched.running))
+
+
+# ---- decode side ----------------------------------------------------------------------------
+def reserve(engine: LLMEngine, req_id: str, prompt_ids: list[int], params: SamplingParams,
+            num_reserved: int = 0) -> Sequence | None:
+    """Validate a request (ValueError) and take blocks for its prompt and first token, whole or
+    nothing; None when the pool or the sequence limit has no room (`num_reserved`: sequences
+    this caller holds reserved, which count against `max_num_seqs`)."""
+    seq = engine.make_sequence(req_id, prompt_ids, params)
+    sched = engine.scheduler
+    if len(sched.running) + len(sched.waiting) + num_reserved >= sched.config.max_num_seqs:
+        return None
+    if not engine.block_manager.allocate(seq, seq.num_prompt_tokens + 1):
+        return None
+    return seq
+
+
+def write_kv(cache: KVCache, layer: int, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [num_tokens, num_kv_heads, head_dim]
+    """Write received K/V into reserved slots. Safe beside a running step: the slots belong to
+    a reserved sequence that no step reads."""
+    k_cache, v_cache = cache[layer]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def activate(engine: LLMEngine, seq: Sequence, first_token: int) -> RequestOutput:
+    """Join a reserved sequence, whose prompt K/V are now in its blocks, to the running batch
+    and append its first token (which may already finish it)."""
+    engine.add_sequence(seq)  # registers the request (detokenizer, stop strings) ...
+    engine.scheduler.waiting.remove(seq)  # ... but it needs no prefill: straight to running
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = seq.num_prompt_tokens
+    engine.scheduler.running.append(seq)
+    return engine.append_tokens(seq, [first_token])
+
+
+def release(engine: LLMEngine, seq: Sequence) -> None:
+    """Free a sequence's blocks wherever it is: queued or prefilling (prefill side), detached,
+    or reserved (decode side). Idempotent."""
+    engine.scheduler.finish(seq)

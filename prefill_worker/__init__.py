@@ -1,0 +1,1 @@
+"""The prefill pool's worker: chunked prefill loop, layer-wise KV sender and its gRPC server."""

@@ -1,0 +1,1 @@
+"""pdserve protobuf package."""

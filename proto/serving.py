@@ -1,0 +1,64 @@
+"""What every pdserve gRPC server has: `grpc.health.v1`, server reflection, message limits.
+
+Health starts NOT_SERVING and turns SERVING when the component says it is ready (a worker once
+its model is loaded), so a load balancer or the router never sends work to a loading process.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class AioServer:
+    """A grpc.aio server with health and reflection; `add` servicers, then `start`."""
+
+    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES):
+        self.server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
+                                               ("grpc.max_receive_message_length", max_message_bytes),
+                                               ("grpc.so_reuseport", 0)])
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.address = f"{host}:{port}"
+        self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+
+    def add(self, add_fn, servicer, service_descriptor) -> None:
+        add_fn(servicer, self.server)
+        self._service_names.append(service_descriptor.full_name)
+
+    async def start(self) -> int:
+        reflection.enable_server_reflection(self._service_names, self.server)
+        port = self.server.add_insecure_port(self.address)
+        if port == 0:
+            raise OSError(f"cannot bind {self.address}")
+        await self.set_serving(False)
+        await self.server.start()
+        return port
+
+    async def set_serving(self, is_serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self._service_names):
+            result = self.health.set(name, status)
+            if hasattr(result, "__await__"):
+                await result
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)
+
+
+async def wait_for_signal() -> None:
+    """Until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,71 @@
+"""Composition root of `pdserve router`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
+from proto.serving import AioServer, wait_for_signal
+from router.admission import AdmissionQueue
+from router.server import GenerationServicer, Router
+from router.validate import Limits, Validator
+from router.workers import WorkerPool
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    model: str
+    prefill_addresses: tuple[str, ...]
+    decode_addresses: tuple[str, ...]
+    rpc_timeout_s: float = 300.0
+    connect_timeout_s: float = 120.0
+    health_interval_s: float = 1.0
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    max_prompt_chars: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.decode_addresses:
+            raise ValueError("RouterConfig.decode_addresses: at least one decode worker is required")
+        for name in ("rpc_timeout_s", "connect_timeout_s", "health_interval_s", "queue_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"RouterConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
+
+
+def run(config: RouterConfig, host: str, port: int, http_port: int | None = None) -> int:
+    asyncio.run(serve(config, host, port, http_port))
+    return 0
+
+
+async def serve(config: RouterConfig, host: str, port: int, http_port: int | None = None) -> None:
+    tokenizer = Tokenizer.from_dir(config.model)
+    pool = WorkerPool(list(config.prefill_addresses), list(config.decode_addresses), config.rpc_timeout_s)
+    await pool.connect(config.connect_timeout_s)  # ValueError: unreachable or mismatched workers
+    max_model_len, vocab_size = pool.limits()
+    validator = Validator(tokenizer, Limits(max_model_len, vocab_size, config.max_prompt_chars))
+    router = Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests),
+                    config.rpc_timeout_s, config.queue_timeout_s)
+    server = AioServer(host, port)
+    server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router),
+               generation_pb2.DESCRIPTOR.services_by_name["Generation"])
+    await server.start()
+    watcher = asyncio.create_task(pool.watch(config.health_interval_s))
+    http = None
+    if http_port is not None:
+        from router.http import start_http
+
+        http = await start_http(router, host, http_port)
+    await server.set_serving(True)
+    log.info("serving address=%s:%d mode=%s", host, port, "colocated" if pool.is_colocated else "disaggregated")
+    await wait_for_signal()
+    watcher.cancel()
+    if http is not None:
+        await http.cleanup()
+    await server.set_serving(False)
+    await server.stop(grace=2.0)

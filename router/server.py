@@ -1,0 +1,186 @@
+"""The public `pdserve.v1.Generation` service. Protobuf stops here.
+
+Life cycle of one request at the router:
+
+    validate + tokenize ──► admission: Decode() on decode workers, most free blocks first
+        (RESOURCE_EXHAUSTED: next worker; none: wait in the bounded admission queue)
+    ──► Prefill() on a paired prefill worker (fewest queued prompt tokens), which pushes the KV
+    ──► token deltas from the decode stream ──► incremental detokenization, stop strings
+    ──► text deltas to the client; the last one carries finish reason and usage
+
+Colocated (no prefill workers): admission is a `Generate()` on a decode worker. However the
+request ends — finished, failed, cancelled by the client — both worker calls are cancelled,
+which frees its blocks on both workers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+from proto.convert import FINISH_REASON_NAMES, sampling_message
+from proto.pdserve.v1 import generation_pb2 as gen_pb2
+from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2
+from router.admission import AdmissionQueue, QueueFull
+from router.validate import RouterRequest, Validator
+from router.workers import Worker, WorkerPool
+
+log = logging.getLogger("pdserve.router")
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def work_request(req: RouterRequest) -> worker_pb2.WorkRequest:
+    p = req.params
+    wire = sampling_message(p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.stop, p.stop_token_ids,
+                            p.seed, p.ignore_eos)
+    return worker_pb2.WorkRequest(req_id=req.req_id, prompt_token_ids=req.prompt_token_ids, sampling_params=wire)
+
+
+class Router:
+    """Runs requests to completion as async iterators of `GenerateResponse`; no gRPC server
+    types here, so the HTTP front end shares it."""
+
+    def __init__(self, pool: WorkerPool, validator: Validator, tokenizer: Tokenizer | None,
+                 admission: AdmissionQueue, rpc_timeout_s: float, queue_timeout_s: float):
+        self.pool = pool
+        self.validator = validator
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.rpc_timeout_s = rpc_timeout_s
+        self.queue_timeout_s = queue_timeout_s
+
+    async def generate(self, req: RouterRequest):
+        work = work_request(req)
+        call, decode = await self._admit(work)
+        prefill_task = None if self.pool.is_colocated else asyncio.create_task(self._prefill(work, decode))
+        try:
+            async for resp in self._stream(req, call, prefill_task):
+                yield resp
+        finally:
+            call.cancel()
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            self.admission.wake_one()
+
+    async def _admit(self, work: worker_pb2.WorkRequest):
+        deadline = time.monotonic() + self.queue_timeout_s
+        while True:
+            for w in self.pool.decode_candidates():
+                call = (w.stub.Generate if self.pool.is_colocated else w.stub.Decode)(work, timeout=self.rpc_timeout_s)
+                try:
+                    event = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        continue
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        w.healthy = False
+                        continue
+                    raise RequestFailed(e.code(), e.details()) from None
+                w.stats.num_free_blocks = event.admitted.num_free_blocks
+                if len(self.admission):
+                    self.admission.wake_one()  # there may be room for the next one too
+                return call, w
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"no decode worker could admit the request within {self.queue_timeout_s:g} s")
+            try:
+                await self.admission.wait(remaining)
+            except QueueFull as e:
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is overloaded: {e}") from None
+
+    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker) -> worker_pb2.PrefillResponse:
+        candidates = self.pool.prefill_candidates(decode)
+        if not candidates:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy prefill worker pairs with {decode.address}")
+        w = candidates[0]
+        n = len(work.prompt_token_ids)
+        w.num_queued_prompt_tokens += n
+        try:
+            return await w.stub.Prefill(worker_pb2.PrefillRequest(
+                request=work, decode_address=decode.address, transfer_id=work.req_id), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                w.healthy = False
+            raise RequestFailed(e.code(), f"prefill on {w.address} failed: {e.details()}") from None
+        finally:
+            w.num_queued_prompt_tokens -= n
+
+    async def _stream(self, req: RouterRequest, call, prefill_task: asyncio.Task | None):
+        detok = None
+        if self.tokenizer is not None:
+            decode = lambda ids: self.tokenizer.decode(ids, req.params.skip_special_tokens)  # noqa: E731
+            detok = IncrementalDetokenizer(decode, req.prompt_token_ids, req.params.stop)
+        failure: list[RequestFailed] = []
+        if prefill_task is not None:
+            prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure))
+        num_tokens = 0
+        try:
+            # read(), not `async for`: admission already read() the first event, and grpc.aio
+            # forbids mixing the two on one call
+            while (event := await call.read()) is not grpc.aio.EOF:
+                if event.WhichOneof("event") != "tokens":
+                    continue
+                ids, reason = list(event.tokens.token_ids), event.tokens.finish_reason
+                if detok is not None:
+                    for i, tok in enumerate(ids):
+                        detok.add(tok)
+                        if detok.stopped:
+                            ids, reason = ids[:i + 1], gen_pb2.STOP
+                            break
+                num_tokens += len(ids)
+                finished = reason != gen_pb2.FINISH_REASON_UNSPECIFIED
+                text = detok.take_delta(final=finished) if detok else ""
+                resp = gen_pb2.GenerateResponse(request_id=req.client_request_id, token_ids=ids, text=text)
+                if finished:
+                    resp.finish_reason = reason
+                    resp.usage.prompt_tokens = len(req.prompt_token_ids)
+                    resp.usage.completion_tokens = num_tokens
+                    yield resp
+                    return
+                yield resp
+        except grpc.aio.AioRpcError as e:
+            raise (failure[0] if failure else RequestFailed(e.code(), e.details())) from None
+        except asyncio.CancelledError:
+            if failure:  # our own cancel of the decode call, because the prefill failed
+                raise failure[0] from None
+            raise
+        raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream without finishing")
+
+
+def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        failure.append(exc if isinstance(exc, RequestFailed) else RequestFailed(grpc.StatusCode.INTERNAL, repr(exc)))
+        call.cancel()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request, context):
+        try:
+            req = self.router.validator.parse(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async for resp in self.router.generate(req):
+                yield resp
+        except RequestFailed as e:
+            log.info("request failed req_id=%s code=%s: %s", req.client_request_id, e.code.name, e)
+            await context.abort(e.code, str(e))
+
+
+__all__ = ["Router", "GenerationServicer", "RequestFailed", "FINISH_REASON_NAMES"]

@@ -1,0 +1,94 @@
+"""Turning a `GenerateRequest` into a validated, tokenized, seeded `RouterRequest`.
+
+Every rejection is a `ValueError` whose message starts with the offending field's name; the
+server answers it with INVALID_ARGUMENT.
+"""
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from proto.convert import sampling_kwargs
+from proto.pdserve.v1 import generation_pb2
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+    max_prompt_chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRequest:
+    req_id: str  # the router's own, unique; used with the workers
+    client_request_id: str  # echoed back
+    prompt_token_ids: list[int]
+    params: SamplingParams  # seed always set
+
+
+class Validator:
+    def __init__(self, tokenizer: Tokenizer | None, limits: Limits):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._rng = random.Random()
+
+    def parse(self, msg: generation_pb2.GenerateRequest) -> RouterRequest:
+        if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id has {len(msg.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+        ids = self._prompt_ids(msg)
+        params = self._params(msg.sampling_params)
+        return RouterRequest(uuid.uuid4().hex, msg.request_id or f"req-{uuid.uuid4().hex[:12]}", ids, params)
+
+    def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
+        lim = self.limits
+        which = msg.WhichOneof("input")
+        if which is None:
+            raise ValueError("prompt: one of prompt or token_ids is required")
+        if which == "prompt":
+            if not msg.prompt:
+                raise ValueError("prompt is empty")
+            if len(msg.prompt) > lim.max_prompt_chars:
+                raise ValueError(f"prompt has {len(msg.prompt)} characters; the limit is {lim.max_prompt_chars}")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token_ids")
+            ids = self.tokenizer.encode(msg.prompt)
+            field = "prompt"
+        else:
+            ids = list(msg.token_ids.ids)
+            field = "token_ids"
+            if not ids:
+                raise ValueError("token_ids is empty")
+            unknown = [t for t in ids if t >= lim.vocab_size]
+            if unknown:
+                raise ValueError(f"token_ids contains unknown token ids {unknown[:5]} (vocabulary size {lim.vocab_size})")
+        if not ids:
+            raise ValueError(f"{field} is empty after tokenization")
+        if len(ids) >= lim.max_model_len:
+            raise ValueError(f"{field} has {len(ids)} tokens; the model's context is {lim.max_model_len}, "
+                             "which leaves no room to generate")
+        return ids
+
+    def _params(self, msg: generation_pb2.SamplingParams) -> SamplingParams:
+        if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
+            raise ValueError(f"sampling_params.stop allows {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters")
+        if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"sampling_params.stop_token_ids allows {MAX_STOP_TOKEN_IDS} ids")
+        unknown = [t for t in msg.stop_token_ids if t >= self.limits.vocab_size]
+        if unknown:
+            raise ValueError(f"sampling_params.stop_token_ids contains unknown token ids {unknown[:5]}")
+        kwargs = sampling_kwargs(msg)
+        if kwargs["seed"] is None:
+            kwargs["seed"] = self._rng.getrandbits(63)  # both workers must sample with the same seed
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise ValueError(str(e).replace("SamplingParams.", "sampling_params.", 1)) from None

@@ -1,0 +1,170 @@
+"""Failures end one request with a clear status, free its blocks on both workers, and leave
+every process serving."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import grpc
+import pytest
+import torch
+
+from conftest import REPO
+from proto.pdserve.v1 import generation_pb2 as gen
+from proto.pdserve.v1 import worker_pb2 as wk
+
+PROMPT = list(range(10, 30))  # 20 tokens
+
+
+def long_stream(cluster, router="R"):
+    return cluster.generation(router).Generate(gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=PROMPT), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=400, ignore_eos=True)), timeout=60)
+
+
+def assert_router_serves(cluster, router="R"):
+    msgs = list(cluster.generation(router).Generate(gen.GenerateRequest(
+        prompt="still here", sampling_params=gen.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
+        timeout=60))
+    assert msgs[-1].finish_reason == gen.LENGTH
+
+
+@pytest.mark.parametrize("router", ["R", "R2"])
+def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster, router):
+    stream = long_stream(cluster, router)
+    assert len(next(stream).token_ids) >= 1
+    next(stream)
+    assert cluster.stats("D" if router == "R" else "D2").num_running == 1  # it holds blocks now
+    stream.cancel()
+    cluster.wait_all_free()
+    assert_router_serves(cluster, router)
+
+
+def test_vanished_client_frees_blocks(cluster):
+    client = textwrap.dedent(f"""
+        import os, grpc
+        from proto.pdserve.v1 import generation_pb2 as gen, generation_pb2_grpc
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("{cluster.address('R')}"))
+        stream = stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids={PROMPT}),
+            sampling_params=gen.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
+        next(stream)
+        print("streaming", flush=True)
+        os._exit(0)  # no cancel, no goodbye: the connection just drops
+    """)
+    out = subprocess.run([sys.executable, "-c", client], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "streaming" in out.stdout, out.stderr
+    cluster.wait_all_free()
+    assert_router_serves(cluster)
+
+
+# ---- a decode worker's PushKV driven by hand ---------------------------------------------------
+def reserve(cluster, req_id: str, prompt=PROMPT):
+    """Open a Decode stream on D and read its admission."""
+    stream = cluster.decode_stub().Decode(wk.WorkRequest(req_id=req_id, prompt_token_ids=prompt,
+                                                         sampling_params=gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
+                                          timeout=60)
+    event = next(stream)
+    assert event.WhichOneof("event") == "admitted"
+    return stream
+
+
+def kv_chunks(cluster, transfer_id: str, num_tokens=len(PROMPT), first_token=5):
+    """A well-formed push: random K/V for every layer, one chunk per layer."""
+    info = cluster.decode_stub().GetInfo(wk.InfoRequest(), timeout=5)
+    yield wk.KVChunk(header=wk.KVHeader(transfer_id=transfer_id, num_tokens=num_tokens, dtype=info.dtype,
+                                        groups=info.kv_groups))
+    seq = 0
+    for g, group in enumerate(info.kv_groups):
+        for layer in range(group.num_layers):
+            data = torch.randn(2, num_tokens, group.num_kv_heads, group.head_dim).numpy().tobytes()
+            yield wk.KVChunk(data=wk.KVData(seq=seq, group=g, layer=layer, token_start=0, num_tokens=num_tokens,
+                                            data=data, crc32=zlib.crc32(data)))
+            seq += 1
+    yield wk.KVChunk(trailer=wk.KVTrailer(num_chunks=seq, first_token_id=first_token))
+
+
+def push(cluster, chunks):
+    return cluster.decode_stub().PushKV(iter(list(chunks)), timeout=30)
+
+
+def test_hand_made_push_is_accepted_and_decoded(cluster):
+    stream = reserve(cluster, "hand-ok")
+    ack = push(cluster, kv_chunks(cluster, "hand-ok"))
+    assert ack.num_chunks >= 2
+    events = list(stream)
+    assert [t for e in events for t in e.tokens.token_ids][0] == 5
+    assert events[-1].tokens.finish_reason == gen.LENGTH
+    cluster.wait_all_free()
+
+
+def corrupt(chunks):
+    for c in chunks:
+        if c.WhichOneof("part") == "data" and c.data.seq == 1:
+            c.data.data = b"\x00" + c.data.data[1:]
+        yield c
+
+
+def truncate(chunks):
+    for c in chunks:
+        if c.WhichOneof("part") == "trailer":
+            return
+        yield c
+
+
+def lose_one(chunks):
+    yield from (c for c in chunks if not (c.WhichOneof("part") == "data" and c.data.seq == 0))
+
+
+def miscount(chunks):
+    for c in chunks:
+        if c.WhichOneof("part") == "trailer":
+            c.trailer.num_chunks += 1
+        yield c
+
+
+@pytest.mark.parametrize("fault, words", [(corrupt, "checksum"), (truncate, "truncated"),
+                                          (lose_one, "was expected"), (miscount, "truncated")])
+def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
+    req_id = f"hand-{fault.__name__}"
+    before = cluster.stats("D").kv_transfer_failures_total
+    stream = reserve(cluster, req_id)
+    with pytest.raises(grpc.RpcError) as push_err:
+        push(cluster, fault(kv_chunks(cluster, req_id)))
+    assert push_err.value.code() == grpc.StatusCode.DATA_LOSS and words in push_err.value.details()
+    with pytest.raises(grpc.RpcError) as decode_err:
+        list(stream)
+    assert decode_err.value.code() == grpc.StatusCode.DATA_LOSS and words in decode_err.value.details()
+    assert cluster.stats("D").kv_transfer_failures_total == before + 1
+    cluster.wait_all_free()
+    assert_router_serves(cluster)
+
+
+def test_push_for_unknown_transfer_is_refused(cluster):
+    with pytest.raises(grpc.RpcError) as err:
+        push(cluster, kv_chunks(cluster, "nobody-reserved-this"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_full_decode_worker_refuses_admission_and_router_answers_resource_exhausted(cluster):
+    held, refusal = [], None
+    prompt = list(range(1, 100))  # 100 tokens with the first output: 7 blocks of 16
+    try:
+        for i in range(40):
+            try:
+                held.append(reserve(cluster, f"hold-{i}", prompt))
+            except grpc.RpcError as e:
+                refusal = e
+                break
+        assert refusal is not None and refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "decode worker is full" in refusal.details()
+        with pytest.raises(grpc.RpcError) as err:  # R3 has no admission queue
+            list(cluster.generation("R3").Generate(gen.GenerateRequest(
+                token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(max_tokens=2)), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for stream in held:
+            stream.cancel()
+    cluster.wait_all_free()
+    assert_router_serves(cluster, "R3")
