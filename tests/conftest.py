@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight checkpoints saved with `transformers`, cached per session."""
+"""Shared fixtures: tiny random-weight checkpoints saved with `transformers`, cached per session.
+The builders live in `tinymodels.py` (importable from any test: `tests` is on pythonpath)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
+from tinymodels import build_checkpoint, build_tokenizer
+
 torch.set_num_threads(1)
 # Without CUDA the Triton kernels run interpreted. The variable is read when triton is first
 # imported, and `import torch` does not import it, so this is early enough.
@@ -20,36 +23,6 @@ if not torch.cuda.is_available():
 
     assert "triton" not in sys.modules, "triton was imported before TRITON_INTERPRET could be set"
     os.environ["TRITON_INTERPRET"] = "1"
-
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=211, max_position_embeddings=512)
-
-ARCH_CONFIGS = {
-    # Llama 3 style: GQA and llama3 rope scaling
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
-    "llama_linear": ("LlamaConfig", "LlamaForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=256, head_dim=32,
-                                                              num_attention_heads=4, hidden_size=96)),
-}
-
-
-def build_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides):
-    import transformers
-
-    cfg_name, model_name, extra = ARCH_CONFIGS[arch]
-    config = getattr(transformers, cfg_name)(**{**TINY, **extra, **overrides})
-    config.eos_token_id = overrides.get("eos_token_id", 2)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config)
-    with torch.no_grad():  # random init is small; widen it so logits have real spread
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -66,54 +39,10 @@ def checkpoint(tmp_path_factory):
     return make
 
 
-def hf_model(path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = hf_model(path)
-    outs = []
-    for ids in prompts:
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
-
-
-TOKENIZER_CORPUS = [
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "import os\nimport sys\n\nclass Foo:\n    pass\n",
-    "héllo wörld — naïve café ✓ 你好 🙂\n",
-] * 20
-
-
-def build_tokenizer(path, vocab_size: int = 300):
-    """A tiny byte-level BPE tokenizer with BOS/EOS/PAD specials, saved HF-style."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
-         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return tok
-
-
 @pytest.fixture(scope="session")
 def text_checkpoint(tmp_path_factory):
     """A tiny Llama with a real byte-level BPE tokenizer (EOS = id 1)."""
     path = tmp_path_factory.mktemp("text_llama")
     tok = build_tokenizer(path)
     build_checkpoint(path, "llama", vocab_size=tok.get_vocab_size(), eos_token_id=1)
-    build_tokenizer(path)  # save_pretrained leaves tokenizer files alone; written again for clarity
     return path

@@ -8,150 +8,22 @@ torn down with SIGTERM (then SIGKILL). A process's log is shown when it fails to
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-REPO = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 120.0
-NUM_KV_BLOCKS = 128
-MAX_NUM_SEQS = 32
-MAX_PROMPT_CHARS = 5000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_tokenizer(path: Path) -> None:
-    """A small byte-level BPE (ids 0-2 special, eos "</s>" = 2 as in the checkpoint's config)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
-              "The quick brown fox jumps over the lazy dog. Héllo wörld ✓ 你好"] * 20
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+from procs import MAX_NUM_SEQS, MAX_PROMPT_CHARS, NUM_KV_BLOCKS, START_TIMEOUT_S, Cluster, Proc, free_port, wait_serving
+from tinymodels import build_tokenizer
 
 
 @pytest.fixture(scope="session")
 def serving_model(checkpoint) -> Path:
     """A tiny random Llama with a tokenizer beside it."""
     path = Path(checkpoint("llama", seed=3, vocab_size=320))
-    if not (path / "tokenizer.json").is_file():
-        write_tokenizer(path)
+    if not (path / "tokenizer.json").is_file():  # eos "</s>" = id 2, as in the checkpoint's config
+        build_tokenizer(path, specials=(("pad_token", "<pad>"), ("bos_token", "<s>"), ("eos_token", "</s>")))
     return path
-
-
-@dataclass
-class Proc:
-    name: str
-    args: list[str]
-    log: Path
-    address: str = ""
-    popen: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log, "w") as f:
-            self.popen = subprocess.Popen([sys.executable, "-m", "cluster.cli", *self.args], cwd=REPO, env=env,
-                                          stdout=f, stderr=subprocess.STDOUT)
-
-    def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout=10)
-
-
-def wait_serving(proc: Proc, deadline: float) -> None:
-    with grpc.insecure_channel(proc.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.popen.poll() is not None:
-                pytest.fail(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"{proc.name} not SERVING within {START_TIMEOUT_S:g} s:\n{proc.log_tail()}")
-            time.sleep(0.2)
-
-
-@dataclass
-class Cluster:
-    model: Path
-    procs: dict[str, Proc] = field(default_factory=dict)
-    channels: dict[str, grpc.Channel] = field(default_factory=dict)
-
-    def address(self, name: str) -> str:
-        return self.procs[name].address
-
-    def channel(self, name: str) -> grpc.Channel:
-        if name not in self.channels:
-            self.channels[name] = grpc.insecure_channel(self.address(name))
-        return self.channels[name]
-
-    def generation(self, router: str = "R") -> generation_pb2_grpc.GenerationStub:
-        return generation_pb2_grpc.GenerationStub(self.channel(router))
-
-    def decode_stub(self, name: str = "D") -> worker_pb2_grpc.DecodeWorkerStub:
-        return worker_pb2_grpc.DecodeWorkerStub(self.channel(name))
-
-    def stats(self, name: str) -> worker_pb2.WorkerStats:
-        stub = (worker_pb2_grpc.PrefillWorkerStub if name.startswith("P") else worker_pb2_grpc.DecodeWorkerStub)
-        return stub(self.channel(name)).GetStats(worker_pb2.StatsRequest(), timeout=5)
-
-    def wait_all_free(self, names=("P", "D", "D2"), timeout_s: float = 15.0) -> None:
-        """Until every block of every named worker is free and nothing is reserved or running."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = {n: self.stats(n) for n in names}
-            if all(s.num_free_blocks == s.num_blocks and s.num_reserved == 0 and s.num_running == 0
-                   for s in stats.values()):
-                return
-            if time.monotonic() > deadline:
-                pytest.fail(f"blocks still held after {timeout_s:g} s: {stats}")
-            time.sleep(0.1)
-
-    def start(self, name: str, command: str, *args: str) -> Proc:
-        """Another process (stopped at teardown), for tests that need one of their own; not waited for."""
-        proc = Proc(name, [command, "--model", str(self.model), "--port", str(port := free_port()), *args],
-                    self.procs["P"].log.parent / f"{name}.log", f"127.0.0.1:{port}")
-        self.procs[name] = proc
-        proc.start()
-        return proc
-
-    def start_router(self, name: str, *args: str) -> Proc:
-        return self.start(name, "router", *args)
 
 
 @pytest.fixture(scope="session")

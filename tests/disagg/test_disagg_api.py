@@ -4,10 +4,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from conftest import START_TIMEOUT_S, wait_serving
+from procs import START_TIMEOUT_S, wait_serving
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import MAX_PROMPT_CHARS
+from procs import MAX_PROMPT_CHARS
 from proto.pdserve.v1 import generation_pb2 as gen
 
 OK = gen.SamplingParams(temperature=0, max_tokens=2)

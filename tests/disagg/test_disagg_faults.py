@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import REPO
+from procs import REPO
 from proto.pdserve.v1 import generation_pb2 as gen
 from proto.pdserve.v1 import worker_pb2 as wk
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, hf_model
+from tinymodels import hf_greedy, hf_model
 from engine import LLM, SamplingParams
 from engine.model_runner import BatchEntry
 

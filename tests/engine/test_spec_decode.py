@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest import hf_model
+from tinymodels import hf_model
 from engine import LLM, SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.depth import AdaptiveDepth, LinearCost
