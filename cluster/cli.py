@@ -14,12 +14,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="draft checkpoint for speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=0)
     p.add_argument("--speculative-method", default=None, choices=["draft", "ngram"])
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-sequence speculation depth from acceptance and step costs (default on)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
                 max_model_len=args.max_model_len, draft_model=args.draft_model,
-                num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method)
+                num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method,
+                spec_adaptive=args.spec_adaptive)
 
 
 def _generate(args: argparse.Namespace) -> int:

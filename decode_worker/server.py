@@ -250,4 +250,12 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
             num_reserved=len(self.transfers), kv_transfer_bytes_total=self.kv_transfer_bytes_total,
             kv_transfer_failures_total=self.kv_transfer_failures_total,
-            max_num_seqs=e.scheduler.config.max_num_seqs)
+            max_num_seqs=e.scheduler.config.max_num_seqs, **_spec_stats(e))
+
+
+def _spec_stats(engine) -> dict:
+    if engine.speculator is None:
+        return {}
+    st = engine.speculator.stats
+    return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos))

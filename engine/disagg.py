@@ -45,7 +45,10 @@ class KVGroupLayout:
 
 def kv_cache_groups(engine: LLMEngine) -> list[tuple[str, KVCache]]:
     """Every KV cache the engine keeps, by name; all share the engine's block ids."""
-    return [("target", engine.runner.kv_caches)]
+    groups = [("target", engine.runner.kv_caches)]
+    if engine.draft_runner is not None:
+        groups.append(("draft", engine.draft_runner.kv_caches))
+    return groups
 
 
 def kv_group_layouts(engine: LLMEngine) -> list[KVGroupLayout]:
@@ -157,6 +160,8 @@ def prefill_step(engine: LLMEngine, on_layer: LayerHook | None = None) -> Prefil
         chunks.append(PrefillChunk(seq, send_from, num_send, slot_ids(seq, bs, send_from, num_send)))
     callback = None if on_layer is None else (lambda i: on_layer(i, chunks))
     logits = engine.runner.execute(batch, layer_callback=callback)
+    if engine.draft_runner is not None:  # the draft's K/V for the same tokens, shipped too
+        engine.draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0) for e in batch])
     for e in batch:
         e.seq.num_computed_tokens += e.num_new_tokens
         engine.block_manager.commit(e.seq)
@@ -205,6 +210,8 @@ def activate(engine: LLMEngine, seq: Sequence, first_token: int) -> RequestOutpu
     engine.scheduler.waiting.remove(seq)  # ... but it needs no prefill: straight to running
     seq.status = SequenceStatus.RUNNING
     seq.num_computed_tokens = seq.num_prompt_tokens
+    if engine.draft_runner is not None:  # the transfer carried the draft's K/V too
+        seq.num_draft_computed_tokens = seq.num_prompt_tokens
     engine.scheduler.running.append(seq)
     return engine.append_tokens(seq, [first_token])
 

@@ -46,14 +46,17 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
-        self.draft_config = load_model_config(config.draft_model) if config.spec_method == "draft" else None
+        # a draft is loaded whenever one is named (a prefill worker fills its cache without speculating)
+        has_draft = config.draft_model and config.speculative_method != "ngram"
+        self.draft_config = load_model_config(config.draft_model) if has_draft else None
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len,
                                  self.draft_config.max_model_len if self.draft_config else cfg.max_model_len)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size)
-        self.speculator = self._build_speculator(num_blocks)
+        self.draft_runner = self._build_draft_runner(num_blocks)
+        self.speculator = self._build_speculator()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
@@ -74,7 +77,14 @@ class LLMEngine:
         useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
         return max(1, min(self.config.kv_cache_memory_bytes // per_block, useful))
 
-    def _build_speculator(self, num_blocks: int) -> Speculator | None:
+    def _build_draft_runner(self, num_blocks: int) -> ModelRunner | None:
+        if self.draft_config is None:
+            return None
+        self._check_draft_matches()
+        return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
+                           self.device, num_blocks, self.config.block_size)
+
+    def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method
         if method is None:
             return None
@@ -83,11 +93,8 @@ class LLMEngine:
         if method == "ngram":
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
-            self._check_draft_matches()
             draft_cost = LinearCost(a=2e-3, b=5e-5)
-            draft_runner = ModelRunner(self.draft_config, Path(config.draft_model), self.ops, self.dtype,
-                                       self.device, num_blocks, config.block_size)
-            proposer = DraftProposer(draft_runner, self.ops, draft_cost)
+            proposer = DraftProposer(self.draft_runner, self.ops, draft_cost)
         depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
         return Speculator(proposer, depth, self.ops, self.model_config.vocab_size)
 
@@ -98,11 +105,6 @@ class LLMEngine:
         paths = [Path(self.config.model) / "tokenizer.json", Path(self.config.draft_model) / "tokenizer.json"]
         if all(p.is_file() for p in paths) and paths[0].read_bytes() != paths[1].read_bytes():
             raise ValueError("draft model's tokenizer.json differs from the target's: they must share one tokenizer")
-
-    @property
-    def draft_runner(self) -> ModelRunner | None:
-        proposer = self.speculator.proposer if self.speculator else None
-        return proposer.runner if isinstance(proposer, DraftProposer) else None
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -32,8 +32,12 @@ def cluster(serving_model, tmp_path_factory) -> Cluster:
     c = Cluster(serving_model)
     worker = ["--model", str(serving_model), "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
               "--num-kv-blocks", str(NUM_KV_BLOCKS), "--kv-transfer-timeout", "20"]
-    specs = {"P": ["prefill-worker", *worker, "--max-num-batched-tokens", "256"],
-             "D": ["decode-worker", *worker], "D2": ["decode-worker", *worker, "--block-size", "8"]}
+    # P and D speculate (the model drafting for itself, fixed depth: every draft accepted, so
+    # steps emit several tokens); the colocated D2 does not
+    draft = ["--draft-model", str(serving_model)]
+    specs = {"P": ["prefill-worker", *worker, *draft, "--max-num-batched-tokens", "256"],
+             "D": ["decode-worker", *worker, *draft, "--num-speculative-tokens", "3", "--no-spec-adaptive"],
+             "D2": ["decode-worker", *worker, "--block-size", "8"]}
     for name, args in specs.items():
         port = free_port()
         c.procs[name] = Proc(name, [*args, "--port", str(port)], logs / f"{name}.log", f"127.0.0.1:{port}")

@@ -78,10 +78,11 @@ def test_eos_and_stop_strings_match_offline(cluster, offline):
         _check_equal(cluster, router, offline, dict(max_tokens=40))
 
 
-@pytest.mark.skip(reason="enable when speculative decoding lands on main: start D with --draft-model "
-                         "and --num-speculative-tokens, and P with --draft-model")
 def test_greedy_disaggregated_with_speculation_matches_offline(cluster, offline):
+    """D speculates (see conftest); its drafts are verified and deltas carry several tokens."""
     _check_equal(cluster, "R", offline, dict(max_tokens=24, ignore_eos=True))
+    stats = cluster.stats("D")
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
 
 
 def test_stream_first_message_before_decoding_ends(cluster):
@@ -97,13 +98,20 @@ def test_stream_first_message_before_decoding_ends(cluster):
     assert msgs[-1].usage.completion_tokens == 40 and msgs[-1].usage.prompt_tokens == 3
 
 
-def test_seeded_sampling_is_reproducible_across_modes(cluster, offline):
+def test_seeded_sampling_is_reproducible_across_modes(cluster, offline, serving_model):
+    """A seeded request gives the offline engine's tokens under the same speculative setup: R's
+    decode worker speculates at fixed depth (see conftest), R2's does not."""
     params = dict(temperature=0.8, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
     req = gen.GenerateRequest(prompt=PROMPTS[0], sampling_params=gen.SamplingParams(**params))
     (a,), (b,) = generate_all(cluster, "R", [req]), generate_all(cluster, "R2", [req])
-    want = offline.generate(PROMPTS[0], SamplingParams(**{**params, "temperature": gen.SamplingParams(
-        temperature=0.8).temperature, "top_p": gen.SamplingParams(top_p=0.9).top_p}))[0]
-    assert joined(a)[0] == joined(b)[0] == want.token_ids
+    # the engine gets the float32 values the proto carries
+    sp = SamplingParams(**{**params, "temperature": gen.SamplingParams(temperature=0.8).temperature,
+                           "top_p": gen.SamplingParams(top_p=0.9).top_p})
+    plain = offline.generate(PROMPTS[0], sp)[0]
+    spec = LLM(str(serving_model), draft_model=str(serving_model), num_speculative_tokens=3,
+               spec_adaptive=False).generate(PROMPTS[0], sp)[0]
+    assert joined(b)[0] == plain.token_ids
+    assert joined(a)[0] == spec.token_ids
 
 
 def test_200_concurrent_streams_all_complete(cluster):
