@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/pdserve generate --model models/demo --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0
+	$(VENV)/bin/pdserve generate --model models/demo --draft-model models/demo-draft --num-speculative-tokens 4 \
+		--prompt "def fibonacci(n):" --max-tokens 96 --temperature 0
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15

@@ -39,7 +39,12 @@ def _generate(args: argparse.Namespace) -> int:
         last = out
     print()
     if last is not None:
-        print(f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason_str}]", file=sys.stderr)
+        summary = f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason_str}"
+        spec = llm.engine.speculator
+        if spec is not None and spec.stats.num_drafts:
+            summary += (f", speculative: {spec.stats.num_accepted_tokens}/{spec.stats.num_draft_tokens} draft tokens "
+                        f"accepted, {spec.stats.mean_accepted_length:.2f} tokens per step")
+        print(summary + "]", file=sys.stderr)
     return 0
 
 
