@@ -72,6 +72,7 @@ def _setup_logging(level: str) -> None:
 
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    check_proto_package()  # every server imports the generated modules next
 
 
 def _worker_engine_config(args: argparse.Namespace):
@@ -155,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--max-prompt-chars", type=int, default=1 << 20)
     rt.set_defaults(func=_router)
     return parser
+
+
+def check_proto_package() -> None:
+    """Fail clearly when another distribution's `proto` package shadows ours."""
+    import proto
+
+    if not getattr(proto, "IS_PDSERVE_PROTO", False):
+        raise ValueError(f"the `proto` package at {getattr(proto, '__file__', '?')} is not pdserve's (proto-plus "
+                         "installs one of the same name): uninstall proto-plus or run from the pdserve checkout")
 
 
 def main(argv: list[str] | None = None) -> int:

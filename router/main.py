@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.tokenizer import Tokenizer
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
@@ -60,7 +61,7 @@ async def serve(config: RouterConfig, host: str, port: int, http_port: int | Non
     if http_port is not None:
         from router.http import start_http
 
-        http = await start_http(router, host, http_port)
+        http = await start_http(router, host, http_port, Path(config.model).name)
     await server.set_serving(True)
     log.info("serving address=%s:%d mode=%s", host, port, "colocated" if pool.is_colocated else "disaggregated")
     await wait_for_signal()

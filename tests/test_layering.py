@@ -72,3 +72,16 @@ def test_torch_free_engine_modules_import_without_torch():
     code = ("import sys; import engine.tokenizer, engine.detokenizer, engine.sampling_params; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_cli_refuses_a_foreign_proto_package(tmp_path):
+    """With another `proto` first on sys.path (as proto-plus installs), servers fail clearly."""
+    import subprocess
+    import sys
+
+    (tmp_path / "proto").mkdir()
+    (tmp_path / "proto" / "__init__.py").write_text("")
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from cluster.cli import main; sys.exit(main(sys.argv[2:]))"
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path), "router", "--model", "x", "--decode", "a:1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "is not pdserve's (proto-plus" in out.stderr

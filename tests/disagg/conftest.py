@@ -27,6 +27,14 @@ def serving_model(checkpoint) -> Path:
 
 
 @pytest.fixture(scope="session")
+def offline(serving_model):
+    """The offline engine on the serving model: what every served request must equal."""
+    from engine import LLM
+
+    return LLM(str(serving_model), num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
 def cluster(serving_model, tmp_path_factory) -> Cluster:
     logs = tmp_path_factory.mktemp("logs")
     c = Cluster(serving_model)
@@ -41,7 +49,10 @@ def cluster(serving_model, tmp_path_factory) -> Cluster:
     for name, args in specs.items():
         port = free_port()
         c.procs[name] = Proc(name, [*args, "--port", str(port)], logs / f"{name}.log", f"127.0.0.1:{port}")
-    routers = {"R": ["--prefill", c.address("P"), "--decode", c.address("D"), "--queue-timeout", "60"],
+    http_port = free_port()
+    c.http_address = f"127.0.0.1:{http_port}"
+    routers = {"R": ["--prefill", c.address("P"), "--decode", c.address("D"), "--queue-timeout", "60",
+                     "--http-port", str(http_port)],
                "R2": ["--decode", c.address("D2")],
                "R3": ["--prefill", c.address("P"), "--decode", c.address("D"), "--max-queued-requests", "0"]}
     try:

@@ -76,6 +76,7 @@ def wait_serving(proc: Proc, deadline: float) -> None:
 @dataclass
 class Cluster:
     model: Path
+    http_address: str = ""  # router R's OpenAI-compatible HTTP API
     procs: dict[str, Proc] = field(default_factory=dict)
     channels: dict[str, grpc.Channel] = field(default_factory=dict)
 

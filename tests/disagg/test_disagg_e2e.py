@@ -37,11 +37,6 @@ def joined(msgs: list[gen.GenerateResponse]) -> tuple[list[int], str]:
     return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
 
 
-@pytest.fixture(scope="module")
-def offline(serving_model):
-    return LLM(str(serving_model), num_kv_blocks=256)
-
-
 def _check_equal(cluster, router, offline, params_kw: dict):
     requests = [gen.GenerateRequest(request_id=f"r{i}", prompt=p, sampling_params=greedy(**params_kw))
                 for i, p in enumerate(PROMPTS)]

@@ -1,0 +1,108 @@
+"""The OpenAI-compatible HTTP API on router R: completions (plain and streamed as server-sent
+events), bad input as HTTP 400 naming the field, a vanished client freeing its blocks."""
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from engine import SamplingParams
+
+PROMPT = "def fibonacci(n):"
+
+
+def post(cluster, body, raw: bytes | None = None):
+    conn = http.client.HTTPConnection(cluster.http_address, timeout=60)
+    conn.request("POST", "/v1/completions", body=raw if raw is not None else json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp, conn
+
+
+def sse_events(resp) -> list[dict | str]:
+    events = []
+    for line in resp:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture(scope="module")
+def offline_text(offline):
+    out = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    return out
+
+
+def test_completion_matches_offline(cluster, offline_text):
+    status, resp, conn = post(cluster, {"model": "x", "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
+                                        "ignore_eos": True})
+    body = json.loads(resp.read())
+    conn.close()
+    assert status == 200, body
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["text"] == offline_text.text and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(offline_text.prompt_token_ids), "completion_tokens": 20,
+                             "total_tokens": len(offline_text.prompt_token_ids) + 20}
+
+
+def test_streamed_completion_concatenates_to_the_full_text(cluster, offline_text):
+    status, resp, conn = post(cluster, {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                                        "stream": True})
+    assert status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+    events = sse_events(resp)
+    conn.close()
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 2
+    assert "".join(c["choices"][0]["text"] for c in chunks) == offline_text.text
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == offline_text.token_ids
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 20
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("body, field", [
+    (None, "body is not valid JSON"),
+    ({"max_tokens": 4}, "prompt must be"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "n": 2}, "n is not supported"),
+    ({"prompt": "hi", "stop": [3]}, "stop must be"),
+    ({"prompt": [1, 2, 99999]}, "token_ids contains unknown token ids"),
+    ({"prompt": "lazy dog " * 2000}, "prompt has"),
+    ([1, 2], "body must be a JSON object"),
+])
+def test_bad_input_is_400_naming_the_field(cluster, body, field):
+    status, resp, conn = post(cluster, body, raw=b"{nope" if body is None else None)
+    err = json.loads(resp.read())["error"]
+    conn.close()
+    assert status == 400 and err["type"] == "invalid_request_error"
+    assert field in err["message"], err
+
+
+def test_models_and_health(cluster):
+    conn = http.client.HTTPConnection(cluster.http_address, timeout=10)
+    conn.request("GET", "/v1/models")
+    models = json.loads(conn.getresponse().read())
+    conn.request("GET", "/health")
+    health = conn.getresponse()
+    assert models["data"][0]["object"] == "model" and health.status == 200
+    conn.close()
+
+
+def test_vanished_streaming_client_frees_blocks(cluster):
+    status, resp, conn = post(cluster, {"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                                        "stream": True})
+    assert status == 200
+    assert resp.readline().startswith(b"data: ")  # generation is under way
+    conn.sock.close()  # gone without a word
+    conn.close()
+    cluster.wait_all_free()
+    status, resp, conn = post(cluster, {"prompt": PROMPT, "max_tokens": 2})  # and the router still serves
+    assert status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+    conn.close()
