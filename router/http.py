@@ -101,8 +101,9 @@ class CompletionsApp:
             return _error(400, "body is not valid JSON")
         try:
             req = self.router.validator.parse(completion_request(body))
-        except ValueError as e:
-            return _error(400, str(e), param=str(e).split(" ", 1)[0])
+        except ValueError as e:  # the gRPC-side names ("sampling_params.top_p") read as OpenAI's ("top_p")
+            message = str(e).removeprefix("sampling_params.")
+            return _error(400, message, param=message.split(" ", 1)[0])
         meta = {"id": f"cmpl-{req.req_id}", "created": int(time.time()), "model": self.model_name}
         if body.get("stream"):
             return await self._stream(request, req, meta)

@@ -139,7 +139,8 @@ class WorkerPool:
         except grpc.aio.AioRpcError:
             serving = False
         if serving != w.healthy:
-            log.warning("worker %s %s is now %s", w.role, w.address, "healthy" if serving else "UNHEALTHY")
+            level = logging.INFO if serving else logging.WARNING
+            log.log(level, "worker %s %s is now %s", w.role, w.address, "healthy" if serving else "UNHEALTHY")
         w.healthy = serving
 
     async def watch(self, interval_s: float) -> None:
