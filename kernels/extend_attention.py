@@ -33,11 +33,14 @@ def extend_attention_ref(
             continue
         k = gather_kv(k_cache, block_tables[s], length).to(q.dtype)  # [L, Hkv, D]
         v = gather_kv(v_cache, block_tables[s], length).to(q.dtype)
-        q_pos = torch.arange(length - (end - start), length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        if end - start == length:  # no cached prefix: plain causal, torch's fast path
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(length - (end - start), length, device=q.device)
+            mask, causal = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None], False  # [n, L]
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )
         out[start:end] = o.transpose(0, 1)
     return out

@@ -19,10 +19,11 @@ def write_kv_ref(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    if bool((slot_mapping < 0).any()):  # drop padding rows first (the engine sends none)
+        valid = slot_mapping >= 0
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 @triton.jit

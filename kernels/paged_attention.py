@@ -7,6 +7,7 @@ ceil(context_len / block_size) are never read.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels._triton import tl, triton
 
@@ -16,12 +17,15 @@ def gather_kv(
     block_table: torch.Tensor,  # [..., max_blocks] int
     length: int,
 ) -> torch.Tensor:
-    """The first `length` cached tokens of each row: [..., length, num_kv_heads, head_dim]."""
+    """The first `length` cached tokens of each row: [..., length, num_kv_heads, head_dim].
+
+    Blocks are copied whole as rows of a [num_blocks, block_size * num_kv_heads * head_dim]
+    view (`index_select`), several times faster on CPU than advanced indexing of the 4-D cache."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
     ids = block_table[..., :num_blocks].long().clamp(min=0)
-    kv = cache[ids]  # [..., num_blocks, block_size, num_kv_heads, head_dim]
-    kv = kv.reshape(*ids.shape[:-1], num_blocks * block_size, *cache.shape[2:])
+    rows = cache.view(cache.shape[0], -1).index_select(0, ids.reshape(-1))
+    kv = rows.view(*ids.shape[:-1], num_blocks * block_size, *cache.shape[2:])
     return kv[..., :length, :, :]
 
 
@@ -33,17 +37,15 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    """Every sequence's context gathered to the longest one, padding masked out; math in
+    float32 whatever the cache dtype."""
     max_len = int(context_lens.max())
-    k = gather_kv(k_cache, block_tables, max_len).float()  # [S, T, Hkv, D]
-    v = gather_kv(v_cache, block_tables, max_len).float()
-    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", qg, k) * scale
-    pad = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    out = torch.einsum("skgt,stkd->skgd", scores.softmax(-1), v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    k = gather_kv(k_cache, block_tables, max_len).float().transpose(1, 2)  # [S, Hkv, T, D]
+    v = gather_kv(v_cache, block_tables, max_len).float().transpose(1, 2)
+    keep = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [S, T]
+    out = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=keep[:, None, None, :],
+                                         scale=scale, enable_gqa=True)  # [S, H, 1, D]
+    return out[:, :, 0, :].to(q.dtype)
 
 
 # --- Triton ------------------------------------------------------------------------------
