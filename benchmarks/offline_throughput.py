@@ -263,6 +263,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, bandwidth_gbps: float, bar: t
             "batch1_latency": pd["batch1"]["seconds"] / hf["batch1"]["seconds"],
             "batch1_decode_step": pd["batch1"]["decode_step_ms"] / hf["batch1"]["decode_step_ms"],
         },
+        "paired_ratios": paired_ratios(systems),
         "goals": {
             "mixed_throughput_at_least_2x": pd["mixed"]["tokens_per_s"] >= 2 * hf["mixed"]["tokens_per_s"],
             "batch1_latency_within_1.2x": pd["batch1"]["seconds"] <= 1.2 * hf["batch1"]["seconds"],
@@ -271,6 +272,17 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, bandwidth_gbps: float, bar: t
                              for kind in ("b1_full", "mixed")},
         "mixed_workload": workload_summary(mixed, cfg.hf_batch_size),
     }
+
+
+def paired_ratios(systems: dict) -> dict:
+    """Per-repeat ratios of runs taken back to back: steadier than a ratio of medians when the
+    machine's load changes during the run. Both sides produce the same useful tokens."""
+    pd, hf = systems["pdserve"], systems["transformers"]
+    pairs = lambda kind: list(zip(pd[kind]["all_seconds"], hf[kind]["all_seconds"]))  # noqa: E731
+    mixed = [h / p for p, h in pairs("mixed")]
+    latency = [p / h for p, h in pairs("batch1")]
+    return {"mixed_throughput": mixed, "mixed_throughput_median": statistics.median(mixed),
+            "batch1_latency": latency, "batch1_latency_median": statistics.median(latency)}
 
 
 def workload_summary(requests: list[Request], batch_size: int) -> dict:
@@ -290,6 +302,7 @@ def workload_summary(requests: list[Request], batch_size: int) -> dict:
 
 def run_benchmark(cfg: BenchConfig, progress: bool = True) -> dict:
     """Every measurement of one run, as a JSON-ready dict."""
+    load_start = os.getloadavg()[0]
     bandwidth = measure_copy_bandwidth(cfg.bandwidth_mb)
     total = len(cfg.models) * cfg.repeats * 3 * 2
     with tqdm(total=total, desc="offline throughput", unit="run", disable=not progress, leave=False) as bar:
@@ -299,7 +312,7 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> dict:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "models"},
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                    "cpu_count": os.cpu_count(), "load_avg_1m_end": os.getloadavg()[0]},
+                    "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
         "copy_bandwidth_gbps": bandwidth,
         "models": models,
     }
@@ -315,9 +328,10 @@ def table_rows(result: dict) -> list[str]:
         name, params = m["model"]["name"], f"{m['model']['num_params'] / 1e6:.1f} M"
         rows.append(f"| {name} | {params} | mixed ({len(m['mixed_workload']['max_tokens'])} prompts) | "
                     f"{pd['mixed']['tokens_per_s']:.1f} | {hf['mixed']['tokens_per_s']:.1f} | "
-                    f"{r['mixed_throughput']:.2f}× | ≥ 2× {_mark(g['mixed_throughput_at_least_2x'])} |")
+                    f"{r['mixed_throughput']:.2f}× ({_paired(m, 'mixed_throughput')}) | ≥ 2× {_mark(g['mixed_throughput_at_least_2x'])} |")
         rows.append(f"| {name} | {params} | batch 1 | {pd['batch1']['tokens_per_s']:.1f} | "
-                    f"{hf['batch1']['tokens_per_s']:.1f} | latency {r['batch1_latency']:.2f}× | "
+                    f"{hf['batch1']['tokens_per_s']:.1f} | latency {r['batch1_latency']:.2f}× "
+                    f"({_paired(m, 'batch1_latency')}) | "
                     f"≤ 1.2× {_mark(g['batch1_latency_within_1.2x'])} |")
     return rows
 
@@ -339,6 +353,10 @@ def waste_lines(result: dict) -> list[str]:
             f"for {w['prompt_tokens']} real ones, {w['hf_generated_tokens']} generated tokens for {w['useful_tokens']} "
             f"asked for: {w['static_batching_waste']:.2f}× the tokens, the ratio an engine with transformers' cost "
             "per token would get from continuous batching alone."]
+
+
+def _paired(m: dict, key: str) -> str:
+    return "per repeat " + ", ".join(f"{x:.2f}" for x in m["paired_ratios"][key])
 
 
 def _mark(ok: bool) -> str:
@@ -384,7 +402,8 @@ def update_markdown(result: dict, command: str, path: Path = MARKDOWN) -> None:
         "pdserve's offline `LLM.generate` against `transformers`' batched `generate` (static batches, "
         "left-padded, run to each batch's longest `max_tokens`), same random-weight Llama checkpoints, "
         "fp32 on CPU, greedy, EOS ignored. Tokens/s count only the tokens each request asked for. "
-        f"Medians of {result['config']['repeats']} runs; the two systems alternate within each repeat.", "",
+        f"Medians of {result['config']['repeats']} runs; the two systems alternate within each repeat, and the "
+        "ratio column also gives each repeat's back-to-back ratio.", "",
         "Command:", "", "```", command, "```", "",
         *table_rows(result), "",
         *waste_lines(result), "",
@@ -392,8 +411,9 @@ def update_markdown(result: dict, command: str, path: Path = MARKDOWN) -> None:
         "measured `copy_` bandwidth, read + write bytes, same run):", "",
         *step_rows(result), "",
         f"Files: `benchmarks/results/offline_throughput.json`, `benchmarks/results/offline_throughput.png`. "
-        f"Load average at the end of the run: {result['machine']['load_avg_1m_end']:.2f} "
-        f"({result['machine']['cpu_count']} CPUs).", "",
+        f"Load average (1 min) at the start and end of the run: {result['machine'].get('load_avg_1m_start', float('nan')):.2f}, "
+        f"{result['machine']['load_avg_1m_end']:.2f} ({result['machine']['cpu_count']} CPUs); above the CPU count the "
+        "figures are skewed by other processes.", "",
     ])
     text = path.read_text() if path.exists() else "# Benchmarks\n\nLatest figures; each row names the command that produced it.\n\n"
     start = text.find(SECTION)
@@ -428,6 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
+    p.add_argument("--report-only", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: redraw the plot and BENCHMARKS.md from a saved result")
     return p.parse_args(argv)
 
 
@@ -448,6 +470,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.report_only:
+        result = json.loads(args.report_only.read_text())
+        write_plot(result, args.report_only.parent, args.report_only.stem)
+        if not args.no_markdown:
+            update_markdown(result, result["command"])
+        print_summary(result)
+        return
     cfg = config_from_args(args)
     torch.manual_seed(cfg.seed)
     result = run_benchmark(cfg)

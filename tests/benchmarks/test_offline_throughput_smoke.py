@@ -39,7 +39,7 @@ def test_offline_throughput_smoke(tmp_path):
     ot.update_markdown(result, "python benchmarks/offline_throughput.py --test", tmp_path / "BENCHMARKS.md")
     written = json.loads((tmp_path / "out.json").read_text())
     assert {"benchmark", "config", "machine", "copy_bandwidth_gbps", "models"} <= written.keys()
-    assert {"model", "decode_floor_ms", "systems", "ratios", "goals", "greedy_agreement",
+    assert {"model", "decode_floor_ms", "systems", "ratios", "goals", "greedy_agreement", "paired_ratios",
             "mixed_workload"} <= written["models"][0].keys()
     assert {"mixed_throughput", "batch1_latency", "batch1_throughput", "batch1_decode_step"} <= model["ratios"].keys()
     assert (tmp_path / "out.png").stat().st_size > 0
