@@ -1,0 +1,496 @@
+"""Offline throughput: pdserve against `transformers`' batched `generate`, side by side in one run.
+
+For each model (random-weight Llama configs built once and cached under `benchmarks/.cache/`):
+
+- **batch 1**: one prompt, greedy, a fixed number of new tokens (EOS ignored on both sides).
+  Reported: tokens/s, the whole request's latency, and the decode step time, estimated as
+  (time for N tokens - time for 1 token) / (N - 1), against this machine's floor, i.e. the
+  model's parameter bytes divided by the memory-copy bandwidth measured in the same run.
+- **mixed**: many prompts of seeded random lengths and seeded random `max_tokens`. pdserve gets
+  every request with its own `max_tokens`; `transformers` runs static batches (left-padded with an
+  attention mask) to the longest `max_tokens` of each batch. Useful tokens are the ones each
+  request asked for, on both sides: rows that run past their own limit only cost time.
+
+Timed runs alternate between the two systems, so load from other processes skews both alike;
+the ratios are the figures to read. Everything is fp32 on the CPU.
+
+    python benchmarks/offline_throughput.py            # full run, updates BENCHMARKS.md
+    python benchmarks/offline_throughput.py --quick    # smoke run, writes *_quick files only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+# `benchmarks/` is not a package: run against this checkout's engine, not an installed one.
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+CACHE_DIR = ROOT / "benchmarks" / ".cache"
+MARKDOWN = ROOT / "BENCHMARKS.md"
+SECTION = "## Offline throughput (issue 2)"
+PAD_TOKEN_ID = 0
+EOS_TOKEN_ID = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A random-weight Llama config; `save_pretrained` output is cached by these fields."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int = 8192
+    max_position_embeddings: int = 1024
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        return "-".join(str(v) for v in asdict(self).values())
+
+
+MODELS = {
+    "llama-100m": ModelSpec("llama-100m", 768, 12, 12, 4, 2048),
+    "llama-10m": ModelSpec("llama-10m", 256, 6, 4, 2, 688),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    models: tuple[ModelSpec, ...] = tuple(MODELS.values())
+    repeats: int = 3
+    b1_prompt_len: int = 64
+    b1_new_tokens: int = 64
+    num_prompts: int = 32
+    min_prompt_len: int = 16
+    max_prompt_len: int = 256
+    min_max_tokens: int = 8
+    max_max_tokens: int = 128
+    hf_batch_size: int = 32  # transformers' static batch; prompts run in chunks of this size
+    bandwidth_mb: int = 512
+    seed: int = 0
+    engine_options: dict = field(default_factory=dict)  # extra `LLM(...)` options
+    cache_dir: Path = CACHE_DIR
+
+    def __post_init__(self) -> None:
+        for name in ("repeats", "b1_prompt_len", "num_prompts", "min_prompt_len", "min_max_tokens",
+                     "hf_batch_size", "bandwidth_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.b1_new_tokens < 2:
+            raise ValueError(f"b1_new_tokens must be >= 2 (the decode step is a difference), got {self.b1_new_tokens}")
+        if self.min_prompt_len > self.max_prompt_len or self.min_max_tokens > self.max_max_tokens:
+            raise ValueError("each min_* must be <= its max_*")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+# ---- setup ---------------------------------------------------------------------------------
+
+def build_checkpoint(spec: ModelSpec, cache_dir: Path) -> Path:
+    """Build (once) and return the directory of a random-weight Llama checkpoint."""
+    path = Path(cache_dir) / spec.cache_key()
+    if (path / "model.safetensors").is_file():
+        return path
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    config = transformers.LlamaConfig(
+        hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings, eos_token_id=EOS_TOKEN_ID,
+        bos_token_id=1, pad_token_id=PAD_TOKEN_ID, tie_word_embeddings=False)
+    torch.manual_seed(spec.seed)
+    model = transformers.LlamaForCausalLM(config)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(path)  # a half-written checkpoint never looks finished
+    return path
+
+
+def make_workload(cfg: BenchConfig, vocab_size: int) -> list[Request]:
+    rng = random.Random(cfg.seed)
+    return [Request([rng.randrange(3, vocab_size) for _ in range(rng.randint(cfg.min_prompt_len, cfg.max_prompt_len))],
+                    rng.randint(cfg.min_max_tokens, cfg.max_max_tokens))
+            for _ in range(cfg.num_prompts)]
+
+
+def measure_copy_bandwidth(num_mb: int, repeats: int = 5) -> float:
+    """Best-of-`repeats` `copy_` bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.ones(num_mb << 18, dtype=torch.float32)  # num_mb MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+# ---- the two systems -----------------------------------------------------------------------
+
+class PdserveRunner:
+    name = "pdserve"
+
+    def __init__(self, path: Path, options: dict):
+        from engine import LLM
+
+        self.llm = LLM(str(path), dtype="float32", device="cpu", **options)
+
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        from engine import SamplingParams
+
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        outs = self.llm.generate([r.prompt_token_ids for r in requests], params)
+        return [list(o.token_ids) for o in outs]
+
+
+class HFRunner:
+    """`transformers` static batching: each batch runs every row to its longest `max_tokens`."""
+
+    name = "transformers"
+
+    def __init__(self, path: Path, batch_size: int):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.batch_size = batch_size
+
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        out = []
+        for i in range(0, len(requests), self.batch_size):
+            out.extend(self._generate_batch(requests[i:i + self.batch_size]))
+        return out
+
+    @torch.inference_mode()
+    def _generate_batch(self, requests: list[Request]) -> list[list[int]]:
+        width = max(len(r.prompt_token_ids) for r in requests)
+        ids = torch.full((len(requests), width), PAD_TOKEN_ID, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(requests):  # left padding: every row's last token lines up
+            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - len(r.prompt_token_ids):] = 1
+        num_new = max(r.max_tokens for r in requests)
+        gen = self.model.generate(ids, attention_mask=mask, max_new_tokens=num_new, min_new_tokens=num_new,
+                                  do_sample=False, eos_token_id=None, pad_token_id=PAD_TOKEN_ID)
+        # a user gets only what they asked for; the rest of the row was wasted work
+        return [gen[row, width:width + r.max_tokens].tolist() for row, r in enumerate(requests)]
+
+
+def timed(runner, requests: list[Request]) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    tokens = runner.generate(requests)
+    return time.perf_counter() - t0, tokens
+
+
+# ---- measurements --------------------------------------------------------------------------
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of requests whose greedy outputs are identical (informational: padding changes
+    fp32 rounding in transformers' batch, and random weights have near-ties)."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def bench_model(spec: ModelSpec, cfg: BenchConfig, bandwidth_gbps: float, bar: tqdm) -> dict:
+    path = build_checkpoint(spec, cfg.cache_dir)
+    runners = [PdserveRunner(path, cfg.engine_options), HFRunner(path, cfg.hf_batch_size)]
+    num_params = sum(p.numel() for p in runners[1].model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in runners[1].model.parameters())
+    rng = random.Random(cfg.seed + 1)
+    b1_prompt = [rng.randrange(3, spec.vocab_size) for _ in range(cfg.b1_prompt_len)]
+    b1_full, b1_first = [Request(b1_prompt, cfg.b1_new_tokens)], [Request(b1_prompt, 1)]
+    mixed = make_workload(cfg, spec.vocab_size)
+    for runner in runners:  # warm-up: first-call allocations, thread pools, lazy imports
+        runner.generate([Request(b1_prompt[:16], 4)])
+        runner.generate(mixed[:2])
+
+    times = {r.name: {"b1_full": [], "b1_first": [], "mixed": []} for r in runners}
+    outputs: dict[str, dict[str, list[list[int]]]] = {r.name: {} for r in runners}
+    for _ in range(cfg.repeats):
+        for kind, requests in (("b1_first", b1_first), ("b1_full", b1_full), ("mixed", mixed)):
+            for runner in runners:
+                seconds, tokens = timed(runner, requests)
+                times[runner.name][kind].append(seconds)
+                outputs[runner.name][kind] = tokens
+                bar.update(1)
+    floor_ms = param_bytes / (bandwidth_gbps * 1e9) * 1e3
+    systems = {}
+    for runner in runners:
+        t = {kind: statistics.median(v) for kind, v in times[runner.name].items()}
+        outs = outputs[runner.name]
+        step_ms = (t["b1_full"] - t["b1_first"]) / (cfg.b1_new_tokens - 1) * 1e3
+        systems[runner.name] = {
+            "batch1": {"seconds": t["b1_full"], "tokens": sum(map(len, outs["b1_full"])),
+                       "tokens_per_s": sum(map(len, outs["b1_full"])) / t["b1_full"],
+                       "first_token_seconds": t["b1_first"], "decode_step_ms": step_ms,
+                       "decode_step_vs_floor": step_ms / floor_ms, "all_seconds": times[runner.name]["b1_full"]},
+            "mixed": {"seconds": t["mixed"], "useful_tokens": sum(map(len, outs["mixed"])),
+                      "tokens_per_s": sum(map(len, outs["mixed"])) / t["mixed"],
+                      "all_seconds": times[runner.name]["mixed"]},
+        }
+    pd, hf = systems["pdserve"], systems["transformers"]
+    return {
+        "model": asdict(spec) | {"num_params": num_params, "param_bytes": param_bytes},
+        "decode_floor_ms": floor_ms,
+        "systems": systems,
+        "ratios": {
+            "mixed_throughput": pd["mixed"]["tokens_per_s"] / hf["mixed"]["tokens_per_s"],
+            "batch1_throughput": pd["batch1"]["tokens_per_s"] / hf["batch1"]["tokens_per_s"],
+            "batch1_latency": pd["batch1"]["seconds"] / hf["batch1"]["seconds"],
+            "batch1_decode_step": pd["batch1"]["decode_step_ms"] / hf["batch1"]["decode_step_ms"],
+        },
+        "paired_ratios": paired_ratios(systems),
+        "goals": {
+            "mixed_throughput_at_least_2x": pd["mixed"]["tokens_per_s"] >= 2 * hf["mixed"]["tokens_per_s"],
+            "batch1_latency_within_1.2x": pd["batch1"]["seconds"] <= 1.2 * hf["batch1"]["seconds"],
+        },
+        "greedy_agreement": {kind: _agreement(outputs["pdserve"][kind], outputs["transformers"][kind])
+                             for kind in ("b1_full", "mixed")},
+        "mixed_workload": workload_summary(mixed, cfg.hf_batch_size),
+    }
+
+
+def paired_ratios(systems: dict) -> dict:
+    """Per-repeat ratios of runs taken back to back: steadier than a ratio of medians when the
+    machine's load changes during the run. Both sides produce the same useful tokens."""
+    pd, hf = systems["pdserve"], systems["transformers"]
+    pairs = lambda kind: list(zip(pd[kind]["all_seconds"], hf[kind]["all_seconds"]))  # noqa: E731
+    mixed = [h / p for p, h in pairs("mixed")]
+    latency = [p / h for p, h in pairs("batch1")]
+    return {"mixed_throughput": mixed, "mixed_throughput_median": statistics.median(mixed),
+            "batch1_latency": latency, "batch1_latency_median": statistics.median(latency)}
+
+
+def workload_summary(requests: list[Request], batch_size: int) -> dict:
+    """The mixed batch, and the work static batching does for it: padded prompt tokens and
+    generated tokens, useful or not. `static_batching_waste` is the throughput ratio an engine
+    would get from skipping that work alone, at equal cost per token."""
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    useful = sum(r.max_tokens for r in requests)
+    generated = sum(len(b) * max(r.max_tokens for r in b) for b in batches)
+    prompt = sum(len(r.prompt_token_ids) for r in requests)
+    padded = sum(len(b) * max(len(r.prompt_token_ids) for r in b) for b in batches)
+    return {"prompt_lens": [len(r.prompt_token_ids) for r in requests], "max_tokens": [r.max_tokens for r in requests],
+            "prompt_tokens": prompt, "hf_padded_prompt_tokens": padded,
+            "useful_tokens": useful, "hf_generated_tokens": generated,
+            "static_batching_waste": (padded + generated) / (prompt + useful)}
+
+
+def run_benchmark(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Every measurement of one run, as a JSON-ready dict."""
+    load_start = os.getloadavg()[0]
+    bandwidth = measure_copy_bandwidth(cfg.bandwidth_mb)
+    total = len(cfg.models) * cfg.repeats * 3 * 2
+    with tqdm(total=total, desc="offline throughput", unit="run", disable=not progress, leave=False) as bar:
+        models = [bench_model(spec, cfg, bandwidth, bar) for spec in cfg.models]
+    return {
+        "benchmark": "offline_throughput",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "models"},
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                    "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
+        "copy_bandwidth_gbps": bandwidth,
+        "models": models,
+    }
+
+
+# ---- reporting -----------------------------------------------------------------------------
+
+def table_rows(result: dict) -> list[str]:
+    rows = ["| model | params | workload | pdserve tok/s | transformers tok/s | ratio | goal |",
+            "|---|---|---|---|---|---|---|"]
+    for m in result["models"]:
+        pd, hf, r, g = m["systems"]["pdserve"], m["systems"]["transformers"], m["ratios"], m["goals"]
+        name, params = m["model"]["name"], f"{m['model']['num_params'] / 1e6:.1f} M"
+        rows.append(f"| {name} | {params} | mixed ({len(m['mixed_workload']['max_tokens'])} prompts) | "
+                    f"{pd['mixed']['tokens_per_s']:.1f} | {hf['mixed']['tokens_per_s']:.1f} | "
+                    f"{r['mixed_throughput']:.2f}× ({_paired(m, 'mixed_throughput')}) | ≥ 2× {_mark(g['mixed_throughput_at_least_2x'])} |")
+        rows.append(f"| {name} | {params} | batch 1 | {pd['batch1']['tokens_per_s']:.1f} | "
+                    f"{hf['batch1']['tokens_per_s']:.1f} | latency {r['batch1_latency']:.2f}× "
+                    f"({_paired(m, 'batch1_latency')}) | "
+                    f"≤ 1.2× {_mark(g['batch1_latency_within_1.2x'])} |")
+    return rows
+
+
+def step_rows(result: dict) -> list[str]:
+    rows = ["| model | param bytes | floor ms/step | pdserve ms/step | transformers ms/step |",
+            "|---|---|---|---|---|"]
+    for m in result["models"]:
+        pd, hf = m["systems"]["pdserve"]["batch1"], m["systems"]["transformers"]["batch1"]
+        rows.append(f"| {m['model']['name']} | {m['model']['param_bytes'] / 1e6:.0f} MB | {m['decode_floor_ms']:.2f} | "
+                    f"{pd['decode_step_ms']:.2f} ({pd['decode_step_vs_floor']:.1f}× floor) | "
+                    f"{hf['decode_step_ms']:.2f} ({hf['decode_step_vs_floor']:.1f}× floor) |")
+    return rows
+
+
+def waste_lines(result: dict) -> list[str]:
+    w = result["models"][0]["mixed_workload"]
+    return [f"Static batching's share of work on the mixed batch: {w['hf_padded_prompt_tokens']} padded prompt tokens "
+            f"for {w['prompt_tokens']} real ones, {w['hf_generated_tokens']} generated tokens for {w['useful_tokens']} "
+            f"asked for: {w['static_batching_waste']:.2f}× the tokens, the ratio an engine with transformers' cost "
+            "per token would get from continuous batching alone."]
+
+
+def _paired(m: dict, key: str) -> str:
+    return "per repeat " + ", ".join(f"{x:.2f}" for x in m["paired_ratios"][key])
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def write_json(result: dict, out_dir: Path, stem: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def write_plot(result: dict, out_dir: Path, stem: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, kind, title in ((axes[0], "mixed", "mixed batch"), (axes[1], "batch1", "batch 1")):
+        xs = range(len(models))
+        for k, system in enumerate(("pdserve", "transformers")):
+            vals = [m["systems"][system][kind]["tokens_per_s"] for m in models]
+            bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], vals, 0.38, label=system)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(list(xs), [m["model"]["name"] for m in models])
+        ax.set_title(f"{title}: useful tokens/s (median of {result['config']['repeats']})")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
+    fig.suptitle(f"pdserve vs transformers, fp32 CPU, {result['machine']['torch_threads']} threads")
+    fig.tight_layout()
+    path = out_dir / f"{stem}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def update_markdown(result: dict, command: str, path: Path = MARKDOWN) -> None:
+    section = "\n".join([
+        SECTION, "",
+        "pdserve's offline `LLM.generate` against `transformers`' batched `generate` (static batches, "
+        "left-padded, run to each batch's longest `max_tokens`), same random-weight Llama checkpoints, "
+        "fp32 on CPU, greedy, EOS ignored. Tokens/s count only the tokens each request asked for. "
+        f"Medians of {result['config']['repeats']} runs; the two systems alternate within each repeat, and the "
+        "ratio column also gives each repeat's back-to-back ratio.", "",
+        "Command:", "", "```", command, "```", "",
+        *table_rows(result), "",
+        *waste_lines(result), "",
+        f"Batch-1 decode step against the floor (parameter bytes / {result['copy_bandwidth_gbps']:.1f} GB/s "
+        "measured `copy_` bandwidth, read + write bytes, same run):", "",
+        *step_rows(result), "",
+        f"Files: `benchmarks/results/offline_throughput.json`, `benchmarks/results/offline_throughput.png`. "
+        f"Load average (1 min) at the start and end of the run: {result['machine'].get('load_avg_1m_start', float('nan')):.2f}, "
+        f"{result['machine']['load_avg_1m_end']:.2f} ({result['machine']['cpu_count']} CPUs); above the CPU count the "
+        "figures are skewed by other processes.", "",
+    ])
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nLatest figures; each row names the command that produced it.\n\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    path.write_text(text)
+
+
+def print_summary(result: dict) -> None:
+    print(f"copy bandwidth: {result['copy_bandwidth_gbps']:.1f} GB/s (read + write)")
+    for line in table_rows(result) + [""] + waste_lines(result) + [""] + step_rows(result):
+        print(line)
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sizes, 1 repeat, small model only; writes *_quick files")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(MODELS)}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-lens", default="16,256", help="min,max prompt length of the mixed batch")
+    p.add_argument("--max-tokens", default="8,128", help="min,max max_tokens of the mixed batch")
+    p.add_argument("--b1-prompt-len", type=int, default=64)
+    p.add_argument("--b1-new-tokens", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="transformers' static batch (default: all prompts)")
+    p.add_argument("--bandwidth-mb", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
+    p.add_argument("--report-only", type=Path, default=None, metavar="JSON",
+                   help="measure nothing: redraw the plot and BENCHMARKS.md from a saved result")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    lo_p, hi_p = (int(x) for x in args.prompt_lens.split(","))
+    lo_t, hi_t = (int(x) for x in args.max_tokens.split(","))
+    cfg = BenchConfig(
+        models=tuple(MODELS[name] for name in args.models.split(",")), repeats=args.repeats,
+        b1_prompt_len=args.b1_prompt_len, b1_new_tokens=args.b1_new_tokens, num_prompts=args.num_prompts,
+        min_prompt_len=lo_p, max_prompt_len=hi_p, min_max_tokens=lo_t, max_max_tokens=hi_t,
+        hf_batch_size=args.hf_batch_size or args.num_prompts, bandwidth_mb=args.bandwidth_mb, seed=args.seed)
+    if args.quick:
+        cfg = replace(cfg, models=(MODELS["llama-10m"],), repeats=1, b1_prompt_len=16, b1_new_tokens=8,
+                      num_prompts=8, min_prompt_len=8, max_prompt_len=48, min_max_tokens=2, max_max_tokens=16,
+                      hf_batch_size=8, bandwidth_mb=64)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report_only:
+        result = json.loads(args.report_only.read_text())
+        write_plot(result, args.report_only.parent, args.report_only.stem)
+        if not args.no_markdown:
+            update_markdown(result, result["command"])
+        print_summary(result)
+        return
+    cfg = config_from_args(args)
+    torch.manual_seed(cfg.seed)
+    result = run_benchmark(cfg)
+    command = "python benchmarks/offline_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["command"] = command.strip()
+    stem = "offline_throughput_quick" if args.quick else "offline_throughput"
+    json_path = write_json(result, args.out_dir, stem)
+    png_path = write_plot(result, args.out_dir, stem)
+    if not (args.quick or args.no_markdown):
+        update_markdown(result, result["command"])
+    print_summary(result)
+    print(f"wrote {json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path}, "
+          f"{png_path.name}" + ("" if args.quick or args.no_markdown else ", BENCHMARKS.md"))
+
+
+if __name__ == "__main__":
+    main()
