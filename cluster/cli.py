@@ -52,6 +52,7 @@ def _add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=default_port)
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default: off)")
 
 
 def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -93,7 +94,7 @@ def _decode_worker(args: argparse.Namespace) -> int:
     from decode_worker.server import DecodeServerConfig
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
-    return run(_worker_engine_config(args), config, args.host, args.port)
+    return run(_worker_engine_config(args), config, args.host, args.port, args.metrics_port)
 
 
 def _prefill_worker(args: argparse.Namespace) -> int:
@@ -102,7 +103,7 @@ def _prefill_worker(args: argparse.Namespace) -> int:
     from prefill_worker.server import PrefillServerConfig
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
-    return run(_worker_engine_config(args), config, args.host, args.port)
+    return run(_worker_engine_config(args), config, args.host, args.port, args.metrics_port)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -115,7 +116,7 @@ def _router(args: argparse.Namespace) -> int:
                           connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
                           max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
                           max_prompt_chars=args.max_prompt_chars)
-    return run(config, args.host, args.port, args.http_port)
+    return run(config, args.host, args.port, args.http_port, args.metrics_port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt = sub.add_parser("router", help="serve the public Generation API (gRPC) and OpenAI HTTP")
     rt.add_argument("--model", required=True, help="checkpoint directory: its tokenizer is used")
     _add_server_args(rt, 50050)
-    rt.add_argument("--http-port", type=int, default=None, help="serve OpenAI /v1/completions here too")
+    rt.add_argument("--http-port", type=int, default=None, help="serve OpenAI /v1/completions (and /metrics) here too")
     rt.add_argument("--prefill", default="", help="prefill worker addresses, comma separated (omit: colocated)")
     rt.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
     rt.add_argument("--rpc-timeout", type=float, default=300.0, help="seconds one request may take end to end")

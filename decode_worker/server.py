@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from proto.convert import FINISH_REASONS, sampling_kwargs
+from proto.metrics import WorkerMetrics
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
@@ -61,8 +63,9 @@ def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, config: DecodeServerConfig):
+    def __init__(self, config: DecodeServerConfig, metrics: WorkerMetrics | None = None):
         self.config = config
+        self.metrics = metrics or WorkerMetrics("decode")
         self.loop: DecodeLoop | None = None  # set by `ready` once the model is loaded
         self.info: worker_pb2.WorkerInfo | None = None
         self.receiver: KVReceiver | None = None
@@ -166,6 +169,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 part = chunk.WhichOneof("part")
                 if part == "header":
                     t = self._open(chunk.header)
+                    opened_at = time.perf_counter()
                 elif t is None:
                     raise TransferError(TransferFailure.CORRUPT, f"the stream starts with {part}, not a header")
                 elif part == "data":
@@ -177,6 +181,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.receiver.finish(t, chunk.trailer.num_chunks, chunk.trailer.first_token_id)
                     await self._activate(t, chunk.trailer.first_token_id)
                     self.kv_transfer_bytes_total += t.num_bytes
+                    self.metrics.observe_transfer(time.perf_counter() - opened_at)
                     return worker_pb2.PushKVResponse(num_chunks=t.num_chunks, num_bytes=t.num_bytes)
             raise TransferError(TransferFailure.CORRUPT, "transfer truncated: the stream ended without a trailer")
         except TransferError as e:
@@ -244,6 +249,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def GetStats(self, request, context):
         await self._check_ready(context)
+        return self.stats()
+
+    def stats(self) -> worker_pb2.WorkerStats:
         e = self.engine
         return worker_pb2.WorkerStats(
             num_blocks=e.block_manager.num_blocks, num_free_blocks=e.block_manager.num_free_blocks,

@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from prefill_worker.kv_sender import KVSender
 from prefill_worker.loop import PrefillLoop
 from proto.convert import sampling_kwargs
+from proto.metrics import WorkerMetrics
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from proto.serving import CHANNEL_OPTIONS
 
@@ -44,8 +45,9 @@ def work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], SamplingP
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, config: PrefillServerConfig):
+    def __init__(self, config: PrefillServerConfig, metrics: WorkerMetrics | None = None):
         self.config = config
+        self.metrics = metrics or WorkerMetrics("prefill")
         self.loop: PrefillLoop | None = None
         self.info: worker_pb2.WorkerInfo | None = None
         self._channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
@@ -95,6 +97,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 await self.loop.call(add)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            pushed_at = time.perf_counter()
             call = self._stub(request.decode_address).PushKV(sender.messages(),
                                                              timeout=self.config.kv_transfer_timeout_s)
             try:
@@ -113,6 +116,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.loop.call(drop)
         acked_at = time.perf_counter()
         self.kv_transfer_bytes_total += ack.num_bytes
+        self.metrics.observe_transfer(acked_at - pushed_at)
         return worker_pb2.PrefillResponse(first_token_id=sender.first_token, num_chunks=ack.num_chunks,
                                           num_bytes=ack.num_bytes,
                                           prefill_seconds=sender.finished_at - sender.created_at,
@@ -126,6 +130,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetStats(self, request, context):
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.stats()
+
+    def stats(self) -> worker_pb2.WorkerStats:
         e = self.loop.engine
         return worker_pb2.WorkerStats(
             num_blocks=e.block_manager.num_blocks, num_free_blocks=e.block_manager.num_free_blocks,

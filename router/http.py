@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front end: `POST /v1/completions` (streaming as server-sent events),
-`GET /v1/models`, `GET /health`. It builds the same `GenerateRequest` the gRPC API takes and
-runs it through the same `Router`, so validation, admission and cancellation are shared.
+`GET /v1/models`, `GET /health`, `GET /metrics` (the router's Prometheus metrics). It builds the
+same `GenerateRequest` the gRPC API takes and runs it through the same `Router`, so validation,
+admission, cancellation and metrics are shared.
 
 Status codes: 400 for bad input (the message names the field), 429 when no worker can admit
 the request, 503 when workers fail. A client that disconnects mid-stream cancels the request,
@@ -16,6 +17,7 @@ import grpc
 from aiohttp import web
 
 from proto.convert import FINISH_REASON_NAMES
+from proto.metrics import metrics_handler
 from proto.pdserve.v1 import generation_pb2 as gen_pb2
 from router.server import RequestFailed, Router
 
@@ -85,6 +87,7 @@ class CompletionsApp:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
         return app
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -95,24 +98,27 @@ class CompletionsApp:
             {"id": self.model_name, "object": "model", "owned_by": "pdserve"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        trace = self.router.metrics.arrived()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
+            self.router.metrics.count("invalid_argument")
             return _error(400, "body is not valid JSON")
         try:
             req = self.router.validator.parse(completion_request(body))
         except ValueError as e:  # the gRPC-side names ("sampling_params.top_p") read as OpenAI's ("top_p")
+            self.router.metrics.count("invalid_argument")
             message = str(e).removeprefix("sampling_params.")
             return _error(400, message, param=message.split(" ", 1)[0])
         meta = {"id": f"cmpl-{req.req_id}", "created": int(time.time()), "model": self.model_name}
         if body.get("stream"):
-            return await self._stream(request, req, meta)
-        return await self._complete(req, meta)
+            return await self._stream(request, req, trace, meta)
+        return await self._complete(req, trace, meta)
 
-    async def _complete(self, req, meta: dict) -> web.Response:
+    async def _complete(self, req, trace, meta: dict) -> web.Response:
         text, last = [], None
         try:
-            async for resp in self.router.generate(req):
+            async for resp in self.router.generate(req, trace):
                 text.append(resp.text)
                 last = resp
         except RequestFailed as e:
@@ -122,8 +128,8 @@ class CompletionsApp:
         return web.json_response({**meta, "object": "text_completion", "choices": [choice],
                                   "usage": _usage(last)})
 
-    async def _stream(self, request: web.Request, req, meta: dict) -> web.StreamResponse:
-        gen = self.router.generate(req)
+    async def _stream(self, request: web.Request, req, trace, meta: dict) -> web.StreamResponse:
+        gen = self.router.generate(req, trace)
         try:
             first = await anext(gen)  # admission failures still get a proper status code
         except RequestFailed as e:

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.tokenizer import Tokenizer
+from proto.metrics import start_metrics_server
 from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
 from proto.serving import AioServer, wait_for_signal
 from router.admission import AdmissionQueue
+from router.metrics import RouterMetrics
 from router.server import GenerationServicer, Router
 from router.validate import Limits, Validator
 from router.workers import WorkerPool
@@ -39,19 +41,21 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
 
-def run(config: RouterConfig, host: str, port: int, http_port: int | None = None) -> int:
-    asyncio.run(serve(config, host, port, http_port))
+def run(config: RouterConfig, host: str, port: int, http_port: int | None = None,
+        metrics_port: int | None = None) -> int:
+    asyncio.run(serve(config, host, port, http_port, metrics_port))
     return 0
 
 
-async def serve(config: RouterConfig, host: str, port: int, http_port: int | None = None) -> None:
+async def serve(config: RouterConfig, host: str, port: int, http_port: int | None = None,
+                metrics_port: int | None = None) -> None:
     tokenizer = Tokenizer.from_dir(config.model)
     pool = WorkerPool(list(config.prefill_addresses), list(config.decode_addresses), config.rpc_timeout_s)
     await pool.connect(config.connect_timeout_s)  # ValueError: unreachable or mismatched workers
     max_model_len, vocab_size = pool.limits()
     validator = Validator(tokenizer, Limits(max_model_len, vocab_size, config.max_prompt_chars))
     router = Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests),
-                    config.rpc_timeout_s, config.queue_timeout_s)
+                    config.rpc_timeout_s, config.queue_timeout_s, RouterMetrics(Path(config.model).name))
     server = AioServer(host, port)
     server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router),
                generation_pb2.DESCRIPTOR.services_by_name["Generation"])
@@ -62,11 +66,13 @@ async def serve(config: RouterConfig, host: str, port: int, http_port: int | Non
         from router.http import start_http
 
         http = await start_http(router, host, http_port, Path(config.model).name)
+    metrics = None if metrics_port is None else await start_metrics_server(router.metrics.registry, host, metrics_port)
     await server.set_serving(True)
     log.info("serving address=%s:%d mode=%s", host, port, "colocated" if pool.is_colocated else "disaggregated")
     await wait_for_signal()
     watcher.cancel()
-    if http is not None:
-        await http.cleanup()
+    for runner in (http, metrics):
+        if runner is not None:
+            await runner.cleanup()
     await server.set_serving(False)
     await server.stop(grace=2.0)

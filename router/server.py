@@ -26,6 +26,7 @@ from proto.convert import FINISH_REASON_NAMES, sampling_message
 from proto.pdserve.v1 import generation_pb2 as gen_pb2
 from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2
 from router.admission import AdmissionQueue, QueueFull
+from router.metrics import RequestTrace, RouterMetrics
 from router.validate import RouterRequest, Validator
 from router.workers import Worker, WorkerPool
 
@@ -50,26 +51,45 @@ class Router:
     types here, so the HTTP front end shares it."""
 
     def __init__(self, pool: WorkerPool, validator: Validator, tokenizer: Tokenizer | None,
-                 admission: AdmissionQueue, rpc_timeout_s: float, queue_timeout_s: float):
+                 admission: AdmissionQueue, rpc_timeout_s: float, queue_timeout_s: float,
+                 metrics: RouterMetrics | None = None):
         self.pool = pool
         self.validator = validator
         self.tokenizer = tokenizer
         self.admission = admission
         self.rpc_timeout_s = rpc_timeout_s
         self.queue_timeout_s = queue_timeout_s
+        self.metrics = metrics or RouterMetrics()
 
-    async def generate(self, req: RouterRequest):
-        work = work_request(req)
-        call, decode = await self._admit(work)
-        prefill_task = None if self.pool.is_colocated else asyncio.create_task(self._prefill(work, decode))
+    async def generate(self, req: RouterRequest, trace: RequestTrace | None = None):
+        """`trace`: from `metrics.arrived()` when the request arrived (default: now)."""
+        trace = trace or self.metrics.arrived()
+        status = "cancelled"  # unless it finishes or fails
+        call = prefill_task = None
         try:
+            work = work_request(req)
+            call, decode = await self._admit(work)
+            self.metrics.admitted(trace, len(req.prompt_token_ids))
+            prefill_task = None if self.pool.is_colocated else asyncio.create_task(self._prefill(work, decode))
             async for resp in self._stream(req, call, prefill_task):
+                self.metrics.delta_out(trace, len(resp.token_ids))
+                if resp.finish_reason:
+                    status = "ok"
+                    self.metrics.ended(trace, status)  # as the last delta leaves, not when the client reads on
                 yield resp
+        except RequestFailed as e:
+            status = e.code.name.lower()
+            raise
+        except Exception:
+            status = "error"
+            raise
         finally:
-            call.cancel()
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
-            self.admission.wake_one()
+            if call is not None:
+                call.cancel()
+                if prefill_task is not None and not prefill_task.done():
+                    prefill_task.cancel()
+                self.admission.wake_one()
+            self.metrics.ended(trace, status)
 
     async def _admit(self, work: worker_pb2.WorkRequest):
         deadline = time.monotonic() + self.queue_timeout_s
@@ -171,12 +191,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.router = router
 
     async def Generate(self, request, context):
+        trace = self.router.metrics.arrived()
         try:
             req = self.router.validator.parse(request)
         except ValueError as e:
+            self.router.metrics.count("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            async for resp in self.router.generate(req):
+            async for resp in self.router.generate(req, trace):
                 yield resp
         except RequestFailed as e:
             log.info("request failed req_id=%s code=%s: %s", req.client_request_id, e.code.name, e)

@@ -4,7 +4,8 @@
                   decode D2  ◄── router R2 (colocated; block size 8, so D2 never pairs with P)
 
 Started once per session, in parallel, each waited for until grpc.health.v1 says SERVING;
-torn down with SIGTERM (then SIGKILL). A process's log is shown when it fails to start.
+torn down with SIGTERM (then SIGKILL). A process's log is shown when it fails to start. Each
+serves Prometheus /metrics on a port of its own (`Proc.metrics_address`, `Cluster.metrics`).
 """
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ def cluster(serving_model, tmp_path_factory) -> Cluster:
              "D": ["decode-worker", *worker, *draft, "--num-speculative-tokens", "3", "--no-spec-adaptive"],
              "D2": ["decode-worker", *worker, "--block-size", "8"]}
     for name, args in specs.items():
-        port = free_port()
-        c.procs[name] = Proc(name, [*args, "--port", str(port)], logs / f"{name}.log", f"127.0.0.1:{port}")
+        port, metrics_port = free_port(), free_port()
+        c.procs[name] = Proc(name, [*args, "--port", str(port), "--metrics-port", str(metrics_port)],
+                             logs / f"{name}.log", f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}")
     http_port = free_port()
     c.http_address = f"127.0.0.1:{http_port}"
     routers = {"R": ["--prefill", c.address("P"), "--decode", c.address("D"), "--queue-timeout", "60",
@@ -59,7 +61,9 @@ def cluster(serving_model, tmp_path_factory) -> Cluster:
         for proc in c.procs.values():
             proc.start()
         for name, args in routers.items():
-            c.start_router(name, *args, "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5")
+            metrics_port = free_port()
+            c.start_router(name, *args, "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5",
+                           "--metrics-port", str(metrics_port)).metrics_address = f"127.0.0.1:{metrics_port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         for proc in c.procs.values():
             wait_serving(proc, deadline)

@@ -35,6 +35,7 @@ class Proc:
     args: list[str]
     log: Path
     address: str = ""
+    metrics_address: str = ""  # where it serves Prometheus /metrics, if it does
     popen: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -120,5 +121,16 @@ class Cluster:
 
     def start_router(self, name: str, *args: str) -> Proc:
         return self.start(name, "router", *args)
+
+    def metrics(self, name: str) -> dict[tuple[str, frozenset], float]:
+        """A process's /metrics as {(sample name, labels without model_name/worker): value}."""
+        from urllib.request import urlopen
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urlopen(f"http://{self.procs[name].metrics_address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "worker"))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
 
 

@@ -1,0 +1,125 @@
+"""Prometheus metrics every pdserve process shares: the `/metrics` endpoint, bucket boundaries,
+and the workers' metrics, which both pools describe through the same `WorkerStats` message.
+
+Names follow vLLM's (`vllm:` becomes `pdserve:`) so dashboards carry over. Each process keeps
+its own `CollectorRegistry`, never the global one, so tests can build components twice.
+
+A worker's gauges and counters mirror state the servicer and engine already keep; they are
+read when Prometheus scrapes (`WorkerCollector`), so no hot loop is touched. The scrape runs on
+the worker's asyncio loop, like `GetStats`, and reads only sizes and ints that the engine thread
+updates atomically under the GIL; counters read in one scrape may straddle an engine step.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proto.pdserve.v1 import worker_pb2
+
+PREFIX = "pdserve:"
+
+# Seconds. LLM latencies span milliseconds (a decode step) to minutes (a long queue).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                         1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def metrics_handler(registry: CollectorRegistry) -> Callable:
+    """An aiohttp handler answering with the registry in Prometheus' text format."""
+
+    async def handle(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handle
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
+    """Serve `GET /metrics` on the running asyncio loop; `await runner.cleanup()` stops it."""
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler(registry))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+class StatsSource(Protocol):
+    """A worker servicer: `info` is None while the model loads; `stats()` is what GetStats answers."""
+
+    info: worker_pb2.WorkerInfo | None
+
+    def stats(self) -> worker_pb2.WorkerStats: ...
+
+
+class WorkerMetrics:
+    """One worker's metrics. Every series carries `model_name` and `worker` ("prefill" or
+    "decode"). The servicer observes `kv_transfer_seconds`; the rest is read from `source` at
+    scrape time (`attach`)."""
+
+    def __init__(self, worker: str, registry: CollectorRegistry | None = None):
+        self.worker = worker
+        self.registry = registry or CollectorRegistry()
+        self._transfer = Histogram(PREFIX + "kv_transfer_seconds",
+                                   "Duration of a completed KV transfer (the PushKV stream, which overlaps the "
+                                   "prefill compute)", ["model_name", "worker"], registry=self.registry,
+                                   buckets=TRANSFER_BUCKETS)
+        self.model_name = ""  # set by `attach`, before the worker reports SERVING
+
+    def attach(self, source: StatsSource, model_name: str) -> None:
+        """Once the model is loaded: label the series with it and start reading `source`."""
+        self.model_name = model_name
+        self._transfer.labels(model_name, self.worker)  # the series exists before the first transfer
+        self.registry.register(WorkerCollector(source, self.worker, model_name))
+
+    def observe_transfer(self, seconds: float) -> None:
+        self._transfer.labels(self.model_name, self.worker).observe(seconds)
+
+
+class WorkerCollector(Collector):
+    """`WorkerStats` as Prometheus families, built afresh at each scrape."""
+
+    def __init__(self, source: StatsSource, worker: str, model_name: str):
+        self.source, self.labels = source, [model_name, worker]
+
+    def collect(self) -> Iterable[Metric]:
+        if self.source.info is None:  # still loading
+            return
+        st, info = self.source.stats(), self.source.info
+        yield self._gauge("kv_cache_usage_perc", "KV cache usage: share of blocks held by requests (0-1)",
+                          1.0 - st.num_free_blocks / st.num_blocks if st.num_blocks else 0.0)
+        yield self._gauge("num_requests_running", "Requests in the engine's running queue", st.num_running)
+        yield self._gauge("num_requests_waiting", "Requests in the engine's waiting queue", st.num_waiting)
+        yield self._counter("kv_transfer_bytes", "KV bytes of completed transfers (sent or received)",
+                            st.kv_transfer_bytes_total)
+        yield self._counter("kv_transfer_failures", "KV transfers that failed", st.kv_transfer_failures_total)
+        if info.role == "decode" and info.num_speculative_tokens > 0:
+            yield from self._spec(st)
+
+    def _spec(self, st: worker_pb2.WorkerStats) -> Iterable[Metric]:
+        yield self._counter("spec_decode_num_drafts", "Speculative verification steps", st.spec_num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed", st.spec_num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft",
+                                      labels=["model_name", "worker", "position"])
+        for pos, n in enumerate(st.spec_accepted_per_pos):
+            per_pos.add_metric([*self.labels, str(pos)], n)
+        yield per_pos
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "worker"])
+        g.add_metric(self.labels, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "worker"])
+        c.add_metric(self.labels, value)
+        return c
