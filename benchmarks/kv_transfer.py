@@ -36,7 +36,9 @@ sys.path.insert(0, str(REPO))
 
 from proto.pdserve.v1 import generation_pb2 as gen  # noqa: E402
 from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from proto.serving import CHANNEL_OPTIONS  # noqa: E402
+from proto.serving import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS  # noqa: E402
+
+OPTIONS = CHANNEL_OPTIONS + KV_TRANSFER_OPTIONS  # what the workers use for PushKV
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -54,7 +56,7 @@ class _Sink(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 def _grpc_server(port_q):
-    server = grpc.server(futures.ThreadPoolExecutor(4), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=OPTIONS)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_Sink(), server)
     port_q.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
@@ -93,7 +95,7 @@ def grpc_seconds(port: int, payload: bytes, num_chunks: int) -> float:
             yield worker_pb2.KVChunk(data=worker_pb2.KVData(seq=i, data=payload, crc32=crc))
         yield worker_pb2.KVChunk(trailer=worker_pb2.KVTrailer(num_chunks=num_chunks))
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as ch:
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         grpc.channel_ready_future(ch).result(timeout=10)
         t = time.perf_counter()
@@ -215,9 +217,11 @@ def bench_processes(args, grpc_gbps: float, bar) -> dict:
         model = Path(tmp) / "model"
         build_model(model, args.layers, args.hidden)
         procs = Procs(model, Path(tmp))
-        worker = ["--num-threads", str(args.threads), "--num-kv-blocks", "512", "--no-prefix-caching"]
+        # like with like: every worker gets the same threads and the same step token budget
+        worker = ["--num-threads", str(args.threads), "--num-kv-blocks", "512", "--no-prefix-caching",
+                  "--max-num-batched-tokens", str(max(2048, args.prompt_tokens))]
         try:
-            p = procs.start("prefill-worker", *worker, "--max-num-batched-tokens", "8192")
+            p = procs.start("prefill-worker", *worker)
             d = procs.start("decode-worker", *worker)
             d2 = procs.start("decode-worker", *worker)
             procs.wait([p, d, d2])

@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from proto.convert import worker_info
 from proto.metrics import start_metrics_server
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import AioServer, wait_for_signal
+from proto.serving import KV_TRANSFER_OPTIONS, AioServer, wait_for_signal
 
 log = logging.getLogger("pdserve.decode")
 
@@ -29,7 +29,7 @@ def run(engine_config: EngineConfig, server_config: DecodeServerConfig, host: st
 async def serve(engine_config: EngineConfig, server_config: DecodeServerConfig, host: str, port: int,
                 metrics_port: int | None = None) -> None:
     servicer = DecodeWorkerServicer(server_config)
-    server = AioServer(host, port)
+    server = AioServer(host, port, extra_options=KV_TRANSFER_OPTIONS)  # it receives the KV pushes
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
     bound = await server.start()

@@ -16,7 +16,7 @@ import asyncio
 import time
 import zlib
 
-import torch
+import numpy as np
 
 from engine.disagg import KVGroupLayout
 from proto.pdserve.v1 import worker_pb2
@@ -44,15 +44,14 @@ class KVSender:
 
     # ---- engine thread -------------------------------------------------------------------
     def send(self, group: int, layer: int, token_start: int,
-             k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [num_tokens, num_kv_heads, head_dim]
-        num_tokens = k.shape[0]
-        per_token = 2 * k[0].numel() * k.element_size()
+             kv: np.ndarray) -> None:  # kv: [2, num_tokens, num_kv_heads, head_dim], K then V, contiguous
+        num_tokens = kv.shape[1]
+        per_token = 2 * kv[0, 0].nbytes
         step = max(1, self._max_chunk_bytes // per_token)
         for s in range(0, num_tokens, step):
-            kv = torch.stack([k[s:s + step], v[s:s + step]])  # [2, n, num_kv_heads, head_dim]
-            data = kv.reshape(-1).view(torch.uint8).numpy().tobytes()
+            data = kv[:, s:s + step].tobytes()  # the one copy into the message's bytes
             msg = worker_pb2.KVData(seq=self.num_chunks, group=group, layer=layer, token_start=token_start + s,
-                                    num_tokens=kv.shape[1], data=data, crc32=zlib.crc32(data))
+                                    num_tokens=min(step, num_tokens - s), data=data, crc32=zlib.crc32(data))
             self.num_chunks += 1
             self.num_bytes += len(data)
             self._put(worker_pb2.KVChunk(data=msg))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.disagg import PrefillChunk, kv_cache_groups, prefill_step
+from engine.disagg import PrefillChunk, kv_cache_groups, prefill_step, read_kv
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from prefill_worker.kv_sender import KVSender
@@ -52,13 +52,10 @@ class PrefillLoop:
                 sender.finish(done.first_token)
 
     def _send_layer(self, group: int, cache, layer: int, chunks: list[PrefillChunk]) -> None:
-        k_cache, v_cache = cache[layer]
         for c in chunks:
             sender = self.senders.get(c.seq.req_id)
             if sender is not None:
-                k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, c.slots)
-                v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, c.slots)
-                sender.send(group, layer, c.token_start, k, v)
+                sender.send(group, layer, c.token_start, read_kv(cache, layer, c.slots))
 
     def _fail_all(self, reason: str) -> None:
         sched = self.engine.scheduler

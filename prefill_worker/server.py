@@ -21,7 +21,7 @@ from prefill_worker.loop import PrefillLoop
 from proto.convert import sampling_kwargs
 from proto.metrics import WorkerMetrics
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import CHANNEL_OPTIONS
+from proto.serving import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -60,7 +60,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + KV_TRANSFER_OPTIONS)
             self._channels[address] = worker_pb2_grpc.DecodeWorkerStub(channel)
         return self._channels[address]
 

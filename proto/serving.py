@@ -17,15 +17,27 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# For the bulk KV push (the prefill worker's channel to a decode worker, and the decode worker's
+# server): HTTP/2 frames up to 16 MiB instead of 16 KiB, larger write buffers and socket reads.
+# Measured on loopback, 1 MiB chunks: 2.1 CPU-seconds per GiB (both ends) instead of 3.0.
+KV_TRANSFER_OPTIONS = [
+    ("grpc.http2.max_frame_size", (16 << 20) - 1),
+    ("grpc.http2.write_buffer_size", 16 << 20),
+    ("grpc.http2.lookahead_bytes", 16 << 20),
+    ("grpc.experimental.tcp_read_chunk_size", 4 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 1 << 20),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+]
 
 
 class AioServer:
     """A grpc.aio server with health and reflection; `add` servicers, then `start`."""
 
-    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 extra_options: list[tuple[str, int]] = ()):
         self.server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
                                                ("grpc.max_receive_message_length", max_message_bytes),
-                                               ("grpc.so_reuseport", 0)])
+                                               ("grpc.so_reuseport", 0), *extra_options])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
