@@ -107,18 +107,25 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def commit(self, seq: Sequence) -> None:
-        """Hash the sequence's full blocks whose K/V are computed, making them reusable."""
+        """Hash the sequence's full blocks whose K/V are computed, making them reusable.
+
+        Hashed blocks always form a prefix of a block table, so only the blocks after the last
+        hashed one are visited: O(new blocks) per step, not O(blocks)."""
         if not self.enable_prefix_caching:
             return
-        prev = None
-        tokens = None
-        for i in range(seq.num_computed_tokens // self.block_size):
+        full = seq.num_computed_tokens // self.block_size
+        first = full
+        while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
+            first -= 1
+        if first == full:
+            return
+        prev = self.blocks[seq.block_table[first - 1]].hash if first else None
+        tokens = seq.token_ids
+        for i in range(first, full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                tokens = tokens if tokens is not None else seq.token_ids
-                block.token_ids = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-                block.hash = hash((prev, block.token_ids))
-                self._cached.setdefault(block.hash, block.block_id)
+            block.token_ids = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block.hash = hash((prev, block.token_ids))
+            self._cached.setdefault(block.hash, block.block_id)
             prev = block.hash
 
     # ---- internals -----------------------------------------------------------------------
@@ -150,6 +157,8 @@ class BlockManager:
         owners = [0] * self.num_blocks
         for seq in seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.req_id} owns a block twice"
+            hashed = [self.blocks[b].hash is not None for b in seq.block_table]
+            assert hashed == sorted(hashed, reverse=True), f"{seq.req_id}'s hashed blocks are not a prefix"
             for block_id in seq.block_table:
                 owners[block_id] += 1
         for block in self.blocks:
