@@ -35,6 +35,8 @@ class Sampler:
     ) -> list[int]:
         if not params:
             return []
+        if all(p.is_greedy for p in params):  # one-hot rows: the draw is the argmax whatever u is
+            return logits.argmax(-1).tolist()
         u = rng.uniforms(seeds, positions).to(logits.device)
         return self.ops.sample(logits, *param_tensors(params, logits.device), u).tolist()
 

@@ -33,23 +33,29 @@ class DraftProposer:
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
         while active:
-            q = self._run(entries, [seqs[i] for i in active])
-            u = rng.uniforms([seqs[i].seed for i in active], [seqs[i].num_tokens + step for i in active], rng.DRAFT_STREAM)
-            picks = sample_from_probs_ref(q, u).tolist()
+            picks, q = self._run(entries, [seqs[i] for i in active], step)
             for row, i in enumerate(active):
                 seqs[i].num_draft_computed_tokens = entries[row].start + entries[row].num_new_tokens
                 tokens[i].append(picks[row])
-                probs[i].append(q[row])
+                if q is not None and not seqs[i].params.is_greedy:  # a greedy request's q is never read
+                    probs[i].append(q[row])
             step += 1
             active = [i for i in active if ks[i] > step]
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
         return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
-    def _run(self, entries: list[BatchEntry], seqs: list[Sequence]) -> torch.Tensor:
+    def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
+        """One draft forward: the picked tokens and their distributions q [len(seqs), vocab_size],
+        or None when every row is greedy (q is then one-hot on the pick; verification needs only
+        the pick, so the filtering and the draws are skipped)."""
         start = time.perf_counter()
         logits = self.runner.execute(entries)
-        q = self.ops.filter_probs(logits, *param_tensors([s.params for s in seqs], logits.device))
-        q = q.cpu()
+        if all(s.params.is_greedy for s in seqs):
+            picks, q = logits.argmax(-1).tolist(), None
+        else:
+            q = self.ops.filter_probs(logits, *param_tensors([s.params for s in seqs], logits.device)).cpu()
+            u = rng.uniforms([s.seed for s in seqs], [s.num_tokens + step for s in seqs], rng.DRAFT_STREAM)
+            picks = sample_from_probs_ref(q, u).tolist()
         self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
-        return q
+        return picks, q

@@ -55,5 +55,23 @@ def verify_one(
     return out
 
 
+def verify_greedy(
+    target_argmax: list[int],  # [k + 1] the target's argmax at the last token and each draft token
+    draft_token_ids: list[int],  # [k]
+) -> list[int]:
+    """`verify_one` for a greedy request, without the distributions: with p one-hot on the
+    target's argmax, a draft token is accepted exactly when it equals that argmax, and the
+    recovered (or bonus) token is the argmax at the first mismatch (or after the last draft)."""
+    if len(target_argmax) != len(draft_token_ids) + 1:
+        raise ValueError(f"need {len(draft_token_ids) + 1} target argmaxes, got {len(target_argmax)}")
+    out = []
+    for x, best in zip(draft_token_ids, target_argmax):
+        out.append(best)
+        if x != best:
+            return out
+    out.append(target_argmax[-1])
+    return out
+
+
 def _draw(probs: torch.Tensor, u: float) -> int:
     return int(sample_from_probs_ref(probs[None], torch.tensor([u], dtype=torch.float64))[0])

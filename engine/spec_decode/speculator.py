@@ -17,7 +17,7 @@ from engine.sequence import Sequence
 from engine.spec_decode.depth import AdaptiveDepth
 from engine.spec_decode.draft import DraftProposer
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection_sampler import verify_one
+from engine.spec_decode.rejection_sampler import verify_greedy, verify_one
 from kernels import KernelOps
 
 
@@ -52,7 +52,7 @@ class SpecDecodeStats:
 @dataclass(slots=True)
 class Proposal:
     token_ids: list[int]
-    probs: torch.Tensor | None  # [k, vocab_size]; None: one-hot (n-gram)
+    probs: torch.Tensor | None  # [k, vocab_size]; None: one-hot (n-gram, or a greedy request's draft)
 
 
 class Speculator:
@@ -73,6 +73,11 @@ class Speculator:
     def verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> list[int]:
         """logits: [k + 1, vocab_size], the target at the last token and each draft token."""
         k = len(proposal.token_ids)
+        if seq.params.is_greedy:  # p is one-hot on the argmax: no filtering, no draws, no q needed
+            tokens = verify_greedy(logits.argmax(-1).tolist(), proposal.token_ids)
+            self.stats.record(k, len(tokens) - 1)
+            self.depth.record(seq.req_id, k, len(tokens) - 1)
+            return tokens
         p = self.ops.filter_probs(logits, *param_tensors([seq.params] * (k + 1), logits.device)).cpu()
         q = proposal.probs if proposal.probs is not None else self._one_hot(proposal.token_ids)
         first = seq.num_tokens  # position of the first draft token

@@ -49,6 +49,15 @@ def test_greedy_is_argmax_whatever_the_draw():
     assert set(toks) == {5}
 
 
+def test_all_greedy_fast_path_matches_the_general_sample():
+    torch.manual_seed(1)
+    logits = torch.randn(64, 300)
+    greedy = [SamplingParams(temperature=0)] * 64
+    u = rng.uniforms(list(range(64)), [9] * 64)
+    general = TORCH_OPS.sample(logits, *param_tensors(greedy, logits.device), u).tolist()
+    assert Sampler(TORCH_OPS).sample(logits, greedy, list(range(64)), [9] * 64) == general
+
+
 def test_same_seed_and_position_same_token_in_any_batch():
     s = Sampler(TORCH_OPS)
     torch.manual_seed(0)

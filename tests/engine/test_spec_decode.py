@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection_sampler import verify_one
+from engine.spec_decode.rejection_sampler import verify_greedy, verify_one
 from kernels import TORCH_OPS
 from engine.sampler import param_tensors
 
@@ -190,6 +190,22 @@ def test_acceptance_probability_is_min_one_p_over_q():
     q = torch.tensor([[0.6, 0.4]])  # x = 0: accept iff u < 0.5
     assert verify_one(p, q, [0], [0.49], [0.0], 0.0)[0] == 0
     assert verify_one(p, q, [0], [0.51], [0.0], 0.0) == [1]  # residual max(0, p-q) = [0, .3]
+
+
+def test_greedy_verify_matches_verify_one_on_one_hot_distributions():
+    """The greedy fast path against the general sampler fed the one-hot p and q that greedy
+    filtering produces, over every draft/argmax pattern of a small vocabulary, any draws."""
+    v, k = 3, 3
+    for argmax in itertools.product(range(v), repeat=k + 1):
+        for drafts in itertools.product(range(v), repeat=k):
+            expected = verify_one(one_hot(*argmax, v=v), one_hot(*drafts, v=v), list(drafts),
+                                  [0.7] * k, [0.3] * k, 0.9)
+            assert verify_greedy(list(argmax), list(drafts)) == expected, (argmax, drafts)
+
+
+def test_greedy_verify_rejects_wrong_lengths():
+    with pytest.raises(ValueError, match="need 3 target argmaxes"):
+        verify_greedy([0, 1], [0, 1])
 
 
 @pytest.mark.parametrize("p, q, ids, match", [
