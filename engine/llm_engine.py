@@ -65,6 +65,7 @@ class LLMEngine:
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[str, _Request] = {}
+        self._speculate = False  # this step's gate decision
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
 
@@ -172,6 +173,9 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
+        batch_size = len(self.scheduler.running)
+        self._speculate = self.speculator is not None and self.speculator.allow(batch_size)
         sched = self.scheduler.schedule(self._lookahead)
         if sched.is_empty:
             return []
@@ -179,12 +183,17 @@ class LLMEngine:
         proposals = self._propose(batch)
         start = time.perf_counter()
         logits = self.runner.execute(batch)
-        if self.speculator is not None:
+        if self.speculator is not None:  # every pass, prefill chunks too: they spread n for the fit
             self.target_cost.observe(sum(e.num_new_tokens for e in batch), time.perf_counter() - start)
-        return self._postprocess(batch, logits, proposals)
+        is_decode_only = all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch)
+        outputs = self._postprocess(batch, logits, proposals)
+        if self.speculator is not None and is_decode_only:  # the gate compares like with like
+            emitted = sum(len(o.new_token_ids) for o in outputs)
+            self.speculator.gate.observe(len(batch), bool(proposals), time.perf_counter() - step_start, emitted)
+        return outputs
 
     def _lookahead(self, seq: Sequence) -> int:
-        if self.speculator is None:
+        if not self._speculate:
             return 0
         return self.speculator.choose_k(seq, len(self.scheduler.running), self.max_model_len)
 

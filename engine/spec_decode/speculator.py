@@ -16,6 +16,7 @@ from engine.sampler import param_tensors
 from engine.sequence import Sequence
 from engine.spec_decode.depth import AdaptiveDepth
 from engine.spec_decode.draft import DraftProposer
+from engine.spec_decode.gate import SpeculationGate
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection_sampler import verify_greedy, verify_one
 from kernels import KernelOps
@@ -60,6 +61,12 @@ class Speculator:
                  vocab_size: int):
         self.proposer, self.depth, self.ops, self.vocab_size = proposer, depth, ops, vocab_size
         self.stats = SpecDecodeStats()
+        self.gate = SpeculationGate()
+
+    def allow(self, batch_size: int) -> bool:
+        """Whether this step speculates at all: always at fixed depth; with adaptive depth, while
+        the gate measures it paying at this batch size."""
+        return not self.depth.adaptive or self.gate.allow(batch_size)
 
     def choose_k(self, seq: Sequence, batch_size: int, max_model_len: int) -> int:
         room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1

@@ -313,3 +313,30 @@ def test_draft_must_share_the_vocabulary(target, checkpoint):
     other = checkpoint("llama", seed=3, vocab_size=100)
     with pytest.raises(ValueError, match="vocab_size 100 differs"):
         LLM(target, draft_model=other, num_speculative_tokens=2)
+
+
+# ---- the gate -----------------------------------------------------------------------------------
+def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores():
+    from engine.spec_decode.gate import SpeculationGate
+
+    gate = SpeculationGate()
+    assert gate.allow(32) is True  # speculation is measured first
+    gate.observe(32, True, seconds=0.30, num_tokens=40)  # 7.5 ms per token
+    assert gate.allow(32) is False  # then plain decoding
+    gate.observe(32, False, seconds=0.10, num_tokens=32)  # 3.1 ms per token: plain wins here
+    decisions = [gate.allow(32) for _ in range(64)]
+    assert decisions.count(True) == 4  # only the exploring steps (1 in 16) speculate
+    assert gate.allow(1) is True  # other batch sizes keep their own record
+    gate.observe(1, True, seconds=0.02, num_tokens=4)
+    gate.observe(1, False, seconds=0.01, num_tokens=1)
+    assert [gate.allow(1) for _ in range(10)].count(False) <= 1  # speculation pays at batch 1
+
+
+def test_adaptive_speculation_is_turned_off_where_it_does_not_pay(target, useless_draft):
+    """A useless draft: the gate's plain-decoding measurements win and most steps do not speculate."""
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=4)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=120, ignore_eos=True)
+    llm.generate([PROMPTS[1]], params)
+    st = llm.engine.speculator.stats
+    assert st.num_drafts < 60  # of ~110 decode steps
+    assert_all_free(llm)
