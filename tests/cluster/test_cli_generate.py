@@ -1,0 +1,39 @@
+"""`pdserve generate` streams a completion to stdout, and bad input exits 2 with one clear line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_generate_streams_the_offline_completion(text_checkpoint):
+    out = run_cli("generate", "--model", str(text_checkpoint), "--prompt", "def ", "--max-tokens", "8",
+                  "--temperature", "0")
+    assert out.returncode == 0, out.stderr
+    want = LLM(text_checkpoint).generate(["def "], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.stdout == "def " + want.text + "\n"
+    assert f"[{len(want.token_ids)} tokens, finish_reason={want.finish_reason_str}" in out.stderr
+
+
+def test_generate_with_speculation_prints_its_stats(text_checkpoint):
+    out = run_cli("generate", "--model", str(text_checkpoint), "--draft-model", str(text_checkpoint),
+                  "--num-speculative-tokens", "3", "--no-spec-adaptive", "--prompt", "def ", "--max-tokens", "12",
+                  "--temperature", "0")
+    assert out.returncode == 0, out.stderr
+    assert "speculative:" in out.stderr and "draft tokens accepted" in out.stderr
+
+
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, text_checkpoint):
+    missing = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+    bad_top_p = run_cli("generate", "--model", str(text_checkpoint), "--prompt", "x", "--top-p", "2")
+    assert bad_top_p.returncode == 2 and "SamplingParams.top_p" in bad_top_p.stderr and bad_top_p.stdout == ""
