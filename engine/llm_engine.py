@@ -180,6 +180,10 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = self._batch(sched)
+        # a draft catching up on many tokens (a fresh prompt, or after plain steps) makes one
+        # step unrepresentative of steady speculation: the gate skips it
+        steady = all(e.seq.num_tokens - e.seq.num_draft_computed_tokens <= 2 for e in batch if e.num_new_tokens > 1) \
+            or self.draft_runner is None
         proposals = self._propose(batch)
         start = time.perf_counter()
         logits = self.runner.execute(batch)
@@ -187,7 +191,7 @@ class LLMEngine:
             self.target_cost.observe(sum(e.num_new_tokens for e in batch), time.perf_counter() - start)
         is_decode_only = all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch)
         outputs = self._postprocess(batch, logits, proposals)
-        if self.speculator is not None and is_decode_only:  # the gate compares like with like
+        if self.speculator is not None and is_decode_only and steady:  # the gate compares like with like
             emitted = sum(len(o.new_token_ids) for o in outputs)
             self.speculator.gate.observe(len(batch), bool(proposals), time.perf_counter() - step_start, emitted)
         return outputs

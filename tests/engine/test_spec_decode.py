@@ -320,16 +320,19 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores():
     from engine.spec_decode.gate import SpeculationGate
 
     gate = SpeculationGate()
-    assert gate.allow(32) is True  # speculation is measured first
-    gate.observe(32, True, seconds=0.30, num_tokens=40)  # 7.5 ms per token
-    assert gate.allow(32) is False  # then plain decoding
-    gate.observe(32, False, seconds=0.10, num_tokens=32)  # 3.1 ms per token: plain wins here
-    decisions = [gate.allow(32) for _ in range(64)]
-    assert decisions.count(True) == 4  # only the exploring steps (1 in 16) speculate
-    assert gate.allow(1) is True  # other batch sizes keep their own record
-    gate.observe(1, True, seconds=0.02, num_tokens=4)
-    gate.observe(1, False, seconds=0.01, num_tokens=1)
-    assert [gate.allow(1) for _ in range(10)].count(False) <= 1  # speculation pays at batch 1
+    burst = SpeculationGate.BURST
+    first = [gate.allow(32) for _ in range(2 * burst)]
+    assert first == [True] * burst + [False] * burst  # a burst of each mode to measure them
+    for _ in range(burst):
+        gate.observe(32, True, seconds=0.30, num_tokens=40)  # 7.5 ms per token
+        gate.observe(32, False, seconds=0.10, num_tokens=32)  # 3.1 ms per token: plain wins here
+    decisions = [gate.allow(32) for _ in range(4 * SpeculationGate.PERIOD)]
+    assert decisions.count(True) == 4 * burst  # only one exploring burst per period speculates
+    for _ in range(2 * burst):
+        gate.allow(1)
+    gate.observe(1, True, seconds=0.02, num_tokens=4)  # batch 1 keeps its own record: 5 ms per token
+    gate.observe(1, False, seconds=0.01, num_tokens=1)  # 10 ms per token
+    assert [gate.allow(1) for _ in range(SpeculationGate.PERIOD)].count(False) == burst
 
 
 def test_adaptive_speculation_is_turned_off_where_it_does_not_pay(target, useless_draft):
