@@ -13,9 +13,8 @@ from engine.config import EngineConfig
 from engine.disagg import describe, kv_cache_groups, kv_group_layouts
 from engine.llm_engine import LLMEngine
 from proto.convert import worker_info
-from proto.metrics import start_metrics_server
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import KV_TRANSFER_OPTIONS, AioServer, wait_for_signal
+from proto.serving import KV_TRANSFER_OPTIONS, AioServer, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 
@@ -32,22 +31,16 @@ async def serve(engine_config: EngineConfig, server_config: DecodeServerConfig, 
     server = AioServer(host, port, extra_options=KV_TRANSFER_OPTIONS)  # it receives the KV pushes
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer,
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
-    bound = await server.start()
-    log.info("listening address=%s:%d", host, bound)
-    metrics = None if metrics_port is None else await start_metrics_server(servicer.metrics.registry, host,
-                                                                           metrics_port)
-    engine = await asyncio.to_thread(LLMEngine, engine_config)
-    loop = DecodeLoop(engine, asyncio.get_running_loop())
-    loop.start()
-    groups = list(zip(kv_group_layouts(engine), (kv for _, kv in kv_cache_groups(engine))))
-    receiver = KVReceiver(groups, engine.dtype, engine_config.block_size, engine.model_config.vocab_size)
-    servicer.metrics.attach(servicer, Path(engine_config.model).name)
-    servicer.ready(loop, worker_info("decode", describe(engine)), receiver)
-    await server.set_serving(True)
-    log.info("serving model=%s num_blocks=%d", engine_config.model, engine.block_manager.num_blocks)
-    await wait_for_signal()
-    await server.set_serving(False)
-    await server.stop(grace=2.0)
-    if metrics is not None:
-        await metrics.cleanup()
-    loop.stop()
+
+    async def load():
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        loop = DecodeLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        groups = list(zip(kv_group_layouts(engine), (kv for _, kv in kv_cache_groups(engine))))
+        receiver = KVReceiver(groups, engine.dtype, engine_config.block_size, engine.model_config.vocab_size)
+        servicer.metrics.attach(servicer, Path(engine_config.model).name)
+        servicer.ready(loop, worker_info("decode", describe(engine)), receiver)
+        log.info("serving model=%s num_blocks=%d", engine_config.model, engine.block_manager.num_blocks)
+        return loop.stop
+
+    await serve_until_signal(server, host, load, servicer.metrics.registry, metrics_port)

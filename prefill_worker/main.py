@@ -12,9 +12,8 @@ from engine.llm_engine import LLMEngine
 from prefill_worker.loop import PrefillLoop
 from prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 from proto.convert import worker_info
-from proto.metrics import start_metrics_server
 from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import AioServer, wait_for_signal
+from proto.serving import AioServer, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -31,20 +30,14 @@ async def serve(engine_config: EngineConfig, server_config: PrefillServerConfig,
     server = AioServer(host, port)
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer,
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"])
-    bound = await server.start()
-    log.info("listening address=%s:%d", host, bound)
-    metrics = None if metrics_port is None else await start_metrics_server(servicer.metrics.registry, host,
-                                                                           metrics_port)
-    engine = await asyncio.to_thread(LLMEngine, engine_config)
-    loop = PrefillLoop(engine, asyncio.get_running_loop())
-    loop.start()
-    servicer.metrics.attach(servicer, Path(engine_config.model).name)
-    servicer.ready(loop, worker_info("prefill", describe(engine)))
-    await server.set_serving(True)
-    log.info("serving model=%s num_blocks=%d", engine_config.model, engine.block_manager.num_blocks)
-    await wait_for_signal()
-    await server.set_serving(False)
-    await server.stop(grace=2.0)
-    if metrics is not None:
-        await metrics.cleanup()
-    loop.stop()
+
+    async def load():
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        loop = PrefillLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        servicer.metrics.attach(servicer, Path(engine_config.model).name)
+        servicer.ready(loop, worker_info("prefill", describe(engine)))
+        log.info("serving model=%s num_blocks=%d", engine_config.model, engine.block_manager.num_blocks)
+        return loop.stop
+
+    await serve_until_signal(server, host, load, servicer.metrics.registry, metrics_port)
