@@ -35,13 +35,16 @@ def test_logits_match_transformers(checkpoint, arch):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_bfloat16_logits_close(checkpoint):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logits_close(checkpoint, dtype):
     path = checkpoint("llama")
     ids = list(range(10, 40))
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([ids])).logits[0]
-    ours = engine_logits(LLM(path, dtype="bfloat16"), ids)
-    # bf16 keeps 8 mantissa bits: compare loosely, and the argmax should mostly agree
+    llm = LLM(path, dtype=dtype)
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    ours = engine_logits(llm, ids)
+    # bf16 keeps 8 mantissa bits (fp16 11): compare loosely, and the argmax should mostly agree
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
     torch.testing.assert_close(ours, ref, rtol=0.1, atol=0.15)
 
