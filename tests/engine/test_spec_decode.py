@@ -57,7 +57,8 @@ def test_greedy_with_speculation_equals_without(target, useless_draft, baseline,
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == baseline
     assert_all_free(llm)
     st = llm.engine.speculator.stats
-    assert st.num_drafts > 0
+    if options.get("spec_adaptive") is False:  # adaptive depth follows measured timings: no claim
+        assert st.num_drafts > 0
     if draft == "target":
         assert st.acceptance_rate == 1.0 and st.mean_accepted_length > 4.0  # k shrinks near max_tokens
     if options.get("spec_adaptive") is False and draft == "useless":
@@ -335,11 +336,23 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores():
     assert [gate.allow(1) for _ in range(SpeculationGate.PERIOD)].count(False) == burst
 
 
-def test_adaptive_speculation_is_turned_off_where_it_does_not_pay(target, useless_draft):
-    """A useless draft: the gate's plain-decoding measurements win and most steps do not speculate."""
-    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=4)
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=120, ignore_eos=True)
-    llm.generate([PROMPTS[1]], params)
-    st = llm.engine.speculator.stats
-    assert st.num_drafts < 60  # of ~110 decode steps
+def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, baseline):
+    """The gate's own decisions are tested above from hand-fed timings; here its verdict is
+    fixed (no wall-clock in a test) to check the engine obeys it, step by step."""
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
+    verdicts = iter([True, False] * 1000)
+    allowed = []
+    llm.engine.speculator.gate.allow = lambda batch_size: allowed.append(next(verdicts)) or allowed[-1]
+    llm.engine.speculator.depth.choose = lambda seq, batch_size, limit: max(0, min(3, limit))  # no timings
+    drafts_before = []
+    orig_propose = llm.engine.speculator.propose
+
+    def propose(seqs, ks):
+        drafts_before.append(allowed[-1])
+        return orig_propose(seqs, ks)
+
+    llm.engine.speculator.propose = propose
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == baseline
+    assert drafts_before and all(drafts_before)  # proposals only on allowed steps
+    assert llm.engine.speculator.stats.num_drafts > 0
     assert_all_free(llm)
