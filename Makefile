@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 
 serve: $(STAMP)
 	$(VENV)/bin/pdserve generate --model models/demo --draft-model models/demo-draft --num-speculative-tokens 4 \
-		--prompt "def fibonacci(n):" --max-tokens 96 --temperature 0
+		--no-spec-adaptive --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0.7 --top-p 0.9 --seed 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15
