@@ -39,11 +39,9 @@ KV_TRANSFER_OPTIONS = [
 class AioServer:
     """A grpc.aio server with health and reflection; `add` servicers, then `start`."""
 
-    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 extra_options: list[tuple[str, int]] = ()):
-        self.server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message_bytes),
-                                               ("grpc.max_receive_message_length", max_message_bytes),
-                                               ("grpc.so_reuseport", 0), *extra_options])
+    def __init__(self, host: str, port: int, extra_options: list[tuple[str, int]] = ()):
+        # the same message limits as every client channel; no port sharing between processes
+        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
