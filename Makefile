@@ -18,7 +18,7 @@ serve: $(STAMP)
 		--no-spec-adaptive --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0.7 --top-p 0.9 --seed 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(VENV)/bin/pytest -q -x --durations=15  # the console script: the checkout is not on sys.path, the installed pdserve is
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -32,11 +32,10 @@ import grpc
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from proto.pdserve.v1 import generation_pb2 as gen  # noqa: E402
-from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from proto.serving import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS  # noqa: E402
+from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
 
 OPTIONS = CHANNEL_OPTIONS + KV_TRANSFER_OPTIONS  # what the workers use for PushKV
 
@@ -156,7 +155,7 @@ class Procs:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         log = open(self.logs / f"{command}-{port}.log", "w")
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "cluster.cli", command, "--model", str(self.model),
+        self.procs.append(subprocess.Popen([str(Path(sys.executable).with_name("pdserve")), command, "--model", str(self.model),
                                             "--port", str(port), *args], cwd=REPO, stdout=log, stderr=log))
         return f"127.0.0.1:{port}"
 

@@ -33,11 +33,9 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-# `benchmarks/` is not a package: run against this checkout's engine, not an installed one.
-sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 CACHE_DIR = ROOT / "benchmarks" / ".cache"
@@ -155,12 +153,12 @@ class PdserveRunner:
     name = "pdserve"
 
     def __init__(self, path: Path, options: dict):
-        from engine import LLM
+        from pdserve.engine import LLM
 
         self.llm = LLM(str(path), dtype="float32", device="cpu", **options)
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
-        from engine import SamplingParams
+        from pdserve.engine import SamplingParams
 
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         outs = self.llm.generate([r.prompt_token_ids for r in requests], params)

@@ -15,12 +15,10 @@ import pstats
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-import offline_throughput as ot  # noqa: E402
+import offline_throughput as ot
 
 
 def torch_profile(runner, requests, row_limit: int) -> tuple[int, str]:

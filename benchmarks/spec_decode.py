@@ -33,13 +33,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine import LLM, SamplingParams
 
 RESULTS = REPO / "benchmarks" / "results"
 PROMPT_SOURCES = ("engine", "kernels")

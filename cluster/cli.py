@@ -26,7 +26,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
@@ -73,11 +73,10 @@ def _setup_logging(level: str) -> None:
 
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
-    check_proto_package()  # every server imports the generated modules next
 
 
 def _worker_engine_config(args: argparse.Namespace):
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
     if args.num_threads:
         import torch
@@ -90,8 +89,8 @@ def _worker_engine_config(args: argparse.Namespace):
 
 def _decode_worker(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from decode_worker.main import run
-    from decode_worker.server import DecodeServerConfig
+    from pdserve.decode_worker.main import run
+    from pdserve.decode_worker.server import DecodeServerConfig
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
     return run(_worker_engine_config(args), config, args.host, args.port, args.metrics_port)
@@ -99,8 +98,8 @@ def _decode_worker(args: argparse.Namespace) -> int:
 
 def _prefill_worker(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from prefill_worker.main import run
-    from prefill_worker.server import PrefillServerConfig
+    from pdserve.prefill_worker.main import run
+    from pdserve.prefill_worker.server import PrefillServerConfig
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
     return run(_worker_engine_config(args), config, args.host, args.port, args.metrics_port)
@@ -108,7 +107,7 @@ def _prefill_worker(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from router.main import RouterConfig, run
+    from pdserve.router.main import RouterConfig, run
 
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
     config = RouterConfig(model=args.model, prefill_addresses=tuple(split(args.prefill)),
@@ -157,15 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--max-prompt-chars", type=int, default=1 << 20)
     rt.set_defaults(func=_router)
     return parser
-
-
-def check_proto_package() -> None:
-    """Fail clearly when another distribution's `proto` package shadows ours."""
-    import proto
-
-    if not getattr(proto, "IS_PDSERVE_PROTO", False):
-        raise ValueError(f"the `proto` package at {getattr(proto, '__file__', '?')} is not pdserve's (proto-plus "
-                         "installs one of the same name): uninstall proto-plus or run from the pdserve checkout")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, slot_ids, write_kv
-from engine.sequence import Sequence
+from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, slot_ids, write_kv
+from pdserve.engine.sequence import Sequence
 
 # The received bytes are only read (copied into the cache), never written through.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -6,9 +6,9 @@ import asyncio
 import logging
 from typing import Callable
 
-from engine.engine_thread import EngineThread
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from pdserve.serving.engine_thread import EngineThread
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
 
 log = logging.getLogger("pdserve.decode")
 

@@ -6,15 +6,15 @@ import asyncio
 import logging
 from pathlib import Path
 
-from decode_worker.kv_receiver import KVReceiver
-from decode_worker.loop import DecodeLoop
-from decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
-from engine.config import EngineConfig
-from engine.disagg import describe, kv_cache_groups, kv_group_layouts
-from engine.llm_engine import LLMEngine
-from proto.convert import worker_info
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import KV_TRANSFER_OPTIONS, AioServer, serve_until_signal
+from pdserve.decode_worker.kv_receiver import KVReceiver
+from pdserve.decode_worker.loop import DecodeLoop
+from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.disagg import describe, kv_cache_groups, kv_group_layouts
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.serving.convert import worker_info
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 

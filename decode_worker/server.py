@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.kv_receiver import KVReceiver, Transfer, TransferError, TransferFailure, TransferState
-from decode_worker.loop import DecodeLoop
-from engine.disagg import KVGroupLayout, activate, release, reserve
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from proto.convert import FINISH_REASONS, sampling_kwargs
-from proto.metrics import WorkerMetrics
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.decode_worker.kv_receiver import KVReceiver, Transfer, TransferError, TransferFailure, TransferState
+from pdserve.decode_worker.loop import DecodeLoop
+from pdserve.engine.disagg import KVGroupLayout, activate, release, reserve
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.convert import FINISH_REASONS, sampling_kwargs
+from pdserve.serving.metrics import WorkerMetrics
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 

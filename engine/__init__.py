@@ -1,17 +1,17 @@
 """pdserve's inference engine, shared by the prefill pool, the decode pool and offline use.
 
-`from engine import LLM, SamplingParams`. Exports load lazily, so the torch-free modules
-(`engine.tokenizer`, `engine.detokenizer`, `engine.sampling_params`) import without torch.
+`from pdserve.engine import LLM, SamplingParams`. Exports load lazily, so the torch-free modules
+(`tokenizer`, `detokenizer`, `sampling_params`) import without torch.
 """
 from __future__ import annotations
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
-    "EngineConfig": "engine.config",
-    "SamplingParams": "engine.sampling_params",
-    "RequestOutput": "engine.outputs",
-    "FinishReason": "engine.sequence",
+    "LLM": "pdserve.engine.llm",
+    "LLMEngine": "pdserve.engine.llm_engine",
+    "EngineConfig": "pdserve.engine.config",
+    "SamplingParams": "pdserve.engine.sampling_params",
+    "RequestOutput": "pdserve.engine.outputs",
+    "FinishReason": "pdserve.engine.sequence",
 }
 
 
@@ -20,7 +20,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'pdserve.engine' has no attribute {name!r}")
 
 
 __all__ = list(_EXPORTS)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.loader import DTYPES
-from kernels import BACKENDS
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.loader import DTYPES
+from pdserve.kernels import BACKENDS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 

@@ -25,11 +25,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.model_runner import BatchEntry
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import BatchEntry
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [num_blocks, block_size, num_kv_heads, head_dim]
 KV_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -90,7 +90,7 @@ def describe(engine: LLMEngine) -> WorkerDescription:
     cfg = engine.config
     draft_identity = ""
     if cfg.draft_model:
-        from engine.model.config import load_model_config
+        from pdserve.engine.model.config import load_model_config
 
         draft_identity = load_model_config(cfg.draft_model).identity_hash()
     return WorkerDescription(

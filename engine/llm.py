@@ -6,10 +6,10 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -14,22 +14,22 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager, cdiv
-from engine.config import EngineConfig, resolve_device, resolve_dtype
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model.config import load_model_config
-from engine.model_runner import BatchEntry, ModelRunner, kv_bytes_per_block
-from engine.outputs import RequestOutput
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import FinishReason, Sequence
-from engine.spec_decode.depth import AdaptiveDepth, LinearCost
-from engine.spec_decode.draft import DraftProposer
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.speculator import Proposal, Speculator
-from engine.tokenizer import Tokenizer
-from kernels import select_ops
+from pdserve.engine.block_manager import BlockManager, cdiv
+from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model.config import load_model_config
+from pdserve.engine.model_runner import BatchEntry, ModelRunner, kv_bytes_per_block
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
+from pdserve.engine.spec_decode.draft import DraftProposer
+from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.speculator import Proposal, Speculator
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kernels import select_ops
 
 
 @dataclass(slots=True)

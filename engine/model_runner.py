@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.llama import AttentionMetadata
-from engine.model.loader import build_model
-from engine.sequence import Sequence
-from kernels import KernelOps
+from pdserve.engine.model.config import ModelConfig
+from pdserve.engine.model.llama import AttentionMetadata
+from pdserve.engine.model.loader import build_model
+from pdserve.engine.sequence import Sequence
+from pdserve.kernels import KernelOps
 
 
 @dataclass(slots=True)

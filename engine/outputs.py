@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sequence import FinishReason
+from pdserve.engine.sequence import FinishReason
 
 
 @dataclass(slots=True)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import rng
-from engine.sampling_params import SamplingParams
-from kernels import KernelOps
+from pdserve.engine import rng
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels import KernelOps
 
 
 def param_tensors(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,13 @@ from typing import Callable
 
 import torch
 
-from kernels._triton import HAS_TRITON
-from kernels.extend_attention import extend_attention_ref
-from kernels.kv_write import write_kv_ref
-from kernels.paged_attention import paged_decode_attention_ref
-from kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import apply_rotary_ref, build_rope_cache
-from kernels.sampling import filter_probs_ref, sample_from_probs_ref, sample_ref
+from pdserve.kernels._triton import HAS_TRITON
+from pdserve.kernels.extend_attention import extend_attention_ref
+from pdserve.kernels.kv_write import write_kv_ref
+from pdserve.kernels.paged_attention import paged_decode_attention_ref
+from pdserve.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from pdserve.kernels.rotary import apply_rotary_ref, build_rope_cache
+from pdserve.kernels.sampling import filter_probs_ref, sample_from_probs_ref, sample_ref
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -50,7 +50,7 @@ TORCH_OPS = KernelOps(
 
 
 def _triton_ops() -> KernelOps:
-    from kernels.triton_ops import TRITON_OPS  # imported lazily: only this backend needs it
+    from pdserve.kernels.triton_ops import TRITON_OPS  # imported lazily: only this backend needs it
 
     return TRITON_OPS
 

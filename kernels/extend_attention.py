@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton
-from kernels.paged_attention import dot_precision, check_paged_inputs, gather_kv, load_kv_tile
+from pdserve.kernels._triton import tl, triton
+from pdserve.kernels.paged_attention import dot_precision, check_paged_inputs, gather_kv, load_kv_tile
 
 
 def extend_attention_ref(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton
+from pdserve.kernels._triton import tl, triton
 
 
 def write_kv_ref(

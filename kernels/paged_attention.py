@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton
+from pdserve.kernels._triton import tl, triton
 
 
 def gather_kv(

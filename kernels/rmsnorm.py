@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton
+from pdserve.kernels._triton import tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from kernels._triton import tl, triton
+from pdserve.kernels._triton import tl, triton
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

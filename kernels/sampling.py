@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton
+from pdserve.kernels._triton import tl, triton
 
 
 def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,13 @@ Imported only when that backend is chosen; each launcher has its reference's sig
 """
 from __future__ import annotations
 
-from kernels import KernelOps
-from kernels.extend_attention import extend_attention
-from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_decode_attention
-from kernels.rmsnorm import fused_add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary
-from kernels.sampling import filter_probs, sample
+from pdserve.kernels import KernelOps
+from pdserve.kernels.extend_attention import extend_attention
+from pdserve.kernels.kv_write import write_kv
+from pdserve.kernels.paged_attention import paged_decode_attention
+from pdserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from pdserve.kernels.rotary import apply_rotary
+from pdserve.kernels.sampling import filter_probs, sample
 
 TRITON_OPS = KernelOps(
     name="triton",

@@ -18,8 +18,8 @@ import zlib
 
 import numpy as np
 
-from engine.disagg import KVGroupLayout
-from proto.pdserve.v1 import worker_pb2
+from pdserve.engine.disagg import KVGroupLayout
+from pdserve.v1 import worker_pb2
 
 _END = object()
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.disagg import PrefillChunk, kv_cache_groups, prefill_step, read_kv
-from engine.engine_thread import EngineThread
-from engine.llm_engine import LLMEngine
-from prefill_worker.kv_sender import KVSender
+from pdserve.engine.disagg import PrefillChunk, kv_cache_groups, prefill_step, read_kv
+from pdserve.serving.engine_thread import EngineThread
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.prefill_worker.kv_sender import KVSender
 
 log = logging.getLogger("pdserve.prefill")
 

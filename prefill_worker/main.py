@@ -6,14 +6,14 @@ import asyncio
 import logging
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.disagg import describe
-from engine.llm_engine import LLMEngine
-from prefill_worker.loop import PrefillLoop
-from prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
-from proto.convert import worker_info
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import AioServer, serve_until_signal
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.disagg import describe
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.prefill_worker.loop import PrefillLoop
+from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
+from pdserve.serving.convert import worker_info
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.serving.grpc_server import AioServer, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.disagg import DTYPE_NAMES, add_prefill, kv_group_layouts, queued_prompt_tokens, release
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from prefill_worker.kv_sender import KVSender
-from prefill_worker.loop import PrefillLoop
-from proto.convert import sampling_kwargs
-from proto.metrics import WorkerMetrics
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
+from pdserve.engine.disagg import DTYPE_NAMES, add_prefill, kv_group_layouts, queued_prompt_tokens, release
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill_worker.kv_sender import KVSender
+from pdserve.prefill_worker.loop import PrefillLoop
+from pdserve.serving.convert import sampling_kwargs
+from pdserve.serving.metrics import WorkerMetrics
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
 
 log = logging.getLogger("pdserve.prefill")
 

@@ -16,10 +16,10 @@ import time
 import grpc
 from aiohttp import web
 
-from proto.convert import FINISH_REASON_NAMES
-from proto.metrics import metrics_handler
-from proto.pdserve.v1 import generation_pb2 as gen_pb2
-from router.server import RequestFailed, Router
+from pdserve.serving.convert import FINISH_REASON_NAMES
+from pdserve.serving.metrics import metrics_handler
+from pdserve.v1 import generation_pb2 as gen_pb2
+from pdserve.router.server import RequestFailed, Router
 
 log = logging.getLogger("pdserve.router.http")
 

@@ -6,15 +6,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.tokenizer import Tokenizer
-from proto.metrics import start_metrics_server
-from proto.pdserve.v1 import generation_pb2, generation_pb2_grpc
-from proto.serving import AioServer, wait_for_signal
-from router.admission import AdmissionQueue
-from router.metrics import RouterMetrics
-from router.server import GenerationServicer, Router
-from router.validate import Limits, Validator
-from router.workers import WorkerPool
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.serving.metrics import start_metrics_server
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.serving.grpc_server import AioServer, wait_for_signal
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.server import GenerationServicer, Router
+from pdserve.router.validate import Limits, Validator
+from pdserve.router.workers import WorkerPool
 
 log = logging.getLogger("pdserve.router")
 
@@ -63,7 +63,7 @@ async def serve(config: RouterConfig, host: str, port: int, http_port: int | Non
     watcher = asyncio.create_task(pool.watch(config.health_interval_s))
     http = None
     if http_port is not None:
-        from router.http import start_http
+        from pdserve.router.http import start_http
 
         http = await start_http(router, host, http_port, Path(config.model).name)
     metrics = None if metrics_port is None else await start_metrics_server(router.metrics.registry, host, metrics_port)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from proto.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
+from pdserve.serving.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
 
 
 @dataclass(slots=True)

@@ -20,15 +20,15 @@ import time
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
-from proto.convert import FINISH_REASON_NAMES, sampling_message
-from proto.pdserve.v1 import generation_pb2 as gen_pb2
-from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2
-from router.admission import AdmissionQueue, QueueFull
-from router.metrics import RequestTrace, RouterMetrics
-from router.validate import RouterRequest, Validator
-from router.workers import Worker, WorkerPool
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.serving.convert import FINISH_REASON_NAMES, sampling_message
+from pdserve.v1 import generation_pb2 as gen_pb2
+from pdserve.v1 import generation_pb2_grpc, worker_pb2
+from pdserve.router.admission import AdmissionQueue, QueueFull
+from pdserve.router.metrics import RequestTrace, RouterMetrics
+from pdserve.router.validate import RouterRequest, Validator
+from pdserve.router.workers import Worker, WorkerPool
 
 log = logging.getLogger("pdserve.router")
 

@@ -9,10 +9,10 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from proto.convert import sampling_kwargs
-from proto.pdserve.v1 import generation_pb2
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.serving.convert import sampling_kwargs
+from pdserve.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16

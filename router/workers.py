@@ -15,8 +15,8 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from proto.serving import CHANNEL_OPTIONS
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.serving.grpc_server import CHANNEL_OPTIONS
 
 log = logging.getLogger("pdserve.router")
 

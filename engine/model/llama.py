@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.config import ModelConfig
-from kernels import KernelOps, build_rope_cache
+from pdserve.engine.model.config import ModelConfig
+from pdserve.kernels import KernelOps, build_rope_cache
 
 
 @dataclass(slots=True)

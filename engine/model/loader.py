@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.config import CheckpointError, ModelConfig
-from engine.model.llama import CausalLM
-from kernels import KernelOps
+from pdserve.engine.model.config import CheckpointError, ModelConfig
+from pdserve.engine.model.llama import CausalLM
+from pdserve.kernels import KernelOps
 
 _FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class LinearCost:

@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from engine import rng
-from engine.model_runner import BatchEntry, ModelRunner
-from engine.sampler import param_tensors
-from engine.sequence import Sequence
-from engine.spec_decode.depth import LinearCost
-from kernels import KernelOps, sample_from_probs_ref
+from pdserve.engine import rng
+from pdserve.engine.model_runner import BatchEntry, ModelRunner
+from pdserve.engine.sampler import param_tensors
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.depth import LinearCost
+from pdserve.kernels import KernelOps, sample_from_probs_ref
 
 
 class DraftProposer:

@@ -3,7 +3,7 @@ last n tokens (n from `ngram_max` down to `ngram_min`) in its prompt and output.
 the proposals are one-hot distributions."""
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class NgramProposer:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import sample_from_probs_ref
+from pdserve.kernels import sample_from_probs_ref
 
 _SUM_TOL = 1e-3
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import rng
-from engine.sampler import param_tensors
-from engine.sequence import Sequence
-from engine.spec_decode.depth import AdaptiveDepth
-from engine.spec_decode.draft import DraftProposer
-from engine.spec_decode.gate import SpeculationGate
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection_sampler import verify_greedy, verify_one
-from kernels import KernelOps
+from pdserve.engine import rng
+from pdserve.engine.sampler import param_tensors
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.depth import AdaptiveDepth
+from pdserve.engine.spec_decode.draft import DraftProposer
+from pdserve.engine.spec_decode.gate import SpeculationGate
+from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.rejection_sampler import verify_greedy, verify_one
+from pdserve.kernels import KernelOps
 
 
 @dataclass(slots=True)

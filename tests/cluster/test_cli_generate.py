@@ -5,13 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
+PDSERVE = str(Path(sys.executable).with_name("pdserve"))  # the installed command, as users run it
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([PDSERVE, *args], capture_output=True, text=True,
                           timeout=120)
 
 

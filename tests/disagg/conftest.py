@@ -30,7 +30,7 @@ def serving_model(checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def offline(serving_model):
     """The offline engine on the serving model: what every served request must equal."""
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(str(serving_model), num_kv_blocks=256)
 

@@ -14,9 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
+PDSERVE = str(Path(sys.executable).with_name("pdserve"))  # the installed command, as users run it
 START_TIMEOUT_S = 120.0
 NUM_KV_BLOCKS = 128
 MAX_NUM_SEQS = 32
@@ -41,7 +42,7 @@ class Proc:
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log, "w") as f:
-            self.popen = subprocess.Popen([sys.executable, "-m", "cluster.cli", *self.args], cwd=REPO, env=env,
+            self.popen = subprocess.Popen([PDSERVE, *self.args], env=env,
                                           stdout=f, stderr=subprocess.STDOUT)
 
     def log_tail(self, n: int = 30) -> str:

@@ -8,7 +8,7 @@ from procs import START_TIMEOUT_S, wait_serving
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from procs import MAX_PROMPT_CHARS
-from proto.pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2 as gen
 
 OK = gen.SamplingParams(temperature=0, max_tokens=2)
 BAD_REQUESTS = {

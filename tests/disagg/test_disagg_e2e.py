@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from proto.pdserve.v1 import generation_pb2 as gen
-from proto.pdserve.v1 import generation_pb2_grpc
+from pdserve.engine import LLM, SamplingParams
+from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2_grpc
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Héllo wörld ✓", "return n if n < 2 else",
            "lazy dog. " * 12, "x", "你好 fibonacci(n - 1) + fibonacci(n - 2)", "The"]

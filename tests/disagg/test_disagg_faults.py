@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from procs import REPO
-from proto.pdserve.v1 import generation_pb2 as gen
-from proto.pdserve.v1 import worker_pb2 as wk
+from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import worker_pb2 as wk
 
 PROMPT = list(range(10, 30))  # 20 tokens
 
@@ -45,7 +45,7 @@ def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster, router):
 def test_vanished_client_frees_blocks(cluster):
     client = textwrap.dedent(f"""
         import os, grpc
-        from proto.pdserve.v1 import generation_pb2 as gen, generation_pb2_grpc
+        from pdserve.v1 import generation_pb2 as gen, generation_pb2_grpc
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("{cluster.address('R')}"))
         stream = stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids={PROMPT}),
             sampling_params=gen.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine import SamplingParams
+from pdserve.engine import SamplingParams
 
 PROMPT = "def fibonacci(n):"
 

@@ -6,7 +6,7 @@ from urllib.request import urlopen
 import grpc
 import pytest
 
-from proto.pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2 as gen
 from test_disagg_e2e import generate_all
 
 NUM_TOKENS = 6

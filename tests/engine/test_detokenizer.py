@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

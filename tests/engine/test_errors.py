@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.model.config import CheckpointError
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model.config import CheckpointError
 
 
 @pytest.mark.parametrize("kwargs, field", [

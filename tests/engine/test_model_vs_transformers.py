@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tinymodels import hf_greedy, hf_model
-from engine import LLM, SamplingParams
-from engine.model_runner import BatchEntry
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_runner import BatchEntry
 
 ARCHS = ["llama", "llama_linear", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from scipy import stats
 
-from engine import LLM, SamplingParams
-from engine import rng
-from engine.sampler import Sampler, param_tensors
-from kernels import TORCH_OPS
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import rng
+from pdserve.engine.sampler import Sampler, param_tensors
+from pdserve.kernels import TORCH_OPS
 
 LOGITS = torch.tensor([[0.1, 2.3, 0.4, 1.2, -0.5, 4.0, 3.1, 0.0, 1.1, -1.0]])
 

@@ -2,10 +2,10 @@
 small configs and hand-written runner outputs."""
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(i: int, n: int) -> Sequence:

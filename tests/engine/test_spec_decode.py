@@ -10,13 +10,13 @@ import torch
 from scipy import stats
 
 from tinymodels import hf_model
-from engine import LLM, SamplingParams
-from engine.sequence import Sequence
-from engine.spec_decode.depth import AdaptiveDepth, LinearCost
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.rejection_sampler import verify_greedy, verify_one
-from kernels import TORCH_OPS
-from engine.sampler import param_tensors
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
+from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.rejection_sampler import verify_greedy, verify_one
+from pdserve.kernels import TORCH_OPS
+from pdserve.engine.sampler import param_tensors
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10, [7], list(range(150, 60, -3))]
@@ -318,7 +318,7 @@ def test_draft_must_share_the_vocabulary(target, checkpoint):
 
 # ---- the gate -----------------------------------------------------------------------------------
 def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores():
-    from engine.spec_decode.gate import SpeculationGate
+    from pdserve.engine.spec_decode.gate import SpeculationGate
 
     gate = SpeculationGate()
     burst = SpeculationGate.BURST

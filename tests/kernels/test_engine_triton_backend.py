@@ -1,7 +1,7 @@
 """The whole engine on the Triton path (interpreted on CPU) gives the torch path's greedy tokens."""
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 
 def test_triton_backend_matches_torch_backend(checkpoint):

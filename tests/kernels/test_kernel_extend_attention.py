@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_kv_cases import dense_causal_attention, make_paged_kv
 
-from kernels.extend_attention import extend_attention, extend_attention_ref
+from pdserve.kernels.extend_attention import extend_attention, extend_attention_ref
 
 BLOCK_SIZE = 16
 # (context_lens, chunk lengths). Each chunk is its sequence's last tokens.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_write import write_kv, write_kv_ref
+from pdserve.kernels.kv_write import write_kv, write_kv_ref
 
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

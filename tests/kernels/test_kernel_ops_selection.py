@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 
-from kernels import TORCH_OPS, select_ops
+from pdserve.kernels import TORCH_OPS, select_ops
 
 
 def test_triton_backend_has_every_op_with_the_reference_signature():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_kv_cases import dense_causal_attention, make_paged_kv
 
-from kernels.paged_attention import (
+from pdserve.kernels.paged_attention import (
     choose_partition_size,
     paged_decode_attention,
     paged_decode_attention_ref,

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from pdserve.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 
 # float32: only the sum-of-squares order differs (one tile tree vs torch's), a few ulp.
 # half types: that ulp-level difference can flip one rounding of the normed value to the

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary, apply_rotary_ref, build_rope_cache
+from pdserve.kernels.rotary import apply_rotary, apply_rotary_ref, build_rope_cache
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import filter_probs, filter_probs_ref, sample, sample_ref
+from pdserve.kernels.sampling import filter_probs, filter_probs_ref, sample, sample_ref
 
 IMPLS = {"ref": filter_probs_ref, "triton": filter_probs}
 LOGITS = [0.1, 2.3, 0.4, 1.2, -0.5, 4.0, 3.1, 0.0, 1.1, -1.0]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.model_runner import BatchEntry
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_runner import BatchEntry
 from tinymodels import hf_model
 
 MODELS = Path(__file__).resolve().parents[2] / "models"

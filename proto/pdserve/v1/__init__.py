@@ -1,1 +1,1 @@
-"""pdserve.v1: the public Generation API and the internal worker services."""
+"""pdserve.v1: the public Generation API and the internal worker services (protoc's output)."""

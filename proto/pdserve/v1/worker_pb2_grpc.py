@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from . import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
+from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

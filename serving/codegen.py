@@ -1,22 +1,23 @@
 """Regenerate the `*_pb2.py` / `*_pb2_grpc.py` modules beside the `.proto` files.
 
-`python -m proto.codegen [OUT_DIR]`. protoc writes absolute imports (`from pdserve.v1 import
-generation_pb2`), which only work with `proto/` on sys.path; they are rewritten to relative ones
-so `import proto.pdserve.v1.generation_pb2` works from the repository root.
+`python -m pdserve.serving.codegen [OUT_DIR]`. The `.proto` files sit in `proto/pdserve/v1/`,
+the folder that installs as the `pdserve.v1` package, so protoc's own absolute imports
+(`from pdserve.v1 import generation_pb2`) work as written: its output is committed unmodified,
+and a test checks that regenerating changes nothing.
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
-PROTO_ROOT = Path(__file__).resolve().parent
-PACKAGE_DIR = "pdserve/v1"
-_ABSOLUTE_IMPORT = re.compile(r"^from pdserve\.v1 import (\w+_pb2)", re.MULTILINE)
+import pdserve.v1
+
+PACKAGE_DIR = Path(pdserve.v1.__file__).resolve().parent  # proto/pdserve/v1 in a checkout
+PROTO_ROOT = PACKAGE_DIR.parents[1]  # the -I root: the import path of each .proto starts here
 
 
 def proto_files() -> list[str]:
-    return sorted(f"{PACKAGE_DIR}/{p.name}" for p in (PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
+    return sorted(str(p.relative_to(PROTO_ROOT)) for p in PACKAGE_DIR.glob("*.proto"))
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -27,10 +28,7 @@ def generate(out_dir: Path) -> list[Path]:
     args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", *proto_files()]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    paths = sorted((out_dir / PACKAGE_DIR).glob("*_pb2*.py"))
-    for path in paths:
-        path.write_text(_ABSOLUTE_IMPORT.sub(r"from . import \1", path.read_text()))
-    return paths
+    return sorted((out_dir / PACKAGE_DIR.relative_to(PROTO_ROOT)).glob("*_pb2*.py"))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proto.pdserve.v1 import worker_pb2
+from pdserve.v1 import worker_pb2
 
 PREFIX = "pdserve:"
 

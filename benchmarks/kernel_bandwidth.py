@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 
 @dataclass(slots=True)
@@ -55,8 +54,8 @@ def _paged(num_seqs, context, num_kv_heads, head_dim, block_size, dtype, dev):
 
 
 def build_cases(dev: str, dtype: torch.dtype) -> list[Case]:
-    from kernels import extend_attention as ea
-    from kernels import kv_write, paged_attention as pa, rmsnorm, rotary, sampling
+    from pdserve.kernels import extend_attention as ea
+    from pdserve.kernels import kv_write, paged_attention as pa, rmsnorm, rotary, sampling
 
     el = torch.finfo(dtype).bits // 8
     cases = []

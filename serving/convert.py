@@ -2,8 +2,8 @@
 so each side builds its own dataclasses from these values (`SamplingParams(**sampling_kwargs(m))`)."""
 from __future__ import annotations
 
-from proto.pdserve.v1 import generation_pb2 as gen_pb2
-from proto.pdserve.v1 import worker_pb2
+from pdserve.v1 import generation_pb2 as gen_pb2
+from pdserve.v1 import worker_pb2
 
 # The OpenAI defaults for unset optional fields; max_tokens 16 as in OpenAI's completions API.
 _OPTIONAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 16, "seed": None}

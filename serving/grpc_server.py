@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from proto.metrics import start_metrics_server
+from pdserve.serving.metrics import start_metrics_server
 
 log = logging.getLogger("pdserve.server")
 
