@@ -87,27 +87,55 @@ def _worker_engine_config(args: argparse.Namespace):
                         seed=args.seed, enable_prefix_caching=not args.no_prefix_caching, **engine_options(args))
 
 
+def _serve(name: str, serve) -> int:
+    """Run a server coroutine factory until SIGTERM/SIGINT; print one ready line with the
+    addresses it bound. `serve(until, on_ready)` is the component's whole life."""
+    import asyncio
+
+    from pdserve.serving.grpc_server import wait_for_signal
+
+    def ready(addresses: dict) -> None:
+        print(f"pdserve {name} ready: " + " ".join(f"{k}={v}" for k, v in addresses.items() if v), flush=True)
+
+    async def main() -> None:
+        until = asyncio.ensure_future(wait_for_signal())  # signals handled from the start, loading included
+        try:
+            await serve(until, ready)
+        finally:
+            until.cancel()
+
+    asyncio.run(main())
+    return 0
+
+
+def _worker(args: argparse.Namespace, service) -> int:
+    from pdserve.serving.worker import serve_worker
+
+    engine_config = _worker_engine_config(args)
+    return _serve(args.command, lambda until, ready: serve_worker(
+        service, engine_config, args.host, args.port, args.metrics_port, until,
+        lambda a: ready({"grpc": a.grpc, "metrics": a.metrics})))
+
+
 def _decode_worker(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from pdserve.decode_worker.main import run
-    from pdserve.decode_worker.server import DecodeServerConfig
+    from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
-    return run(_worker_engine_config(args), config, args.host, args.port, args.metrics_port)
+    return _worker(args, DecodeWorkerServicer(config))
 
 
 def _prefill_worker(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from pdserve.prefill_worker.main import run
-    from pdserve.prefill_worker.server import PrefillServerConfig
+    from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
-    return run(_worker_engine_config(args), config, args.host, args.port, args.metrics_port)
+    return _worker(args, PrefillWorkerServicer(config))
 
 
 def _router(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from pdserve.router.main import RouterConfig, run
+    from pdserve.router.main import RouterConfig, serve
 
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
     config = RouterConfig(model=args.model, prefill_addresses=tuple(split(args.prefill)),
@@ -115,7 +143,8 @@ def _router(args: argparse.Namespace) -> int:
                           connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
                           max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
                           max_prompt_chars=args.max_prompt_chars)
-    return run(config, args.host, args.port, args.http_port, args.metrics_port)
+    return _serve("router", lambda until, ready: serve(config, args.host, args.port, args.http_port,
+                                                       args.metrics_port, until, ready))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,12 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     dec = sub.add_parser("decode-worker", help="serve the decode pool's worker (gRPC)")
-    _add_worker_args(dec, 50052)
+    _add_worker_args(dec, 50061)
     dec.add_argument("--stream-timeout", type=float, default=120.0, help="seconds between token deltas at most")
     dec.set_defaults(func=_decode_worker)
 
     pre = sub.add_parser("prefill-worker", help="serve the prefill pool's worker (gRPC)")
-    _add_worker_args(pre, 50051)
+    _add_worker_args(pre, 50071)
     pre.add_argument("--max-chunk-bytes", type=int, default=1 << 20, help="KV bytes per PushKV message at most")
     pre.set_defaults(func=_prefill_worker)
 

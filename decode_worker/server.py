@@ -1,47 +1,49 @@
 """The decode worker's gRPC service. Protobuf stops here: requests become engine values.
 
-Life cycle of a disaggregated request on this worker (named as in `engine.disagg`):
+Life cycle of a disaggregated request on this worker (`DecodeState`):
 
-    Decode() ──reserve──► reserved ──PushKV: header, chunks, trailer verified──► running
-        ──engine steps: token deltas on the Decode stream──► finished (blocks freed)
-    reserved / receiving ──bad chunk, truncation, timeout, Decode cancelled──► failed (freed)
+    Decode() ──engine.reserve──► reserved ──Admitted(transfer_id)──► (router asks a prefill worker)
+        ──PushKV header──► receiving ──chunks verified, trailer──► engine.activate ──► running
+        ──token deltas on the Decode stream──► finished (blocks freed)
+    from any state ──bad chunk, truncation, timeout, Decode cancelled──► failed / cancelled (freed)
 
-A failed transfer ends both the PushKV call and the Decode stream with the same status, and
-counts in `kv_transfer_failures_total`. A colocated `Generate` skips reservation and transfer.
+The transfer id is generated here at reservation, distinct from the request id; only a push
+naming it reaches the reservation. A failed transfer ends both the push and the Decode stream
+with the same status and counts in `kv_transfer_failures_total` (a cancellation does not).
+
+`PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
+request itself, and the same token stream follows.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import grpc
 
-from pdserve.decode_worker.kv_receiver import KVReceiver, Transfer, TransferError, TransferFailure, TransferState
-from pdserve.decode_worker.loop import DecodeLoop
-from pdserve.engine.disagg import KVGroupLayout, activate, release, reserve
+from pdserve.decode_worker.kv_receiver import KVReceiver, TransferProgress
+from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.convert import FINISH_REASONS, sampling_kwargs
-from pdserve.serving.metrics import WorkerMetrics
+from pdserve.engine.sequence import Sequence
+from pdserve.serving.convert import FINISH_REASONS, parse_work_request
+from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
+from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
+from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
+from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, serve_push_kv
+from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
 
-_STATUS = {
-    TransferFailure.CORRUPT: grpc.StatusCode.DATA_LOSS,
-    TransferFailure.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
-    TransferFailure.UNKNOWN: grpc.StatusCode.NOT_FOUND,
-    TransferFailure.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    TransferFailure.ABORTED: grpc.StatusCode.ABORTED,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class DecodeServerConfig:
-    kv_transfer_timeout_s: float = 30.0  # admission until the trailer is verified
+    kv_transfer_timeout_s: float = 30.0  # reservation until the transfer is verified
     stream_timeout_s: float = 120.0  # longest wait for the next token delta
 
     def __post_init__(self) -> None:
@@ -50,11 +52,18 @@ class DecodeServerConfig:
                 raise ValueError(f"DecodeServerConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
-def work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], SamplingParams]:
-    """ValueError (naming the field) on a bad request."""
-    if not msg.req_id:
-        raise ValueError("req_id is empty")
-    return msg.req_id, list(msg.prompt_token_ids), SamplingParams(**sampling_kwargs(msg.sampling_params))
+@dataclass(slots=True, eq=False)
+class DecodeRequest:
+    req_id: str
+    state: DecodeState
+    transfer_id: str = ""  # "" for a colocated request
+    seq: Sequence | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
+    progress: TransferProgress = field(default_factory=TransferProgress)
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in (DecodeState.RESERVED, DecodeState.RECEIVING, DecodeState.RUNNING)
 
 
 def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
@@ -62,208 +71,183 @@ def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
     return worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=out.new_token_ids, finish_reason=reason))
 
 
-class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, config: DecodeServerConfig, metrics: WorkerMetrics | None = None):
+class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
+    role = "decode"
+
+    def __init__(self, config: DecodeServerConfig, metrics=None):
+        super().__init__(metrics)
         self.config = config
-        self.metrics = metrics or WorkerMetrics("decode")
-        self.loop: DecodeLoop | None = None  # set by `ready` once the model is loaded
-        self.info: worker_pb2.WorkerInfo | None = None
         self.receiver: KVReceiver | None = None
-        self.transfers: dict[str, Transfer] = {}
-        self.kv_transfer_bytes_total = 0
-        self.kv_transfer_failures_total = 0
+        self.transfers: dict[str, DecodeRequest] = {}  # transfer_id -> reserved request; asyncio loop only
 
-    def ready(self, loop: DecodeLoop, info: worker_pb2.WorkerInfo, receiver: KVReceiver) -> None:
-        self.loop, self.info, self.receiver = loop, info, receiver
+    def add_to(self, server: AioServer) -> None:
+        server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self,
+                   worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
 
-    @property
-    def engine(self) -> LLMEngine:
-        return self.loop.engine
+    def server_options(self) -> list[tuple]:
+        return KV_TRANSFER_OPTIONS  # it receives the bulk KV pushes
 
-    async def _check_ready(self, context) -> None:
-        if self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+    def attach(self, loop: EngineLoop, model_name: str) -> None:
+        super().attach(loop, model_name)
+        e = loop.engine
+        groups = list(zip(kv_group_layouts(e), (kv for _, kv in kv_cache_groups(e))))
+        self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size)
 
-    async def _parse(self, request, context) -> tuple[str, list[int], SamplingParams]:
-        await self._check_ready(context)
+    async def _parse(self, request, context):
+        await self.check_ready(context)
         try:
-            return work_request(request)
+            return parse_work_request(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    # ---- disaggregated: admission, then tokens -------------------------------------------
+    # ---- disaggregated: reserve, then tokens once the K/V arrived ---------------------------
     async def Decode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
-        if req_id in self.transfers:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already reserved")
-        pending = self.loop.call(lambda e: reserve(e, req_id, ids, params, len(self.transfers)))
+        pending = self.loop.call(lambda e: e.reserve(req_id, ids, params))
         try:
             seq = await asyncio.shield(pending)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router went away while we reserved: give the blocks back
-            pending.add_done_callback(lambda f: f.exception() is None and f.result() and self.loop.call(
-                lambda e: release(e, f.result())))
+            pending.add_done_callback(lambda f: f.exception() is None and f.result() is not None and self.loop.call(
+                lambda e: e.abort(req_id)))
             raise
         if seq is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
-        t = self.transfers[req_id] = Transfer(req_id, seq)
-        events: asyncio.Queue = asyncio.Queue()
-        self.loop.sinks[req_id] = events.put_nowait
-        finished = False
+        r = DecodeRequest(req_id, DecodeState.RESERVED, secrets.token_hex(16), seq)
+        self.transfers[r.transfer_id] = r
+        self.loop.sinks[req_id] = r.events.put_nowait
         try:
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
-                transfer_id=req_id, num_free_blocks=self.engine.block_manager.num_free_blocks))
-            timeout = self.config.kv_transfer_timeout_s
-            while not finished:
-                try:
-                    item = await asyncio.wait_for(events.get(), timeout)
-                except asyncio.TimeoutError:
-                    item = TransferError(TransferFailure.TIMEOUT, f"no verified KV transfer within {timeout:g} s")
-                    if t.state is TransferState.VERIFIED:
-                        item = TransferError(TransferFailure.TIMEOUT, f"no token within {timeout:g} s")
-                    self._fail(t, item)
-                if isinstance(item, TransferError):
-                    await context.abort(_STATUS[item.failure], str(item))
-                timeout = self.config.stream_timeout_s
-                finished = item.finished
-                yield token_delta(item)
+                transfer_id=r.transfer_id, num_free_blocks=self.engine.block_manager.num_free_blocks))
+            async for event in self._token_stream(r, context):
+                yield event
         finally:
+            self.transfers.pop(r.transfer_id, None)
             self.loop.sinks.pop(req_id, None)
-            if not finished:
-                self._fail(t, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
-            self.transfers.pop(req_id, None)
+            self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
 
     def _no_room(self, num_prompt_tokens: int) -> str:
         e = self.engine
         need = e.block_manager.blocks_for(num_prompt_tokens + 1)
         return (f"decode worker is full: {e.block_manager.num_free_blocks} free KV blocks (request needs {need}), "
-                f"{len(e.scheduler.running) + len(self.transfers)} of {e.scheduler.config.max_num_seqs} sequences")
+                f"{e.scheduler.num_seqs} of {e.scheduler.config.max_num_seqs} sequences")
 
-    def _fail(self, t: Transfer, err: TransferError) -> None:
-        """End a transfer and its request; idempotent. Frees the blocks on the engine thread."""
-        if t.state is TransferState.FAILED:
-            return
-        was_verified = t.state is TransferState.VERIFIED
-        t.state, t.error = TransferState.FAILED, err
-        if err.failure is not TransferFailure.ABORTED:
-            self.kv_transfer_failures_total += not was_verified
-            log.warning("request %s failed: %s", t.transfer_id, err)
-        sink = self.loop.sinks.get(t.transfer_id)
-        if sink is not None:
-            sink(err)
-        seq, req_id = t.seq, t.transfer_id
-
-        def drop(engine: LLMEngine) -> None:  # either call alone may be a no-op: both are idempotent
-            engine.abort(req_id)
-            release(engine, seq)
-
-        self.loop.call(drop)
-
-    # ---- KV push from a prefill worker ---------------------------------------------------
-    async def PushKV(self, request_iterator, context):
-        await self._check_ready(context)
-        t = None
-        try:
-            async for chunk in request_iterator:
-                part = chunk.WhichOneof("part")
-                if part == "header":
-                    t = self._open(chunk.header)
-                    opened_at = time.perf_counter()
-                elif t is None:
-                    raise TransferError(TransferFailure.CORRUPT, f"the stream starts with {part}, not a header")
-                elif part == "data":
-                    self._check_alive(t)
-                    d = chunk.data
-                    self.receiver.receive(t, d.seq, d.group, d.layer, d.token_start, d.num_tokens, d.data, d.crc32)
-                elif part == "trailer":
-                    self._check_alive(t)
-                    self.receiver.finish(t, chunk.trailer.num_chunks, chunk.trailer.first_token_id)
-                    await self._activate(t, chunk.trailer.first_token_id)
-                    self.kv_transfer_bytes_total += t.num_bytes
-                    self.metrics.observe_transfer(time.perf_counter() - opened_at)
-                    return worker_pb2.PushKVResponse(num_chunks=t.num_chunks, num_bytes=t.num_bytes)
-            raise TransferError(TransferFailure.CORRUPT, "transfer truncated: the stream ended without a trailer")
-        except TransferError as e:
-            if t is not None:
-                self._fail(t, e)
-            await context.abort(_STATUS[e.failure], str(e))
-        except asyncio.CancelledError:
-            if t is not None:
-                self._fail(t, TransferError(TransferFailure.ABORTED, "the KV push was cancelled by its sender"))
-            raise
-
-    def _open(self, header: worker_pb2.KVHeader) -> Transfer:
-        t = self.transfers.get(header.transfer_id)
-        if t is None:
-            raise TransferError(TransferFailure.UNKNOWN, f"no reservation for transfer {header.transfer_id!r}")
-        layouts = [KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in header.groups]
-        self.receiver.open(t, header.num_tokens, header.dtype, layouts)
-        return t
-
-    @staticmethod
-    def _check_alive(t: Transfer) -> None:
-        if t.state is TransferState.FAILED:
-            raise TransferError(TransferFailure.ABORTED, f"transfer {t.transfer_id} was already ended: {t.error}")
-
-    async def _activate(self, t: Transfer, first_token: int) -> None:
-        loop = self.loop
-
-        def run(engine: LLMEngine) -> None:
-            if t.state is TransferState.FAILED:  # cancelled while this command waited; _fail frees it
-                return
-            loop.deliver_soon([activate(engine, t.seq, first_token)])  # before any later step's outputs
-
-        await loop.call(run)
-
-    # ---- colocated -----------------------------------------------------------------------
-    async def Generate(self, request, context):
+    # ---- colocated: the engine prefills the request itself -------------------------------
+    async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
-        events: asyncio.Queue = asyncio.Queue()
-        self.loop.sinks[req_id] = events.put_nowait
-        finished = False
+        r = DecodeRequest(req_id, DecodeState.RUNNING)
+        self.loop.sinks[req_id] = r.events.put_nowait
         try:
             try:
                 await self.loop.call(lambda e: e.add_request(req_id, ids, params))
             except ValueError as e:
+                r.state = DecodeState.FAILED
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
-                transfer_id="", num_free_blocks=self.engine.block_manager.num_free_blocks))
-            while not finished:
-                try:
-                    out = await asyncio.wait_for(events.get(), self.config.stream_timeout_s)
-                except asyncio.TimeoutError:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"no token within {self.config.stream_timeout_s:g} s")
-                finished = out.finished
-                yield token_delta(out)
+                num_free_blocks=self.engine.block_manager.num_free_blocks))
+            async for event in self._token_stream(r, context):
+                yield event
         finally:
             self.loop.sinks.pop(req_id, None)
-            if not finished:
-                self.loop.call(lambda e: e.abort(req_id))
+            self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
 
-    # ---- info ----------------------------------------------------------------------------
-    async def GetInfo(self, request, context):
-        await self._check_ready(context)
-        return self.info
+    # ---- the token stream both modes share -----------------------------------------------
+    async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
+        """Token deltas until the request finishes; a failure ends the call with its status. The
+        first wait covers the transfer (reserved requests), later ones one delta each."""
+        timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
+        while True:
+            try:
+                item = await asyncio.wait_for(r.events.get(), timeout)
+            except asyncio.TimeoutError:
+                what = "verified KV transfer" if r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) else "token"
+                item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
+                self._end(r, item)
+            if isinstance(item, TransferError):
+                await context.abort(STATUS_OF[item.failure], str(item))
+            if isinstance(item, EngineStepFailed):
+                r.state = DecodeState.FAILED
+                await context.abort(grpc.StatusCode.INTERNAL, str(item))
+            timeout = self.config.stream_timeout_s
+            if item.finished:
+                r.state = DecodeState.FINISHED
+            yield token_delta(item)
+            if item.finished:
+                return
 
-    async def GetStats(self, request, context):
-        await self._check_ready(context)
-        return self.stats()
+    def _end(self, r: DecodeRequest, err: TransferError) -> None:
+        """End a live request (failed, or cancelled when `err` is ABORTED): its stream gets the
+        error and its blocks are freed on the engine thread. Idempotent; a no-op once ended."""
+        if not r.is_live:
+            return
+        was_transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) and r.transfer_id
+        r.state = DecodeState.CANCELLED if err.failure is TransferFailure.ABORTED else DecodeState.FAILED
+        if r.state is DecodeState.FAILED:
+            self.kv_transfer_failures_total += bool(was_transferring)
+            log.warning("request %s failed: %s", r.req_id, err)
+        r.events.put_nowait(err)
+        self.loop.sinks.pop(r.req_id, None)
+        self.loop.call(lambda e: e.abort(r.req_id))
 
-    def stats(self) -> worker_pb2.WorkerStats:
-        e = self.engine
-        return worker_pb2.WorkerStats(
-            num_blocks=e.block_manager.num_blocks, num_free_blocks=e.block_manager.num_free_blocks,
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
-            num_reserved=len(self.transfers), kv_transfer_bytes_total=self.kv_transfer_bytes_total,
-            kv_transfer_failures_total=self.kv_transfer_failures_total,
-            max_num_seqs=e.scheduler.config.max_num_seqs, **_spec_stats(e))
+    # ---- the K/V push from a prefill worker (KVEndpoint) ---------------------------------
+    async def PushKV(self, request_iterator, context):
+        await self.check_ready(context)
+        return await serve_push_kv(self, request_iterator, context)
 
+    async def receive_kv(self, messages: AsyncIterator[KVMessage]) -> KVAck:
+        r, opened_at = None, time.perf_counter()
+        try:
+            async for msg in messages:
+                if isinstance(msg, KVHeader):
+                    r = self._open(msg)
+                elif r is None:
+                    raise TransferError(TransferFailure.CORRUPT, f"the stream starts with {type(msg).__name__}, "
+                                        "not a header")
+                elif not r.is_live:
+                    raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended ({r.state.value})")
+                elif isinstance(msg, KVData):
+                    self.receiver.receive(r.progress, r.seq, msg)
+                elif isinstance(msg, KVTrailer):
+                    self.receiver.finish(r.progress, msg)
+                    await self._activate(r, msg.first_token_id)
+                    self.kv_transfer_bytes_total += r.progress.num_bytes
+                    self.metrics.observe_transfer(time.perf_counter() - opened_at)
+                    return KVAck(r.progress.num_chunks, r.progress.num_bytes)
+            raise TransferError(TransferFailure.CORRUPT, "transfer truncated: the stream ended without a trailer")
+        except TransferError as e:
+            if r is not None:
+                self._end(r, e)
+            raise
+        except asyncio.CancelledError:
+            if r is not None:
+                self._end(r, TransferError(TransferFailure.ABORTED, "the KV push was cancelled by its sender"))
+            raise
 
-def _spec_stats(engine) -> dict:
-    if engine.speculator is None:
-        return {}
-    st = engine.speculator.stats
-    return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos))
+    def _open(self, header: KVHeader) -> DecodeRequest:
+        r = self.transfers.get(header.transfer_id)
+        if r is None:
+            raise TransferError(TransferFailure.UNKNOWN, "no reservation for that transfer id")
+        if r.state is not DecodeState.RESERVED:
+            raise TransferError(TransferFailure.CORRUPT, f"transfer for {r.req_id} already {r.state.value}")
+        self.receiver.open(r.progress, r.seq, header)
+        r.state = DecodeState.RECEIVING
+        return r
+
+    async def _activate(self, r: DecodeRequest, first_token: int) -> None:
+        loop = self.loop
+
+        def run(engine: LLMEngine) -> None:
+            if r.state is DecodeState.RUNNING:  # not ended while this command waited (`_end` frees it then)
+                loop.deliver_soon([engine.activate(r.req_id, first_token)])  # before any later step's outputs
+
+        r.state = DecodeState.RUNNING
+        await loop.call(run)
+
+    def extra_stats(self) -> dict:
+        spec = self.engine.speculator
+        if spec is None:
+            return {}
+        st = spec.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos))

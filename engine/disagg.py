@@ -1,16 +1,17 @@
-"""Engine hooks for prefill/decode disaggregation. Functions over an `LLMEngine`; no gRPC.
+"""The engine's side of prefill/decode disaggregation: the life cycle of a request on each kind
+of worker, what a worker runs (for pairing), where a prompt's K/V live, and copying them
+between the cache and a transfer. The life-cycle methods themselves are `LLMEngine`'s
+(`add_prefill`, `release`, `reserve`, `activate`, `abort`); this module holds no gRPC.
 
-Prefill side (a prefill worker's loop):
+On a prefill worker (`PrefillState`):
 
-    add_prefill ──► scheduler waiting ──► running (chunked prefill, `prefill_step`)
-        ──last chunk: first token sampled──► detached (out of the scheduler, blocks kept)
-        ──decode side acknowledged / aborted──► `release` (blocks freed)
+    queued ──scheduled──► prefilling ──prompt computed, first token sampled──► sending
+        ──decode worker verified the K/V──► done          (failed / cancelled from every state)
 
-Decode side (a decode worker's loop):
+On a decode worker (`DecodeState`):
 
-    `reserve` (blocks for prompt + 1 tokens, whole or nothing) ──► reserved
-        ──K/V written by `write_kv`, transfer verified──► `activate` (running, prompt computed)
-        ──transfer failed / aborted──► `release`
+    reserved ──K/V header arrived──► receiving ──transfer verified, first token appended──► running
+        ──stop, length──► finished                       (failed / cancelled from every state)
 
 K/V travel as token ranges of one layer of one named group (`kv_cache_groups`): the target
 model's cache, and the draft model's when speculation uses one. Every group is indexed by the
@@ -18,18 +19,42 @@ same block ids, so one block table (and one token range) addresses all of them.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.model_runner import BatchEntry
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_runner import BatchEntry
+
+
+class PrefillState(enum.Enum):
+    QUEUED = "queued"  # waiting for the engine's step
+    PREFILLING = "prefilling"  # chunks running; each layer's K/V sent as it lands
+    SENDING = "sending"  # first token sampled; the last K/V and the trailer on their way
+    DONE = "done"  # the decode worker verified the transfer; blocks freed
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class DecodeState(enum.Enum):
+    RESERVED = "reserved"  # blocks held for the prompt and first token; nothing received
+    RECEIVING = "receiving"  # a prefill worker's K/V stream is being verified and written
+    RUNNING = "running"  # in the running batch, streaming tokens
+    FINISHED = "finished"  # stop or length; blocks freed
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ENDED = {PrefillState.DONE, PrefillState.FAILED, PrefillState.CANCELLED,
+         DecodeState.FINISHED, DecodeState.FAILED, DecodeState.CANCELLED}
+
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [num_blocks, block_size, num_kv_heads, head_dim]
 KV_LAYOUT = "[num_blocks, block_size, num_kv_heads, head_dim]"
@@ -108,93 +133,6 @@ def slot_ids(seq: Sequence, block_size: int, token_start: int, num_tokens: int) 
     return table[pos // block_size] * block_size + pos % block_size
 
 
-# ---- prefill side ---------------------------------------------------------------------------
-@dataclass(slots=True)
-class PrefillChunk:
-    """Tokens [token_start, token_start + num_tokens) of `seq` whose K/V this step completes: the
-    ones it ran, plus any prefix-cache hits ahead of them."""
-
-    seq: Sequence
-    token_start: int
-    num_tokens: int
-    slots: torch.Tensor  # [num_tokens] int64
-
-
-@dataclass(slots=True)
-class PrefillDone:
-    seq: Sequence
-    first_token: int
-
-
-# Called with (layer index, this step's chunks) once that layer's K/V are in the cache.
-LayerHook = Callable[[int, list[PrefillChunk]], None]
-
-
-def add_prefill(engine: LLMEngine, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-    """Queue a prompt for prefill only. ValueError on a bad request."""
-    seq = engine.make_sequence(req_id, prompt_ids, params)
-    engine.scheduler.add(seq)
-    return seq
-
-
-@dataclass(slots=True)
-class PrefillStepOutput:
-    chunks: list[PrefillChunk]  # what ran, for groups that are not streamed layer by layer
-    done: list[PrefillDone]
-
-
-def prefill_step(engine: LLMEngine, on_layer: LayerHook | None = None) -> PrefillStepOutput:
-    """One chunked-prefill step. `on_layer` sees the target's K/V layer by layer as they land.
-    Sequences whose prompt completes sample their first token and leave the scheduler with their
-    blocks (detached), until `release`."""
-    sched = engine.scheduler.schedule()
-    if sched.is_empty:
-        return PrefillStepOutput([], [])
-    bs = engine.block_manager.block_size
-    batch, chunks = [], []
-    for s in sched.scheduled:
-        seq, start = s.seq, s.seq.num_computed_tokens
-        batch.append(BatchEntry(seq, s.num_new_tokens, int(start + s.num_new_tokens == seq.num_tokens)))
-        # a first chunk after prefix-cache hits also carries the cached tokens, which the decode side lacks
-        send_from = 0 if start == seq.num_cached_tokens else start
-        num_send = start + s.num_new_tokens - send_from
-        chunks.append(PrefillChunk(seq, send_from, num_send, slot_ids(seq, bs, send_from, num_send)))
-    callback = None if on_layer is None else (lambda i: on_layer(i, chunks))
-    logits = engine.runner.execute(batch, layer_callback=callback)
-    if engine.draft_runner is not None:  # the draft's K/V for the same tokens, shipped too
-        engine.draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0) for e in batch])
-    for e in batch:
-        e.seq.num_computed_tokens += e.num_new_tokens
-        engine.block_manager.commit(e.seq)
-    sampled = [e.seq for e in batch if e.num_logits]
-    tokens = engine.sampler.sample(logits, [s.params for s in sampled], [s.seed for s in sampled],
-                                   [s.num_tokens for s in sampled])
-    for seq in sampled:
-        engine.scheduler.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED  # for the scheduler: gone; its blocks stay until release
-    return PrefillStepOutput(chunks, [PrefillDone(seq, tok) for seq, tok in zip(sampled, tokens)])
-
-
-def queued_prompt_tokens(engine: LLMEngine) -> int:
-    sched = engine.scheduler
-    return sum(s.num_uncomputed_tokens for s in (*sched.waiting, *sched.running))
-
-
-# ---- decode side ----------------------------------------------------------------------------
-def reserve(engine: LLMEngine, req_id: str, prompt_ids: list[int], params: SamplingParams,
-            num_reserved: int = 0) -> Sequence | None:
-    """Validate a request (ValueError) and take blocks for its prompt and first token, whole or
-    nothing; None when the pool or the sequence limit has no room (`num_reserved`: sequences
-    this caller holds reserved, which count against `max_num_seqs`)."""
-    seq = engine.make_sequence(req_id, prompt_ids, params)
-    sched = engine.scheduler
-    if len(sched.running) + len(sched.waiting) + num_reserved >= sched.config.max_num_seqs:
-        return None
-    if not engine.block_manager.allocate(seq, seq.num_prompt_tokens + 1):
-        return None
-    return seq
-
-
 # Moving K/V between the cache and a transfer is plain copying. On CPU it goes through numpy,
 # single-threaded, not torch's index_select / index_copy_: those fan out to the intra-op thread
 # pool, whose threads then wait for cores that the forward pass (or, on a 2-core host, the other
@@ -212,18 +150,21 @@ def read_kv(cache: KVCache, layer: int, slots: torch.Tensor) -> np.ndarray:
     return out
 
 
-def write_kv(cache: KVCache, layer: int, slots: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [num_tokens, num_kv_heads, head_dim]
-    """Write received K/V into reserved slots. Safe beside a running step: the slots belong to
-    a reserved sequence that no step reads."""
+def write_kv(cache: KVCache, layer: int, slots: torch.Tensor, data: bytes | memoryview) -> None:
+    """Write received K/V (`read_kv`'s layout and bytes: K then V, [2, num_tokens, num_kv_heads,
+    head_dim]) into reserved slots. Safe beside a running step: the slots belong to a held
+    sequence that no step reads. `data` is only read."""
     k_cache, v_cache = cache[layer]
-    if k_cache.device.type != "cpu":
-        _flat(k_cache).index_copy_(0, slots, k.to(k_cache.device))
-        _flat(v_cache).index_copy_(0, slots, v.to(v_cache.device))
+    raw_k, raw_v = _raw(_flat(k_cache)), _raw(_flat(v_cache))  # views of device memory only on CPU
+    kv = np.frombuffer(data, dtype=raw_k.dtype).reshape(2, len(slots), *raw_k.shape[1:])
+    if k_cache.device.type == "cpu":
+        idx = slots.numpy()
+        raw_k[idx] = kv[0]
+        raw_v[idx] = kv[1]
         return
-    idx = slots.numpy()
-    _raw(_flat(k_cache))[idx] = _raw(k)
-    _raw(_flat(v_cache))[idx] = _raw(v)
+    kv = torch.from_numpy(kv.copy()).view(k_cache.dtype).to(k_cache.device)  # one copy, to a writable host array
+    _flat(k_cache).index_copy_(0, slots.to(k_cache.device), kv[0])
+    _flat(v_cache).index_copy_(0, slots.to(v_cache.device), kv[1])
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:  # [num_blocks * block_size, num_kv_heads, head_dim]
@@ -238,20 +179,25 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.view(_RAW_DTYPES[t.element_size()]).numpy()
 
 
-def activate(engine: LLMEngine, seq: Sequence, first_token: int) -> RequestOutput:
-    """Join a reserved sequence, whose prompt K/V are now in its blocks, to the running batch
-    and append its first token (which may already finish it)."""
-    engine.add_sequence(seq)  # registers the request (detokenizer, stop strings) ...
-    engine.scheduler.waiting.remove(seq)  # ... but it needs no prefill: straight to running
-    seq.status = SequenceStatus.RUNNING
-    seq.num_computed_tokens = seq.num_prompt_tokens
-    if engine.draft_runner is not None:  # the transfer carried the draft's K/V too
-        seq.num_draft_computed_tokens = seq.num_prompt_tokens
-    engine.scheduler.running.append(seq)
-    return engine.append_tokens(seq, [first_token])
 
 
-def release(engine: LLMEngine, seq: Sequence) -> None:
-    """Free a sequence's blocks wherever it is: queued or prefilling (prefill side), detached,
-    or reserved (decode side). Idempotent."""
-    engine.scheduler.finish(seq)
+@dataclass(slots=True)
+class PrefillChunk:
+    """Tokens [token_start, token_start + num_tokens) of `seq` whose K/V this step completes: the
+    ones it ran, plus any prefix-cache hits ahead of them (which the decode side lacks)."""
+
+    seq: Sequence
+    token_start: int
+    num_tokens: int
+    slots: torch.Tensor  # [num_tokens] int64
+
+
+# (group, layer, this step's chunks): called on the engine thread once that layer's K/V are cached
+KVHook = Callable[[int, int, list[PrefillChunk]], None]
+
+
+def prefill_chunk(entry: BatchEntry, block_size: int) -> PrefillChunk:
+    seq, start = entry.seq, entry.start
+    send_from = 0 if start == seq.num_cached_tokens else start
+    num_send = start + entry.num_new_tokens - send_from
+    return PrefillChunk(seq, send_from, num_send, slot_ids(seq, block_size, send_from, num_send))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.block_manager import BlockManager, cdiv
+from pdserve.engine.disagg import KVHook, prefill_chunk
 from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model.config import load_model_config
@@ -27,7 +28,7 @@ from pdserve.engine.sequence import FinishReason, Sequence
 from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.ngram import NgramProposer
-from pdserve.engine.spec_decode.speculator import Proposal, Speculator
+from pdserve.engine.spec_decode.speculator import Proposal, Speculator, StepShape
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import select_ops
 
@@ -66,6 +67,10 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[str, _Request] = {}
         self._speculate = False  # this step's gate decision
+        self._shape: StepShape | None = None  # this step's, for the gate
+        # prefill worker: called on this thread inside each forward pass that runs prefill-only
+        # sequences, once layer `layer` of KV group `group` (0 target, 1 draft) is in the cache
+        self.kv_hook: KVHook | None = None
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
 
@@ -144,12 +149,15 @@ class LLMEngine:
         return Sequence(req_id, ids, params, seed, arrival=next(self._arrivals))
 
     def add_sequence(self, seq: Sequence) -> None:
+        self._register(seq)
+        self.scheduler.add(seq)
+
+    def _register(self, seq: Sequence) -> None:
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not seq.is_prefill_only:
             decode = lambda ids, skip=seq.params.skip_special_tokens: self.tokenizer.decode(ids, skip)  # noqa: E731
             detok = IncrementalDetokenizer(decode, seq.prompt_token_ids, seq.params.stop)
         self._requests[seq.req_id] = _Request(seq, detok)
-        self.scheduler.add(seq)
 
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         seq = self.make_sequence(req_id, prompt, params)
@@ -167,44 +175,103 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
+    def abort_unfinished(self) -> list[str]:
+        """Abort every queued or running request (after a failed step); their ids. Held ones,
+        which no step touches, stay."""
+        ids = [s.req_id for s in (*self.scheduler.running, *self.scheduler.waiting)]
+        for req_id in ids:
+            self.abort(req_id)
+        return ids
+
+    # ---- disaggregated serving: each method runs on the engine's thread --------------------
+    def add_prefill(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Prefill worker, when a Prefill call arrives: queue a prompt for prefill only
+        (ValueError on a bad request). Steps prefill it in chunks, handing each layer's K/V to
+        `kv_hook`; the step that completes it samples the first token (in that step's outputs)
+        and holds the sequence with its blocks until `release`."""
+        seq = self.make_sequence(req_id, prompt_ids, params)
+        seq.is_prefill_only = True
+        self.add_sequence(seq)
+        return seq
+
+    def release(self, req_id: str) -> None:
+        """Prefill worker, once a held sequence's K/V were delivered or failed to be: free its
+        blocks. Idempotent."""
+        req = self._requests.pop(req_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq)
+
+    def reserve(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence | None:
+        """Decode worker, when the router asks it to admit a request: validate it (ValueError),
+        take blocks for its prompt and first token, whole or nothing, and hold it while its K/V
+        arrive (written into `seq.block_table`'s slots, which no step reads). None when the pool
+        or `max_num_seqs` has no room. End it with `activate` or `abort`."""
+        seq = self.make_sequence(req_id, prompt_ids, params)
+        if not self.scheduler.reserve(seq, seq.num_prompt_tokens + 1):
+            return None
+        self._register(seq)
+        return seq
+
+    def activate(self, req_id: str, first_token: int) -> RequestOutput:
+        """Decode worker, once a reserved sequence's K/V transfer is verified: its prompt counts
+        as computed (in the draft's cache too, which the transfer also filled), it joins the
+        running batch, and the first token is appended (which may already finish it)."""
+        seq = self._requests[req_id].seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        if self.draft_runner is not None:
+            seq.num_draft_computed_tokens = seq.num_prompt_tokens
+        self.scheduler.activate(seq)
+        return self.append_tokens(seq, [first_token])
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        step_start = time.perf_counter()
-        batch_size = len(self.scheduler.running)
-        self._speculate = self.speculator is not None and self.speculator.allow(batch_size)
-        sched = self.scheduler.schedule(self._lookahead)
+        """One iteration over every running sequence. With speculation, the step is also timed
+        for the speculation gate, outside the step itself."""
+        if self.speculator is None:
+            return self._step()
+        start = time.perf_counter()
+        outputs = self._step()
+        self.speculator.observe_step(self._shape, time.perf_counter() - start, outputs, self.runner.last_pass)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        sched = self._schedule()
         if sched.is_empty:
             return []
-        batch = self._batch(sched)
-        # a draft catching up on many tokens (a fresh prompt, or after plain steps) makes one
-        # step unrepresentative of steady speculation: the gate skips it
-        steady = all(e.seq.num_tokens - e.seq.num_draft_computed_tokens <= 2 for e in batch if e.num_new_tokens > 1) \
-            or self.draft_runner is None
-        proposals = self._propose(batch)
-        start = time.perf_counter()
-        logits = self.runner.execute(batch)
-        if self.speculator is not None:  # every pass, prefill chunks too: they spread n for the fit
-            self.target_cost.observe(sum(e.num_new_tokens for e in batch), time.perf_counter() - start)
-        is_decode_only = all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch)
-        outputs = self._postprocess(batch, logits, proposals)
-        if self.speculator is not None and is_decode_only and steady:  # the gate compares like with like
-            emitted = sum(len(o.new_token_ids) for o in outputs)
-            self.speculator.gate.observe(len(batch), bool(proposals), time.perf_counter() - step_start, emitted)
-        return outputs
+        batch, proposals = self._prepare(sched)
+        logits = self._run(batch)
+        return self._postprocess(batch, logits, proposals)
+
+    def _schedule(self) -> SchedulerOutput:
+        batch_size = len(self.scheduler.running)
+        self._speculate = self.speculator is not None and self.speculator.allow(batch_size)
+        return self.scheduler.schedule(self._lookahead)
+
+    def _prepare(self, sched: SchedulerOutput) -> tuple[list[BatchEntry], dict[int, Proposal]]:
+        batch = [BatchEntry(s.seq, s.num_new_tokens, int(s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens))
+                 for s in sched.scheduled]
+        self._shape = StepShape.of(batch, self.draft_runner is not None)  # before proposals grow the entries
+        return batch, self._propose(batch)
+
+    def _run(self, batch: list[BatchEntry]):
+        """The target's forward pass over the flat batch; for prefill-only sequences, their K/V
+        go to `kv_hook` layer by layer as they land (the draft's after, when there is a draft)."""
+        handoff = [e for e in batch if e.seq.is_prefill_only]
+        hook, chunks = self.kv_hook, None
+        if handoff and hook is not None:
+            chunks = [prefill_chunk(e, self.block_manager.block_size) for e in handoff]
+        logits = self.runner.execute(batch, None if chunks is None else (lambda layer: hook(0, layer, chunks)))
+        if handoff and self.draft_runner is not None:  # the draft's K/V of the same tokens travel too
+            self.draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff])
+            if chunks is not None:
+                for layer in range(len(self.draft_runner.kv_caches)):
+                    hook(1, layer, chunks)
+        return logits
 
     def _lookahead(self, seq: Sequence) -> int:
         if not self._speculate:
             return 0
         return self.speculator.choose_k(seq, len(self.scheduler.running), self.max_model_len)
-
-    @staticmethod
-    def _batch(sched: SchedulerOutput) -> list[BatchEntry]:
-        return [BatchEntry(s.seq, s.num_new_tokens, int(s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens))
-                for s in sched.scheduled]
 
     def _propose(self, batch: list[BatchEntry]) -> dict[int, Proposal]:
         """Draft tokens for the decoding entries given lookahead slots; entries grow to verify them."""
@@ -240,9 +307,19 @@ class LLMEngine:
                                      [s.num_tokens for s in seqs])
         outputs = []
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            if seq.is_prefill_only:
+                outputs.append(self._hand_off(seq, tok))
+                continue
             self._record_logprobs(seq, logits[i:i + 1], [tok])
             outputs.append(self.append_tokens(seq, [tok]))
         return outputs
+
+    def _hand_off(self, seq: Sequence, first_token: int) -> RequestOutput:
+        """A prefill-only sequence's prompt is computed: report its first token and hold it."""
+        seq.output_token_ids.append(first_token)
+        self.block_manager.commit(seq)
+        self.scheduler.hold(seq)
+        return self._output(self._requests[seq.req_id])
 
     def _verify(self, seq: Sequence, prop: Proposal, logits) -> RequestOutput:
         before = seq.num_tokens

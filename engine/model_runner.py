@@ -6,6 +6,7 @@ model, and returns logits only for the rows the caller samples from.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -50,11 +51,13 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
 
     @torch.inference_mode()
     def execute(self, batch: list[BatchEntry], layer_callback: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [sum(num_logits), vocab_size] float32, rows in the order of `batch`.
         `layer_callback(i)` runs once layer i's K/V for this batch are in the cache (KV streaming)."""
+        start = time.perf_counter()
         order = sorted(range(len(batch)), key=lambda i: batch[i].num_new_tokens != 1)  # decodes first
         input_ids, positions, meta, row_starts = self._prepare([batch[i] for i in order])
         hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_callback)
@@ -63,9 +66,12 @@ class ModelRunner:
             j = order.index(i)
             end = row_starts[j] + batch[i].num_new_tokens
             rows.extend(range(end - batch[i].num_logits, end))
-        if not rows:
-            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        else:
+            logits = hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+        self.last_pass = (len(input_ids), time.perf_counter() - start)
+        return logits
 
     def _prepare(self, batch: list[BatchEntry]):
         ids, pos, slots, starts = [], [], [], []

@@ -7,6 +7,11 @@ Life cycle of a sequence:
     running ──blocks short: the newest running sequence is preempted──► front of waiting
     running ──finished / aborted──► gone (blocks freed)
 
+Disaggregated serving adds one more place, HELD: blocks kept outside both queues.
+
+    prefill worker:  running ──prompt computed, first token sampled: `hold`──► held ──`finish`──► gone
+    decode worker:   `reserve` (blocks for prompt + first token) ──► held ──K/V arrived: `activate`──► running
+
 A step's token budget (`max_num_batched_tokens`) is spent on running sequences first, oldest
 first, then on admitting waiting ones in arrival order (FCFS: a head that does not fit blocks
 the queue). A long prompt spreads over steps in chunks and shares each step with decodes.
@@ -48,10 +53,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -66,13 +67,25 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}  # req_id -> sequence
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: held sequences wait for something outside the engine."""
         return bool(self.waiting or self.running)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Prompt (and recompute) tokens still to run: the prefill work queued here."""
+        return sum(s.num_uncomputed_tokens for s in (*self.waiting, *self.running))
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding or waiting for blocks, counted against `max_num_seqs`."""
+        return len(self.waiting) + len(self.running) + len(self.held)
 
     def schedule(self, lookahead: LookaheadFn = lambda seq: 0) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -123,11 +136,39 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    # ---- disaggregated serving ----------------------------------------------------------
+    def hold(self, seq: Sequence) -> None:
+        """A running sequence leaves the queues with its blocks (a prefilled prompt handed off)."""
+        assert seq.status is SequenceStatus.RUNNING, f"{seq.req_id} is {seq.status}, not running"
+        self.running.remove(seq)
+        self._hold(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Take blocks for `num_tokens` tokens of a new sequence, whole or nothing, and hold it.
+        False when the pool or `max_num_seqs` has no room."""
+        if self.num_seqs >= self.config.max_num_seqs or not self.block_manager.allocate(seq, num_tokens):
+            return False
+        self._hold(seq)
+        return True
+
+    def activate(self, seq: Sequence) -> None:
+        """A held sequence whose K/V are now in its blocks joins the running batch."""
+        assert seq.status is SequenceStatus.HELD, f"{seq.req_id} is {seq.status}, not held"
+        del self.held[seq.req_id]
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _hold(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.HELD
+        self.held[seq.req_id] = seq
+
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence wherever it is and free its blocks. Idempotent."""
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.HELD:
+            del self.held[seq.req_id]
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

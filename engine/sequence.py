@@ -18,9 +18,14 @@ from pdserve.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    """Where the scheduler keeps a sequence."""
+
+    WAITING = "waiting"  # queued for (re)admission
+    RUNNING = "running"  # scheduled every step
+    # blocks held outside both queues, for disaggregated serving: a prefilled prompt whose K/V
+    # a prefill worker is sending, or a decode worker's reservation whose K/V are arriving
+    HELD = "held"
+    FINISHED = "finished"  # blocks freed
 
 
 class FinishReason(enum.Enum):
@@ -44,6 +49,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's cache
     num_preemptions: int = 0
+    # prefill worker: once the prompt is computed and the first token sampled, hand the
+    # sequence off (HELD, blocks kept while its K/V are sent) instead of decoding it
+    is_prefill_only: bool = False
     # top-N log-probs per output token, when params.logprobs is set: (token_id, logprob) pairs
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
@@ -70,7 +78,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]

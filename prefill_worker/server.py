@@ -1,8 +1,10 @@
 """The prefill worker's gRPC service. Protobuf stops here: requests become engine values.
 
-`Prefill` queues the prompt, opens a PushKV stream to the decode worker the router reserved,
-and returns once the decode side has verified the transfer; either way the request's blocks
-are then released. A cancelled Prefill cancels its push and frees at once.
+`Prefill` queues the prompt (queued), the engine prefills it in chunks while its K/V stream to
+the decode worker the router reserved, layer by layer as each layer lands (prefilling), samples
+the first token and sends the trailer (sending), and the call returns once the decode side has
+verified the transfer (done). Whatever happens — done, failed, cancelled — the request's blocks
+are then released. The states are `PrefillState`, derived from the request's progress.
 """
 from __future__ import annotations
 
@@ -13,22 +15,23 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.disagg import DTYPE_NAMES, add_prefill, kv_group_layouts, queued_prompt_tokens, release
+from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, read_kv
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.kv_sender import KVSender
-from pdserve.prefill_worker.loop import PrefillLoop
-from pdserve.serving.convert import sampling_kwargs
-from pdserve.serving.metrics import WorkerMetrics
+from pdserve.serving.convert import parse_work_request
+from pdserve.serving.engine_thread import EngineLoop
+from pdserve.serving.grpc_server import AioServer
+from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
+from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
+from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
 
 log = logging.getLogger("pdserve.prefill")
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillServerConfig:
-    kv_transfer_timeout_s: float = 30.0  # the whole PushKV call, prefill included
+    kv_transfer_timeout_s: float = 30.0  # the whole push, prefill included
     max_chunk_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -38,106 +41,115 @@ class PrefillServerConfig:
             raise ValueError(f"PrefillServerConfig.max_chunk_bytes must be >= 1024, got {self.max_chunk_bytes}")
 
 
-def work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], SamplingParams]:
-    if not msg.req_id:
-        raise ValueError("req_id is empty")
-    return msg.req_id, list(msg.prompt_token_ids), SamplingParams(**sampling_kwargs(msg.sampling_params))
+@dataclass(slots=True)
+class PrefillRequest:
+    req_id: str
+    sender: KVSender
+    ended: PrefillState | None = None  # DONE, FAILED or CANCELLED once it is over
+
+    @property
+    def state(self) -> PrefillState:
+        if self.ended is not None:
+            return self.ended
+        if self.sender.first_token is not None:
+            return PrefillState.SENDING
+        return PrefillState.PREFILLING if self.sender.first_layer_at is not None else PrefillState.QUEUED
 
 
-class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, config: PrefillServerConfig, metrics: WorkerMetrics | None = None):
+class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer):
+    role = "prefill"
+
+    def __init__(self, config: PrefillServerConfig, transport: KVTransport | None = None, metrics=None):
+        super().__init__(metrics)
         self.config = config
-        self.metrics = metrics or WorkerMetrics("prefill")
-        self.loop: PrefillLoop | None = None
-        self.info: worker_pb2.WorkerInfo | None = None
-        self._channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
-        self.num_in_flight = 0
-        self.kv_transfer_bytes_total = 0
-        self.kv_transfer_failures_total = 0
+        self.transport = transport or GrpcTransport()
+        self.requests: dict[str, PrefillRequest] = {}  # asyncio loop only
+        self._senders: dict[str, KVSender] = {}  # engine thread only
+        self._groups = []
 
-    def ready(self, loop: PrefillLoop, info: worker_pb2.WorkerInfo) -> None:
-        self.loop, self.info = loop, info
+    def add_to(self, server: AioServer) -> None:
+        server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self,
+                   worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"])
 
-    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + KV_TRANSFER_OPTIONS)
-            self._channels[address] = worker_pb2_grpc.DecodeWorkerStub(channel)
-        return self._channels[address]
+    def attach(self, loop: EngineLoop, model_name: str) -> None:
+        super().attach(loop, model_name)
+        self._groups = [cache for _, cache in kv_cache_groups(loop.engine)]
+        loop.engine.kv_hook = self._send_layer
+
+    def _send_layer(self, group: int, layer: int, chunks) -> None:
+        """The engine's KV hook (engine thread): this layer's K/V of each chunk to its sender."""
+        for c in chunks:
+            sender = self._senders.get(c.seq.req_id)
+            if sender is not None:
+                sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
 
     async def Prefill(self, request, context):
-        if self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        await self.check_ready(context)
         try:
-            req_id, ids, params = work_request(request.request)
+            req_id, ids, params = parse_work_request(request.request)
+            if not request.decode_address or not request.transfer_id:
+                raise ValueError("decode_address and transfer_id are required")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not request.decode_address or not request.transfer_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode_address and transfer_id are required")
-        engine = self.loop.engine
-        sender = KVSender(asyncio.get_running_loop(), request.transfer_id, len(ids), DTYPE_NAMES[engine.dtype],
-                          kv_group_layouts(engine), self.config.max_chunk_bytes)
-
-        added = []  # the sequence, once the engine thread has queued it
-
-        def add(e: LLMEngine) -> None:
-            if req_id in self.loop.senders:
-                raise ValueError(f"req_id {req_id!r} is already being prefilled")
-            added.append(add_prefill(e, req_id, ids, params))
-            self.loop.senders[req_id] = sender
-
-        def drop(e: LLMEngine) -> None:  # runs after `add` (commands keep their order), even if cancelled
-            if added:
-                self.loop.senders.pop(req_id, None)
-                release(e, added[0])
-
-        call = None
-        self.num_in_flight += 1
+        engine = self.engine
+        header = KVHeader(request.transfer_id, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)))
+        if req_id in self.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
+        r = PrefillRequest(req_id, KVSender(asyncio.get_running_loop(), header, self.config.max_chunk_bytes))
+        self.requests[req_id] = r
+        self.loop.sinks[req_id] = lambda item: self._on_output(r, item)
         try:
             try:
-                await self.loop.call(add)
+                await self.loop.call(lambda e: self._add(e, r, ids, params))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            pushed_at = time.perf_counter()
-            call = self._stub(request.decode_address).PushKV(sender.messages(),
-                                                             timeout=self.config.kv_transfer_timeout_s)
-            try:
-                ack = await call
-            except grpc.aio.AioRpcError as e:
-                self.kv_transfer_failures_total += 1
-                why = sender.error or e.details()
-                log.warning("KV push failed req_id=%s decode=%s code=%s: %s", req_id, request.decode_address,
-                            e.code(), why)
-                code = grpc.StatusCode.INTERNAL if sender.error else e.code()
-                await context.abort(code, f"KV push to {request.decode_address} failed: {why}")
+            ack = await self._push(r, request.decode_address)
+        except TransferError as e:
+            await context.abort(STATUS_OF[e.failure], str(e))
         finally:
-            self.num_in_flight -= 1
-            if call is not None:
-                call.cancel()
-            self.loop.call(drop)
-        acked_at = time.perf_counter()
+            self._end(r)
+        s = r.sender
+        return worker_pb2.PrefillResponse(first_token_id=s.first_token, num_chunks=ack.num_chunks,
+                                          num_bytes=ack.num_bytes, prefill_seconds=s.finished_at - s.created_at,
+                                          tail_seconds=time.perf_counter() - s.finished_at)
+
+    def _add(self, engine: LLMEngine, r: PrefillRequest, ids: list[int], params) -> None:
+        """Engine thread: queue the prompt (ValueError on a bad request)."""
+        engine.add_prefill(r.req_id, ids, params)
+        self._senders[r.req_id] = r.sender
+
+    def _on_output(self, r: PrefillRequest, item) -> None:
+        if isinstance(item, Exception):
+            r.sender.fail(str(item))
+        elif item.new_token_ids:
+            r.sender.finish(item.new_token_ids[0])
+
+    async def _push(self, r: PrefillRequest, address: str):
+        started = time.perf_counter()
+        try:
+            ack = await self.transport.push(address, r.sender.messages(), self.config.kv_transfer_timeout_s)
+        except TransferError as e:
+            r.ended = PrefillState.FAILED
+            self.kv_transfer_failures_total += e.failure is not TransferFailure.ABORTED
+            if r.sender.error:  # our own engine failed it: say so, not what the decode side saw
+                e = TransferError(TransferFailure.ABORTED, f"prefill failed: {r.sender.error}")
+            log.warning("KV push failed req_id=%s decode=%s: %s", r.req_id, address, e)
+            raise e from None
+        except asyncio.CancelledError:
+            r.ended = PrefillState.CANCELLED
+            raise
+        r.ended = PrefillState.DONE
         self.kv_transfer_bytes_total += ack.num_bytes
-        self.metrics.observe_transfer(acked_at - pushed_at)
-        return worker_pb2.PrefillResponse(first_token_id=sender.first_token, num_chunks=ack.num_chunks,
-                                          num_bytes=ack.num_bytes,
-                                          prefill_seconds=sender.finished_at - sender.created_at,
-                                          tail_seconds=acked_at - sender.finished_at)
+        self.metrics.observe_transfer(time.perf_counter() - started)
+        return ack
 
-    async def GetInfo(self, request, context):
-        if self.info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self.info
+    def _end(self, r: PrefillRequest) -> None:
+        """Done, failed or cancelled: forget it here and free its blocks on the engine thread."""
+        self.requests.pop(r.req_id, None)
+        self.loop.sinks.pop(r.req_id, None)
 
-    async def GetStats(self, request, context):
-        if self.loop is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self.stats()
+        def release(engine: LLMEngine) -> None:  # after `_add` (commands keep their order)
+            self._senders.pop(r.req_id, None)
+            engine.release(r.req_id)
 
-    def stats(self) -> worker_pb2.WorkerStats:
-        e = self.loop.engine
-        return worker_pb2.WorkerStats(
-            num_blocks=e.block_manager.num_blocks, num_free_blocks=e.block_manager.num_free_blocks,
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
-            num_reserved=self.num_in_flight, num_queued_prompt_tokens=queued_prompt_tokens(e),
-            kv_transfer_bytes_total=self.kv_transfer_bytes_total,
-            kv_transfer_failures_total=self.kv_transfer_failures_total,
-            max_num_seqs=e.scheduler.config.max_num_seqs)
+        self.loop.call(release)

@@ -17,7 +17,7 @@ import grpc
 from aiohttp import web
 
 from pdserve.serving.convert import FINISH_REASON_NAMES
-from pdserve.serving.metrics import metrics_handler
+from pdserve.serving.metrics import metrics_handler, start_http_app
 from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.router.server import RequestFailed, Router
 
@@ -165,10 +165,10 @@ def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve") -> web.AppRunner:
+async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve") -> tuple[web.AppRunner, int]:
+    """Serve the HTTP API; returns the runner and the bound port (`port` 0: a free one)."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    runner = web.AppRunner(CompletionsApp(router, model_name).app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("http listening address=%s:%d", host, port)
-    return runner
+    runner, bound = await start_http_app(CompletionsApp(router, model_name).app(), host, port,
+                                         handler_cancellation=True)
+    log.info("http listening address=%s:%d", host, bound)
+    return runner, bound

@@ -9,7 +9,7 @@ from pathlib import Path
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.serving.metrics import start_metrics_server
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from pdserve.serving.grpc_server import AioServer, wait_for_signal
+from pdserve.serving.grpc_server import AioServer
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.server import GenerationServicer, Router
@@ -41,17 +41,13 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
 
-def run(config: RouterConfig, host: str, port: int, http_port: int | None = None,
-        metrics_port: int | None = None) -> int:
-    asyncio.run(serve(config, host, port, http_port, metrics_port))
-    return 0
-
-
-async def serve(config: RouterConfig, host: str, port: int, http_port: int | None = None,
-                metrics_port: int | None = None) -> None:
+async def serve(config: RouterConfig, host: str, port: int, http_port: int | None, metrics_port: int | None,
+                until, on_ready=lambda addresses: None) -> None:
+    """The router's life, until `until` completes: connect to the workers (ValueError if they
+    are unreachable or mismatched), listen, report the bound addresses, serve."""
     tokenizer = Tokenizer.from_dir(config.model)
     pool = WorkerPool(list(config.prefill_addresses), list(config.decode_addresses), config.rpc_timeout_s)
-    await pool.connect(config.connect_timeout_s)  # ValueError: unreachable or mismatched workers
+    await pool.connect(config.connect_timeout_s)
     max_model_len, vocab_size = pool.limits()
     validator = Validator(tokenizer, Limits(max_model_len, vocab_size, config.max_prompt_chars))
     router = Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests),
@@ -61,18 +57,25 @@ async def serve(config: RouterConfig, host: str, port: int, http_port: int | Non
                generation_pb2.DESCRIPTOR.services_by_name["Generation"])
     await server.start()
     watcher = asyncio.create_task(pool.watch(config.health_interval_s))
-    http = None
-    if http_port is not None:
-        from pdserve.router.http import start_http
+    runners, addresses = [], {"grpc": server.address}
+    try:
+        if http_port is not None:
+            from pdserve.router.http import start_http
 
-        http = await start_http(router, host, http_port, Path(config.model).name)
-    metrics = None if metrics_port is None else await start_metrics_server(router.metrics.registry, host, metrics_port)
-    await server.set_serving(True)
-    log.info("serving address=%s:%d mode=%s", host, port, "colocated" if pool.is_colocated else "disaggregated")
-    await wait_for_signal()
-    watcher.cancel()
-    for runner in (http, metrics):
-        if runner is not None:
+            runner, bound = await start_http(router, host, http_port, Path(config.model).name)
+            runners.append(runner)
+            addresses["http"] = f"{host}:{bound}"
+        if metrics_port is not None:
+            runner, bound = await start_metrics_server(router.metrics.registry, host, metrics_port)
+            runners.append(runner)
+            addresses["metrics"] = f"{host}:{bound}"
+        await server.set_serving(True)
+        log.info("serving address=%s mode=%s", server.address, "colocated" if pool.is_colocated else "disaggregated")
+        on_ready(addresses)
+        await until
+        await server.set_serving(False)
+    finally:
+        watcher.cancel()
+        for runner in runners:
             await runner.cleanup()
-    await server.set_serving(False)
-    await server.stop(grace=2.0)
+        await server.stop(grace=2.0)

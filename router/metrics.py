@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from pdserve.router.request import RequestState
 from pdserve.serving.metrics import PREFIX, REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS
 
 
 @dataclass(slots=True)
 class RequestTrace:
+    """One request's progress at the router: its life-cycle state and its timestamps."""
+
     arrival_s: float  # time.monotonic()
+    state: RequestState = RequestState.RECEIVED
     num_tokens: int = 0  # sent to the client
     first_token_s: float | None = None
     last_token_s: float | None = None

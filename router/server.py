@@ -1,15 +1,16 @@
-"""The public `pdserve.v1.Generation` service. Protobuf stops here.
+"""The public `pdserve.v1.Generation` service and the request life cycle behind it (the states
+of `router.request.RequestState`). Protobuf of the public API stops here.
 
-Life cycle of one request at the router:
-
-    validate + tokenize ──► admission: Decode() on decode workers, most free blocks first
+    received: validated, tokenized (INVALID_ARGUMENT otherwise)
+    ──► admitted: Decode() on decode workers, most free blocks first, reserves its blocks
         (RESOURCE_EXHAUSTED: next worker; none: wait in the bounded admission queue)
-    ──► Prefill() on a paired prefill worker (fewest queued prompt tokens), which pushes the KV
-    ──► token deltas from the decode stream ──► incremental detokenization, stop strings
-    ──► text deltas to the client; the last one carries finish reason and usage
+    ──► prefilling: Prefill() on a paired prefill worker (fewest queued prompt tokens), naming the
+        decode worker's address and the transfer id its reservation answered; it pushes the K/V
+    ──► streaming: token deltas from the decode stream, incremental detokenization, stop strings,
+        text deltas to the client ──► finished: the last delta carries finish reason and usage
 
-Colocated (no prefill workers): admission is a `Generate()` on a decode worker. However the
-request ends — finished, failed, cancelled by the client — both worker calls are cancelled,
+Colocated (no prefill workers): admission is a PrefillAndDecode() on a decode worker. However
+the request ends — finished, failed, cancelled by the client — both worker calls are cancelled,
 which frees its blocks on both workers.
 """
 from __future__ import annotations
@@ -22,13 +23,14 @@ import grpc
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.serving.convert import FINISH_REASON_NAMES, sampling_message
-from pdserve.v1 import generation_pb2 as gen_pb2
-from pdserve.v1 import generation_pb2_grpc, worker_pb2
 from pdserve.router.admission import AdmissionQueue, QueueFull
 from pdserve.router.metrics import RequestTrace, RouterMetrics
-from pdserve.router.validate import RouterRequest, Validator
+from pdserve.router.request import RequestState, RouterRequest
+from pdserve.router.validate import Validator
 from pdserve.router.workers import Worker, WorkerPool
+from pdserve.serving.convert import work_request_message
+from pdserve.v1 import generation_pb2 as gen_pb2
+from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger("pdserve.router")
 
@@ -37,13 +39,6 @@ class RequestFailed(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
-
-
-def work_request(req: RouterRequest) -> worker_pb2.WorkRequest:
-    p = req.params
-    wire = sampling_message(p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.stop, p.stop_token_ids,
-                            p.seed, p.ignore_eos)
-    return worker_pb2.WorkRequest(req_id=req.req_id, prompt_token_ids=req.prompt_token_ids, sampling_params=wire)
 
 
 class Router:
@@ -64,24 +59,31 @@ class Router:
     async def generate(self, req: RouterRequest, trace: RequestTrace | None = None):
         """`trace`: from `metrics.arrived()` when the request arrived (default: now)."""
         trace = trace or self.metrics.arrived()
-        status = "cancelled"  # unless it finishes or fails
+        work = work_request_message(req.req_id, req.prompt_token_ids, req.params)
         call = prefill_task = None
         try:
-            work = work_request(req)
-            call, decode = await self._admit(work)
+            call, decode, transfer_id = await self._admit(work)
+            trace.state = RequestState.ADMITTED
             self.metrics.admitted(trace, len(req.prompt_token_ids))
-            prefill_task = None if self.pool.is_colocated else asyncio.create_task(self._prefill(work, decode))
+            if not self.pool.is_colocated:
+                prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id))
+                trace.state = RequestState.PREFILLING
             async for resp in self._stream(req, call, prefill_task):
+                trace.state = RequestState.FINISHED if resp.finish_reason else RequestState.STREAMING
                 self.metrics.delta_out(trace, len(resp.token_ids))
                 if resp.finish_reason:
-                    status = "ok"
-                    self.metrics.ended(trace, status)  # as the last delta leaves, not when the client reads on
+                    self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
                 yield resp
         except RequestFailed as e:
-            status = e.code.name.lower()
+            trace.state = RequestState.FAILED
+            self.metrics.ended(trace, e.code.name.lower())
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            trace.state = RequestState.CANCELLED
             raise
         except Exception:
-            status = "error"
+            trace.state = RequestState.FAILED
+            self.metrics.ended(trace, "error")
             raise
         finally:
             if call is not None:
@@ -89,13 +91,15 @@ class Router:
                 if prefill_task is not None and not prefill_task.done():
                     prefill_task.cancel()
                 self.admission.wake_one()
-            self.metrics.ended(trace, status)
+            if trace.state is not RequestState.FINISHED:
+                self.metrics.ended(trace, "cancelled")  # a no-op when it ended above
 
     async def _admit(self, work: worker_pb2.WorkRequest):
         deadline = time.monotonic() + self.queue_timeout_s
         while True:
             for w in self.pool.decode_candidates():
-                call = (w.stub.Generate if self.pool.is_colocated else w.stub.Decode)(work, timeout=self.rpc_timeout_s)
+                call = (w.stub.PrefillAndDecode if self.pool.is_colocated else w.stub.Decode)(
+                    work, timeout=self.rpc_timeout_s)
                 try:
                     event = await call.read()
                 except grpc.aio.AioRpcError as e:
@@ -108,7 +112,7 @@ class Router:
                 w.stats.num_free_blocks = event.admitted.num_free_blocks
                 if len(self.admission):
                     self.admission.wake_one()  # there may be room for the next one too
-                return call, w
+                return call, w, event.admitted.transfer_id
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -118,7 +122,8 @@ class Router:
             except QueueFull as e:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is overloaded: {e}") from None
 
-    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker) -> worker_pb2.PrefillResponse:
+    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker,
+                       transfer_id: str) -> worker_pb2.PrefillResponse:
         candidates = self.pool.prefill_candidates(decode)
         if not candidates:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy prefill worker pairs with {decode.address}")
@@ -127,7 +132,7 @@ class Router:
         w.num_queued_prompt_tokens += n
         try:
             return await w.stub.Prefill(worker_pb2.PrefillRequest(
-                request=work, decode_address=decode.address, transfer_id=work.req_id), timeout=self.rpc_timeout_s)
+                request=work, decode_address=decode.address, transfer_id=transfer_id), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 w.healthy = False
@@ -205,4 +210,3 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, str(e))
 
 
-__all__ = ["Router", "GenerationServicer", "RequestFailed", "FINISH_REASON_NAMES"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.request import RouterRequest
 from pdserve.serving.convert import sampling_kwargs
 from pdserve.v1 import generation_pb2
 
@@ -25,14 +26,6 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_prompt_chars: int
-
-
-@dataclass(frozen=True, slots=True)
-class RouterRequest:
-    req_id: str  # the router's own, unique; used with the workers
-    client_request_id: str  # echoed back
-    prompt_token_ids: list[int]
-    params: SamplingParams  # seed always set
 
 
 class Validator:

@@ -1,7 +1,8 @@
-"""Wire <-> plain-value conversions shared by every server edge. Imports no pdserve package,
-so each side builds its own dataclasses from these values (`SamplingParams(**sampling_kwargs(m))`)."""
+"""Wire <-> engine-value conversions shared by every server edge (torch-free: the router uses
+them too)."""
 from __future__ import annotations
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import worker_pb2
 
@@ -20,15 +21,26 @@ def sampling_kwargs(msg: gen_pb2.SamplingParams) -> dict:
     return kwargs
 
 
-def sampling_message(temperature: float, top_p: float, top_k: int, min_p: float, max_tokens: int,
-                     stop: list[str], stop_token_ids: list[int], seed: int | None,
-                     ignore_eos: bool) -> gen_pb2.SamplingParams:
-    msg = gen_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                 max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids,
-                                 ignore_eos=ignore_eos)
-    if seed is not None:
-        msg.seed = seed
+def sampling_message(p: SamplingParams) -> gen_pb2.SamplingParams:
+    msg = gen_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                                 max_tokens=p.max_tokens, stop=p.stop, stop_token_ids=p.stop_token_ids,
+                                 ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        msg.seed = p.seed
     return msg
+
+
+def work_request_message(req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> worker_pb2.WorkRequest:
+    """What the router sends a worker: a validated, tokenized, seeded request."""
+    return worker_pb2.WorkRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
+                                  sampling_params=sampling_message(params))
+
+
+def parse_work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], SamplingParams]:
+    """A worker's side of `work_request_message`; ValueError naming the field."""
+    if not msg.req_id:
+        raise ValueError("req_id is empty")
+    return msg.req_id, list(msg.prompt_token_ids), SamplingParams(**sampling_kwargs(msg.sampling_params))
 
 
 def worker_info(role: str, desc) -> worker_pb2.WorkerInfo:

@@ -1,8 +1,11 @@
-"""`EngineThread`: the one thread that owns an `LLMEngine` inside an asyncio server.
+"""`EngineLoop`: the one thread that owns a worker's `LLMEngine` inside an asyncio server.
 
 Handlers on the asyncio loop never touch the engine; they `call` a function on the engine
-thread and await its result. Between commands the thread runs the owner's `step` while there is
-work, so commands wait at most one step, and they run in the order they were issued.
+thread and await its result. Between commands the thread steps the engine while it has work,
+so a command waits at most one step, and commands run in the order they were issued. Each
+step's outputs reach the requests' sinks on the asyncio loop in one hop, after everything
+posted before them. A step that raises fails the requests it was running (their sinks get the
+exception) instead of killing the worker. Both workers run exactly this loop.
 """
 from __future__ import annotations
 
@@ -15,13 +18,18 @@ from typing import Callable
 
 log = logging.getLogger("pdserve.engine")
 
+Sink = Callable[[object], None]  # gets each RequestOutput of its request, or the exception that ends it
 
-class EngineThread:
-    def __init__(self, engine, aio_loop: asyncio.AbstractEventLoop, step: Callable[[], None],
-                 has_work: Callable[[], bool], name: str, idle_wait_s: float = 0.05):
+
+class EngineStepFailed(Exception):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine, aio_loop: asyncio.AbstractEventLoop, name: str, idle_wait_s: float = 0.05):
         self.engine = engine
         self.aio = aio_loop
-        self._step, self._has_work = step, has_work
+        self.sinks: dict[str, Sink] = {}  # req_id -> sink; asyncio loop only
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -42,15 +50,28 @@ class EngineThread:
         self._commands.put((fn, fut))
         return asyncio.wrap_future(fut, loop=self.aio)
 
-    def post(self, fn: Callable, *args) -> None:
-        """From the engine thread: run fn(*args) on the asyncio loop, after everything posted before."""
-        self.aio.call_soon_threadsafe(fn, *args)
+    def deliver_soon(self, outputs: list) -> None:
+        """From the engine thread: hand outputs to their sinks, after everything posted before."""
+        self.aio.call_soon_threadsafe(self._deliver, outputs)
 
+    # ---- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain(block=not self._has_work())
-            if self._has_work():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
                 self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the worker
+            log.exception("engine step failed; failing the requests it ran")
+            failed = self.engine.abort_unfinished()
+            error = EngineStepFailed(f"engine step failed: {e!r}")
+            self.aio.call_soon_threadsafe(self._deliver, [(req_id, error) for req_id in failed])
+            return
+        if outputs:
+            self.deliver_soon(outputs)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -68,3 +89,11 @@ class EngineThread:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    # ---- asyncio loop --------------------------------------------------------------------
+    def _deliver(self, outputs: list) -> None:
+        for out in outputs:
+            req_id, item = out if isinstance(out, tuple) else (out.req_id, out)
+            sink = self.sinks.get(req_id)
+            if sink is not None:
+                sink(item)

@@ -8,13 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.serving.metrics import start_metrics_server
 
 log = logging.getLogger("pdserve.server")
 
@@ -52,10 +50,15 @@ class AioServer:
         self._service_names.append(service_descriptor.full_name)
 
     async def start(self) -> int:
+        """Listen (health NOT_SERVING); returns the bound port (a free one when asked for 0)."""
         reflection.enable_server_reflection(self._service_names, self.server)
-        port = self.server.add_insecure_port(self.address)
+        try:
+            port = self.server.add_insecure_port(self.address)
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise OSError(f"cannot bind {self.address}")
+            raise OSError(f"cannot listen on {self.address}: the address is taken or not local")
+        self.address = f"{self.address.rsplit(':', 1)[0]}:{port}"
         await self.set_serving(False)
         await self.server.start()
         return port
@@ -69,26 +72,6 @@ class AioServer:
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace)
-
-
-async def serve_until_signal(server: AioServer, host: str, load: Callable[[], Awaitable[Callable[[], None]]],
-                             metrics_registry=None, metrics_port: int | None = None) -> None:
-    """A worker's life: listen (health NOT_SERVING) and serve /metrics, `load` the model and get
-    ready (it returns how to stop its engine loop), SERVING until SIGTERM/SIGINT, then shut down
-    in order. Both workers' composition roots run through here."""
-    bound = await server.start()
-    log.info("listening address=%s:%d", host, bound)
-    metrics = None
-    if metrics_port is not None:
-        metrics = await start_metrics_server(metrics_registry, host, metrics_port)
-    stop_loop = await load()
-    await server.set_serving(True)
-    await wait_for_signal()
-    await server.set_serving(False)
-    await server.stop(grace=2.0)
-    if metrics is not None:
-        await metrics.cleanup()
-    stop_loop()
 
 
 async def wait_for_signal() -> None:

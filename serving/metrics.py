@@ -41,14 +41,25 @@ def metrics_handler(registry: CollectorRegistry) -> Callable:
     return handle
 
 
-async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
-    """Serve `GET /metrics` on the running asyncio loop; `await runner.cleanup()` stops it."""
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `GET /metrics` on the running asyncio loop; returns the runner (`await
+    runner.cleanup()` stops it) and the bound port (`port` 0 picks a free one)."""
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler(registry))
-    runner = web.AppRunner(app, access_log=None)
+    return await start_http_app(app, host, port)
+
+
+async def start_http_app(app: web.Application, host: str, port: int, **runner_options) -> tuple[web.AppRunner, int]:
+    """Serve an aiohttp app; returns its runner and the port it bound (`port` 0: a free one)."""
+    runner = web.AppRunner(app, access_log=None, **runner_options)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return runner, site._server.sockets[0].getsockname()[1]
 
 
 class StatsSource(Protocol):

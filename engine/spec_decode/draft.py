@@ -17,6 +17,7 @@ from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampler import param_tensors
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import LinearCost
+from pdserve.engine.spec_decode.proposer import Proposal
 from pdserve.kernels import KernelOps, sample_from_probs_ref
 
 
@@ -24,8 +25,8 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, ops: KernelOps, cost: LinearCost):
         self.runner, self.ops, self.cost = runner, ops, cost
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Per sequence: (draft tokens, their distributions q [k, vocab_size])."""
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Per sequence: draft tokens and their distributions q [k, vocab_size] (None when greedy)."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -43,7 +44,7 @@ class DraftProposer:
             active = [i for i in active if ks[i] > step]
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
-        return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
         """One draft forward: the picked tokens and their distributions q [len(seqs), vocab_size],

@@ -4,6 +4,7 @@ the proposals are one-hot distributions."""
 from __future__ import annotations
 
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.proposer import Proposal
 
 
 class NgramProposer:
@@ -18,5 +19,5 @@ class NgramProposer:
                     return tokens[start + n:start + n + k]
         return []
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [self.propose_one(seq.token_ids, k) if k else [] for seq, k in zip(seqs, ks)]
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return [Proposal(self.propose_one(seq.token_ids, k) if k else [], None) for seq, k in zip(seqs, ks)]

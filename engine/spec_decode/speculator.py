@@ -15,9 +15,8 @@ from pdserve.engine import rng
 from pdserve.engine.sampler import param_tensors
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import AdaptiveDepth
-from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.gate import SpeculationGate
-from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.proposer import Proposal, Proposer
 from pdserve.engine.spec_decode.rejection_sampler import verify_greedy, verify_one
 from pdserve.kernels import KernelOps
 
@@ -50,22 +49,43 @@ class SpecDecodeStats:
             self.accepted_per_pos[i] += 1
 
 
-@dataclass(slots=True)
-class Proposal:
-    token_ids: list[int]
-    probs: torch.Tensor | None  # [k, vocab_size]; None: one-hot (n-gram, or a greedy request's draft)
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the gate needs to know of a step, taken before proposals grow its entries."""
+
+    batch_size: int
+    is_decode_only: bool  # every entry decodes one token: comparable with other such steps
+    # a draft catching up on many tokens (a fresh prompt, or after plain steps) makes a step
+    # unrepresentative of steady speculation
+    is_steady: bool
+
+    @classmethod
+    def of(cls, batch: list, has_draft: bool) -> StepShape:
+        is_decode_only = all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch)
+        is_steady = not has_draft or all(e.seq.num_tokens - e.seq.num_draft_computed_tokens <= 2
+                                         for e in batch if e.num_new_tokens > 1)
+        return cls(len(batch), is_decode_only, is_steady)
 
 
 class Speculator:
-    def __init__(self, proposer: DraftProposer | NgramProposer, depth: AdaptiveDepth, ops: KernelOps,
-                 vocab_size: int):
+    def __init__(self, proposer: Proposer, depth: AdaptiveDepth, ops: KernelOps, vocab_size: int):
         self.proposer, self.depth, self.ops, self.vocab_size = proposer, depth, ops, vocab_size
         self.stats = SpecDecodeStats()
         self.gate = SpeculationGate()
+        self._speculated = False  # whether this step proposed any draft token
+
+    def observe_step(self, shape: StepShape, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
+        """After each engine step: the target's forward (tokens, seconds) feeds the cost model
+        (prefill chunks too: they spread the fit over n); a steady pure-decode step's wall time
+        and emitted tokens feed the gate, which compares like with like."""
+        self.depth.target_cost.observe(*target_pass)
+        if shape.is_decode_only and shape.is_steady:
+            self.gate.observe(shape.batch_size, self._speculated, seconds, sum(len(o.new_token_ids) for o in outputs))
 
     def allow(self, batch_size: int) -> bool:
         """Whether this step speculates at all: always at fixed depth; with adaptive depth, while
         the gate measures it paying at this batch size."""
+        self._speculated = False
         return not self.depth.adaptive or self.gate.allow(batch_size)
 
     def choose_k(self, seq: Sequence, batch_size: int, max_model_len: int) -> int:
@@ -73,9 +93,9 @@ class Speculator:
         return self.depth.choose(seq, batch_size, room)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        if isinstance(self.proposer, NgramProposer):
-            return [Proposal(t, None) for t in self.proposer.propose(seqs, ks)]
-        return [Proposal(t, q) for t, q in self.proposer.propose(seqs, ks)]
+        proposals = self.proposer.propose(seqs, ks)
+        self._speculated = any(p.token_ids for p in proposals)
+        return proposals
 
     def verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> list[int]:
         """logits: [k + 1, vocab_size], the target at the last token and each draft token."""

@@ -1,89 +1,46 @@
-"""Real worker and router processes for the serving tests: start, wait for SERVING, stop."""
+"""Real worker and router processes for the serving tests (`pdserve.cluster.local`), and the
+helpers the tests use to talk to them."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.cluster.local import LocalProcess, ProcessFailed
 from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[2]
-PDSERVE = str(Path(sys.executable).with_name("pdserve"))  # the installed command, as users run it
 START_TIMEOUT_S = 120.0
 NUM_KV_BLOCKS = 128
 MAX_NUM_SEQS = 32
 MAX_PROMPT_CHARS = 5000
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Proc:
-    name: str
-    args: list[str]
-    log: Path
-    address: str = ""
-    metrics_address: str = ""  # where it serves Prometheus /metrics, if it does
-    popen: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log, "w") as f:
-            self.popen = subprocess.Popen([PDSERVE, *self.args], env=env,
-                                          stdout=f, stderr=subprocess.STDOUT)
-
-    def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text().splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
+def wait_ready(*procs: LocalProcess) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for proc in procs:
         try:
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout=10)
-
-
-def wait_serving(proc: Proc, deadline: float) -> None:
-    with grpc.insecure_channel(proc.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.popen.poll() is not None:
-                pytest.fail(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"{proc.name} not SERVING within {START_TIMEOUT_S:g} s:\n{proc.log_tail()}")
-            time.sleep(0.2)
+            proc.wait_ready(max(1.0, deadline - time.monotonic()))
+        except ProcessFailed as e:
+            pytest.fail(str(e))
 
 
 @dataclass
 class Cluster:
     model: Path
-    http_address: str = ""  # router R's OpenAI-compatible HTTP API
-    procs: dict[str, Proc] = field(default_factory=dict)
+    logs: Path
+    procs: dict[str, LocalProcess] = field(default_factory=dict)
     channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def address(self, name: str) -> str:
         return self.procs[name].address
+
+    @property
+    def http_address(self) -> str:
+        """Router R's OpenAI-compatible HTTP API."""
+        return self.procs["R"].addresses["http"]
 
     def channel(self, name: str) -> grpc.Channel:
         if name not in self.channels:
@@ -112,16 +69,21 @@ class Cluster:
                 pytest.fail(f"blocks still held after {timeout_s:g} s: {stats}")
             time.sleep(0.1)
 
-    def start(self, name: str, command: str, *args: str) -> Proc:
-        """Another process (stopped at teardown), for tests that need one of their own; not waited for."""
-        proc = Proc(name, [command, "--model", str(self.model), "--port", str(port := free_port()), *args],
-                    self.procs["P"].log.parent / f"{name}.log", f"127.0.0.1:{port}")
+    def start(self, name: str, command: str, *args: str, model: bool = True) -> LocalProcess:
+        """Another process (stopped at teardown); wait for it with `wait_ready`."""
+        extra = ["--model", str(self.model)] if model else []
+        proc = LocalProcess(name, command, [*extra, *args], self.logs / f"{name}.log")
         self.procs[name] = proc
-        proc.start()
-        return proc
+        return proc.start()
 
-    def start_router(self, name: str, *args: str) -> Proc:
+    def start_router(self, name: str, *args: str) -> LocalProcess:
         return self.start(name, "router", *args)
+
+    def stop(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
 
     def metrics(self, name: str) -> dict[tuple[str, frozenset], float]:
         """A process's /metrics as {(sample name, labels without model_name/worker): value}."""
@@ -129,9 +91,7 @@ class Cluster:
 
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urlopen(f"http://{self.procs[name].metrics_address}/metrics", timeout=10) as resp:
+        with urlopen(f"http://{self.procs[name].addresses['metrics']}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "worker"))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
-
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from procs import START_TIMEOUT_S, wait_serving
+from procs import wait_ready
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from procs import MAX_PROMPT_CHARS
@@ -64,13 +64,10 @@ def test_mismatched_pair_is_refused_saying_what_differs(cluster):
 def test_a_worker_that_fails_stops_getting_traffic(cluster):
     """A colocated router over D2 and a doomed D3 (more free blocks: the policy prefers it): once D3
     dies, every request still completes, on D2."""
-    import time
-
     d3 = cluster.start("D3", "decode-worker", "--num-threads", "1", "--num-kv-blocks", "256", "--block-size", "8")
+    wait_ready(d3)
     r4 = cluster.start_router("R4", "--decode", f"{cluster.address('D2')},{d3.address}", "--health-interval", "0.3")
-    deadline = time.monotonic() + START_TIMEOUT_S
-    wait_serving(d3, deadline)
-    wait_serving(r4, deadline)
+    wait_ready(r4)
     d3.popen.kill()
     d3.popen.wait(timeout=10)
     for i in range(6):

@@ -11,7 +11,6 @@ import grpc
 import pytest
 import torch
 
-from procs import REPO
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2 as wk
 
@@ -53,7 +52,7 @@ def test_vanished_client_frees_blocks(cluster):
         print("streaming", flush=True)
         os._exit(0)  # no cancel, no goodbye: the connection just drops
     """)
-    out = subprocess.run([sys.executable, "-c", client], cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=60)
     assert "streaming" in out.stdout, out.stderr
     cluster.wait_all_free()
     assert_router_serves(cluster)
@@ -67,7 +66,8 @@ def reserve(cluster, req_id: str, prompt=PROMPT):
                                           timeout=60)
     event = next(stream)
     assert event.WhichOneof("event") == "admitted"
-    return stream
+    assert event.admitted.transfer_id and event.admitted.transfer_id != req_id  # the decode worker's own id
+    return stream, event.admitted.transfer_id
 
 
 def kv_chunks(cluster, transfer_id: str, num_tokens=len(PROMPT), first_token=5):
@@ -90,8 +90,8 @@ def push(cluster, chunks):
 
 
 def test_hand_made_push_is_accepted_and_decoded(cluster):
-    stream = reserve(cluster, "hand-ok")
-    ack = push(cluster, kv_chunks(cluster, "hand-ok"))
+    stream, transfer_id = reserve(cluster, "hand-ok")
+    ack = push(cluster, kv_chunks(cluster, transfer_id))
     assert ack.num_chunks >= 2
     events = list(stream)
     assert [t for e in events for t in e.tokens.token_ids][0] == 5
@@ -129,9 +129,9 @@ def miscount(chunks):
 def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
     req_id = f"hand-{fault.__name__}"
     before = cluster.stats("D").kv_transfer_failures_total
-    stream = reserve(cluster, req_id)
+    stream, transfer_id = reserve(cluster, req_id)
     with pytest.raises(grpc.RpcError) as push_err:
-        push(cluster, fault(kv_chunks(cluster, req_id)))
+        push(cluster, fault(kv_chunks(cluster, transfer_id)))
     assert push_err.value.code() == grpc.StatusCode.DATA_LOSS and words in push_err.value.details()
     with pytest.raises(grpc.RpcError) as decode_err:
         list(stream)
@@ -142,9 +142,13 @@ def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
 
 
 def test_push_for_unknown_transfer_is_refused(cluster):
+    """Naming the request id instead of the reservation's transfer id reaches nothing."""
+    stream, _ = reserve(cluster, "hand-wrong-id")
     with pytest.raises(grpc.RpcError) as err:
-        push(cluster, kv_chunks(cluster, "nobody-reserved-this"))
+        push(cluster, kv_chunks(cluster, "hand-wrong-id"))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    stream.cancel()
+    cluster.wait_all_free()
 
 
 def test_full_decode_worker_refuses_admission_and_router_answers_resource_exhausted(cluster):
@@ -153,7 +157,7 @@ def test_full_decode_worker_refuses_admission_and_router_answers_resource_exhaus
     try:
         for i in range(40):
             try:
-                held.append(reserve(cluster, f"hold-{i}", prompt))
+                held.append(reserve(cluster, f"hold-{i}", prompt)[0])
             except grpc.RpcError as e:
                 refusal = e
                 break

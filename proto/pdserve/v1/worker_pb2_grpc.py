@@ -39,8 +39,8 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/pdserve.v1.DecodeWorker/Generate',
+        self.PrefillAndDecode = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/PrefillAndDecode',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
                 _registered_method=True)
@@ -71,7 +71,7 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Generate(self, request, context):
+    def PrefillAndDecode(self, request, context):
         """Colocated mode: the decode worker prefills the request itself. Answers Admitted once queued.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -105,8 +105,8 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
             ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
+            'PrefillAndDecode': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillAndDecode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeEvent.SerializeToString,
             ),
@@ -164,7 +164,7 @@ class DecodeWorker:
             _registered_method=True)
 
     @staticmethod
-    def Generate(request,
+    def PrefillAndDecode(request,
             target,
             options=(),
             channel_credentials=None,
@@ -177,7 +177,7 @@ class DecodeWorker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.v1.DecodeWorker/Generate',
+            '/pdserve.v1.DecodeWorker/PrefillAndDecode',
             pdserve_dot_v1_dot_worker__pb2.WorkRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeEvent.FromString,
             options,

@@ -1,0 +1,117 @@
+"""The KV transfer interface: how a prefill worker's K/V reach the decode worker that reserved
+blocks for them, whatever carries the bytes.
+
+One transfer is a stream of messages, produced on the prefill side by a `KVSender` and consumed
+on the decode side by the decode worker's `KVEndpoint`:
+
+    KVHeader ─► KVData 0 ─► KVData 1 ─► … ─► KVTrailer(num_chunks, first_token_id)   ⇒  KVAck
+
+A `KVTransport` carries a stream to the endpoint at an address and returns its acknowledgement,
+or raises `TransferError` saying why the transfer failed (the decode side's verdict, a timeout,
+an unreachable peer). Backends:
+
+- `InProcessTransport` (here): endpoints registered by address in one process; no copies, no
+  serialization. For in-process tests of the router and both workers together.
+- `GrpcTransport` (`grpc_transport.py`): the `DecodeWorker.PushKV` client stream.
+
+Messages are plain values; protobuf exists only inside the gRPC backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from pdserve.engine.disagg import KVGroupLayout
+
+
+@dataclass(frozen=True, slots=True)
+class KVHeader:
+    transfer_id: str  # what the decode worker's reservation answered
+    num_tokens: int  # the prompt's tokens, all of which the data chunks cover
+    dtype: str  # "float32", "bfloat16", "float16"
+    groups: tuple[KVGroupLayout, ...]  # every KV cache of the sender, in order (target, draft)
+
+
+@dataclass(frozen=True, slots=True)
+class KVData:
+    """K then V of tokens [token_start, token_start + num_tokens) of one layer, each laid out
+    [num_tokens, num_kv_heads, head_dim] row-major in the header's dtype."""
+
+    seq: int  # 0, 1, 2, … in stream order: a gap means a lost chunk
+    group: int  # index into KVHeader.groups
+    layer: int
+    token_start: int
+    num_tokens: int
+    data: bytes
+    crc32: int  # zlib.crc32 of data
+
+
+@dataclass(frozen=True, slots=True)
+class KVTrailer:
+    num_chunks: int  # data chunks sent
+    first_token_id: int
+
+
+KVMessage = KVHeader | KVData | KVTrailer
+
+
+@dataclass(frozen=True, slots=True)
+class KVAck:
+    num_chunks: int
+    num_bytes: int
+
+
+class TransferFailure(enum.Enum):
+    CORRUPT = "corrupt"  # checksum, gap, truncation, wrong sizes
+    MISMATCH = "mismatch"  # the header does not describe the decode worker's KV
+    UNKNOWN = "unknown"  # no such reservation
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"  # cancelled by either side
+    UNREACHABLE = "unreachable"  # the decode worker could not be reached, or went away
+
+
+class TransferError(Exception):
+    def __init__(self, failure: TransferFailure, message: str):
+        super().__init__(message)
+        self.failure = failure
+
+
+class KVEndpoint(Protocol):
+    """The decode worker's receiving side."""
+
+    async def receive_kv(self, messages: AsyncIterator[KVMessage]) -> KVAck:
+        """Verify a stream into the reservation its header names and activate the request;
+        TransferError (after freeing the reservation) when the stream is not a good transfer."""
+
+
+class KVTransport(Protocol):
+    """The prefill worker's sending side."""
+
+    async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
+        """Carry one stream to the endpoint at `address`; TransferError on any failure."""
+
+    async def close(self) -> None: ...
+
+
+class InProcessTransport:
+    """Endpoints in this process, by the address their worker would have."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[str, KVEndpoint] = {}
+
+    def register(self, address: str, endpoint: KVEndpoint) -> None:
+        self.endpoints[address] = endpoint
+
+    async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
+        endpoint = self.endpoints.get(address)
+        if endpoint is None:
+            raise TransferError(TransferFailure.UNREACHABLE, f"no decode worker at {address}")
+        try:
+            return await asyncio.wait_for(endpoint.receive_kv(messages), timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(TransferFailure.TIMEOUT, f"KV push to {address} took over {timeout_s:g} s") from None
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,124 @@
+"""What both workers share: the servicer base (readiness, `GetInfo`, `GetStats`) and the life
+of a worker process, which both `pdserve prefill-worker` and `pdserve decode-worker` (and the
+Ray actors that run them) go through:
+
+    listen (health NOT_SERVING) and serve /metrics ──► load the model, start the engine loop
+        ──► SERVING, report the bound addresses ──► stop asked (signal, or the owner) ──►
+        NOT_SERVING, stop the server (grace), stop the engine loop
+
+A port of 0 binds a free one; the addresses actually bound are what `on_ready` receives.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, ClassVar
+
+import grpc
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.disagg import describe
+from pdserve.serving.convert import worker_info
+from pdserve.serving.engine_thread import EngineLoop
+from pdserve.serving.grpc_server import AioServer
+from pdserve.serving.metrics import WorkerMetrics, start_metrics_server
+from pdserve.v1 import worker_pb2
+
+log = logging.getLogger("pdserve.server")
+
+
+class WorkerService:
+    """Base of both workers' servicers. `attach` is called once the model is loaded; until then
+    every call answers UNAVAILABLE."""
+
+    role: ClassVar[str]  # "prefill" or "decode"
+
+    def __init__(self, metrics: WorkerMetrics | None = None):
+        self.metrics = metrics or WorkerMetrics(self.role)
+        self.loop: EngineLoop | None = None
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.kv_transfer_bytes_total = 0
+        self.kv_transfer_failures_total = 0
+
+    def add_to(self, server: AioServer) -> None:
+        """Register this servicer (and its health name) with a server."""
+        raise NotImplementedError
+
+    def server_options(self) -> list[tuple]:
+        """Extra gRPC server options (the decode worker's, for the bulk KV push)."""
+        return []
+
+    def attach(self, loop: EngineLoop, model_name: str) -> None:
+        self.loop, self.info = loop, worker_info(self.role, describe(loop.engine))
+        self.metrics.attach(self, model_name)
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+    async def check_ready(self, context) -> None:
+        if self.loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    async def GetInfo(self, request, context):
+        await self.check_ready(context)
+        return self.info
+
+    async def GetStats(self, request, context):
+        await self.check_ready(context)
+        return self.stats()
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        e = self.engine
+        sched = e.scheduler
+        return worker_pb2.WorkerStats(
+            num_blocks=e.block_manager.num_blocks, num_free_blocks=e.block_manager.num_free_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_reserved=len(sched.held),
+            num_queued_prompt_tokens=sched.num_uncomputed_tokens,
+            kv_transfer_bytes_total=self.kv_transfer_bytes_total,
+            kv_transfer_failures_total=self.kv_transfer_failures_total,
+            max_num_seqs=sched.config.max_num_seqs, **self.extra_stats())
+
+    def extra_stats(self) -> dict:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class BoundAddresses:
+    grpc: str
+    metrics: str | None
+
+
+async def serve_worker(service: WorkerService, engine_config: EngineConfig, host: str, port: int,
+                       metrics_port: int | None, until: Awaitable,
+                       on_ready: Callable[[BoundAddresses], None] = lambda a: None, grace_s: float = 2.0) -> None:
+    """A worker's whole life, until `until` completes (a signal, or its owner's stop)."""
+    from pdserve.engine.llm_engine import LLMEngine  # torch: only where a worker runs
+
+    server = AioServer(host, port, extra_options=service.server_options())
+    service.add_to(server)
+    await server.start()
+    metrics = None
+    try:
+        metrics_address = None
+        if metrics_port is not None:
+            metrics, bound = await start_metrics_server(service.metrics.registry, host, metrics_port)
+            metrics_address = f"{host}:{bound}"
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
+        service.attach(loop, Path(engine_config.model).name)
+        loop.start()
+        await server.set_serving(True)
+        log.info("serving role=%s address=%s model=%s num_blocks=%d", service.role, server.address,
+                 engine_config.model, engine.block_manager.num_blocks)
+        on_ready(BoundAddresses(server.address, metrics_address))
+        await until
+        await server.set_serving(False)
+    finally:
+        await server.stop(grace=grace_s)
+        if metrics is not None:
+            await metrics.cleanup()
+        if service.loop is not None:
+            service.loop.stop()

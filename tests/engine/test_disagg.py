@@ -1,0 +1,90 @@
+"""The engine's disaggregation interface driven by hand, no server: a prefill engine hands each
+layer's K/V to its hook and holds the prompt; a decode engine reserves, takes the K/V, activates
+and decodes exactly what the offline engine does."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.disagg import kv_cache_groups, read_kv, slot_ids, write_kv
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import SequenceStatus
+
+PROMPT = list(range(5, 45))  # 40 tokens: three chunks at a 16-token budget
+
+
+def engines(path, **options):
+    prefill = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, max_num_batched_tokens=16, **options))
+    decode = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, **options))
+    return prefill, decode
+
+
+def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, req_id: str, params: SamplingParams):
+    """Prefill on one engine, copying every hooked layer chunk into the other's reservation."""
+    seq = decode.reserve(req_id, PROMPT, params)
+    assert seq is not None and seq.status is SequenceStatus.HELD
+    src, dst = kv_cache_groups(prefill), kv_cache_groups(decode)
+    calls = []
+
+    def hook(group, layer, chunks):
+        calls.append((group, layer, [(c.token_start, c.num_tokens) for c in chunks]))
+        for c in chunks:
+            kv = read_kv(src[group][1], layer, c.slots)
+            write_kv(dst[group][1], layer, slot_ids(seq, decode.block_manager.block_size, c.token_start, c.num_tokens),
+                     kv.tobytes())
+
+    prefill.kv_hook = hook
+    held = prefill.add_prefill(req_id, PROMPT, params)
+    first = None
+    while first is None:
+        for out in prefill.step():
+            assert not out.finished
+            first = out.new_token_ids[0]
+    assert held.status is SequenceStatus.HELD and held.block_table  # handed off, blocks kept
+    return first, calls
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_draft):
+    path = checkpoint("llama", seed=1)
+    options = dict(draft_model=str(path), num_speculative_tokens=2, spec_adaptive=False) if with_draft else {}
+    prefill, decode = engines(path, **options)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
+    first, calls = prefill_and_ship(prefill, decode, "r", params)
+    layers = prefill.model_config.num_layers
+    assert [c[2] for c in calls if c[:2] == (0, 0)] == [[(0, 16)], [(16, 16)], [(32, 8)]]  # layer by layer, per chunk
+    assert {c[0] for c in calls} == ({0, 1} if with_draft else {0}) and len(calls) >= 3 * layers
+
+    out = decode.activate("r", first)
+    tokens = list(out.new_token_ids)
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.new_token_ids
+    want = LLM(str(path), **options).generate([PROMPT], params)[0].token_ids
+    assert tokens == want
+    prefill.release("r")
+    for e in (prefill, decode):
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks and not e.scheduler.held
+
+
+def test_reservations_count_against_the_pool_and_abort_frees_them(checkpoint):
+    path = checkpoint("llama", seed=1)
+    decode = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=6, max_num_seqs=8))
+    params = SamplingParams(max_tokens=4)
+    a = decode.reserve("a", PROMPT, params)  # 41 tokens: 3 blocks
+    b = decode.reserve("b", PROMPT, params)
+    assert a is not None and b is not None and decode.block_manager.num_free_blocks == 0
+    assert decode.reserve("c", PROMPT, params) is None  # whole or nothing: no block taken
+    assert decode.abort("a").finished
+    assert decode.block_manager.num_free_blocks == 3 and "a" not in decode.scheduler.held
+    assert decode.abort("a") is None  # idempotent
+    with pytest.raises(ValueError, match="already in use"):
+        decode.reserve("b", PROMPT, params)
+
+
+def test_max_num_seqs_counts_held_sequences(checkpoint):
+    path = checkpoint("llama", seed=1)
+    decode = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, max_num_seqs=2))
+    assert decode.reserve("a", PROMPT[:4], SamplingParams()) and decode.reserve("b", PROMPT[:4], SamplingParams())
+    assert decode.reserve("c", PROMPT[:4], SamplingParams()) is None

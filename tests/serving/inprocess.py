@@ -1,0 +1,88 @@
+"""The whole serving path in this process: a prefill worker and a decode worker (real servicers
+and engines on real grpc.aio servers on loopback, port 0) behind a real `Router`, with the K/V
+carried by `InProcessTransport` (or a test's wrapper of it). Fast enough to start per test."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
+from pdserve.router.admission import AdmissionQueue
+from pdserve.router.server import Router
+from pdserve.router.validate import Limits, Validator
+from pdserve.router.workers import WorkerPool
+from pdserve.serving.engine_thread import EngineLoop
+from pdserve.serving.grpc_server import AioServer
+from pdserve.serving.kv_transfer import InProcessTransport, KVTransport
+from pdserve.v1 import generation_pb2 as gen
+
+
+@dataclass
+class InProcessSystem:
+    model: Path
+    num_kv_blocks: int = 64
+    max_queued_requests: int = 16
+    queue_timeout_s: float = 10.0
+    kv_transfer_timeout_s: float = 10.0
+    transport: KVTransport | None = None  # default: a plain InProcessTransport
+    inproc: InProcessTransport = field(default_factory=InProcessTransport)
+    servers: list[AioServer] = field(default_factory=list)
+
+    async def __aenter__(self) -> InProcessSystem:
+        engine_config = EngineConfig(model=str(self.model), num_kv_blocks=self.num_kv_blocks, max_num_seqs=8)
+        self.prefill = PrefillWorkerServicer(PrefillServerConfig(self.kv_transfer_timeout_s),
+                                             self.transport or self.inproc)
+        self.decode = DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30))
+        addresses = [await self._start(s, engine_config) for s in (self.prefill, self.decode)]
+        self.inproc.register(addresses[1], self.decode)
+        pool = WorkerPool([addresses[0]], [addresses[1]], rpc_timeout_s=60)
+        await pool.connect(30)
+        tokenizer = Tokenizer.from_dir(str(self.model))
+        self.router = Router(pool, Validator(tokenizer, Limits(*pool.limits(), max_prompt_chars=10000)), tokenizer,
+                             AdmissionQueue(self.max_queued_requests, poll_s=0.2), 60, self.queue_timeout_s)
+        return self
+
+    async def _start(self, service, engine_config: EngineConfig) -> str:
+        server = AioServer("127.0.0.1", 0, extra_options=service.server_options())
+        service.add_to(server)
+        await server.start()
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
+        service.attach(loop, "test")
+        loop.start()
+        await server.set_serving(True)
+        self.servers.append(server)
+        return server.address
+
+    async def __aexit__(self, *exc) -> None:
+        for server in self.servers:
+            await server.stop(grace=0.5)
+        for service in (self.prefill, self.decode):
+            service.loop.stop()
+        await self.prefill.transport.close()
+
+    async def generate(self, prompt: str | list[int], max_tokens: int = 8, **params) -> list[gen.GenerateResponse]:
+        sampling = gen.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+        msg = (gen.GenerateRequest(prompt=prompt, sampling_params=sampling) if isinstance(prompt, str) else
+               gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), sampling_params=sampling))
+        req = self.router.validator.parse(msg)
+        return [resp async for resp in self.router.generate(req)]
+
+    async def held_blocks(self) -> dict[str, int]:
+        """Blocks and sequences each worker still holds (engine thread's view)."""
+        def count(e: LLMEngine) -> int:
+            s = e.scheduler
+            return e.block_manager.num_blocks - e.block_manager.num_free_blocks + len(s.running) + len(s.waiting) + len(s.held)
+
+        return {s.role: await s.loop.call(count) for s in (self.prefill, self.decode)}
+
+    async def wait_all_free(self, timeout_s: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (held := await self.held_blocks()) != {"prefill": 0, "decode": 0}:
+            assert asyncio.get_running_loop().time() < deadline, f"still held: {held}"
+            await asyncio.sleep(0.05)

@@ -1,0 +1,167 @@
+"""Router, prefill worker and decode worker in one process, the K/V through the in-process
+transport: admission, queueing, transfer verification, cancellation, one failed transfer among
+good ones, a failing engine step. The same paths over real processes and gRPC are in tests/disagg."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from inprocess import InProcessSystem
+from pdserve.engine import LLM, SamplingParams
+from pdserve.router.server import RequestFailed
+from pdserve.serving.kv_transfer import KVData, KVTrailer
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass"]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def joined(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+class FaultyTransport:
+    """The in-process transport with one fault applied to the streams of prompts of one length."""
+
+    def __init__(self, inner, fault, num_tokens: int):
+        self.inner, self.fault, self.num_tokens = inner, fault, num_tokens
+
+    async def push(self, address, messages, timeout_s):
+        header = await anext(messages)
+        if header.num_tokens == self.num_tokens:
+            messages = self.fault(messages)
+
+        async def stream():
+            yield header
+            async for m in messages:
+                yield m
+
+        return await self.inner.push(address, stream(), timeout_s)
+
+    async def close(self):
+        pass
+
+
+async def corrupt(messages):
+    async for m in messages:
+        if isinstance(m, KVData) and m.seq == 1:
+            m = dataclasses.replace(m, data=b"\xff" + m.data[1:])
+        yield m
+
+
+async def drop_trailer(messages):
+    async for m in messages:
+        if not isinstance(m, KVTrailer):
+            yield m
+
+
+def test_greedy_output_equals_the_offline_engine(text_checkpoint):
+    want = LLM(text_checkpoint).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            got = await asyncio.gather(*(system.generate(p, 12) for p in PROMPTS))
+            await system.wait_all_free()
+            return got
+
+    for msgs, out in zip(run(scenario()), want):
+        assert joined(msgs) == out.token_ids
+        assert "".join(m.text for m in msgs) == out.text
+        assert msgs[-1].usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize("fault, status, words", [(corrupt, grpc.StatusCode.DATA_LOSS, "checksum"),
+                                                   (drop_trailer, grpc.StatusCode.DATA_LOSS, "truncated")])
+def test_one_bad_transfer_fails_only_its_request(text_checkpoint, fault, status, words):
+    """The faulty stream's request fails with the decode side's verdict; the others finish, and
+    every block is free afterwards on both workers, which keep serving."""
+    async def scenario():
+        system = InProcessSystem(text_checkpoint)
+        victim_len = len(system_tokenizer(text_checkpoint).encode(PROMPTS[0]))
+        system.transport = FaultyTransport(system.inproc, fault, victim_len)
+        async with system:
+            results = await asyncio.gather(*(system.generate(p, 8) for p in PROMPTS), return_exceptions=True)
+            await system.wait_all_free()
+            after = await system.generate(PROMPTS[1], 4)
+            return results, after, system.decode.kv_transfer_failures_total
+
+    results, after, failures = run(scenario())
+    assert isinstance(results[0], RequestFailed) and results[0].code == status and words in str(results[0])
+    assert all(len(joined(r)) == 8 for r in results[1:])
+    assert len(joined(after)) == 4 and failures == 1
+
+
+def system_tokenizer(path):
+    from pdserve.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(str(path))
+
+
+def test_cancelled_request_frees_its_blocks_on_both_workers(text_checkpoint):
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            req = system.router.validator.parse(_request(PROMPTS[0], 200))
+            stream = system.router.generate(req)
+            first = await anext(stream)
+            held = await system.held_blocks()
+            await stream.aclose()  # the client went away
+            await system.wait_all_free()
+            return first, held, system.decode.kv_transfer_failures_total
+
+    first, held, failures = run(scenario())
+    assert first.token_ids and held["decode"] > 0
+    assert failures == 0  # a cancellation is not a transfer failure
+
+
+def test_full_decode_worker_queues_then_admits_or_refuses(text_checkpoint):
+    """8 KV blocks of 16 tokens: two 57-token prompts fill the decode worker's reservations. With a
+    queue, the later ones wait and complete once blocks free; without one, they are refused at once."""
+    async def scenario(max_queued: int):
+        async with InProcessSystem(text_checkpoint, num_kv_blocks=8, max_queued_requests=max_queued,
+                                   queue_timeout_s=20) as system:
+            prompt = list(range(3, 60))  # 57 tokens: a reservation takes 4 of the 8 blocks
+            results = await asyncio.gather(*(system.generate(prompt, 40) for _ in range(4)), return_exceptions=True)
+            await system.wait_all_free()
+            return results
+
+    queued = run(scenario(8))
+    assert all(not isinstance(r, Exception) and len(joined(r)) == 40 for r in queued), queued
+    refused = run(scenario(0))
+    codes = [r.code for r in refused if isinstance(r, RequestFailed)]
+    assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert any(not isinstance(r, Exception) for r in refused)
+
+
+def test_a_failing_engine_step_fails_its_requests_not_the_worker(text_checkpoint):
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            engine = system.decode.engine
+            real_step, calls = engine.step, []
+
+            def broken_once():
+                if not calls:
+                    calls.append(1)
+                    raise RuntimeError("injected failure")
+                return real_step()
+
+            engine.step = broken_once
+            with pytest.raises(RequestFailed) as err:
+                await system.generate(PROMPTS[0], 8)
+            await system.wait_all_free()
+            return err.value, await system.generate(PROMPTS[1], 4)
+
+    err, after = run(scenario())
+    assert err.code == grpc.StatusCode.INTERNAL and "injected failure" in str(err)
+    assert len(joined(after)) == 4
+
+
+def _request(prompt: str, max_tokens: int):
+    from pdserve.v1 import generation_pb2 as gen
+
+    return gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                                ignore_eos=True))
