@@ -115,6 +115,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         if seq is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
         r = DecodeRequest(req_id, DecodeState.RESERVED, secrets.token_hex(16), seq)
+        self.num_requests_total += 1
         self.transfers[r.transfer_id] = r
         self.loop.sinks[req_id] = r.events.put_nowait
         try:
@@ -144,6 +145,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             except ValueError as e:
                 r.state = DecodeState.FAILED
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.num_requests_total += 1
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
                 num_free_blocks=self.engine.block_manager.num_free_blocks))
             async for event in self._token_stream(r, context):

@@ -103,6 +103,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 await self.loop.call(lambda e: self._add(e, r, ids, params))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.num_requests_total += 1
             ack = await self._push(r, request.decode_address)
         except TransferError as e:
             await context.abort(STATUS_OF[e.failure], str(e))

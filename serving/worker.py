@@ -41,6 +41,7 @@ class WorkerService:
         self.info: worker_pb2.WorkerInfo | None = None
         self.kv_transfer_bytes_total = 0
         self.kv_transfer_failures_total = 0
+        self.num_requests_total = 0  # taken: queued for prefill, or admitted for decode
 
     def add_to(self, server: AioServer) -> None:
         """Register this servicer (and its health name) with a server."""
@@ -78,7 +79,7 @@ class WorkerService:
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_reserved=len(sched.held),
             num_queued_prompt_tokens=sched.num_uncomputed_tokens,
             kv_transfer_bytes_total=self.kv_transfer_bytes_total,
-            kv_transfer_failures_total=self.kv_transfer_failures_total,
+            kv_transfer_failures_total=self.kv_transfer_failures_total, num_requests_total=self.num_requests_total,
             max_num_seqs=sched.config.max_num_seqs, **self.extra_stats())
 
     def extra_stats(self) -> dict:

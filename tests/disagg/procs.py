@@ -2,6 +2,7 @@
 helpers the tests use to talk to them."""
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ import grpc
 import pytest
 
 from pdserve.cluster.local import LocalProcess, ProcessFailed
+from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 120.0
@@ -95,3 +97,21 @@ class Cluster:
             text = resp.read().decode()
         return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k not in ("model_name", "worker"))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def _generate_all(address: str, requests: list[gen.GenerateRequest]) -> list[list[gen.GenerateResponse]]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(req):
+            return [m async for m in stub.Generate(req, timeout=120)]
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+
+def generate_all(cluster, router: str, requests) -> list[list[gen.GenerateResponse]]:
+    return asyncio.run(_generate_all(cluster.address(router), requests))
+
+
+def joined(msgs: list[gen.GenerateResponse]) -> tuple[list[int], str]:
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)

@@ -68,10 +68,18 @@ def test_a_worker_that_fails_stops_getting_traffic(cluster):
     wait_ready(d3)
     r4 = cluster.start_router("R4", "--decode", f"{cluster.address('D2')},{d3.address}", "--health-interval", "0.3")
     wait_ready(r4)
+
+    def serve(n: int) -> None:
+        for i in range(n):
+            msgs = list(cluster.generation("R4").Generate(gen.GenerateRequest(
+                prompt=f"request {i}", sampling_params=gen.SamplingParams(temperature=0, max_tokens=3)), timeout=60))
+            assert msgs[-1].finish_reason in (gen.LENGTH, gen.STOP)
+
+    d2_before, d3_before = cluster.stats("D2").num_requests_total, cluster.stats("D3").num_requests_total
+    serve(3)
+    assert cluster.stats("D3").num_requests_total == d3_before + 3  # the preferred worker took them
+    assert cluster.stats("D2").num_requests_total == d2_before
     d3.popen.kill()
     d3.popen.wait(timeout=10)
-    for i in range(6):
-        msgs = list(cluster.generation("R4").Generate(gen.GenerateRequest(
-            prompt=f"after the crash {i}", sampling_params=gen.SamplingParams(temperature=0, max_tokens=3)),
-            timeout=60))
-        assert msgs[-1].finish_reason in (gen.LENGTH, gen.STOP)
+    serve(6)
+    assert cluster.stats("D2").num_requests_total == d2_before + 6

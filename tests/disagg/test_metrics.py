@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from pdserve.v1 import generation_pb2 as gen
-from test_disagg_e2e import generate_all
+from procs import generate_all
 
 NUM_TOKENS = 6
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3] * 17]
