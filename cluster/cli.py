@@ -135,16 +135,23 @@ def _prefill_worker(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from pdserve.router.main import RouterConfig, serve
+    from pdserve.router.main import serve
 
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
-    config = RouterConfig(model=args.model, prefill_addresses=tuple(split(args.prefill)),
-                          decode_addresses=tuple(split(args.decode)), rpc_timeout_s=args.rpc_timeout,
-                          connect_timeout_s=args.connect_timeout, health_interval_s=args.health_interval,
-                          max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
-                          max_prompt_chars=args.max_prompt_chars)
-    return _serve("router", lambda until, ready: serve(config, args.host, args.port, args.http_port,
-                                                       args.metrics_port, until, ready))
+    config = router_config(args)
+    return _serve("router", lambda until, ready: serve(config, split(args.prefill), split(args.decode), args.host,
+                                                       args.port, args.http_port, args.metrics_port, until, ready))
+
+
+def router_config(args: argparse.Namespace):
+    from pdserve.router.main import RouterConfig
+    from pdserve.router.server import RouterPolicy
+
+    policy = RouterPolicy(rpc_timeout_s=args.rpc_timeout, queue_timeout_s=args.queue_timeout,
+                          max_failovers=args.max_failovers, failover_wait_s=args.failover_wait)
+    return RouterConfig(model=args.model, policy=policy, connect_timeout_s=args.connect_timeout,
+                        health_interval_s=args.health_interval, max_queued_requests=args.max_queued_requests,
+                        max_prompt_chars=args.max_prompt_chars)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rt = sub.add_parser("router", help="serve the public Generation API (gRPC) and OpenAI HTTP")
     rt.add_argument("--model", required=True, help="checkpoint directory: its tokenizer is used")
-    _add_server_args(rt, 50050)
+    _add_server_args(rt, 50051)
     rt.add_argument("--http-port", type=int, default=None, help="serve OpenAI /v1/completions (and /metrics) here too")
     rt.add_argument("--prefill", default="", help="prefill worker addresses, comma separated (omit: colocated)")
     rt.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
@@ -183,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--max-queued-requests", type=int, default=1024)
     rt.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for admission")
     rt.add_argument("--max-prompt-chars", type=int, default=1 << 20)
+    rt.add_argument("--max-failovers", type=int, default=3,
+                    help="times a request may move to other workers after one fails mid-request")
+    rt.add_argument("--failover-wait", type=float, default=30.0,
+                    help="seconds a failing-over request waits for a usable worker to (re)appear")
     rt.set_defaults(func=_router)
     return parser
 

@@ -19,7 +19,8 @@ from aiohttp import web
 from pdserve.serving.convert import FINISH_REASON_NAMES
 from pdserve.serving.metrics import metrics_handler, start_http_app
 from pdserve.v1 import generation_pb2 as gen_pb2
-from pdserve.router.server import RequestFailed, Router
+from pdserve.router.request import RequestFailed
+from pdserve.router.server import Router
 
 log = logging.getLogger("pdserve.router.http")
 

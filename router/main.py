@@ -12,8 +12,8 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.serving.grpc_server import AioServer
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.server import GenerationServicer, Router
-from pdserve.router.validate import Limits, Validator
+from pdserve.router.server import GenerationServicer, Router, RouterPolicy
+from pdserve.router.validate import Validator
 from pdserve.router.workers import WorkerPool
 
 log = logging.getLogger("pdserve.router")
@@ -21,42 +21,51 @@ log = logging.getLogger("pdserve.router")
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    model: str
-    prefill_addresses: tuple[str, ...]
-    decode_addresses: tuple[str, ...]
-    rpc_timeout_s: float = 300.0
-    connect_timeout_s: float = 120.0
+    model: str  # its tokenizer is used
+    policy: RouterPolicy = RouterPolicy()
+    connect_timeout_s: float = 120.0  # standalone: for the listed workers to come up
     health_interval_s: float = 1.0
     max_queued_requests: int = 1024
-    queue_timeout_s: float = 30.0
     max_prompt_chars: int = 1 << 20
 
     def __post_init__(self) -> None:
-        if not self.decode_addresses:
-            raise ValueError("RouterConfig.decode_addresses: at least one decode worker is required")
-        for name in ("rpc_timeout_s", "connect_timeout_s", "health_interval_s", "queue_timeout_s"):
+        for name in ("connect_timeout_s", "health_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"RouterConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("max_queued_requests", "max_prompt_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
-async def serve(config: RouterConfig, host: str, port: int, http_port: int | None, metrics_port: int | None,
-                until, on_ready=lambda addresses: None) -> None:
-    """The router's life, until `until` completes: connect to the workers (ValueError if they
-    are unreachable or mismatched), listen, report the bound addresses, serve."""
+def build_router(config: RouterConfig, pool: WorkerPool) -> Router:
     tokenizer = Tokenizer.from_dir(config.model)
-    pool = WorkerPool(list(config.prefill_addresses), list(config.decode_addresses), config.rpc_timeout_s)
+    validator = Validator(tokenizer, config.max_prompt_chars, pool.limits)
+    return Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests), config.policy,
+                  RouterMetrics(Path(config.model).name))
+
+
+async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,
+                port: int, http_port: int | None, metrics_port: int | None, until,
+                on_ready=lambda addresses: None) -> None:
+    """The standalone router: the listed workers (ValueError if they are unreachable or
+    mismatched), then `serve_router`."""
+    if not decode_addresses:
+        raise ValueError("at least one decode worker is required (--decode)")
+    pool = WorkerPool.static(prefill_addresses, decode_addresses)
     await pool.connect(config.connect_timeout_s)
-    max_model_len, vocab_size = pool.limits()
-    validator = Validator(tokenizer, Limits(max_model_len, vocab_size, config.max_prompt_chars))
-    router = Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests),
-                    config.rpc_timeout_s, config.queue_timeout_s, RouterMetrics(Path(config.model).name))
+    await serve_router(build_router(config, pool), config, host, port, http_port, metrics_port, until, on_ready)
+
+
+async def serve_router(router: Router, config: RouterConfig, host: str, port: int, http_port: int | None,
+                       metrics_port: int | None, until, on_ready=lambda addresses: None) -> None:
+    """The router's life, until `until` completes: listen, report the bound addresses, watch the
+    workers' health, and say SERVING (gRPC health, HTTP /ready) exactly while it can serve."""
     server = AioServer(host, port)
     server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router),
                generation_pb2.DESCRIPTOR.services_by_name["Generation"])
     await server.start()
-    watcher = asyncio.create_task(pool.watch(config.health_interval_s))
+    tasks = [asyncio.create_task(router.pool.watch(config.health_interval_s)),
+             asyncio.create_task(_follow_readiness(router.pool, server, config.health_interval_s / 2))]
     runners, addresses = [], {"grpc": server.address}
     try:
         if http_port is not None:
@@ -69,13 +78,25 @@ async def serve(config: RouterConfig, host: str, port: int, http_port: int | Non
             runner, bound = await start_metrics_server(router.metrics.registry, host, metrics_port)
             runners.append(runner)
             addresses["metrics"] = f"{host}:{bound}"
-        await server.set_serving(True)
-        log.info("serving address=%s mode=%s", server.address, "colocated" if pool.is_colocated else "disaggregated")
+        log.info("serving address=%s mode=%s", server.address, "disaggregated" if router.pool.is_disaggregated
+                 else "colocated")
         on_ready(addresses)
         await until
-        await server.set_serving(False)
     finally:
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
+        await server.set_serving(False)
         for runner in runners:
             await runner.cleanup()
         await server.stop(grace=2.0)
+
+
+async def _follow_readiness(pool: WorkerPool, server: AioServer, interval_s: float) -> None:
+    """SERVING while every pool the router needs has a usable worker."""
+    serving = None
+    while True:
+        now = pool.missing() is None
+        if now != serving:
+            await server.set_serving(now)
+            serving = now
+        await asyncio.sleep(interval_s)

@@ -57,6 +57,8 @@ class RouterMetrics:
                                      registry=r).labels(model_name)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens sent to clients", labels,
                                          registry=r).labels(model_name)
+        self.failovers = Counter(PREFIX + "request_failovers", "Times a request was re-admitted on other workers "
+                                 "after a worker failed mid-request", labels, registry=r).labels(model_name)
 
     @staticmethod
     def arrived() -> RequestTrace:
@@ -65,6 +67,9 @@ class RouterMetrics:
     def admitted(self, trace: RequestTrace, num_prompt_tokens: int) -> None:
         self.queue_time.observe(time.monotonic() - trace.arrival_s)
         self.prompt_tokens.inc(num_prompt_tokens)
+
+    def failed_over(self) -> None:
+        self.failovers.inc()
 
     def delta_out(self, trace: RequestTrace, num_tokens: int) -> None:
         """A delta of `num_tokens` tokens is leaving for the client."""

@@ -3,6 +3,8 @@
     received ──a decode worker reserved its blocks──► admitted ──a prefill worker took it──►
         prefilling ──first token──► streaming ──► finished
     from any state ──► failed (a status for the client) | cancelled (the client went away)
+    admitted, prefilling or streaming ──a worker failed──► re_admitted (failover: the prompt and
+        the tokens already sent, on other workers) ──► prefilling ──► streaming (same client stream)
 
 Colocated requests go from admitted straight to streaming (the decode worker prefills them).
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -19,9 +23,20 @@ class RequestState(enum.Enum):
     ADMITTED = "admitted"
     PREFILLING = "prefilling"
     STREAMING = "streaming"
+    # a worker failed mid-request: the prompt plus the tokens already sent are admitted again
+    # on other workers and the same client stream continues
+    RE_ADMITTED = "re_admitted"
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class RequestFailed(Exception):
+    """A request ends with this status code and message for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)

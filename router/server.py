@@ -1,44 +1,65 @@
 """The public `pdserve.v1.Generation` service and the request life cycle behind it (the states
 of `router.request.RequestState`). Protobuf of the public API stops here.
 
-    received: validated, tokenized (INVALID_ARGUMENT otherwise)
-    ──► admitted: Decode() on decode workers, most free blocks first, reserves its blocks
-        (RESOURCE_EXHAUSTED: next worker; none: wait in the bounded admission queue)
-    ──► prefilling: Prefill() on a paired prefill worker (fewest queued prompt tokens), naming the
-        decode worker's address and the transfer id its reservation answered; it pushes the K/V
-    ──► streaming: token deltas from the decode stream, incremental detokenization, stop strings,
-        text deltas to the client ──► finished: the last delta carries finish reason and usage
+    received: validated, tokenized (INVALID_ARGUMENT otherwise; UNAVAILABLE at once, naming the
+        pool, when a pool has no usable worker)
+    ──► admitted: Decode() on the least loaded decode worker reserves its blocks
+        (RESOURCE_EXHAUSTED: the next worker; none has room: the bounded admission queue)
+    ──► prefilling: Prefill() on a paired prefill worker — the one with the least queued work
+        beyond the prefix it probably has cached — naming the decode worker and the transfer id
+        its reservation answered; it pushes the K/V there
+    ──► streaming: token deltas from the decode stream become text deltas (`ClientStream`)
+    ──► finished: the last delta carries finish reason and usage
 
-Colocated (no prefill workers): admission is a PrefillAndDecode() on a decode worker. However
-the request ends — finished, failed, cancelled by the client — both worker calls are cancelled,
-which frees its blocks on both workers.
+Failover: when a worker fails mid-request (unreachable, a failed transfer, a failed step), the
+request is re-admitted with its prompt plus the tokens already sent, `max_tokens` reduced by as
+many, on other workers, and the same client stream continues; sampling is keyed by (seed,
+position), so the continuation is the one the failed worker would have produced. At most
+`max_failovers` times; then UNAVAILABLE says what failed. However a request ends, both worker
+calls are cancelled, which frees its blocks on both workers.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import AdmissionQueue, QueueFull
 from pdserve.router.metrics import RequestTrace, RouterMetrics
-from pdserve.router.request import RequestState, RouterRequest
+from pdserve.router.request import RequestFailed, RequestState, RouterRequest
+from pdserve.router.stream import ClientStream
 from pdserve.router.validate import Validator
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.serving.convert import work_request_message
-from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger("pdserve.router")
 
+# Failures of a worker, after which another pair may well succeed. INVALID_ARGUMENT,
+# RESOURCE_EXHAUSTED (the queue handles it) and the request's own deadline are final.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED}
 
-class RequestFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+
+@dataclass(frozen=True, slots=True)
+class RouterPolicy:
+    rpc_timeout_s: float = 300.0  # a whole request, failovers included
+    queue_timeout_s: float = 30.0  # waiting for a decode worker with room
+    max_failovers: int = 3
+    failover_wait_s: float = 30.0  # for a usable worker to (re)appear during a failover
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_timeout_s", "queue_timeout_s", "failover_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RouterPolicy.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_failovers < 0:
+            raise ValueError(f"RouterPolicy.max_failovers must be >= 0, got {self.max_failovers}")
 
 
 class Router:
@@ -46,34 +67,38 @@ class Router:
     types here, so the HTTP front end shares it."""
 
     def __init__(self, pool: WorkerPool, validator: Validator, tokenizer: Tokenizer | None,
-                 admission: AdmissionQueue, rpc_timeout_s: float, queue_timeout_s: float,
+                 admission: AdmissionQueue, policy: RouterPolicy = RouterPolicy(),
                  metrics: RouterMetrics | None = None):
         self.pool = pool
         self.validator = validator
         self.tokenizer = tokenizer
         self.admission = admission
-        self.rpc_timeout_s = rpc_timeout_s
-        self.queue_timeout_s = queue_timeout_s
+        self.policy = policy
         self.metrics = metrics or RouterMetrics()
 
     async def generate(self, req: RouterRequest, trace: RequestTrace | None = None):
         """`trace`: from `metrics.arrived()` when the request arrived (default: now)."""
         trace = trace or self.metrics.arrived()
-        work = work_request_message(req.req_id, req.prompt_token_ids, req.params)
-        call = prefill_task = None
+        stream = ClientStream(req, self.tokenizer)
+        deadline = time.monotonic() + self.policy.rpc_timeout_s
+        failures: list[RequestFailed] = []
         try:
-            call, decode, transfer_id = await self._admit(work)
-            trace.state = RequestState.ADMITTED
-            self.metrics.admitted(trace, len(req.prompt_token_ids))
-            if not self.pool.is_colocated:
-                prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id))
-                trace.state = RequestState.PREFILLING
-            async for resp in self._stream(req, call, prefill_task):
-                trace.state = RequestState.FINISHED if resp.finish_reason else RequestState.STREAMING
-                self.metrics.delta_out(trace, len(resp.token_ids))
-                if resp.finish_reason:
-                    self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
-                yield resp
+            while True:
+                try:
+                    async for resp in self._attempt(req, stream, trace, len(failures), deadline):
+                        trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
+                        self.metrics.delta_out(trace, len(resp.token_ids))
+                        if stream.finished:
+                            self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
+                        yield resp
+                    return
+                except RequestFailed as e:
+                    self._check_retry(req, e, failures, deadline)
+                    failures.append(e)
+                    trace.state = RequestState.RE_ADMITTED
+                    self.metrics.failed_over()
+                    log.warning("failing over req_id=%s after %d tokens (attempt %d): %s: %s", req.req_id,
+                                len(stream.sent_ids), len(failures), e.code.name, e)
         except RequestFailed as e:
             trace.state = RequestState.FAILED
             self.metrics.ended(trace, e.code.name.lower())
@@ -86,100 +111,159 @@ class Router:
             self.metrics.ended(trace, "error")
             raise
         finally:
-            if call is not None:
-                call.cancel()
-                if prefill_task is not None and not prefill_task.done():
-                    prefill_task.cancel()
-                self.admission.wake_one()
             if trace.state is not RequestState.FINISHED:
                 self.metrics.ended(trace, "cancelled")  # a no-op when it ended above
 
-    async def _admit(self, work: worker_pb2.WorkRequest):
-        deadline = time.monotonic() + self.queue_timeout_s
+    def _check_retry(self, req: RouterRequest, e: RequestFailed, failures: list[RequestFailed], deadline: float):
+        """Raise the error the client gets when this failure is final."""
+        if e.code not in RETRYABLE:
+            raise e
+        if time.monotonic() >= deadline:
+            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the request took over {self.policy.rpc_timeout_s:g} s; last failure: {e}")
+        if len(failures) >= self.policy.max_failovers:
+            if not failures:  # failover is off: the worker's own verdict
+                raise e
+            what = "; ".join(f"{f.code.name}: {f}" for f in [*failures, e])
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                f"request failed on {len(failures) + 1} worker pairs: {what}")
+
+    # ---- one attempt: admission, prefill, the decode stream ------------------------------
+    async def _attempt(self, req: RouterRequest, stream: ClientStream, trace: RequestTrace, attempt: int,
+                       deadline: float):
+        work = self._work(req, stream, attempt)
+        call, decode, transfer_id = await self._admit(work, attempt > 0, deadline)
+        prefill_task = None
+        try:
+            if attempt == 0:
+                trace.state = RequestState.ADMITTED
+                self.metrics.admitted(trace, len(req.prompt_token_ids))
+            if self.pool.is_disaggregated:
+                prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline))
+                trace.state = RequestState.PREFILLING
+            async for ids, reason in self._events(call, decode, prefill_task):
+                yield stream.delta(ids, reason)
+                if stream.finished:
+                    return
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} ended the stream "
+                                "without finishing the request")
+        finally:
+            call.cancel()
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
+            decode.num_in_flight -= 1
+            self.admission.wake_one()
+
+    @staticmethod
+    def _work(req: RouterRequest, stream: ClientStream, attempt: int) -> worker_pb2.WorkRequest:
+        """The request for the workers: after a failover, the prompt plus what was already sent."""
+        if attempt == 0:
+            return work_request_message(req.req_id, req.prompt_token_ids, req.params)
+        params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - len(stream.sent_ids))
+        return work_request_message(f"{req.req_id}.{attempt}", req.prompt_token_ids + stream.sent_ids, params)
+
+    async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float):
+        """A decode worker's reservation: (call, worker, transfer id). Waits in the admission queue
+        while every worker is full; when a pool has no usable worker, UNAVAILABLE at once (or,
+        during a failover, after `failover_wait_s` for one to come back)."""
+        queue_deadline = min(deadline, time.monotonic() + self.policy.queue_timeout_s)
         while True:
-            for w in self.pool.decode_candidates():
-                call = (w.stub.PrefillAndDecode if self.pool.is_colocated else w.stub.Decode)(
-                    work, timeout=self.rpc_timeout_s)
+            candidates = await self._candidates(is_failover)
+            for w in candidates:
+                w.num_in_flight += 1  # before the answer: a burst spreads over the workers
                 try:
-                    event = await call.read()
-                except grpc.aio.AioRpcError as e:
-                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        continue
-                    if e.code() == grpc.StatusCode.UNAVAILABLE:
-                        w.healthy = False
-                        continue
-                    raise RequestFailed(e.code(), e.details()) from None
-                w.stats.num_free_blocks = event.admitted.num_free_blocks
-                if len(self.admission):
-                    self.admission.wake_one()  # there may be room for the next one too
-                return call, w, event.admitted.transfer_id
-            remaining = deadline - time.monotonic()
+                    admitted = await self._reserve(w, work, deadline)
+                except BaseException:
+                    w.num_in_flight -= 1
+                    raise
+                if admitted is not None:
+                    if len(self.admission):
+                        self.admission.wake_one()  # there may be room for the next one too
+                    return (*admitted,)
+                w.num_in_flight -= 1
+            remaining = queue_deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"no decode worker could admit the request within {self.queue_timeout_s:g} s")
+                                    f"no decode worker could admit the request within {self.policy.queue_timeout_s:g} s")
             try:
                 await self.admission.wait(remaining)
             except QueueFull as e:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is overloaded: {e}") from None
 
-    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker,
-                       transfer_id: str) -> worker_pb2.PrefillResponse:
-        candidates = self.pool.prefill_candidates(decode)
+    async def _candidates(self, wait: bool) -> list[Worker]:
+        give_up = time.monotonic() + (self.policy.failover_wait_s if wait else 0)
+        while (missing := self.pool.missing()) is not None:
+            if time.monotonic() >= give_up:
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"cannot serve: {missing}")
+            await asyncio.sleep(0.1)
+        return self.pool.decode_candidates()
+
+    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float):
+        """(call, worker, transfer id), or None when this worker cannot take it."""
+        rpc = w.stub.Decode if self.pool.is_disaggregated else w.stub.PrefillAndDecode
+        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            event = await call.read()
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_unavailable(w)
+                return None
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return None
+            raise RequestFailed(e.code(), e.details()) from None
+        w.stats.num_free_blocks = event.admitted.num_free_blocks
+        return call, w, event.admitted.transfer_id
+
+    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker, transfer_id: str,
+                       deadline: float) -> worker_pb2.PrefillResponse:
+        prompt = list(work.prompt_token_ids)
+        candidates = self.pool.prefill_candidates(decode, prompt)
         if not candidates:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no healthy prefill worker pairs with {decode.address}")
         w = candidates[0]
-        n = len(work.prompt_token_ids)
-        w.num_queued_prompt_tokens += n
+        w.num_queued_prompt_tokens += len(prompt)
+        w.num_in_flight += 1
         try:
-            return await w.stub.Prefill(worker_pb2.PrefillRequest(
-                request=work, decode_address=decode.address, transfer_id=transfer_id), timeout=self.rpc_timeout_s)
+            resp = await w.stub.Prefill(worker_pb2.PrefillRequest(request=work, decode_address=decode.address,
+                                                                  transfer_id=transfer_id),
+                                        timeout=max(deadline - time.monotonic(), 0.001))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                w.healthy = False
+                self.pool.mark_unavailable(w)
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the pair no longer matches: ask both again
+                w.info = decode.info = None
             raise RequestFailed(e.code(), f"prefill on {w.address} failed: {e.details()}") from None
         finally:
-            w.num_queued_prompt_tokens -= n
+            w.num_queued_prompt_tokens -= len(prompt)
+            w.num_in_flight -= 1
+        w.prefixes.insert(prompt, w.info.block_size if w.info else 16)
+        return resp
 
-    async def _stream(self, req: RouterRequest, call, prefill_task: asyncio.Task | None):
-        detok = None
-        if self.tokenizer is not None:
-            decode = lambda ids: self.tokenizer.decode(ids, req.params.skip_special_tokens)  # noqa: E731
-            detok = IncrementalDetokenizer(decode, req.prompt_token_ids, req.params.stop)
+    async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None):
+        """(token ids, finish reason) of each delta on the decode stream; a failed prefill ends it
+        with the prefill's failure."""
         failure: list[RequestFailed] = []
         if prefill_task is not None:
             prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure))
-        num_tokens = 0
         try:
             # read(), not `async for`: admission already read() the first event, and grpc.aio
             # forbids mixing the two on one call
             while (event := await call.read()) is not grpc.aio.EOF:
-                if event.WhichOneof("event") != "tokens":
-                    continue
-                ids, reason = list(event.tokens.token_ids), event.tokens.finish_reason
-                if detok is not None:
-                    for i, tok in enumerate(ids):
-                        detok.add(tok)
-                        if detok.stopped:
-                            ids, reason = ids[:i + 1], gen_pb2.STOP
-                            break
-                num_tokens += len(ids)
-                finished = reason != gen_pb2.FINISH_REASON_UNSPECIFIED
-                text = detok.take_delta(final=finished) if detok else ""
-                resp = gen_pb2.GenerateResponse(request_id=req.client_request_id, token_ids=ids, text=text)
-                if finished:
-                    resp.finish_reason = reason
-                    resp.usage.prompt_tokens = len(req.prompt_token_ids)
-                    resp.usage.completion_tokens = num_tokens
-                    yield resp
-                    return
-                yield resp
+                if event.WhichOneof("event") == "tokens":
+                    yield list(event.tokens.token_ids), event.tokens.finish_reason
         except grpc.aio.AioRpcError as e:
-            raise (failure[0] if failure else RequestFailed(e.code(), e.details())) from None
+            if failure:
+                raise failure[0] from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_unavailable(decode)
+            raise RequestFailed(e.code(), f"decode on {decode.address}: {e.details()}") from None
         except asyncio.CancelledError:
             if failure:  # our own cancel of the decode call, because the prefill failed
                 raise failure[0] from None
             raise
-        raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream without finishing")
 
 
 def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
@@ -202,11 +286,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             self.router.metrics.count("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            self.router.metrics.count(e.code.name.lower())
+            await context.abort(e.code, str(e))
         try:
             async for resp in self.router.generate(req, trace):
                 yield resp
         except RequestFailed as e:
             log.info("request failed req_id=%s code=%s: %s", req.client_request_id, e.code.name, e)
             await context.abort(e.code, str(e))
-
-

@@ -8,10 +8,13 @@ from __future__ import annotations
 import random
 import uuid
 from dataclasses import dataclass
+from typing import Callable
+
+import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.request import RouterRequest
+from pdserve.router.request import RequestFailed, RouterRequest
 from pdserve.serving.convert import sampling_kwargs
 from pdserve.v1 import generation_pb2
 
@@ -29,20 +32,32 @@ class Limits:
 
 
 class Validator:
-    def __init__(self, tokenizer: Tokenizer | None, limits: Limits):
+    """`context()` gives (max_model_len, vocab_size) that every decode worker accepts, or None
+    while no decode worker has reported (requests are then UNAVAILABLE, not guessed at)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, max_prompt_chars: int, context: Callable[[], tuple[int, int] | None]):
         self.tokenizer = tokenizer
-        self.limits = limits
+        self.max_prompt_chars = max_prompt_chars
+        self.context = context
         self._rng = random.Random()
 
+    @property
+    def limits(self) -> Limits:
+        context = self.context()
+        if context is None:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no decode worker has joined yet")
+        return Limits(*context, self.max_prompt_chars)
+
     def parse(self, msg: generation_pb2.GenerateRequest) -> RouterRequest:
+        """Validate and tokenize: ValueError naming the field, or RequestFailed(UNAVAILABLE)."""
         if len(msg.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id has {len(msg.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
-        ids = self._prompt_ids(msg)
-        params = self._params(msg.sampling_params)
+        lim = self.limits
+        ids = self._prompt_ids(msg, lim)
+        params = self._params(msg.sampling_params, lim)
         return RouterRequest(uuid.uuid4().hex, msg.request_id or f"req-{uuid.uuid4().hex[:12]}", ids, params)
 
-    def _prompt_ids(self, msg: generation_pb2.GenerateRequest) -> list[int]:
-        lim = self.limits
+    def _prompt_ids(self, msg: generation_pb2.GenerateRequest, lim: Limits) -> list[int]:
         which = msg.WhichOneof("input")
         if which is None:
             raise ValueError("prompt: one of prompt or token_ids is required")
@@ -70,12 +85,12 @@ class Validator:
                              "which leaves no room to generate")
         return ids
 
-    def _params(self, msg: generation_pb2.SamplingParams) -> SamplingParams:
+    def _params(self, msg: generation_pb2.SamplingParams, lim: Limits) -> SamplingParams:
         if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
             raise ValueError(f"sampling_params.stop allows {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters")
         if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"sampling_params.stop_token_ids allows {MAX_STOP_TOKEN_IDS} ids")
-        unknown = [t for t in msg.stop_token_ids if t >= self.limits.vocab_size]
+        unknown = [t for t in msg.stop_token_ids if t >= lim.vocab_size]
         if unknown:
             raise ValueError(f"sampling_params.stop_token_ids contains unknown token ids {unknown[:5]}")
         kwargs = sampling_kwargs(msg)

@@ -1,8 +1,12 @@
-"""The router's view of its workers: connections, reported info and stats, health, pairing,
-and the selection policies.
+"""The router's view of its workers: membership, connections, what each runs, health, pairing,
+and the load the router itself has put on each.
 
-A worker is `healthy` while its grpc.health.v1 check says SERVING; a failed check (or a call
-that finds it UNAVAILABLE) takes it out of selection until a later check passes.
+Membership is static (the standalone router's `--prefill`/`--decode` addresses) or follows the
+cluster (`add` / `remove` as workers register, restart elsewhere, or are drained). A worker is
+*healthy* while its grpc.health.v1 check says SERVING; a failed check, or a call that finds it
+UNAVAILABLE, takes it out of selection until a later check passes, and a worker that comes back
+is asked again what it runs, since it may have restarted with another configuration. A prefill
+and a decode worker are used together only if their KV-relevant descriptions agree (`PAIRING_FIELDS`).
 """
 from __future__ import annotations
 
@@ -10,30 +14,54 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 
 # What must agree between a prefill and a decode worker for the KV of one to serve the other.
 PAIRING_FIELDS = ("model_identity", "dtype", "block_size", "kv_layout", "kv_groups", "draft_identity")
+# Router -> worker channels: notice a silent peer within ~15 s, and retry a lost connection at
+# least every second (gRPC's default backoff grows to two minutes, which kept a returning
+# worker idle long after it was back).
+WORKER_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass(slots=True, eq=False)
 class Worker:
-    address: str
+    worker_id: str
     role: str  # "prefill" or "decode"
+    address: str
+    channel: grpc.aio.Channel
     stub: object
     health: health_pb2_grpc.HealthStub
     info: worker_pb2.WorkerInfo | None = None
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     healthy: bool = False
-    num_queued_prompt_tokens: int = 0  # sent by this router and not yet answered (prefill)
+    is_removed: bool = False
+    num_in_flight: int = 0  # requests this router sent here that have not ended
+    num_queued_prompt_tokens: int = 0  # prefill: prompt tokens sent here and not yet answered
+    prefixes: PrefixIndex | None = None  # prefill: what its prefix cache probably holds
+
+    @property
+    def load(self) -> float:
+        """Decode: the share of its sequence slots the router's requests take, counting ones sent
+        but not yet answered (so a burst spreads before any stats arrive)."""
+        return self.num_in_flight / max(self.stats.max_num_seqs or 1, 1)
 
 
 def pairing_differences(prefill: worker_pb2.WorkerInfo, decode: worker_pb2.WorkerInfo) -> list[str]:
@@ -52,110 +80,145 @@ def _group(g: worker_pb2.KVGroupLayout) -> str:
     return f"{g.name}(layers={g.num_layers}, kv_heads={g.num_kv_heads}, head_dim={g.head_dim})"
 
 
-class Policy(Protocol):
-    def order(self, workers: list[Worker]) -> list[Worker]:
-        """Candidates best first."""
-
-
-class FewestQueuedPromptTokens:
-    """Prefill: the worker with the least prompt work ahead of a new request."""
-
-    def order(self, workers: list[Worker]) -> list[Worker]:
-        return sorted(workers, key=lambda w: w.num_queued_prompt_tokens + w.stats.num_queued_prompt_tokens)
-
-
-class MostFreeBlocks:
-    """Decode: the worker with the most free KV blocks."""
-
-    def order(self, workers: list[Worker]) -> list[Worker]:
-        return sorted(workers, key=lambda w: -w.stats.num_free_blocks)
-
-
 class WorkerPool:
-    def __init__(self, prefill_addresses: list[str], decode_addresses: list[str], rpc_timeout_s: float,
-                 prefill_policy: Policy | None = None, decode_policy: Policy | None = None):
-        self.prefill = [self._connect(a, "prefill") for a in prefill_addresses]
-        self.decode = [self._connect(a, "decode") for a in decode_addresses]
-        self.rpc_timeout_s = rpc_timeout_s
-        self.prefill_policy = prefill_policy or FewestQueuedPromptTokens()
-        self.decode_policy = decode_policy or MostFreeBlocks()
-        self._pairs: set[tuple[str, str]] = set()
+    def __init__(self, is_disaggregated: bool, check_timeout_s: float = 2.0):
+        self.is_disaggregated = is_disaggregated
+        self.check_timeout_s = check_timeout_s
+        self.workers: dict[str, Worker] = {}
+        self._mismatch_logged: set[tuple[str, str]] = set()
 
-    @staticmethod
-    def _connect(address: str, role: str) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
-        return Worker(address, role, stub, health_pb2_grpc.HealthStub(channel))
+    @classmethod
+    def static(cls, prefill_addresses: list[str], decode_addresses: list[str]) -> WorkerPool:
+        """The standalone router's pool: fixed addresses, each its own worker id."""
+        pool = cls(is_disaggregated=bool(prefill_addresses))
+        for role, addresses in (("prefill", prefill_addresses), ("decode", decode_addresses)):
+            for address in addresses:
+                pool.add(address, role, address)
+        return pool
 
     @property
     def is_colocated(self) -> bool:
-        return not self.prefill
+        return not self.is_disaggregated
 
-    @property
-    def workers(self) -> list[Worker]:
-        return self.prefill + self.decode
+    # ---- membership ----------------------------------------------------------------------
+    def add(self, worker_id: str, role: str, address: str) -> Worker:
+        """A worker joins (or rejoins at a new address); it is selectable once healthy and paired."""
+        old = self.workers.get(worker_id)
+        if old is not None and old.address == address:
+            return old
+        if old is not None:
+            self.remove(worker_id)
+        channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+        stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
+        w = Worker(worker_id, role, address, channel, stub, health_pb2_grpc.HealthStub(channel),
+                   prefixes=PrefixIndex() if role == "prefill" else None)
+        self.workers[worker_id] = w
+        log.info("worker %s %s joined at %s", role, worker_id, address)
+        return w
 
-    async def connect(self, timeout_s: float) -> None:
-        """Wait until every worker is SERVING and has said what it runs; then check pairing.
-        ValueError names what is unreachable or what differs."""
-        deadline = time.monotonic() + timeout_s
-        pending = list(self.workers)
-        while pending:
-            await asyncio.gather(*(self.check(w) for w in pending))
-            pending = [w for w in pending if w.info is None]
-            if pending and time.monotonic() > deadline:
-                raise ValueError(f"workers not serving after {timeout_s:g} s: {[w.address for w in pending]}")
-            if pending:
-                await asyncio.sleep(0.2)
-        self._check_pairing()
+    def remove(self, worker_id: str) -> None:
+        """Stop selecting a worker; calls already running on it go on until they end."""
+        w = self.workers.pop(worker_id, None)
+        if w is not None:
+            w.is_removed, w.healthy = True, False
+            log.info("worker %s %s at %s left", w.role, worker_id, w.address)
+            asyncio.get_running_loop().call_later(300, lambda: asyncio.ensure_future(w.channel.close()))
 
-    def _check_pairing(self) -> None:
-        problems = []
-        for p in self.prefill:
-            for d in self.decode:
-                diffs = pairing_differences(p.info, d.info)
-                if diffs:
-                    problems.append(f"prefill {p.address} and decode {d.address} differ: " + "; ".join(diffs))
-                else:
-                    self._pairs.add((p.address, d.address))
-        for w in self.workers:
-            partners = [b for a, b in self._pairs if a == w.address] + [a for a, b in self._pairs if b == w.address]
-            if self.prefill and not partners:
-                raise ValueError("refusing mismatched workers: " + " | ".join(problems))
-        for line in problems:
-            log.warning("not pairing: %s", line)
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
 
-    def paired(self, prefill: Worker, decode: Worker) -> bool:
-        return (prefill.address, decode.address) in self._pairs
-
-    async def check(self, w: Worker, timeout_s: float = 2.0) -> None:
+    # ---- health --------------------------------------------------------------------------
+    async def check(self, w: Worker) -> None:
+        """One health check; a worker that is (again) SERVING is asked what it runs."""
         try:
-            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout_s)
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-            if serving and w.info is None:
-                w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=timeout_s)
+            if serving and (w.info is None or not w.healthy):
+                w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=self.check_timeout_s)
             if serving:
-                w.stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout_s)
+                w.stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=self.check_timeout_s)
         except grpc.aio.AioRpcError:
             serving = False
-        if serving != w.healthy:
+        if serving != w.healthy and not w.is_removed:
             level = logging.INFO if serving else logging.WARNING
-            log.log(level, "worker %s %s is now %s", w.role, w.address, "healthy" if serving else "UNHEALTHY")
-        w.healthy = serving
+            log.log(level, "worker %s %s at %s is now %s", w.role, w.worker_id, w.address,
+                    "healthy" if serving else "UNHEALTHY")
+        w.healthy = serving and not w.is_removed
+
+    def mark_unavailable(self, w: Worker) -> None:
+        """A call found the worker unreachable: no traffic until a health check passes."""
+        if w.healthy:
+            log.warning("worker %s %s at %s is unreachable", w.role, w.worker_id, w.address)
+        w.healthy = False
 
     async def watch(self, interval_s: float) -> None:
-        """Health-check and refresh stats forever."""
+        """Health-check every worker every `interval_s`, whatever the length of an outage."""
         while True:
+            await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
             await asyncio.sleep(interval_s)
-            await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    async def connect(self, timeout_s: float) -> None:
+        """Static pools: wait until every worker is SERVING and has said what it runs, then check
+        that they pair. ValueError names what is unreachable or what differs."""
+        deadline = time.monotonic() + timeout_s
+        while pending := [w for w in self.workers.values() if w.info is None or not w.healthy]:
+            await asyncio.gather(*(self.check(w) for w in pending))
+            if [w for w in pending if w.info is None or not w.healthy] and time.monotonic() > deadline:
+                raise ValueError(f"workers not serving after {timeout_s:g} s: {[w.address for w in pending]}")
+            await asyncio.sleep(0.1)
+        if self.is_disaggregated:
+            problems = [f"prefill {p.address} and decode {d.address} differ: " + "; ".join(diffs)
+                        for p in self.of_role("prefill") for d in self.of_role("decode")
+                        if (diffs := pairing_differences(p.info, d.info))]
+            unpaired = [w.address for w in self.workers.values() if not self._partners(w)]
+            if unpaired:
+                raise ValueError("refusing mismatched workers: " + " | ".join(problems))
+
+    # ---- selection -----------------------------------------------------------------------
+    def paired(self, prefill: Worker, decode: Worker) -> bool:
+        if prefill.info is None or decode.info is None:
+            return False
+        diffs = pairing_differences(prefill.info, decode.info)
+        key = (prefill.worker_id + prefill.info.model_identity, decode.worker_id + decode.info.model_identity)
+        if diffs and key not in self._mismatch_logged:
+            self._mismatch_logged.add(key)
+            log.warning("not pairing prefill %s with decode %s: %s", prefill.address, decode.address, "; ".join(diffs))
+        return not diffs
+
+    def _partners(self, w: Worker) -> list[Worker]:
+        other = "decode" if w.role == "prefill" else "prefill"
+        return [o for o in self.of_role(other) if (self.paired(w, o) if w.role == "prefill" else self.paired(o, w))]
 
     def decode_candidates(self) -> list[Worker]:
-        return self.decode_policy.order([w for w in self.decode if w.healthy])
+        """Healthy decode workers that can be used now, least loaded first."""
+        ws = [w for w in self.of_role("decode") if w.healthy and w.info is not None]
+        if self.is_disaggregated:
+            ws = [w for w in ws if any(p.healthy and self.paired(p, w) for p in self.of_role("prefill"))]
+        return sorted(ws, key=lambda w: (w.load, -w.stats.num_free_blocks))
 
-    def prefill_candidates(self, decode: Worker) -> list[Worker]:
-        return self.prefill_policy.order([w for w in self.prefill if w.healthy and self.paired(w, decode)])
+    def prefill_candidates(self, decode: Worker, prompt_ids: list[int]) -> list[Worker]:
+        """Healthy prefill workers that pair with `decode`, cheapest first: the prompt tokens
+        queued there plus this prompt's tokens beyond the prefix it probably has cached."""
+        ws = [w for w in self.of_role("prefill") if w.healthy and self.paired(w, decode)]
+        return sorted(ws, key=lambda w: self.prefill_cost(w, prompt_ids))
 
-    def limits(self) -> tuple[int, int]:
-        """(max_model_len, vocab_size) every decode worker accepts."""
-        infos = [w.info for w in self.decode]
+    @staticmethod
+    def prefill_cost(w: Worker, prompt_ids: list[int]) -> int:
+        cached = w.prefixes.match(prompt_ids, w.info.block_size) if w.prefixes and w.info else 0
+        queued = max(w.num_queued_prompt_tokens, w.stats.num_queued_prompt_tokens)
+        return queued + len(prompt_ids) - cached
+
+    def missing(self) -> str | None:
+        """Why no request can be served now (the pool that has no usable worker), or None."""
+        if not self.decode_candidates():
+            if self.is_disaggregated and self.of_role("decode") and any(w.healthy for w in self.of_role("decode")):
+                return "no healthy prefill worker pairs with a healthy decode worker"
+            return "no healthy decode worker"
+        return None
+
+    def limits(self) -> tuple[int, int] | None:
+        """(max_model_len, vocab_size) every known decode worker accepts; None before any reported."""
+        infos = [w.info for w in self.of_role("decode") if w.info is not None]
+        if not infos:
+            return None
         return min(i.max_model_len for i in infos), min(i.vocab_size for i in infos)

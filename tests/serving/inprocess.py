@@ -13,8 +13,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 from pdserve.router.admission import AdmissionQueue
-from pdserve.router.server import Router
-from pdserve.router.validate import Limits, Validator
+from pdserve.router.server import Router, RouterPolicy
+from pdserve.router.validate import Validator
 from pdserve.router.workers import WorkerPool
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
@@ -29,6 +29,7 @@ class InProcessSystem:
     max_queued_requests: int = 16
     queue_timeout_s: float = 10.0
     kv_transfer_timeout_s: float = 10.0
+    max_failovers: int = 0
     transport: KVTransport | None = None  # default: a plain InProcessTransport
     inproc: InProcessTransport = field(default_factory=InProcessTransport)
     servers: list[AioServer] = field(default_factory=list)
@@ -40,11 +41,13 @@ class InProcessSystem:
         self.decode = DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30))
         addresses = [await self._start(s, engine_config) for s in (self.prefill, self.decode)]
         self.inproc.register(addresses[1], self.decode)
-        pool = WorkerPool([addresses[0]], [addresses[1]], rpc_timeout_s=60)
+        pool = WorkerPool.static([addresses[0]], [addresses[1]])
         await pool.connect(30)
         tokenizer = Tokenizer.from_dir(str(self.model))
-        self.router = Router(pool, Validator(tokenizer, Limits(*pool.limits(), max_prompt_chars=10000)), tokenizer,
-                             AdmissionQueue(self.max_queued_requests, poll_s=0.2), 60, self.queue_timeout_s)
+        self.router = Router(pool, Validator(tokenizer, 10000, pool.limits), tokenizer,
+                             AdmissionQueue(self.max_queued_requests, poll_s=0.2),
+                             RouterPolicy(rpc_timeout_s=60, queue_timeout_s=self.queue_timeout_s,
+                                          max_failovers=self.max_failovers))
         return self
 
     async def _start(self, service, engine_config: EngineConfig) -> str:
@@ -67,7 +70,7 @@ class InProcessSystem:
         await self.prefill.transport.close()
 
     async def generate(self, prompt: str | list[int], max_tokens: int = 8, **params) -> list[gen.GenerateResponse]:
-        sampling = gen.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+        sampling = gen.SamplingParams(**{"temperature": 0, "ignore_eos": True, **params, "max_tokens": max_tokens})
         msg = (gen.GenerateRequest(prompt=prompt, sampling_params=sampling) if isinstance(prompt, str) else
                gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), sampling_params=sampling))
         req = self.router.validator.parse(msg)

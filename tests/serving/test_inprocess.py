@@ -11,7 +11,7 @@ import pytest
 
 from inprocess import InProcessSystem
 from pdserve.engine import LLM, SamplingParams
-from pdserve.router.server import RequestFailed
+from pdserve.router.request import RequestFailed
 from pdserve.serving.kv_transfer import KVData, KVTrailer
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass"]
@@ -26,14 +26,16 @@ def joined(msgs) -> list[int]:
 
 
 class FaultyTransport:
-    """The in-process transport with one fault applied to the streams of prompts of one length."""
+    """The in-process transport with one fault applied to the streams of prompts of one length
+    (the first `times` of them)."""
 
-    def __init__(self, inner, fault, num_tokens: int):
-        self.inner, self.fault, self.num_tokens = inner, fault, num_tokens
+    def __init__(self, inner, fault, num_tokens: int, times: int = 1 << 30):
+        self.inner, self.fault, self.num_tokens, self.times = inner, fault, num_tokens, times
 
     async def push(self, address, messages, timeout_s):
         header = await anext(messages)
-        if header.num_tokens == self.num_tokens:
+        if header.num_tokens == self.num_tokens and self.times > 0:
+            self.times -= 1
             messages = self.fault(messages)
 
         async def stream():
@@ -94,6 +96,26 @@ def test_one_bad_transfer_fails_only_its_request(text_checkpoint, fault, status,
     assert isinstance(results[0], RequestFailed) and results[0].code == status and words in str(results[0])
     assert all(len(joined(r)) == 8 for r in results[1:])
     assert len(joined(after)) == 4 and failures == 1
+
+
+def test_a_failed_transfer_fails_over_and_the_stream_continues_identically(text_checkpoint):
+    """With failover on, the corrupt transfer's request is admitted again and completes with
+    exactly the tokens of an undisturbed run, sampled too (seeded)."""
+    prompt, params = PROMPTS[0], dict(temperature=0.9, seed=11)
+
+    async def scenario(times: int):
+        system = InProcessSystem(text_checkpoint, max_failovers=2)
+        system.transport = FaultyTransport(system.inproc, corrupt, len(system_tokenizer(text_checkpoint).encode(prompt)),
+                                           times)
+        async with system:
+            msgs = await system.generate(prompt, 10, **params)
+            await system.wait_all_free()
+            return msgs, system.router.metrics.failovers._value.get()
+
+    (clean, n0), (recovered, n1) = run(scenario(0)), run(scenario(1))
+    assert (n0, n1) == (0, 1)
+    assert joined(recovered) == joined(clean) and len(joined(clean)) == 10
+    assert "".join(m.text for m in recovered) == "".join(m.text for m in clean)
 
 
 def system_tokenizer(path):
