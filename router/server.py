@@ -149,7 +149,9 @@ class Router:
                                 "without finishing the request")
         finally:
             call.cancel()
-            if prefill_task is not None and not prefill_task.done():
+            # a finished request's prefill is only waiting for the decode side's acknowledgement,
+            # which has been sent: let it complete, so the prefill worker counts a good transfer
+            if prefill_task is not None and not prefill_task.done() and not stream.finished:
                 prefill_task.cancel()
             decode.num_in_flight -= 1
             self.admission.wake_one()
