@@ -66,6 +66,8 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds live requests get to finish before the worker stops")
 
 
 def _setup_logging(level: str) -> None:
@@ -95,7 +97,8 @@ def _serve(name: str, serve) -> int:
     from pdserve.serving.grpc_server import wait_for_signal
 
     def ready(addresses: dict) -> None:
-        print(f"pdserve {name} ready: " + " ".join(f"{k}={v}" for k, v in addresses.items() if v), flush=True)
+        words = " ".join(f"{k}={v}" for k, v in addresses.items() if v is not None)
+        print(f"pdserve {name + ' ' if name else ''}ready: {words}", flush=True)
 
     async def main() -> None:
         until = asyncio.ensure_future(wait_for_signal())  # signals handled from the start, loading included
@@ -114,7 +117,7 @@ def _worker(args: argparse.Namespace, service) -> int:
     engine_config = _worker_engine_config(args)
     return _serve(args.command, lambda until, ready: serve_worker(
         service, engine_config, args.host, args.port, args.metrics_port, until,
-        lambda a: ready({"grpc": a.grpc, "metrics": a.metrics})))
+        lambda a: ready({"grpc": a.grpc, "metrics": a.metrics}), drain_timeout_s=args.drain_timeout))
 
 
 def _decode_worker(args: argparse.Namespace) -> int:
@@ -152,6 +155,90 @@ def router_config(args: argparse.Namespace):
     return RouterConfig(model=args.model, policy=policy, connect_timeout_s=args.connect_timeout,
                         health_interval_s=args.health_interval, max_queued_requests=args.max_queued_requests,
                         max_prompt_chars=args.max_prompt_chars)
+
+
+# `pdserve serve` flag -> config field (dotted: section.field)
+SERVE_OVERRIDES = {
+    "model": "model", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
+    "speculative_method": "speculative_method", "served_model_name": "served_model_name", "dtype": "dtype",
+    "prefill_workers": "prefill.workers", "decode_workers": "decode.workers", "prefill_cpus": "prefill.cpus",
+    "decode_cpus": "decode.cpus", "gpus_per_worker": None, "host": "router.host", "grpc_port": "router.grpc_port",
+    "http_port": "router.http_port", "drain_timeout": "router.drain_timeout", "max_failovers": "router.max_failovers",
+    "placement_timeout": "placement_timeout", "metrics_targets_file": "metrics_targets_file",
+}
+
+
+def _serve_system(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from pdserve.cluster.config import load
+
+    overrides = {field: getattr(args, flag) for flag, field in SERVE_OVERRIDES.items() if field}
+    if args.gpus_per_worker is not None:
+        overrides.update({"prefill.gpus": args.gpus_per_worker, "decode.gpus": args.gpus_per_worker})
+    if args.no_speculation:
+        overrides["num_speculative_tokens"] = 0
+    config = load(args.config, overrides)
+    r = config.router
+    check_ports_free(r.host, [p for p in (r.grpc_port, r.http_port) if p])
+    from pdserve.cluster import serve as system
+
+    print("starting Ray" if args.ray_address is None else f"joining Ray at {args.ray_address}", file=sys.stderr,
+          flush=True)
+    connection = system.start_ray(args.ray_address, args.num_cpus)
+    conn_file = system.write_connection_file(connection, embedded=args.ray_address is None)
+    try:
+        return _serve("", lambda until, ready: system.serve(config, args.ray_address, args.log_level, until, ready))
+    finally:
+        conn_file.unlink(missing_ok=True)
+        system.stop_ray()
+
+
+def check_ports_free(host: str, ports: list[int]) -> None:
+    """One clear line before anything loads when a port is taken."""
+    import socket
+
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _scale(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from pdserve.cluster.serve import connect_to_running
+
+    controller = connect_to_running(args.ray_address)
+    import ray
+
+    counts = ray.get(controller.scale.remote(args.prefill, args.decode), timeout=args.timeout)
+    print(f"pdserve scaled: prefill={counts['prefill']} decode={counts['decode']}", flush=True)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    import dataclasses
+    import json
+
+    from pdserve.cluster.serve import connect_to_running
+
+    controller = connect_to_running(args.ray_address)
+    import ray
+
+    status = ray.get(controller.status.remote(), timeout=60)
+    members = [dataclasses.asdict(m) for m in sorted(status["members"], key=lambda m: m.worker_id)]
+    if args.json:
+        print(json.dumps({"version": status["version"], "workers": members, "placed": status["placed"]}))
+        return 0
+    for m in members:
+        print(f"{m['worker_id']:12} {m['address']:22} metrics={m['metrics_address']:22} node={m['node_id'][:12]} "
+              f"pid={m['pid']}{' (restarted)' if m['is_restart'] else ''}")
+    starting = sorted(set(status["placed"]) - {m["worker_id"] for m in members})
+    if starting:
+        print("not serving yet: " + ", ".join(starting))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,7 +282,58 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--failover-wait", type=float, default=30.0,
                     help="seconds a failing-over request waits for a usable worker to (re)appear")
     rt.set_defaults(func=_router)
+    _add_serve_parser(sub)
+    _add_scale_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="the whole system on Ray: router, prefill and decode pools",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sv.add_argument("--config", default=None, help="YAML file describing the pools (see deploy/pdserve.yaml); "
+                    "flags override it")
+    sv.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto' or HOST:PORT) instead "
+                    "of starting a private local one")
+    sv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray (default: all)")
+    sv.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    for flag, kind, what in [
+            ("--model", str, "checkpoint directory (default: the demo model)"),
+            ("--draft-model", str, "draft checkpoint (default: the demo draft)"),
+            ("--num-speculative-tokens", int, "speculation depth k of the decode pool"),
+            ("--speculative-method", str, "'draft' or 'ngram'"),
+            ("--served-model-name", str, "model name in the API and metrics"),
+            ("--dtype", str, "auto, float32, bfloat16 or float16"),
+            ("--prefill-workers", int, "prefill workers (0: colocated)"),
+            ("--decode-workers", int, "decode workers"),
+            ("--prefill-cpus", float, "CPUs per prefill worker (fractions allowed)"),
+            ("--decode-cpus", float, "CPUs per decode worker"),
+            ("--gpus-per-worker", float, "GPUs per worker of both pools"),
+            ("--host", str, "the router's address"),
+            ("--grpc-port", int, "the public gRPC API (0: a free port)"),
+            ("--http-port", int, "the OpenAI HTTP API and /metrics (0: a free port)"),
+            ("--drain-timeout", float, "seconds in-flight requests get on shutdown"),
+            ("--max-failovers", int, "times a request may move after a worker fails"),
+            ("--placement-timeout", float, "seconds to place and load every worker"),
+            ("--metrics-targets-file", str, "where to write the Prometheus file-SD target list")]:
+        sv.add_argument(flag, type=kind, default=None, help=what + " (default: the config's)")
+    sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
+    sv.set_defaults(func=_serve_system)
+
+
+def _add_scale_parser(sub) -> None:
+    sc = sub.add_parser("scale", help="set the worker counts of a running `pdserve serve`")
+    sc.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
+    sc.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    sc.add_argument("--ray-address", default=None, help="the cluster it runs on (default: the one a local "
+                    "`pdserve serve` started)")
+    sc.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the change")
+    sc.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    sc.set_defaults(func=_scale)
+    st = sub.add_parser("status", help="the workers of a running `pdserve serve`: where, which node, which process")
+    st.add_argument("--ray-address", default=None, help="as for `pdserve scale`")
+    st.add_argument("--json", action="store_true", help="one JSON object")
+    st.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    st.set_defaults(func=_status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ class LocalProcess:
 
     def start(self) -> LocalProcess:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **self.env}
-        ports = [] if self.command == "generate" else ["--port", "0"]
+        ports = ["--port", "0"] if self.command in ("router", "prefill-worker", "decode-worker") else []
         with open(self.log, "w") as f:
             self.popen = subprocess.Popen([PDSERVE, self.command, *ports, *self.args], env=env, stdout=f,
                                           stderr=subprocess.STDOUT, start_new_session=True,
@@ -56,7 +56,7 @@ class LocalProcess:
         """Until the ready line appears; ProcessFailed (with the log's tail) if the process exits
         or the time runs out first."""
         deadline = time.monotonic() + timeout_s
-        marker = f"pdserve {self.command} ready: "
+        marker = "pdserve ready: " if self.command == "serve" else f"pdserve {self.command} ready: "
         while True:
             for line in self.log.read_text(errors="replace").splitlines():
                 if line.startswith(marker):

@@ -79,6 +79,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         self.config = config
         self.receiver: KVReceiver | None = None
         self.transfers: dict[str, DecodeRequest] = {}  # transfer_id -> reserved request; asyncio loop only
+        self.live: set[DecodeRequest] = set()  # every request with an open stream; asyncio loop only
 
     def add_to(self, server: AioServer) -> None:
         server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self,
@@ -93,8 +94,12 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         groups = list(zip(kv_group_layouts(e), (kv for _, kv in kv_cache_groups(e))))
         self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size)
 
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.live)
+
     async def _parse(self, request, context):
-        await self.check_ready(context)
+        await self.check_accepting(context)
         try:
             return parse_work_request(request)
         except ValueError as e:
@@ -117,6 +122,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         r = DecodeRequest(req_id, DecodeState.RESERVED, secrets.token_hex(16), seq)
         self.num_requests_total += 1
         self.transfers[r.transfer_id] = r
+        self.live.add(r)
         self.loop.sinks[req_id] = r.events.put_nowait
         try:
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
@@ -125,6 +131,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                 yield event
         finally:
             self.transfers.pop(r.transfer_id, None)
+            self.live.discard(r)
             self.loop.sinks.pop(req_id, None)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
 
@@ -138,6 +145,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
         r = DecodeRequest(req_id, DecodeState.RUNNING)
+        self.live.add(r)
         self.loop.sinks[req_id] = r.events.put_nowait
         try:
             try:
@@ -151,6 +159,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             async for event in self._token_stream(r, context):
                 yield event
         finally:
+            self.live.discard(r)
             self.loop.sinks.pop(req_id, None)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
 

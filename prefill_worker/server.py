@@ -83,8 +83,12 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             if sender is not None:
                 sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
 
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.requests)
+
     async def Prefill(self, request, context):
-        await self.check_ready(context)
+        await self.check_accepting(context)
         try:
             req_id, ids, params = parse_work_request(request.request)
             if not request.decode_address or not request.transfer_id:

@@ -88,11 +88,20 @@ class CompletionsApp:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
         return app
 
     async def health(self, _request: web.Request) -> web.Response:
+        """Liveness: the process answers."""
         return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        """Readiness: 200 while the router can serve a request now, else 503 saying why."""
+        missing = "shutting down" if self.router.is_draining else self.router.pool.missing()
+        if missing is None:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "not ready", "reason": missing}, status=503)
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -106,11 +115,15 @@ class CompletionsApp:
             self.router.metrics.count("invalid_argument")
             return _error(400, "body is not valid JSON")
         try:
+            self.router.check_accepting()
             req = self.router.validator.parse(completion_request(body))
         except ValueError as e:  # the gRPC-side names ("sampling_params.top_p") read as OpenAI's ("top_p")
             self.router.metrics.count("invalid_argument")
             message = str(e).removeprefix("sampling_params.")
             return _error(400, message, param=message.split(" ", 1)[0])
+        except RequestFailed as e:
+            self.router.metrics.count(e.code.name.lower())
+            return _error(_HTTP_STATUS.get(e.code, 503), str(e))
         meta = {"id": f"cmpl-{req.req_id}", "created": int(time.time()), "model": self.model_name}
         if body.get("stream"):
             return await self._stream(request, req, trace, meta)

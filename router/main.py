@@ -37,29 +37,32 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
 
 
-def build_router(config: RouterConfig, pool: WorkerPool) -> Router:
+def build_router(config: RouterConfig, pool: WorkerPool, model_name: str | None = None) -> Router:
     tokenizer = Tokenizer.from_dir(config.model)
     validator = Validator(tokenizer, config.max_prompt_chars, pool.limits)
     return Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests), config.policy,
-                  RouterMetrics(Path(config.model).name))
+                  RouterMetrics(model_name or Path(config.model).name))
 
 
 async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,
                 port: int, http_port: int | None, metrics_port: int | None, until,
-                on_ready=lambda addresses: None) -> None:
+                on_ready=lambda addresses: None, drain_timeout_s: float = 30.0) -> None:
     """The standalone router: the listed workers (ValueError if they are unreachable or
     mismatched), then `serve_router`."""
     if not decode_addresses:
         raise ValueError("at least one decode worker is required (--decode)")
     pool = WorkerPool.static(prefill_addresses, decode_addresses)
     await pool.connect(config.connect_timeout_s)
-    await serve_router(build_router(config, pool), config, host, port, http_port, metrics_port, until, on_ready)
+    await serve_router(build_router(config, pool), config, host, port, http_port, metrics_port, until, on_ready,
+                       drain_timeout_s)
 
 
 async def serve_router(router: Router, config: RouterConfig, host: str, port: int, http_port: int | None,
-                       metrics_port: int | None, until, on_ready=lambda addresses: None) -> None:
+                       metrics_port: int | None, until, on_ready=lambda addresses: None,
+                       drain_timeout_s: float = 30.0) -> None:
     """The router's life, until `until` completes: listen, report the bound addresses, watch the
-    workers' health, and say SERVING (gRPC health, HTTP /ready) exactly while it can serve."""
+    workers' health, and say SERVING (gRPC health, HTTP /ready) exactly while it can serve; then
+    NOT_SERVING at once, and requests in flight get `drain_timeout_s` to finish."""
     server = AioServer(host, port)
     server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router),
                generation_pb2.DESCRIPTOR.services_by_name["Generation"])
@@ -82,6 +85,9 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
                  else "colocated")
         on_ready(addresses)
         await until
+        tasks[1].cancel()  # readiness stays NOT_SERVING from here on
+        await server.set_serving(False)
+        await router.drain(drain_timeout_s)
     finally:
         for task in tasks:
             task.cancel()

@@ -62,6 +62,19 @@ class RouterPolicy:
             raise ValueError(f"RouterPolicy.max_failovers must be >= 0, got {self.max_failovers}")
 
 
+@dataclass(slots=True, eq=False)
+class Flight:
+    """A request in flight: its current worker call, and why the router ended it, if it did."""
+
+    call: object = None
+    abort_reason: str | None = None
+
+    def abort(self, reason: str) -> None:
+        self.abort_reason = reason
+        if self.call is not None:
+            self.call.cancel()
+
+
 class Router:
     """Runs requests to completion as async iterators of `GenerateResponse`; no gRPC server
     types here, so the HTTP front end shares it."""
@@ -75,6 +88,24 @@ class Router:
         self.admission = admission
         self.policy = policy
         self.metrics = metrics or RouterMetrics()
+        self.flights: set[Flight] = set()
+        self.is_draining = False
+
+    def check_accepting(self) -> None:
+        if self.is_draining:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutting down: refuse new requests, give those in flight `timeout_s` to finish, then
+        end them with UNAVAILABLE saying why."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flight in list(self.flights):
+            flight.abort(f"the router is shutting down: the request did not finish within the {timeout_s:g} s drain")
+        while self.flights and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.05)
 
     async def generate(self, req: RouterRequest, trace: RequestTrace | None = None):
         """`trace`: from `metrics.arrived()` when the request arrived (default: now)."""
@@ -82,10 +113,12 @@ class Router:
         stream = ClientStream(req, self.tokenizer)
         deadline = time.monotonic() + self.policy.rpc_timeout_s
         failures: list[RequestFailed] = []
+        flight = Flight()
+        self.flights.add(flight)
         try:
             while True:
                 try:
-                    async for resp in self._attempt(req, stream, trace, len(failures), deadline):
+                    async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight):
                         trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
                         self.metrics.delta_out(trace, len(resp.token_ids))
                         if stream.finished:
@@ -93,6 +126,8 @@ class Router:
                         yield resp
                     return
                 except RequestFailed as e:
+                    if flight.abort_reason is not None:
+                        raise
                     self._check_retry(req, e, failures, deadline)
                     failures.append(e)
                     trace.state = RequestState.RE_ADMITTED
@@ -111,6 +146,7 @@ class Router:
             self.metrics.ended(trace, "error")
             raise
         finally:
+            self.flights.discard(flight)
             if trace.state is not RequestState.FINISHED:
                 self.metrics.ended(trace, "cancelled")  # a no-op when it ended above
 
@@ -130,9 +166,10 @@ class Router:
 
     # ---- one attempt: admission, prefill, the decode stream ------------------------------
     async def _attempt(self, req: RouterRequest, stream: ClientStream, trace: RequestTrace, attempt: int,
-                       deadline: float):
+                       deadline: float, flight: Flight):
         work = self._work(req, stream, attempt)
         call, decode, transfer_id = await self._admit(work, attempt > 0, deadline)
+        flight.call = call
         prefill_task = None
         try:
             if attempt == 0:
@@ -141,7 +178,7 @@ class Router:
             if self.pool.is_disaggregated:
                 prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline))
                 trace.state = RequestState.PREFILLING
-            async for ids, reason in self._events(call, decode, prefill_task):
+            async for ids, reason in self._events(call, decode, prefill_task, flight):
                 yield stream.delta(ids, reason)
                 if stream.finished:
                     return
@@ -244,9 +281,9 @@ class Router:
         w.prefixes.insert(prompt, w.info.block_size if w.info else 16)
         return resp
 
-    async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None):
+    async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight):
         """(token ids, finish reason) of each delta on the decode stream; a failed prefill ends it
-        with the prefill's failure."""
+        with the prefill's failure, and the router's own abort with its reason."""
         failure: list[RequestFailed] = []
         if prefill_task is not None:
             prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure))
@@ -265,6 +302,8 @@ class Router:
         except asyncio.CancelledError:
             if failure:  # our own cancel of the decode call, because the prefill failed
                 raise failure[0] from None
+            if flight.abort_reason is not None:
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, flight.abort_reason) from None
             raise
 
 
@@ -284,6 +323,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         trace = self.router.metrics.arrived()
         try:
+            self.router.check_accepting()
             req = self.router.validator.parse(request)
         except ValueError as e:
             self.router.metrics.count("invalid_argument")

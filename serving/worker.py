@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, ClassVar
@@ -42,6 +43,7 @@ class WorkerService:
         self.kv_transfer_bytes_total = 0
         self.kv_transfer_failures_total = 0
         self.num_requests_total = 0  # taken: queued for prefill, or admitted for decode
+        self.is_draining = False  # stopping: new requests are refused, live ones finish
 
     def add_to(self, server: AioServer) -> None:
         """Register this servicer (and its health name) with a server."""
@@ -62,6 +64,28 @@ class WorkerService:
     async def check_ready(self, context) -> None:
         if self.loop is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    async def check_accepting(self, context) -> None:
+        """For calls that start a request: not while loading or draining."""
+        await self.check_ready(context)
+        if self.is_draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this {self.role} worker is draining")
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests that still need this worker (drain waits for none)."""
+        raise NotImplementedError
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait up to `timeout_s` for the live ones to end; how many remain."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.loop is not None and self.num_live_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        remaining = self.num_live_requests if self.loop is not None else 0
+        if remaining:
+            log.warning("drain timeout: %d %s requests still live after %g s", remaining, self.role, timeout_s)
+        return remaining
 
     async def GetInfo(self, request, context):
         await self.check_ready(context)
@@ -94,8 +118,10 @@ class BoundAddresses:
 
 async def serve_worker(service: WorkerService, engine_config: EngineConfig, host: str, port: int,
                        metrics_port: int | None, until: Awaitable,
-                       on_ready: Callable[[BoundAddresses], None] = lambda a: None, grace_s: float = 2.0) -> None:
-    """A worker's whole life, until `until` completes (a signal, or its owner's stop)."""
+                       on_ready: Callable[[BoundAddresses], None] = lambda a: None, drain_timeout_s: float = 30.0,
+                       grace_s: float = 1.0) -> None:
+    """A worker's whole life, until `until` completes (a signal, or its owner's stop); then it
+    drains: NOT_SERVING at once, new requests refused, live ones given `drain_timeout_s`."""
     from pdserve.engine.llm_engine import LLMEngine  # torch: only where a worker runs
 
     server = AioServer(host, port, extra_options=service.server_options())
@@ -117,6 +143,7 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
         on_ready(BoundAddresses(server.address, metrics_address))
         await until
         await server.set_serving(False)
+        await service.drain(drain_timeout_s)
     finally:
         await server.stop(grace=grace_s)
         if metrics is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests run tiny models, often beside server processes on 2 cores: one intra-op thread each
@@ -46,3 +47,20 @@ def text_checkpoint(tmp_path_factory):
     tok = build_tokenizer(path)
     build_checkpoint(path, "llama", vocab_size=tok.get_vocab_size(), eos_token_id=1)
     return path
+
+
+@pytest.fixture(scope="session")
+def serving_model(checkpoint) -> Path:
+    """A tiny random Llama with a tokenizer beside it."""
+    path = Path(checkpoint("llama", seed=3, vocab_size=320))
+    if not (path / "tokenizer.json").is_file():  # eos "</s>" = id 2, as in the checkpoint's config
+        build_tokenizer(path, specials=(("pad_token", "<pad>"), ("bos_token", "<s>"), ("eos_token", "</s>")))
+    return path
+
+
+@pytest.fixture(scope="session")
+def offline(serving_model):
+    """The offline engine on the serving model: what every served request must equal."""
+    from pdserve.engine import LLM
+
+    return LLM(str(serving_model), num_kv_blocks=256)

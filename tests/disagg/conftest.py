@@ -9,29 +9,9 @@ shown when it fails to start. Each serves Prometheus /metrics (`Cluster.metrics`
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from procs import MAX_NUM_SEQS, MAX_PROMPT_CHARS, NUM_KV_BLOCKS, Cluster, wait_ready
-from tinymodels import build_tokenizer
-
-
-@pytest.fixture(scope="session")
-def serving_model(checkpoint) -> Path:
-    """A tiny random Llama with a tokenizer beside it."""
-    path = Path(checkpoint("llama", seed=3, vocab_size=320))
-    if not (path / "tokenizer.json").is_file():  # eos "</s>" = id 2, as in the checkpoint's config
-        build_tokenizer(path, specials=(("pad_token", "<pad>"), ("bos_token", "<s>"), ("eos_token", "</s>")))
-    return path
-
-
-@pytest.fixture(scope="session")
-def offline(serving_model):
-    """The offline engine on the serving model: what every served request must equal."""
-    from pdserve.engine import LLM
-
-    return LLM(str(serving_model), num_kv_blocks=256)
 
 
 @pytest.fixture(scope="session")

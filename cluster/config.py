@@ -1,0 +1,197 @@
+"""`ServeConfig`: what `pdserve serve` runs — the model, the router, and each pool's workers —
+from a YAML file (`deploy/pdserve.yaml` documents every field) with command-line flags on top.
+Every value is validated on load; an error names the field as written in the file
+(`decode.workers must be >= 1, got 0`). Read only by the composition roots (`serve.py`, the
+controller), which hand each component the part it needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_MODEL, DEMO_DRAFT = REPO / "models" / "demo", REPO / "models" / "demo-draft"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """One pool: how many workers, what each may use, and engine options for all of them."""
+
+    workers: int = 1
+    cpus: float = 0.5  # per worker; fractional allowed; torch threads = max(1, floor(cpus))
+    gpus: float = 0.0  # per worker
+    engine: dict = field(default_factory=dict)  # EngineConfig fields (block_size, max_num_seqs, …)
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one worker."""
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+
+    @property
+    def num_threads(self) -> int:
+        return max(1, int(self.cpus))
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int | None = 8000  # OpenAI API and /metrics; None: off
+    rpc_timeout: float = 300.0
+    queue_timeout: float = 30.0
+    max_queued_requests: int = 1024
+    max_prompt_chars: int = 1 << 20
+    max_failovers: int = 3
+    failover_wait: float = 30.0
+    health_interval: float = 1.0
+    drain_timeout: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str = str(DEMO_MODEL)
+    served_model_name: str | None = None  # default: the model directory's name
+    draft_model: str | None = str(DEMO_DRAFT)
+    num_speculative_tokens: int = 4  # the decode pool's k; 0: no speculation
+    speculative_method: str | None = None  # "draft" | "ngram"; default: draft when draft_model is set
+    dtype: str = "auto"
+    router: RouterSection = RouterSection()
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    kv_transfer_timeout: float = 30.0
+    stream_timeout: float = 120.0
+    placement_timeout: float = 60.0  # for the cluster to find the resources of every worker
+    start_timeout: float = 300.0  # for every placed worker to load its model and serve
+    metrics_targets_file: str | None = None  # Prometheus file-SD list of every process (default: beside the Ray logs)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and Path(self.model).is_dir(), "model", self.model,
+               "must be a checkpoint directory")
+        if self.draft_model is not None:
+            _check(isinstance(self.draft_model, str) and Path(self.draft_model).is_dir(), "draft_model",
+                   self.draft_model, "must be a checkpoint directory")
+        _check(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0,
+               "num_speculative_tokens", self.num_speculative_tokens, "must be an integer >= 0")
+        _check(self.speculative_method in (None, "draft", "ngram"), "speculative_method", self.speculative_method,
+               "must be 'draft' or 'ngram'")
+        for name in ("kv_transfer_timeout", "stream_timeout", "placement_timeout", "start_timeout"):
+            _positive(name, getattr(self, name))
+        _check_pool("prefill", self.prefill, minimum=0)
+        _check_pool("decode", self.decode, minimum=1)
+        _check_router(self.router)
+        for role in ("prefill", "decode"):
+            self.engine_config(role)  # every engine option's value, checked before anything starts
+
+    def engine_config(self, role: str):
+        from pdserve.engine.config import EngineConfig
+
+        try:
+            return EngineConfig(**self.engine_options(role))
+        except ValueError as e:
+            raise ValueError(str(e).replace("EngineConfig.", f"{role}.engine.")) from None
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.prefill.workers > 0
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def engine_options(self, role: str) -> dict:
+        """EngineConfig keyword arguments for a worker of `role`."""
+        pool = self.prefill if role == "prefill" else self.decode
+        spec = {"draft_model": self.draft_model, "speculative_method": self.speculative_method}
+        if role == "decode":  # the prefill pool ships the draft's K/V but never speculates
+            spec["num_speculative_tokens"] = self.num_speculative_tokens if self.draft_model or \
+                self.speculative_method == "ngram" else 0
+        return {"model": self.model, "dtype": self.dtype, **spec, **pool.engine}
+
+
+def _check(ok: bool, name: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {why}, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: Any) -> None:
+    _check(_is_number(value) and value > 0, name, value, "must be a number > 0")
+
+
+def _check_pool(name: str, pool: PoolConfig, minimum: int) -> None:
+    _check(isinstance(pool.workers, int) and not isinstance(pool.workers, bool) and pool.workers >= minimum, f"{name}.workers", pool.workers,
+           f"must be an integer >= {minimum}")
+    _positive(f"{name}.cpus", pool.cpus)
+    _check(_is_number(pool.gpus) and pool.gpus >= 0, f"{name}.gpus", pool.gpus, "must be a number >= 0")
+    _check(isinstance(pool.engine, dict), f"{name}.engine", pool.engine, "must be a mapping of engine options")
+    from pdserve.engine.config import EngineConfig  # validates the engine options' names and values
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "draft_model", "tokenizer"}
+    unknown = sorted(set(pool.engine) - known)
+    _check(not unknown, f"{name}.engine", unknown, f"has unknown options (known: {', '.join(sorted(known))})")
+
+
+def _check_router(r: RouterSection) -> None:
+    for name in ("grpc_port", "http_port"):
+        value = getattr(r, name)
+        if value is not None:
+            _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536, f"router.{name}", value, "must be a port (0: any free one)")
+    for name in ("rpc_timeout", "queue_timeout", "failover_wait", "health_interval", "drain_timeout"):
+        _positive(f"router.{name}", getattr(r, name))
+    for name in ("max_queued_requests", "max_failovers", "max_prompt_chars"):
+        _check(isinstance(getattr(r, name), int) and not isinstance(getattr(r, name), bool) and getattr(r, name) >= 0, f"router.{name}", getattr(r, name),
+               "must be an integer >= 0")
+
+
+SECTIONS = {"router": RouterSection, "prefill": PoolConfig, "decode": PoolConfig}
+
+
+def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
+    """The config from a YAML file (or the defaults), then `overrides` (dotted names, e.g.
+    {"decode.workers": 2}; None values are skipped). ValueError names what is wrong."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(path)
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, _, key = dotted.rpartition(".")
+        (raw.setdefault(section, {}) if section else raw)[key] = value
+    return _build(ServeConfig, raw, "")
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ValueError(f"{prefix.rstrip('.')} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown field {prefix}{unknown[0]} (known: {', '.join(fields)})")
+    kwargs = {}
+    for name, value in raw.items():
+        sub = SECTIONS.get(name) if not prefix else None
+        kwargs[name] = _build(sub, value, f"{name}.") if sub is not None else value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: {e}") from None

@@ -1,0 +1,177 @@
+"""`Controller`: the Ray actor that owns the pools — their placement groups and worker actors —
+and the membership list the router follows. Named, so `pdserve scale` finds it in the cluster.
+
+    start ──per pool: a placement group of one bundle per worker (SPREAD over nodes), then the
+        worker actors in it──► each worker registers once it serves ──► membership version n
+    scale ──more: another placement group and actors; fewer: the newest workers leave the
+        membership first (no new traffic), drain, then are killed──► version n + k
+    a worker's process dies ──Ray restarts the actor in its bundle──► it registers again, at a
+        new address (version n + 1)
+
+The workers are owned by this actor and it by the `pdserve serve` driver, so they all end with it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.worker_actor import Member, WorkerActor, WorkerSpec
+
+log = logging.getLogger("pdserve.cluster")
+
+NAME, NAMESPACE = "pdserve-controller", "pdserve"
+
+
+class PlacementFailed(RuntimeError):
+    pass
+
+
+@dataclass(slots=True, eq=False)
+class Placed:
+    worker_id: str
+    role: str
+    actor: object
+    pg: object
+
+
+class Controller:
+    def __init__(self, config: ServeConfig, log_level: str = "warning"):
+        logging.basicConfig(level=getattr(logging, log_level.upper()))
+        self.config, self.log_level = config, log_level
+        self.placed: dict[str, Placed] = {}
+        self.members: dict[str, Member] = {}
+        self.version = 0
+        self._changed: asyncio.Condition | None = None
+        self._numbers = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._self = ray.get_runtime_context().current_actor
+
+    # ---- membership ----------------------------------------------------------------------
+    async def register(self, member: Member) -> None:
+        """A worker serves (first start or restart): it joins, or moves to its new address."""
+        if member.worker_id not in self.placed:  # drained while it was starting
+            return
+        self.members[member.worker_id] = member
+        await self._bump()
+
+    async def watch(self, version: int, timeout_s: float = 10.0) -> tuple[int, list[Member]]:
+        """The membership once its version passes `version` (or after `timeout_s`): long polling."""
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self.version > version), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.version, list(self.members.values())
+
+    async def _bump(self) -> None:
+        cond = self._condition()
+        async with cond:
+            self.version += 1
+            cond.notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:  # created on the actor's event loop
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    # ---- pools ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Place every worker of both pools and wait until each serves. PlacementFailed (saying
+        what is missing) when the cluster cannot place them within the placement timeout."""
+        await self._grow("prefill", self.config.prefill.workers)
+        await self._grow("decode", self.config.decode.workers)
+
+    async def scale(self, prefill: int | None, decode: int | None) -> dict[str, int]:
+        """Absolute worker counts; None leaves a pool as it is. Returns the counts now."""
+        for role, target in (("prefill", prefill), ("decode", decode)):
+            if target is None:
+                continue
+            if target < (1 if role == "decode" else 0):
+                raise ValueError(f"--{role} must be >= {1 if role == 'decode' else 0}, got {target}")
+            if role == "prefill" and (target > 0) != self.config.is_disaggregated:
+                raise ValueError("the prefill pool cannot be started or removed while serving "
+                                 "(colocated and disaggregated routers differ): restart with the new config")
+            current = self.count(role)
+            if target > current:
+                await self._grow(role, target - current)
+            elif target < current:
+                await self._shrink(role, current - target)
+        return {role: self.count(role) for role in ("prefill", "decode")}
+
+    def count(self, role: str) -> int:
+        return sum(1 for p in self.placed.values() if p.role == role)
+
+    async def status(self) -> dict:
+        return {"version": self.version, "members": list(self.members.values()),
+                "placed": {p.worker_id: p.role for p in self.placed.values()}}
+
+    async def pid_of(self, worker_id: str) -> int:
+        return await self.placed[worker_id].actor.pid.remote()
+
+    async def stop(self) -> None:
+        """Drain and stop every worker, then free their placement groups."""
+        await asyncio.gather(*(self._remove(p) for p in list(self.placed.values())))
+
+    async def _grow(self, role: str, n: int) -> None:
+        if n == 0:
+            return
+        pool = self.config.prefill if role == "prefill" else self.config.decode
+        pg = placement_group([pool.bundle()] * n, strategy="SPREAD")
+        try:
+            await asyncio.wait_for(pg.ready(), self.config.placement_timeout)
+        except asyncio.TimeoutError:
+            remove_placement_group(pg)
+            raise PlacementFailed(self._missing(role, n, pool.bundle())) from None
+        new = [self._create(role, pg, i, pool.num_threads) for i in range(n)]
+        try:
+            await asyncio.gather(*(p.actor.ready.remote(self.config.start_timeout) for p in new))
+        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's error: keep its message
+            cause = getattr(e, "cause", e)
+            raise PlacementFailed(f"a {role} worker failed to start: {cause}") from None
+
+    def _create(self, role: str, pg, bundle: int, num_threads: int) -> Placed:
+        worker_id = f"{role}-{next(self._numbers[role])}"
+        c = self.config
+        spec = WorkerSpec(worker_id, role, c.engine_options(role), num_threads, c.kv_transfer_timeout,
+                          c.stream_timeout, c.router.drain_timeout, self.log_level)
+        pool = c.prefill if role == "prefill" else c.decode
+        actor = ray.remote(WorkerActor).options(
+            name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.cpus, num_gpus=pool.gpus,
+            max_restarts=-1, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+        ).remote(spec, self._self)
+        placed = self.placed[worker_id] = Placed(worker_id, role, actor, pg)
+        return placed
+
+    async def _shrink(self, role: str, n: int) -> None:
+        newest = sorted((p for p in self.placed.values() if p.role == role),
+                        key=lambda p: int(p.worker_id.rsplit("-", 1)[1]))[-n:]
+        await asyncio.gather(*(self._remove(p) for p in newest))
+
+    async def _remove(self, p: Placed) -> None:
+        """Out of the membership first (no new traffic), then drain, then gone."""
+        self.members.pop(p.worker_id, None)
+        await self._bump()
+        drain = self.config.router.drain_timeout
+        try:
+            await asyncio.wait_for(p.actor.stop.remote(drain), drain + 10)
+        except Exception as e:  # noqa: BLE001 - it is killed anyway
+            log.warning("worker %s did not stop cleanly: %r", p.worker_id, e)
+        ray.kill(p.actor, no_restart=True)
+        del self.placed[p.worker_id]
+        if not any(q.pg is p.pg for q in self.placed.values()):
+            remove_placement_group(p.pg)
+
+    @staticmethod
+    def _missing(role: str, n: int, bundle: dict[str, float]) -> str:
+        free = ray.available_resources()
+        have = ", ".join(f"{k} {free.get(k, 0):g}" for k in bundle)
+        return (f"cannot place {n} {role} worker{'s' * (n > 1)} of {bundle} each within the placement timeout: "
+                f"the cluster has {have} available (resources: {ray.cluster_resources()})")

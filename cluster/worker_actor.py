@@ -1,0 +1,126 @@
+"""`WorkerActor`: one pool's worker as a Ray actor. It runs exactly what `pdserve prefill-worker`
+and `pdserve decode-worker` run (`serving.worker.serve_worker`), on an asyncio loop in a thread
+of its own, bound to its node's address on a free port, and registers the addresses it bound
+with the controller once it serves. Ray restarts it when its process dies (in its placement
+group bundle, on another node if its node went away); the new incarnation registers again, at
+its new address.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import ray
+
+log = logging.getLogger("pdserve.cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    worker_id: str  # "prefill-0", "decode-3": the pool and a number never reused
+    role: str
+    engine_options: dict  # EngineConfig keyword arguments
+    num_threads: int  # torch intra-op threads: the bundle's CPUs
+    kv_transfer_timeout_s: float
+    stream_timeout_s: float
+    drain_timeout_s: float
+    log_level: str = "warning"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A serving worker, as it registers."""
+
+    worker_id: str
+    role: str
+    address: str  # gRPC
+    metrics_address: str
+    node_id: str
+    pid: int
+    is_restart: bool  # Ray restarted this worker after its process died
+
+
+class WorkerActor:
+    def __init__(self, spec: WorkerSpec, controller):
+        logging.basicConfig(level=getattr(logging, spec.log_level.upper()),
+                            format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+        self.spec, self.controller = spec, controller
+        self.member: Member | None = None
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        ctx = ray.get_runtime_context()
+        self._node_id = ctx.get_node_id()
+        with warnings.catch_warnings():  # Ray warns about its own use of a deprecated call here
+            warnings.simplefilter("ignore")
+            self._is_restart = bool(ctx.was_current_actor_reconstructed)
+        threading.Thread(target=self._run, name=f"pdserve-{spec.worker_id}", daemon=True).start()
+
+    # ---- called through Ray --------------------------------------------------------------
+    def ready(self, timeout_s: float) -> Member:
+        """The registration, once the worker serves; RuntimeError if it failed to start."""
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"worker {self.spec.worker_id} not serving after {timeout_s:g} s")
+        if self.error is not None:
+            raise RuntimeError(f"worker {self.spec.worker_id} failed to start: {self.error}")
+        return self.member
+
+    def stop(self, timeout_s: float) -> None:
+        """Drain (new requests refused, live ones get the drain timeout) and stop serving."""
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._done.wait(timeout_s)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    # ---- the worker's own thread ---------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except Exception as e:  # noqa: BLE001 - reported through `ready`
+            log.exception("worker %s failed", self.spec.worker_id)
+            self.error = repr(e)
+            self._ready.set()
+            if self._is_restart:  # a restart that cannot serve: let Ray try again, not too fast
+                time.sleep(5)
+                os._exit(1)
+        finally:
+            self._done.set()
+
+    async def _serve(self) -> None:
+        import torch
+
+        from pdserve.engine.config import EngineConfig
+        from pdserve.serving.worker import serve_worker
+
+        torch.set_num_threads(self.spec.num_threads)
+        self._stop = asyncio.Event()
+        host = ray.util.get_node_ip_address()
+        await serve_worker(self._service(), EngineConfig(**self.spec.engine_options), host, 0, 0, self._stop.wait(),
+                           self._on_ready, drain_timeout_s=self.spec.drain_timeout_s)
+
+    def _service(self):
+        s = self.spec
+        if s.role == "prefill":
+            from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
+
+            return PrefillWorkerServicer(PrefillServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s))
+        from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
+
+        return DecodeWorkerServicer(DecodeServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
+                                                       stream_timeout_s=s.stream_timeout_s))
+
+    def _on_ready(self, addresses) -> None:
+        self.member = Member(self.spec.worker_id, self.spec.role, addresses.grpc, addresses.metrics or "",
+                             self._node_id, os.getpid(), self._is_restart)
+        self.controller.register.remote(self.member)
+        self._ready.set()

@@ -1,0 +1,160 @@
+"""`pdserve serve` on a real local Ray: it starts, serves what the offline engine computes, keeps
+its Ray private, and stops cleanly. The faults (kill -9, scaling) are in test_failover.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import psutil
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.v1 import generation_pb2 as gen
+from serve_system import serve_config, start_system, stream_all, tokens
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass", "x = [1, 2"]
+
+
+@pytest.fixture(scope="module")
+def system(serving_model, tmp_path_factory):
+    # a RAY_ADDRESS in the environment must not pull the embedded Ray into another cluster
+    s = start_system(tmp_path_factory.mktemp("serve"), "serve", serve_config(serving_model, decode=2),
+                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+    yield s
+    s.stop()
+
+
+def test_serves_what_the_offline_engine_computes(system, offline):
+    requests = [gen.GenerateRequest(prompt=p, sampling_params=gen.SamplingParams(temperature=0, max_tokens=20,
+                                                                                ignore_eos=True)) for p in PROMPTS]
+    got = asyncio.run(stream_all(system.grpc_address, requests))
+    want = offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [tokens(m) for m in got] == [w.token_ids for w in want]
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "ignore_eos": True}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"http://{system.http_address}/v1/completions", body),
+                                timeout=60) as resp:
+        assert json.loads(resp.read())["choices"][0]["text"] == want[0].text
+    with urllib.request.urlopen(f"http://{system.http_address}/ready", timeout=10) as resp:
+        assert resp.status == 200
+
+
+def test_status_lists_every_worker_by_pool(system):
+    workers = system.workers()
+    assert sorted(w["worker_id"] for w in workers) == ["decode-0", "decode-1", "prefill-0"]
+    assert {w["role"] for w in workers} == {"prefill", "decode"}
+    assert all(w["address"].startswith("127.0.0.1:") and w["metrics_address"] for w in workers)
+    targets = json.loads(open(system.proc.addresses["targets"]).read())  # Prometheus file-SD
+    assert {g["labels"]["pdserve_role"] for g in targets} == {"router", "prefill", "decode"}
+    assert sorted(t for g in targets for t in g["targets"] if g["labels"]["pdserve_role"] != "router") == \
+        sorted(w["metrics_address"] for w in workers)
+
+
+def test_ray_list_actors_shows_which_pool_each_actor_is(system):
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "list", "actors", "--format", "json",
+                          "--address", system.proc.addresses["ray"]], env=_ray_env(system), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    names = {a["name"] for a in json.loads(out.stdout) if a["state"] == "ALIVE"}
+    assert {"pdserve-prefill-0", "pdserve-decode-0", "pdserve-decode-1", "pdserve-controller"} <= names
+
+
+def _ray_env(system) -> dict:
+    info = json.loads((system.runtime_dir / "serve.json").read_text())
+    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": info["token"]}
+
+
+def test_embedded_ray_is_private_loopback_only_and_needs_its_token(system):
+    info = json.loads((system.runtime_dir / "serve.json").read_text())
+    assert info["embedded"] and info["address"].startswith("127.0.0.1:")
+    assert oct((system.runtime_dir / "serve.json").stat().st_mode & 0o777) == "0o600"
+    tree = [psutil.Process(system.proc.popen.pid), *psutil.Process(system.proc.popen.pid).children(recursive=True)]
+    listening = {(c.laddr.ip, c.laddr.port) for p in tree for c in _connections(p) if c.status == psutil.CONN_LISTEN}
+    assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1") for ip, _ in listening), listening
+    # a caller without the cluster's token is refused by Ray's own control plane (any GCS method)
+    import grpc
+
+    with grpc.insecure_channel(info["address"]) as channel:
+        call = channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value
+
+
+def _connections(p: psutil.Process):
+    try:
+        return p.net_connections(kind="inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+# ---- configuration -----------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    ({"decode.workers": 0}, "decode.workers must be an integer >= 1, got 0"),
+    ({"prefill.cpus": -1}, "prefill.cpus must be a number > 0, got -1"),
+    ({"prefill.cpus": "a lot"}, "prefill.cpus must be a number > 0"),
+    ({"router.grpc_port": 70000}, "router.grpc_port must be a port"),
+    ({"router.drain_timeout": 0}, "router.drain_timeout must be a number > 0"),
+    ({"decode.engine": {"block_size": 0}}, "decode.engine.block_size must be >= 1"),
+    ({"decode.engine": {"blocksize": 8}}, "decode.engine has unknown options"),
+    ({"model": "/nonexistent"}, "model must be a checkpoint directory"),
+    ({"colour": "blue"}, "unknown field colour"),
+    ({"router.port": 1}, "unknown field router.port"),
+])
+def test_bad_config_names_the_field(serving_model, overrides, message):
+    from pdserve.cluster.config import load
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load(None, {"model": str(serving_model), "draft_model": None, **overrides})
+
+
+def test_config_file_then_flags(serving_model, tmp_path):
+    from pdserve.cluster.config import load
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {serving_model}\ndraft_model: null\ndecode:\n  workers: 3\n  engine:\n    block_size: 8\n")
+    config = load(str(path), {"decode.workers": 2, "router.http_port": 0})
+    assert (config.decode.workers, config.decode.engine, config.router.http_port) == (2, {"block_size": 8}, 0)
+    assert config.engine_config("decode").block_size == 8 and config.is_disaggregated
+    path.write_text("- not a mapping\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load(str(path), {})
+
+
+def test_cli_reports_a_bad_config_and_a_taken_port_in_one_line(serving_model, tmp_path):
+    import socket
+
+    from pdserve.cluster.local import PDSERVE
+
+    out = subprocess.run([PDSERVE, "serve", "--model", str(serving_model), "--decode-workers", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip() == "pdserve: error: decode.workers must be an integer >= 1, got 0"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run([PDSERVE, "serve", "--model", str(serving_model), "--grpc-port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Ray" not in out.stderr
+
+
+def test_a_placement_that_cannot_be_satisfied_fails_saying_what_is_missing(serving_model, tmp_path):
+    config = serve_config(serving_model, decode=1, spec=False, placement_timeout=3)
+    config["decode"]["gpus"] = 1  # there is no GPU here
+    from pdserve.cluster.local import LocalProcess, ProcessFailed
+
+    path = tmp_path / "c.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config))
+    proc = LocalProcess("nogpu", "serve", ["--config", str(path)], tmp_path / "nogpu.log",
+                        env={"PDSERVE_RUNTIME_DIR": str(tmp_path)}).start()
+    with pytest.raises(ProcessFailed):
+        proc.wait_ready(120)
+    assert proc.popen.wait(60) == 2
+    log = proc.log.read_text()
+    assert "cannot place 1 decode worker of {'CPU': 0.5, 'GPU': 1} each" in log and "GPU 0" in log, log[-2000:]
