@@ -14,8 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/pdserve generate --model models/demo --draft-model models/demo-draft --num-speculative-tokens 4 \
-		--no-spec-adaptive --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0.7 --top-p 0.9 --seed 2
+	$(VENV)/bin/pdserve serve
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -x --durations=15  # the console script: the checkout is not on sys.path, the installed pdserve is

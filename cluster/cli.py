@@ -212,7 +212,10 @@ def _scale(args: argparse.Namespace) -> int:
     controller = connect_to_running(args.ray_address)
     import ray
 
-    counts = ray.get(controller.scale.remote(args.prefill, args.decode), timeout=args.timeout)
+    try:
+        counts = ray.get(controller.scale.remote(args.prefill, args.decode), timeout=args.timeout)
+    except ray.exceptions.RayTaskError as e:  # the controller's own error (a bad count, no room): one line
+        raise ValueError(str(e.cause.args[0] if e.cause and e.cause.args else e.cause)) from None
     print(f"pdserve scaled: prefill={counts['prefill']} decode={counts['decode']}", flush=True)
     return 0
 
