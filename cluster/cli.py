@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--queue-timeout", type=float, default=30.0, help="seconds a request may wait for admission")
     rt.add_argument("--max-prompt-chars", type=int, default=1 << 20)
     rt.set_defaults(func=_router)
+
+    from pdserve.loadgen.cli import add_bench_parser  # argparse only; the command imports the rest
+
+    add_bench_parser(sub)
     return parser
 
 
