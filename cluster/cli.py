@@ -156,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--max-prompt-chars", type=int, default=1 << 20)
     rt.set_defaults(func=_router)
 
-    from pdserve.loadgen.cli import add_bench_parser  # argparse only; the command imports the rest
+    from pdserve.loadgen.cli import add_bench_parser, add_plan_parser  # argparse only; commands import the rest
 
     add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -160,3 +160,70 @@ def bench_main(args: argparse.Namespace) -> int:
                                        Path(args.output).with_suffix(".png"), config.slo))
         print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
     return 0
+
+
+def add_plan_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="size the prefill and decode pools from a cost profile, by simulation",
+                       description="For a cost profile (pdserve profile, or assumed figures), traffic and SLOs: "
+                                   "goodput of every P:D shape (and colocated) up to --max-workers.")
+    p.add_argument("--profile", required=True, help="cost profile JSON")
+    p.add_argument("--prompt-len", default="uniform:32,256", help="fixed:N | uniform:LO,HI | lognormal:MEAN,SIGMA[,MAX]")
+    p.add_argument("--output-len", default="uniform:16,128")
+    p.add_argument("--arrival", default="poisson", help="poisson | gamma")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=None, help="seconds")
+    p.add_argument("--request-rate", type=float, default=None, help="target rate: the smallest shape reaching it")
+    p.add_argument("--max-workers", type=int, default=6)
+    p.add_argument("--speculation", default="auto", help="off | on | both | auto (both if the profile has it)")
+    p.add_argument("--no-colocated", action="store_true", help="skip the colocated shapes")
+    p.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
+    p.add_argument("--search-steps", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="FILE.json")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=plan_main)
+    return p
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from pdserve.loadgen.arrivals import ArrivalKind, ArrivalProcess
+    from pdserve.loadgen.costs import CostProfile
+    from pdserve.loadgen.lengths import LengthDistribution
+    from pdserve.loadgen.planner import PlanConfig, plan
+    from pdserve.loadgen.simulator import Traffic
+    from pdserve.loadgen.stats import SLO
+
+    profile = CostProfile.load(args.profile)
+    arrival = _enum(ArrivalKind, args.arrival, "--arrival")
+    ArrivalProcess(1.0, arrival, args.burstiness)
+    traffic = Traffic(_length(LengthDistribution, args.prompt_len, "--prompt-len"),
+                      _length(LengthDistribution, args.output_len, "--output-len"), arrival, args.burstiness)
+    modes = {"off": (False,), "on": (True,), "both": (False, True),
+             "auto": (False, True) if profile.speculation else (False,)}
+    if args.speculation not in modes:
+        raise ValueError(f"--speculation: use one of {', '.join(modes)}, got {args.speculation!r}")
+    config = PlanConfig(SLO(args.slo_ttft, args.slo_tpot), args.max_workers, args.num_requests, args.seed,
+                        args.search_steps, modes[args.speculation], not args.no_colocated)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(config.shapes()), desc="shapes", leave=False)
+    try:
+        result = plan(profile, traffic, config, args.request_rate, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"{profile.model} on {profile.hardware}; prompts {traffic.prompt_len.spec}, outputs "
+          f"{traffic.output_len.spec}, {arrival.value} arrivals; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s")
+    print(result.format_markdown())
+    print("\n".join(result.answer()))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result.to_json(), indent=1))
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0

@@ -38,6 +38,8 @@ class Goodput:
 
     def describe(self) -> str:
         share = f"{self.target:.0%} SLO attainment"
+        if self.rate is None and not self.failing_rate:
+            return f"no goodput: fewer than {self.target:.0%} of requests meet the SLOs even without load"
         if self.rate is None:
             return f"goodput below {self.failing_rate:g} req/s (no rate tried met {share})"
         bound = " (a lower bound: every rate tried met it)" if self.is_lower_bound else ""
