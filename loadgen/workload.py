@@ -116,13 +116,14 @@ class CodeCutter:
         for _ in range(num):
             num_tokens = self.config.prompt_len.sample(rng)
             size = num_tokens if self.tokenizer else max(1, round(num_tokens * self.config.chars_per_token))
-            cut = self._cut(size, rng)
+            cut = self.cut(size, rng)
             prompt = tuple(cut) if self.tokenizer else cut
             out.append(RequestSpec(prompt, self.config.output_len.sample(rng),
                                    len(cut) if self.tokenizer else None))
         return out
 
-    def _cut(self, size: int, rng: random.Random):
+    def cut(self, size: int, rng: random.Random):
+        """`size` tokens (or characters, without a tokenizer) of one file, or of files joined."""
         for _ in range(MAX_PICKS):
             units = self._units(self.files[rng.randrange(len(self.files))])
             if len(units) >= size:
