@@ -4,8 +4,8 @@ cost profile that `pdserve plan` and the simulator run on.
 What it measures, each on the engine the worker in question would run (same dtype, block size,
 budget), timing whole engine steps so scheduling and sampling overheads are in:
 
-- prefill steps (the prefill worker's `prefill_step`, which also fills the draft's cache) over a
-  grid of prompts per step and prompt lengths -> `prefill` (fit);
+- prefill steps (the prefill worker's `prefill_step`) over a grid of prompts per step and prompt
+  lengths -> `prefill` (fit), and with a draft, whose cache it fills too -> `speculation.prefill`;
 - plain decode steps over batch sizes and context lengths -> `decode` (fit);
 - with a draft and k: speculative steps at fixed depth on standard-library code prompts ->
   `speculation.step` (fit) and the acceptance rate; draft-only decode steps against target-only
@@ -84,16 +84,16 @@ def _random_prompt(rng: random.Random, vocab_size: int, n: int) -> list[int]:
     return [rng.randrange(3, vocab_size) for _ in range(n)]
 
 
-def measure_prefill(config: ProfileConfig) -> list[StepPoint]:
+def measure_prefill(config: ProfileConfig, draft: str | None) -> list[StepPoint]:
     """Whole prefill steps of `n` prompts of `length` tokens, as the prefill worker runs them."""
     from pdserve.engine import disagg
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
-    lengths = (16, 128, 512) if config.is_quick else (16, 64, 256, 512, 1024)
-    counts, reps = (1, 4) if config.is_quick else (1, 2, 4), 3 if config.is_quick else 5
-    engine = LLMEngine(EngineConfig(model=config.model, **config.engine_options(draft_model=config.draft_model)))
+    lengths = (16, 96, 384, 768) if config.is_quick else (16, 64, 256, 512, 1024)
+    counts, reps = (1, 3) if config.is_quick else (1, 2, 4), 3 if config.is_quick else 5
+    engine = LLMEngine(EngineConfig(model=config.model, **config.engine_options(draft_model=draft)))
     limit = min(engine.max_model_len - 1, config.max_num_batched_tokens)
     rng, points, ids = random.Random(config.seed), [], iter(range(1 << 30))
     for length in (x for x in lengths if x <= limit):
@@ -250,7 +250,7 @@ def build_profile(config: ProfileConfig, log=print) -> CostProfile:
     transfer = TransferCost(kv_bytes_per_token(config), bandwidth, latency, config.transfer_overlap)
     notes["transfer.kv_bytes_per_token"] = "computed from the model configs (target + draft), K and V, all layers"
     log("prefill steps ...")
-    points = measure_prefill(config)
+    points = measure_prefill(config, None)
     prefill = fit_step_cost(points)
     measurements["prefill"] = [_point_json(p) for p in points]
     notes["prefill"] = f"measured: prefill_step of the prefill worker's engine, {where}; {prefill.describe()}"
@@ -274,6 +274,11 @@ def build_profile(config: ProfileConfig, log=print) -> CostProfile:
 
 def _measure_speculation(config, prompts, plain: DecodeRun, notes, measurements, where, log) -> SpeculationCost:
     k = config.num_speculative_tokens
+    log("prefill steps with the draft ...")
+    points = measure_prefill(config, config.draft_model)
+    prefill = fit_step_cost(points)
+    measurements["prefill_with_draft"] = [_point_json(p) for p in points]
+    notes["speculation.prefill"] = f"measured: prefill_step filling the draft's cache too, {where}; {prefill.describe()}"
     log("speculative steps ...")
     spec = measure_decode(config, config.model, prompts, config.draft_model, k)
     step = fit_step_cost(spec.points, ("fixed_s", "per_seq_s", "per_context_token_s"))
@@ -289,7 +294,7 @@ def _measure_speculation(config, prompts, plain: DecodeRun, notes, measurements,
                                             f"library code at temperature {config.temperature:g}, solved for i.i.d. α")
     notes["speculation.draft_cost_ratio"] = "measured: median of draft-only / target-only plain decode steps, same shapes"
     notes["speculation.verify_cost_ratio"] = "unused: the measured step includes verification"
-    return SpeculationCost(k, alpha, statistics.median(ratios), 1.0, step.cost)
+    return SpeculationCost(k, alpha, statistics.median(ratios), 1.0, step.cost, prefill.cost)
 
 
 def _acceptance_from_tokens_per_step(tokens: float, k: int) -> float:

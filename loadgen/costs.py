@@ -62,6 +62,7 @@ class SpeculationCost:
     draft_cost_ratio: float  # one draft forward / one target decode forward, same batch
     verify_cost_ratio: float = 1.0  # target forward of k + 1 tokens / of 1 token, same batch (derived steps)
     step: StepCost | None = None  # a whole speculative step, measured (per sequence, context as for decode)
+    prefill: StepCost | None = None  # prefill steps that fill the draft's cache too (None: as without a draft)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
@@ -141,7 +142,8 @@ class CostProfile:
         try:
             spec = obj.get("speculation")
             if spec is not None:
-                spec = SpeculationCost(**{**spec, "step": StepCost(**spec["step"]) if spec.get("step") else None})
+                spec = SpeculationCost(**{**spec, **{k: StepCost(**spec[k]) if spec.get(k) else None
+                                                     for k in ("step", "prefill")}})
             return cls(model=obj["model"], hardware=obj["hardware"], prefill=StepCost(**obj["prefill"]),
                        decode=StepCost(**obj["decode"]), transfer=TransferCost(**obj["transfer"]),
                        limits=WorkerLimits(**obj.get("limits", {})), speculation=spec,

@@ -104,8 +104,8 @@ class Decoder:
 
 
 class PrefillWorker:
-    def __init__(self, clock: Clock, profile: CostProfile, on_done: Callable[[SimRequest], None]):
-        self.clock, self.cost, self.limits, self.on_done = clock, profile.prefill, profile.limits, on_done
+    def __init__(self, clock: Clock, profile: CostProfile, cost: StepCost, on_done: Callable[[SimRequest], None]):
+        self.clock, self.cost, self.limits, self.on_done = clock, cost, profile.limits, on_done
         self.jobs: list[SimRequest] = []
         self.queued_tokens = 0
         self.is_busy = False
@@ -210,8 +210,9 @@ class DecodeWorker:
 class ColocatedWorker:
     """Prefill and decode in the same steps: decodes first, then prefill chunks in the budget."""
 
-    def __init__(self, clock: Clock, profile: CostProfile, decoder: Decoder, on_free: Callable[[], None]):
-        self.clock, self.profile, self.limits, self.decoder = clock, profile, profile.limits, decoder
+    def __init__(self, clock: Clock, profile: CostProfile, prefill: StepCost, decoder: Decoder,
+                 on_free: Callable[[], None]):
+        self.clock, self.prefill, self.limits, self.decoder = clock, prefill, profile.limits, decoder
         self.on_free = on_free
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
@@ -242,7 +243,7 @@ class ColocatedWorker:
             return
         seconds = self.decoder.seconds(decodes) if decodes else 0.0
         if chunks:
-            seconds += prefill_seconds(self.profile.prefill, chunks, not decodes, self.clock.now)
+            seconds += prefill_seconds(self.prefill, chunks, not decodes, self.clock.now)
         self.clock.at(self.clock.now + seconds, self._finish, decodes, chunks)
 
     def _finish(self, decodes: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:

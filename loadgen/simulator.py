@@ -86,9 +86,14 @@ class Router:
         if shape.speculate and spec is None:
             raise ValueError("the profile has no speculation costs: cannot simulate speculative decoding")
         decoder = Decoder(profile, spec, random.Random(seed))
-        worker = ColocatedWorker if shape.is_colocated else DecodeWorker
-        self.decode = [worker(clock, profile, decoder, self.admit) for _ in range(shape.num_decode)]
-        self.prefill = [PrefillWorker(clock, profile, self._prefilled) for _ in range(shape.num_prefill)]
+        # with a draft, prefill fills its cache too (on the prefill worker, or as the draft
+        # catches up in a colocated worker's first speculative step)
+        prefill = spec.prefill if spec is not None and spec.prefill is not None else profile.prefill
+        if shape.is_colocated:
+            self.decode = [ColocatedWorker(clock, profile, prefill, decoder, self.admit) for _ in range(shape.num_decode)]
+        else:
+            self.decode = [DecodeWorker(clock, profile, decoder, self.admit) for _ in range(shape.num_decode)]
+        self.prefill = [PrefillWorker(clock, profile, prefill, self._prefilled) for _ in range(shape.num_prefill)]
         self.queue: deque[SimRequest] = deque()
 
     def arrive(self, req: SimRequest) -> None:
@@ -134,3 +139,15 @@ def simulate(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: i
             req.record.status, req.record.error = "RESOURCE_EXHAUSTED", "never fit on any worker"
             req.record.end_s = req.arrival_s
     return SimResult([r.record for r in requests], requests)
+
+
+def bench_inputs(config, rate: float) -> list[SimInput]:
+    """The exact traffic `pdserve bench` sends at `rate` for a `BenchConfig` (same arrival times,
+    same lengths), for predicting a measured run. Needs prompts of known length (token ids)."""
+    from pdserve.loadgen.workload import build_workload
+
+    times = config.process(rate).times(config.num_requests, config.seed, config.duration_s)
+    specs = build_workload(config.workload, len(times), config.seed)
+    if any(s.num_prompt_tokens is None for s in specs):
+        raise ValueError("simulating a bench run needs prompts of known length: token ids, or a tokenizer")
+    return [SimInput(t, s.num_prompt_tokens, s.max_tokens) for t, s in zip(times, specs)]

@@ -25,6 +25,7 @@ def test_profile_writes_a_cost_profile_pinned_as_asked(checkpoint, tmp_path):
     assert p.transfer.bandwidth_bytes_per_s > 0 and p.limits.max_num_seqs == 8
     spec = p.speculation
     assert spec.num_speculative_tokens == 2 and spec.step is not None and spec.draft_cost_ratio > 0
+    assert spec.prefill is not None and "prefill_with_draft" in p.measurements
     assert spec.acceptance_rate > 0.9  # the model drafting for itself, greedy: every draft accepted
     assert f"cpus [{cpu}], 1 torch thread(s)" in p.notes["decode"] and "measured" in p.notes["transfer"]
     assert {"prefill", "decode", "speculative", "draft"} <= set(p.measurements)

@@ -82,3 +82,20 @@ def test_plan_command_answers_and_refuses_bad_input(tmp_path):
                           (["--profile", str(path), "--slo-ttft", "1", "--output-len", "pareto:1"], "--output-len")):
         bad = subprocess.run([PDSERVE, "plan", "--quiet", *args], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_bench_inputs_are_the_traffic_bench_sends():
+    from pdserve.loadgen.bench import BenchConfig
+    from pdserve.loadgen.simulator import bench_inputs
+    from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind, build_workload
+
+    workload = WorkloadConfig(WorkloadKind.RANDOM, LengthDistribution.parse("uniform:5,50"),
+                              LengthDistribution.parse("uniform:2,9"))
+    cfg = BenchConfig(target="127.0.0.1:1", workload=workload, rates=(3.0,), num_requests=25, seed=7)
+    inputs = bench_inputs(cfg, 3.0)
+    specs = build_workload(workload, 25, 7)
+    assert [x.arrival_s for x in inputs] == cfg.process(3.0).times(25, 7)
+    assert [(x.prompt_len, x.output_len) for x in inputs] == [(len(s.prompt), s.max_tokens) for s in specs]
+    text = BenchConfig(target="127.0.0.1:1", rates=(3.0,), num_requests=5)  # code cuts without a tokenizer
+    with pytest.raises(ValueError, match="known length"):
+        bench_inputs(text, 3.0)
