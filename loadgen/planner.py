@@ -13,7 +13,7 @@ with a target rate, the answer is the smallest shape whose goodput reaches it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from pdserve.loadgen.costs import CostProfile
 from pdserve.loadgen.goodput import DEFAULT_TARGET, Bisection, Goodput, GoodputMethod
@@ -56,12 +56,22 @@ class PlanConfig:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Unloaded:
+    """Mean latencies of requests that never meet (a tiny rate), and their SLO attainment."""
+
+    ttft_s: float
+    tpot_s: float | None
+    e2e_s: float
+    attainment: float
+
+
 @dataclass(slots=True)
 class PlanRow:
     shape: Shape
     goodput: Goodput
     points: list[tuple[float, float]]  # (rate, attainment) simulated
-    unloaded: dict  # latencies at a rate too low for requests to meet
+    unloaded: Unloaded
 
     @property
     def rate(self) -> float:
@@ -92,21 +102,20 @@ class GoodputSearch:
             self.cache[rate] = attainment(records[int(len(records) * c.warmup_fraction):], c.slo)
         return self.cache[rate]
 
-    def unloaded(self) -> tuple[dict, float]:
+    def unloaded(self) -> tuple[Unloaded, float]:
         """Latencies of requests that never meet (a tiny rate), and a first guess at capacity."""
         c = self.config
         rate = 1e-6
         result = simulate(self.profile, self.shape, self.traffic.inputs(rate, 50, c.seed), c.seed)
         s = summarize(result.records, rate, c.slo)
-        unloaded = {"ttft_s": s.ttft.mean, "tpot_s": s.tpot.mean if s.tpot else None, "e2e_s": s.e2e.mean,
-                    "attainment": s.slo_attainment}
+        unloaded = Unloaded(s.ttft.mean, s.tpot.mean if s.tpot else None, s.e2e.mean, s.slo_attainment)
         return unloaded, self.shape.num_decode / max(s.e2e.mean, 1e-9)
 
     def run(self) -> PlanRow:
         unloaded, guess = self.unloaded()
         slo_ttft = self.config.slo.ttft_s or 0.0
-        self.min_duration_s = self.config.min_duration_factor * max(slo_ttft, unloaded["e2e_s"])
-        if unloaded["attainment"] < self.config.target:  # the SLO is out of reach even alone
+        self.min_duration_s = self.config.min_duration_factor * max(slo_ttft, unloaded.e2e_s)
+        if unloaded.attainment < self.config.target:  # the SLO is out of reach even alone
             return PlanRow(self.shape, Goodput(None, GoodputMethod.BISECTION, None, 0.0), [], unloaded)
         low, high = self._bracket(guess)
         if high is None or low is None:
@@ -166,8 +175,8 @@ class Plan:
         rows = ["| shape | workers | goodput (req/s) | per worker | unloaded TTFT / TPOT (ms) | how found |",
                 "|---|---|---|---|---|---|"]
         for r in sorted(self.rows, key=lambda r: -r.per_worker):
-            tpot = r.unloaded.get("tpot_s")
-            unloaded = f"{r.unloaded['ttft_s'] * 1e3:.1f} / {'-' if tpot is None else f'{tpot * 1e3:.1f}'}"
+            tpot = r.unloaded.tpot_s
+            unloaded = f"{r.unloaded.ttft_s * 1e3:.1f} / {'-' if tpot is None else f'{tpot * 1e3:.1f}'}"
             rows.append(f"| {r.shape.label} | {r.shape.num_workers} | {r.rate:.3g} | {r.per_worker:.3g} | "
                         f"{unloaded} | {r.goodput.describe()} |")
         return "\n".join(rows)
@@ -182,7 +191,7 @@ class Plan:
                 "answer": self.answer(),
                 "rows": [{"shape": r.shape.label, "num_prefill": r.shape.num_prefill, "num_decode": r.shape.num_decode,
                           "speculate": r.shape.speculate, "goodput": r.goodput.to_json(),
-                          "goodput_per_worker": r.per_worker, "unloaded": r.unloaded,
+                          "goodput_per_worker": r.per_worker, "unloaded": asdict(r.unloaded),
                           "points": [[rate, att] for rate, att in r.points]} for r in self.rows]}
 
 

@@ -11,31 +11,30 @@ colocated step's token budget, then prefill chunks in arrival order (the engine'
 """
 from __future__ import annotations
 
+import heapq
 import random
 from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.loadgen.costs import CostProfile, SpeculationCost, StepCost, chunk_attention
+from pdserve.loadgen.records import RequestRecord
 
 
 class Clock:
     """A discrete-event loop: callbacks run in time order (ties in the order scheduled)."""
 
     def __init__(self):
-        import heapq
-
-        self._heapq = heapq
         self.now = 0.0
         self._events: list = []
         self._num_scheduled = 0
 
     def at(self, t: float, fn: Callable, *args) -> None:
         self._num_scheduled += 1
-        self._heapq.heappush(self._events, (t, self._num_scheduled, fn, args))
+        heapq.heappush(self._events, (t, self._num_scheduled, fn, args))
 
     def run(self) -> None:
         while self._events:
-            self.now, _, fn, args = self._heapq.heappop(self._events)
+            self.now, _, fn, args = heapq.heappop(self._events)
             fn(*args)
 
 
@@ -47,13 +46,13 @@ class SimRequest:
     arrival_s: float
     prompt_len: int
     output_len: int
-    record: object  # a RequestRecord
+    record: RequestRecord
     admitted_s: float | None = None
     prefill_start_s: float | None = None
     prefill_end_s: float | None = None
     num_computed: int = 0  # prompt tokens prefilled
     num_generated: int = 0
-    decode_worker: object = None
+    decode_worker: "DecodeWorker | None" = None
 
     @property
     def kv_tokens(self) -> int:
