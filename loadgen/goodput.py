@@ -30,6 +30,7 @@ class Goodput:
     passing_rate: float | None  # the highest rate measured to pass
     failing_rate: float | None  # the lowest rate measured to fail above it; None: all passed
     target: float = DEFAULT_TARGET
+    num_passing_above: int = 0  # swept rates above the failing one that passed anyway (noise?)
 
     @property
     def is_lower_bound(self) -> bool:
@@ -38,17 +39,20 @@ class Goodput:
 
     def describe(self) -> str:
         share = f"{self.target:.0%} SLO attainment"
+        noisy = (f"; {self.num_passing_above} higher swept rate(s) passed anyway: attainment is not monotone "
+                 f"here (noise? more requests or --warmup)") if self.num_passing_above else ""
         if self.rate is None and not self.failing_rate:
             return f"no goodput: fewer than {self.target:.0%} of requests meet the SLOs even without load"
         if self.rate is None:
-            return f"goodput below {self.failing_rate:g} req/s (no rate tried met {share})"
+            return f"goodput below {self.failing_rate:g} req/s (the lowest rate tried missed {share}){noisy}"
         bound = " (a lower bound: every rate tried met it)" if self.is_lower_bound else ""
         bracket = f", failing at {self.failing_rate:g} req/s" if self.failing_rate is not None else ""
-        return f"goodput {self.rate:.3g} req/s by {self.method.value}{bracket}{bound}"
+        return f"goodput {self.rate:.3g} req/s by {self.method.value}{bracket}{bound}{noisy}"
 
     def to_json(self) -> dict:
         return {"rate": self.rate, "method": self.method.value, "passing_rate": self.passing_rate,
                 "failing_rate": self.failing_rate, "target": self.target, "is_lower_bound": self.is_lower_bound,
+                "num_passing_above": self.num_passing_above,
                 "description": self.describe()}
 
 
@@ -68,17 +72,18 @@ def from_sweep(points: list[tuple[float, float]], target: float = DEFAULT_TARGET
         if att < target:
             break
         best = i
+    above = sum(a >= target for _, a in pts[(best if best is not None else -1) + 2:])
     if best is None:
-        swept = Goodput(None, GoodputMethod.SWEPT, None, pts[0][0], target)
-        return swept, Goodput(None, GoodputMethod.INTERPOLATED, None, pts[0][0], target)
+        swept = Goodput(None, GoodputMethod.SWEPT, None, pts[0][0], target, above)
+        return swept, Goodput(None, GoodputMethod.INTERPOLATED, None, pts[0][0], target, above)
     rate, att = pts[best]
     failing = pts[best + 1] if best + 1 < len(pts) else None
-    swept = Goodput(rate, GoodputMethod.SWEPT, rate, failing and failing[0], target)
+    swept = Goodput(rate, GoodputMethod.SWEPT, rate, failing and failing[0], target, above)
     if failing is None:
         return swept, Goodput(rate, GoodputMethod.INTERPOLATED, rate, None, target)
     (r1, a1), (r2, a2) = (rate, att), failing
     crossing = r1 + (a1 - target) / (a1 - a2) * (r2 - r1)
-    return swept, Goodput(crossing, GoodputMethod.INTERPOLATED, r1, r2, target)
+    return swept, Goodput(crossing, GoodputMethod.INTERPOLATED, r1, r2, target, above)
 
 
 class Bisection:

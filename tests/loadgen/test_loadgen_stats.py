@@ -88,6 +88,9 @@ def test_goodput_from_a_sweep_best_swept_and_interpolated():
     assert everything.rate == 2.0 and everything.is_lower_bound
     nothing, _ = from_sweep([(1.0, 0.5), (2.0, 0.95)])
     assert nothing.rate is None and nothing.failing_rate == 1.0 and "below 1" in nothing.describe()
+    assert nothing.num_passing_above == 1 and "not monotone" in nothing.describe()
+    wobbly, _ = from_sweep([(1.0, 1.0), (2.0, 0.8), (3.0, 0.5), (4.0, 0.95)])
+    assert (wobbly.rate, wobbly.failing_rate, wobbly.num_passing_above) == (1.0, 2.0, 1)
 
 
 def test_goodput_by_bisection():
