@@ -71,7 +71,14 @@ class BenchConfig:
             raise ValueError("a goodput search needs an SLO (--slo-ttft and/or --slo-tpot)")
         if self.search is not None:
             Bisection(self.search.low, self.search.high, self.search.steps)  # validates
-        ArrivalProcess(1.0, self.arrival, self.burstiness).times(self.num_requests, 0, self.duration_s)
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("give --num-requests or --duration (or both)")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError(f"--duration must be > 0 seconds, got {self.duration_s}")
+        if self.num_requests is None and any(math.isinf(r) for r in self.rates):
+            raise ValueError("an infinite --request-rate needs --num-requests")
 
     def process(self, rate: float) -> ArrivalProcess:
         return ArrivalProcess(rate, self.arrival, self.burstiness)
