@@ -52,3 +52,18 @@ def test_rate_lists_and_ranges():
     for bad in ("3:1:1", "1:4:x1", "1:2", "a,b"):
         with pytest.raises(ValueError):
             parse_rates(bad)
+
+
+def test_importing_the_load_generator_loads_no_heavy_dependency():
+    """matplotlib, numpy, aiohttp, tqdm and tokenizers are imported only where they are used."""
+    code = """
+import importlib, pkgutil, sys
+import pdserve.loadgen, pdserve.client
+for pkg in (pdserve.loadgen, pdserve.client):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(m.name)
+heavy = [m for m in ("torch", "matplotlib", "numpy", "aiohttp", "tqdm", "tokenizers") if m in sys.modules]
+assert not heavy, heavy
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
