@@ -1,5 +1,5 @@
-"""Arguments of `pdserve bench` and what running it means. `cluster/cli.py` registers the
-subcommand; this module imports only argparse until the command runs.
+"""Arguments of `pdserve bench` and `pdserve plan`, and what running them means. `cluster/cli.py`
+registers the subcommands; this module imports only argparse until a command runs.
 
 Bad input (an unknown distribution, a negative rate, an unreachable target) raises ValueError
 with one line that names the flag; the `pdserve` entry point prints it and exits 2.
