@@ -244,6 +244,34 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from pdserve.cluster.profile import profile_main
+
+    return profile_main(args)
+
+
+def _add_profile_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure step costs on a model (and draft): the cost profile for pdserve plan")
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=0, help="k, for speculative steps at fixed depth")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (as the workers will run)")
+    p.add_argument("--cpus", default=None, help="pin to these cores first, taskset's form: 0 or 0,2 or 0-3")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0, help="of the speculative steps (acceptance depends on it)")
+    p.add_argument("--transfer-bandwidth", type=float, default=None, help="bytes/s (default: measure loopback gRPC)")
+    p.add_argument("--transfer-overlap", type=float, default=0.0, help="share of the KV transfer hidden by compute")
+    p.add_argument("--request-overhead", type=float, default=0.0, help="seconds from router arrival to the workers")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (a minute or so)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    p.set_defaults(func=_profile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.set_defaults(func=_router)
     _add_serve_parser(sub)
     _add_scale_parser(sub)
+    from pdserve.loadgen.cli import add_bench_parser, add_plan_parser  # argparse only; commands import the rest
+
+    add_bench_parser(sub)
+    add_plan_parser(sub)
+    _add_profile_parser(sub)
     return parser
 
 

@@ -1,0 +1,247 @@
+"""The planner's simulator against the real system: predicted vs measured latencies and goodput
+for a few configurations of the demo pair on this machine.
+
+    python benchmarks/planner_validation.py [--quick] [--profile FILE] [--repeats 3]
+
+1. Profile: `pdserve profile` on the demo pair pinned to core 0 with one torch thread (or a
+   given --profile), as the workers below run.
+2. Three systems at once, workers single-threaded and pinned one per core: 1P:1D, 1P:1D with
+   speculation (k = 4, fixed depth), and 2 colocated decode workers.
+3. The router's own overhead (arrival to the workers starting) is not in the profile: it is
+   calibrated once, as measured unloaded TTFT minus simulated unloaded TTFT on 1P:1D
+   (--no-calibrate to leave it at the profile's value). Everything loaded is predicted.
+4. For each configuration: SLOs at 3x its measured unloaded TTFT and 2x its TPOT (p90s); the
+   simulator's goodput on the exact traffic bench sends (same arrival times and lengths);
+   measured latencies at fractions of that rate beside the simulator's for the same requests
+   (median and p99 TTFT and TPOT); measured goodput by bisection around the prediction.
+   Measured figures are min / median / max over interleaved repeats. Goal: medians and goodput
+   within 15%.
+
+Writes benchmarks/results/planner_validation.json and .png and prints Markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from launcher import PDSERVE, Launcher
+
+from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench
+from pdserve.loadgen.costs import CostProfile
+from pdserve.loadgen.goodput import Bisection
+from pdserve.loadgen.lengths import LengthDistribution
+from pdserve.loadgen.simulator import Shape, bench_inputs, simulate
+from pdserve.loadgen.stats import SLO, summarize
+from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MODEL, DRAFT = str(REPO / "models" / "demo"), str(REPO / "models" / "demo-draft")
+NUM_KV_BLOCKS, MAX_NUM_SEQS = 1024, 32
+WORKER = ["--model", MODEL, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS)]
+SPEC = ["--draft-model", DRAFT, "--num-speculative-tokens", "4", "--no-spec-adaptive"]
+CONFIGS = {"1P:1D": Shape(1, 1), "1P:1D +spec": Shape(1, 1, True), "2 colocated": Shape(0, 2)}
+
+
+def workload() -> WorkloadConfig:
+    return WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse("lognormal:256,0.6,1024"),
+                          LengthDistribution.parse("uniform:16,64"), tokenizer=MODEL)
+
+
+def start(run: Launcher, name: str, shape: Shape) -> str:
+    tag = name.replace(" ", "_").replace(":", "").replace("+", "")
+    spec = SPEC if shape.speculate else []
+    if shape.is_colocated:
+        decode, prefill = [run.worker("decode-worker", f"{tag}-D{c}", WORKER + spec, [c]) for c in (0, 1)], []
+    else:
+        prefill = [run.worker("prefill-worker", f"{tag}-P", WORKER + (["--draft-model", DRAFT] if shape.speculate
+                                                                       else []), [0])]
+        decode = [run.worker("decode-worker", f"{tag}-D", WORKER + spec, [1])]
+    return run.router(f"{tag}-R", MODEL, prefill, decode, extra=["--queue-timeout", "120"]).address
+
+
+def get_profile(args) -> CostProfile:
+    path = Path(args.profile) if args.profile else Path(args.out).with_name("planner_validation_profile.json")
+    if not args.profile:
+        cmd = [PDSERVE, "profile", "--model", MODEL, "--draft-model", DRAFT, "--num-speculative-tokens", "4",
+               "--cpus", "0", "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--output", str(path)]
+        subprocess.run(cmd + (["--quick"] if args.quick else []), check=True, stdout=subprocess.DEVNULL)
+    profile = CostProfile.load(path)
+    limits = dataclasses.replace(profile.limits, kv_capacity_tokens=NUM_KV_BLOCKS * 16, max_num_seqs=MAX_NUM_SEQS)
+    return dataclasses.replace(profile, limits=limits)
+
+
+def bench(address: str, rates=(), **kw) -> list:
+    cfg = BenchConfig(target=address, workload=workload(), rates=tuple(rates), **kw)
+    return run_bench(cfg, progress=False)
+
+
+def predict(profile: CostProfile, shape: Shape, cfg: BenchConfig, rate: float):
+    return summarize(simulate(profile, shape, bench_inputs(cfg, rate), cfg.seed).records, rate, cfg.slo)
+
+
+def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float, steps: int):
+    search = Bisection(low, high, steps)
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, predict(profile, shape, cfg, rate).slo_attainment)
+    return search.result()
+
+
+def calibrate(profile: CostProfile, address: str, num: int) -> tuple[CostProfile, dict]:
+    cfg = BenchConfig(target=address, workload=workload(), rates=(float("inf"),), num_requests=num,
+                      max_concurrency=1, num_warmup=2, seed=100)
+    (measured,) = run_bench(cfg, progress=False).summaries()
+    predicted = predict(profile, CONFIGS["1P:1D"], dataclasses.replace(cfg, rates=(0.01,)), 0.01)
+    overhead = max(0.0, measured.ttft.p50 - predicted.ttft.p50)
+    return dataclasses.replace(profile, request_overhead_s=profile.request_overhead_s + overhead), {
+        "measured_unloaded_ttft_s": measured.ttft.p50, "simulated_unloaded_ttft_s": predicted.ttft.p50,
+        "request_overhead_s": overhead}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="quick profile, one repeat, few requests")
+    p.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=80)
+    p.add_argument("--load-fractions", default="0.5,0.8", help="of the predicted goodput, for the latency rows")
+    p.add_argument("--search-steps", type=int, default=3)
+    p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--out", default=str(RESULTS / "planner_validation"))
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.num_requests, args.load_fractions, args.search_steps = 1, 12, "0.6", 1
+    profile = get_profile(args)
+    with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
+        addresses = {name: start(run, name, shape) for name, shape in CONFIGS.items()}
+        run.wait_ready()
+        calibration = None
+        if not args.no_calibrate:
+            profile, calibration = calibrate(profile, addresses["1P:1D"], 4 if args.quick else 10)
+        result = validate(profile, addresses, args)
+    result.update(calibration=calibration, profile=profile.to_json(), config=vars(args))
+    report(result, args)
+
+
+def validate(profile: CostProfile, addresses: dict, args) -> dict:
+    fractions = [float(x) for x in args.load_fractions.split(",")]
+    plans = {}
+    for name, shape in CONFIGS.items():  # SLOs, predicted goodput and the rates to measure at
+        plans[name] = plan_config(profile, shape, addresses[name], fractions, args)
+    rows, goodputs = {n: [] for n in CONFIGS}, {n: [] for n in CONFIGS}
+    for r in range(args.repeats):
+        for name in list(CONFIGS)[r % 3:] + list(CONFIGS)[:r % 3]:
+            plan, cfg = plans[name], plans[name]["cfg"]
+            measured = run_bench(dataclasses.replace(cfg, rates=tuple(plan["rates"]), seed=r), progress=False)
+            rows[name].append([s.to_json() for s in measured.summaries()])
+            search = run_bench(dataclasses.replace(cfg, rates=(), search=RateSearch(*plan["search"], args.search_steps),
+                                                   seed=r), progress=False)
+            goodputs[name].append(search.goodput["bisection"].rate or 0.0)
+        print(f"repeat {r + 1}/{args.repeats} done", flush=True)
+    out = {"configs": {}}
+    for name, shape in CONFIGS.items():
+        plan = plans[name]
+        predicted = [predict(profile, shape, dataclasses.replace(plan["cfg"], seed=0), rate).to_json()
+                     for rate in plan["rates"]]
+        out["configs"][name] = {"slo": dataclasses.asdict(plan["slo"]), "rates": plan["rates"],
+                                "predicted": predicted, "measured": rows[name],
+                                "predicted_goodput": plan["predicted_goodput"], "measured_goodput": goodputs[name]}
+    return out
+
+
+def plan_config(profile: CostProfile, shape: Shape, address: str, fractions: list[float], args) -> dict:
+    """SLOs from this configuration's unloaded p90s (the prompt lengths have a long tail), the
+    simulator's goodput for them, and the rates at which to compare latencies."""
+    unloaded = bench(address, (float("inf"),), num_requests=6 if args.quick else 16, max_concurrency=1,
+                     num_warmup=1, seed=100).summaries()[0]
+    slo = SLO(3 * unloaded.ttft.p90, 2 * unloaded.tpot.p90)
+    cfg = BenchConfig(target=address, workload=workload(), rates=(1.0,), num_requests=args.num_requests,
+                      slo=slo, num_warmup=1)
+    base = 1 / unloaded.e2e.p50  # about one request in flight
+    g = predicted_goodput(profile, shape, cfg, 0.1 * base, 20 * base, 8).rate
+    search = (0.5 * g, 1.5 * g) if g else (0.25 * base, 12 * base)
+    return {"slo": slo, "cfg": cfg, "predicted_goodput": g, "rates": [f * (g or base) for f in fractions],
+            "search": search, "unloaded": unloaded.to_json()}
+
+
+def _spread(xs: list[float]) -> tuple[float, float, float]:
+    return min(xs), statistics.median(xs), max(xs)
+
+
+def _err(pred: float, meas: float) -> str:
+    return f"{100 * (pred - meas) / meas:+.0f}%" if meas else "n/a"
+
+
+def report(result: dict, args) -> None:
+    cmd = "python benchmarks/planner_validation.py" + (" --quick" if args.quick else f" --repeats {args.repeats}")
+    print(f"\n`{cmd}`: predicted by the simulator from the profile / measured with pdserve bench "
+          f"(median over repeats; error = (predicted - measured) / measured)\n")
+    print("| config | rate (req/s) | TTFT p50 (ms) pred / meas | err | TPOT p50 (ms) pred / meas | err | "
+          "TTFT p99 pred / meas | TPOT p99 pred / meas |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, c in result["configs"].items():
+        for i, rate in enumerate(c["rates"]):
+            pred = c["predicted"][i]
+            m = {(k, q): statistics.median(rep[i][k][q] for rep in c["measured"])
+                 for k in ("ttft", "tpot") for q in ("p50", "p99")}
+            print(f"| {name} | {rate:.2f} | {pred['ttft']['p50'] * 1e3:.1f} / {m['ttft', 'p50'] * 1e3:.1f} | "
+                  f"{_err(pred['ttft']['p50'], m['ttft', 'p50'])} | {pred['tpot']['p50'] * 1e3:.1f} / "
+                  f"{m['tpot', 'p50'] * 1e3:.1f} | {_err(pred['tpot']['p50'], m['tpot', 'p50'])} | "
+                  f"{pred['ttft']['p99'] * 1e3:.0f} / {m['ttft', 'p99'] * 1e3:.0f} | "
+                  f"{pred['tpot']['p99'] * 1e3:.1f} / {m['tpot', 'p99'] * 1e3:.1f} |")
+    print("\n| config | SLO TTFT / TPOT (ms) | goodput predicted | measured median (min–max) | err |")
+    print("|---|---|---|---|---|")
+    for name, c in result["configs"].items():
+        lo, med, hi = _spread(c["measured_goodput"])
+        pred = c["predicted_goodput"] or 0.0
+        print(f"| {name} | {c['slo']['ttft_s'] * 1e3:.0f} / {c['slo']['tpot_s'] * 1e3:.0f} | {pred:.2f} | "
+              f"{med:.2f} ({lo:.2f}–{hi:.2f}) | {_err(pred, med)} |")
+    if result.get("calibration"):
+        cal = result["calibration"]
+        print(f"\nrequest overhead calibrated on unloaded 1P:1D requests: {cal['request_overhead_s'] * 1e3:.1f} ms "
+              f"(measured TTFT {cal['measured_unloaded_ttft_s'] * 1e3:.1f} ms, simulated "
+              f"{cal['simulated_unloaded_ttft_s'] * 1e3:.1f} ms)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, (name, c) in enumerate(result["configs"].items()):
+        for ax, key in zip(axes[:2], ("ttft", "tpot")):
+            for j, rate in enumerate(c["rates"]):
+                meas = [rep[j][key]["p50"] * 1e3 for rep in c["measured"]]
+                ax.scatter([c["predicted"][j][key]["p50"] * 1e3] * len(meas), meas, color=f"C{i}",
+                           label=name if j == 0 else None)
+        axes[2].scatter([c["predicted_goodput"] or 0] * len(c["measured_goodput"]), c["measured_goodput"],
+                        color=f"C{i}", label=name)
+    for ax, what in zip(axes, ("median TTFT (ms)", "median TPOT (ms)", "goodput (req/s)")):
+        lo, hi = ax.get_xlim()
+        top = max(hi, ax.get_ylim()[1])
+        ax.plot([0, top], [0, top], color="grey", lw=0.8)
+        ax.fill_between([0, top], [0, 0.85 * top], [0, 1.15 * top], color="grey", alpha=0.1)
+        ax.set_xlabel(f"predicted {what}")
+        ax.set_ylabel(f"measured {what}")
+        ax.legend(fontsize=8)
+    fig.suptitle("planner validation: simulator vs pdserve bench (band: ±15%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
