@@ -68,6 +68,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}  # req_id -> sequence
+        # prefix cache, in tokens, over admissions (vLLM's prefix_cache_queries / _hits)
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -123,6 +126,9 @@ class Scheduler:
             if not bm.allocate(seq, num_cached + num_new, prefix):
                 break
             self.waiting.popleft()
+            if not seq.num_preemptions:  # a first admission, not a recompute
+                self.num_prefix_queried_tokens += seq.num_tokens
+                self.num_prefix_hit_tokens += num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))

@@ -104,6 +104,8 @@ class WorkerService:
             num_queued_prompt_tokens=sched.num_uncomputed_tokens,
             kv_transfer_bytes_total=self.kv_transfer_bytes_total,
             kv_transfer_failures_total=self.kv_transfer_failures_total, num_requests_total=self.num_requests_total,
+            prefix_cache_queries_total=sched.num_prefix_queried_tokens,
+            prefix_cache_hits_total=sched.num_prefix_hit_tokens,
             max_num_seqs=sched.config.max_num_seqs, **self.extra_stats())
 
     def extra_stats(self) -> dict:

@@ -25,6 +25,8 @@ from pdserve.v1 import generation_pb2 as gen
 @dataclass
 class InProcessSystem:
     model: Path
+    num_prefill: int = 1
+    num_decode: int = 1
     num_kv_blocks: int = 64
     max_queued_requests: int = 16
     queue_timeout_s: float = 10.0
@@ -36,12 +38,16 @@ class InProcessSystem:
 
     async def __aenter__(self) -> InProcessSystem:
         engine_config = EngineConfig(model=str(self.model), num_kv_blocks=self.num_kv_blocks, max_num_seqs=8)
-        self.prefill = PrefillWorkerServicer(PrefillServerConfig(self.kv_transfer_timeout_s),
-                                             self.transport or self.inproc)
-        self.decode = DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30))
-        addresses = [await self._start(s, engine_config) for s in (self.prefill, self.decode)]
-        self.inproc.register(addresses[1], self.decode)
-        pool = WorkerPool.static([addresses[0]], [addresses[1]])
+        self.prefills = [PrefillWorkerServicer(PrefillServerConfig(self.kv_transfer_timeout_s),
+                                               self.transport or self.inproc) for _ in range(self.num_prefill)]
+        self.decodes = [DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30))
+                        for _ in range(self.num_decode)]
+        prefill_addresses = [await self._start(s, engine_config) for s in self.prefills]
+        decode_addresses = [await self._start(s, engine_config) for s in self.decodes]
+        for address, service in zip(decode_addresses, self.decodes):
+            self.inproc.register(address, service)
+        self.prefill, self.decode = self.prefills[0], self.decodes[0]
+        pool = WorkerPool.static(prefill_addresses, decode_addresses)
         await pool.connect(30)
         tokenizer = Tokenizer.from_dir(str(self.model))
         self.router = Router(pool, Validator(tokenizer, 10000, pool.limits), tokenizer,
@@ -65,7 +71,7 @@ class InProcessSystem:
     async def __aexit__(self, *exc) -> None:
         for server in self.servers:
             await server.stop(grace=0.5)
-        for service in (self.prefill, self.decode):
+        for service in (*self.prefills, *self.decodes):
             service.loop.stop()
         await self.prefill.transport.close()
 
@@ -82,10 +88,11 @@ class InProcessSystem:
             s = e.scheduler
             return e.block_manager.num_blocks - e.block_manager.num_free_blocks + len(s.running) + len(s.waiting) + len(s.held)
 
-        return {s.role: await s.loop.call(count) for s in (self.prefill, self.decode)}
+        pools = {"prefill": self.prefills, "decode": self.decodes}
+        return {f"{role}-{i}": await s.loop.call(count) for role, ss in pools.items() for i, s in enumerate(ss)}
 
     async def wait_all_free(self, timeout_s: float = 10.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while (held := await self.held_blocks()) != {"prefill": 0, "decode": 0}:
+        while any((held := await self.held_blocks()).values()):
             assert asyncio.get_running_loop().time() < deadline, f"still held: {held}"
             await asyncio.sleep(0.05)

@@ -136,7 +136,7 @@ def test_cancelled_request_frees_its_blocks_on_both_workers(text_checkpoint):
             return first, held, system.decode.kv_transfer_failures_total
 
     first, held, failures = run(scenario())
-    assert first.token_ids and held["decode"] > 0
+    assert first.token_ids and held["decode-0"] > 0
     assert failures == 0  # a cancellation is not a transfer failure
 
 
@@ -187,3 +187,62 @@ def _request(prompt: str, max_tokens: int):
 
     return gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                                 ignore_eos=True))
+
+
+def test_a_burst_spreads_over_the_decode_workers(text_checkpoint):
+    """Six concurrent requests land on both decode workers: the router counts what it has just
+    sent, not only the stats it polled before the burst."""
+    async def scenario():
+        async with InProcessSystem(text_checkpoint, num_decode=2) as system:
+            await asyncio.gather(*(system.generate(p, 16) for p in PROMPTS[:3] * 2))
+            return [d.num_requests_total for d in system.decodes]
+
+    assert sorted(run(scenario())) == [3, 3]
+
+
+class HoldingTransport:
+    """The in-process transport, holding back streams of prompts of one length until released."""
+
+    def __init__(self, inner, num_tokens: int):
+        self.inner, self.num_tokens, self.release = inner, num_tokens, asyncio.Event()
+
+    async def push(self, address, messages, timeout_s):
+        header = await anext(messages)
+        if header.num_tokens == self.num_tokens:
+            await self.release.wait()
+
+        async def stream():
+            yield header
+            async for m in messages:
+                yield m
+
+        return await self.inner.push(address, stream(), timeout_s)
+
+    async def close(self):
+        pass
+
+
+def test_shared_prefix_requests_go_where_the_prefix_is_cached(text_checkpoint):
+    """Two prefill workers. While a blocker keeps the first busy, a prompt with a long prefix is
+    prefilled on the second; later prompts sharing that prefix go to the second too, though both
+    are idle and the first comes first, and its prefix cache serves most of each of them."""
+    prefix = "import os\nimport sys\n" * 12
+    blocker = list(range(3, 40))
+
+    async def scenario():
+        system = InProcessSystem(text_checkpoint, num_prefill=2)
+        system.transport = hold = HoldingTransport(system.inproc, len(blocker))
+        async with system:
+            blocked = asyncio.create_task(system.generate(blocker, 2))
+            while not system.prefills[0].requests:  # the blocker is on the first prefill worker
+                await asyncio.sleep(0.01)
+            await system.generate(prefix + "x = 1", 2)
+            hold.release.set()
+            await blocked
+            for i in range(4):
+                await system.generate(prefix + f"y = {i}", 2)
+            return [(p.num_requests_total, p.engine.scheduler.num_prefix_hit_tokens) for p in system.prefills]
+
+    (n0, hits0), (n1, hits1) = run(scenario())
+    assert (n0, n1) == (1, 5)
+    assert hits1 >= 4 * 4 * 16 and hits0 == 0  # four later prompts, each several cached 16-token blocks
