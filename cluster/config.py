@@ -152,10 +152,14 @@ SECTIONS = {"router": RouterSection, "prefill": PoolConfig, "decode": PoolConfig
 
 def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
     """The config from a YAML file (or the defaults), then `overrides` (dotted names, e.g.
-    {"decode.workers": 2}; None values are skipped). ValueError names what is wrong."""
+    {"decode.workers": 2}; None values are skipped). Paths in the file are relative to the file.
+    ValueError names what is wrong."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(path)
+        for key in ("model", "draft_model", "metrics_targets_file"):  # relative to the file, not the caller
+            if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
+                raw[key] = str((Path(path).parent / raw[key]).resolve())
     for dotted, value in overrides.items():
         if value is None:
             continue

@@ -158,3 +158,23 @@ def test_a_placement_that_cannot_be_satisfied_fails_saying_what_is_missing(servi
     assert proc.popen.wait(60) == 2
     log = proc.log.read_text()
     assert "cannot place 1 decode worker of {'CPU': 0.5, 'GPU': 1} each" in log and "GPU 0" in log, log[-2000:]
+
+
+def test_the_documented_config_file_is_the_defaults():
+    """deploy/pdserve.yaml documents every field with its default value."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from pdserve.cluster.config import REPO, ServeConfig, load
+
+    path = REPO / "deploy" / "pdserve.yaml"
+    loaded, defaults = load(str(path), {}), ServeConfig()
+    assert dataclasses.replace(loaded, model=defaults.model, draft_model=defaults.draft_model) == defaults
+    assert Path(loaded.model).resolve() == Path(defaults.model).resolve()
+    raw = yaml.safe_load(path.read_text())
+    fields = {f.name for f in dataclasses.fields(ServeConfig)}
+    assert set(raw) == fields
+    for section in ("router", "prefill", "decode"):
+        assert set(raw[section]) == {f.name for f in dataclasses.fields(type(getattr(defaults, section)))}
