@@ -31,6 +31,7 @@ _UNSUPPORTED = ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias")
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                 grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 MAX_BODY_BYTES = 8 << 20
+OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes and scrapes: no API key
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -84,13 +85,29 @@ class CompletionsApp:
         self.router, self.model_name = router, model_name
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.authenticate])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
         return app
+
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler):
+        """API keys (when configured) on the API; probes and /metrics need none. A request
+        holds its key's slot until its response is done."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        keys = self.router.api_keys
+        try:
+            key = keys.identify(request.headers.get("Authorization"))
+            with keys.lease(key):
+                return await handler(request)
+        except RequestFailed as e:
+            self.router.metrics.count(e.code.name.lower())
+            status = 401 if e.code == grpc.StatusCode.UNAUTHENTICATED else _HTTP_STATUS.get(e.code, 503)
+            return _error(status, str(e))
 
     async def health(self, _request: web.Request) -> web.Response:
         """Liveness: the process answers."""
@@ -179,10 +196,11 @@ def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve") -> tuple[web.AppRunner, int]:
-    """Serve the HTTP API; returns the runner and the bound port (`port` 0: a free one)."""
+async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve",
+                     ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    runner, bound = await start_http_app(CompletionsApp(router, model_name).app(), host, port,
+    runner, bound = await start_http_app(CompletionsApp(router, model_name).app(), host, port, ssl_context,
                                          handler_cancellation=True)
     log.info("http listening address=%s:%d", host, bound)
     return runner, bound

@@ -66,14 +66,14 @@ def reserve(cluster, req_id: str, prompt=PROMPT):
                                           timeout=60)
     event = next(stream)
     assert event.WhichOneof("event") == "admitted"
-    assert event.admitted.transfer_id and event.admitted.transfer_id != req_id  # the decode worker's own id
-    return stream, event.admitted.transfer_id
+    assert event.admitted.ticket and req_id not in event.admitted.ticket  # the decode worker's own, signed
+    return stream, event.admitted.ticket
 
 
-def kv_chunks(cluster, transfer_id: str, num_tokens=len(PROMPT), first_token=5):
+def kv_chunks(cluster, ticket: str, num_tokens=len(PROMPT), first_token=5):
     """A well-formed push: random K/V for every layer, one chunk per layer."""
     info = cluster.decode_stub().GetInfo(wk.InfoRequest(), timeout=5)
-    yield wk.KVChunk(header=wk.KVHeader(transfer_id=transfer_id, num_tokens=num_tokens, dtype=info.dtype,
+    yield wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=num_tokens, dtype=info.dtype,
                                         groups=info.kv_groups))
     seq = 0
     for g, group in enumerate(info.kv_groups):
@@ -90,8 +90,8 @@ def push(cluster, chunks):
 
 
 def test_hand_made_push_is_accepted_and_decoded(cluster):
-    stream, transfer_id = reserve(cluster, "hand-ok")
-    ack = push(cluster, kv_chunks(cluster, transfer_id))
+    stream, ticket = reserve(cluster, "hand-ok")
+    ack = push(cluster, kv_chunks(cluster, ticket))
     assert ack.num_chunks >= 2
     events = list(stream)
     assert [t for e in events for t in e.tokens.token_ids][0] == 5
@@ -129,9 +129,9 @@ def miscount(chunks):
 def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
     req_id = f"hand-{fault.__name__}"
     before = cluster.stats("D").kv_transfer_failures_total
-    stream, transfer_id = reserve(cluster, req_id)
+    stream, ticket = reserve(cluster, req_id)
     with pytest.raises(grpc.RpcError) as push_err:
-        push(cluster, fault(kv_chunks(cluster, transfer_id)))
+        push(cluster, fault(kv_chunks(cluster, ticket)))
     assert push_err.value.code() == grpc.StatusCode.DATA_LOSS and words in push_err.value.details()
     with pytest.raises(grpc.RpcError) as decode_err:
         list(stream)
@@ -141,12 +141,14 @@ def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
     assert_router_serves(cluster)
 
 
-def test_push_for_unknown_transfer_is_refused(cluster):
-    """Naming the request id instead of the reservation's transfer id reaches nothing."""
-    stream, _ = reserve(cluster, "hand-wrong-id")
-    with pytest.raises(grpc.RpcError) as err:
-        push(cluster, kv_chunks(cluster, "hand-wrong-id"))
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+def test_push_without_a_valid_ticket_is_refused(cluster):
+    """Naming the request id, or a ticket with its signature broken, reaches nothing."""
+    stream, ticket = reserve(cluster, "hand-wrong-id")
+    head, payload, mac = ticket.split(".")
+    for forged in ("hand-wrong-id", f"{head}.{payload}.{mac[:-2]}AA"):
+        with pytest.raises(grpc.RpcError) as err:
+            push(cluster, kv_chunks(cluster, forged))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "ticket refused" in err.value.details()
     stream.cancel()
     cluster.wait_all_free()
 
