@@ -127,8 +127,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq)
         self.num_requests_total += 1
         self.transfers[r.nonce] = r
-        self.live.add(r)
-        self.loop.sinks[req_id] = r.events.put_nowait
+        self._track(r)
         try:
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
                 ticket=text, num_free_blocks=self.engine.block_manager.num_free_blocks))
@@ -136,8 +135,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                 yield event
         finally:
             self.transfers.pop(r.nonce, None)
-            self.live.discard(r)
-            self.loop.sinks.pop(req_id, None)
+            self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
 
     def _no_room(self, num_prompt_tokens: int) -> str:
@@ -149,9 +147,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- colocated: the engine prefills the request itself -------------------------------
     async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
+        if req_id in self.loop.sinks:  # a second call with a live request's id must not touch it
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being served")
         r = DecodeRequest(req_id, DecodeState.RUNNING)
-        self.live.add(r)
-        self.loop.sinks[req_id] = r.events.put_nowait
+        self._track(r)
         try:
             try:
                 await self.loop.call(lambda e: e.add_request(req_id, ids, params))
@@ -164,9 +163,17 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             async for event in self._token_stream(r, context):
                 yield event
         finally:
-            self.live.discard(r)
-            self.loop.sinks.pop(req_id, None)
+            self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
+
+    def _track(self, r: DecodeRequest) -> None:
+        self.live.add(r)
+        self.loop.sinks[r.req_id] = r.events.put_nowait
+
+    def _untrack(self, r: DecodeRequest) -> None:
+        self.live.discard(r)
+        if self.loop.sinks.get(r.req_id) == r.events.put_nowait:  # only its own
+            del self.loop.sinks[r.req_id]
 
     # ---- the token stream both modes share -----------------------------------------------
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
@@ -204,7 +211,8 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             self.kv_transfer_failures_total += bool(was_transferring)
             log.warning("request %s failed: %s", r.req_id, err)
         r.events.put_nowait(err)
-        self.loop.sinks.pop(r.req_id, None)
+        if self.loop.sinks.get(r.req_id) == r.events.put_nowait:
+            del self.loop.sinks[r.req_id]
         self.loop.call(lambda e: e.abort(r.req_id))
 
     # ---- the K/V push from a prefill worker (KVEndpoint) ---------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.serving.metrics import start_metrics_server
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2
 from pdserve.serving.auth import ClusterSecurity, TLSFiles
 from pdserve.serving.grpc_server import AioServer
 from pdserve.router.admission import AdmissionQueue
@@ -68,9 +68,13 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
     """The router's life, until `until` completes: listen, report the bound addresses, watch the
     workers' health, and say SERVING (gRPC health, HTTP /ready) exactly while it can serve; then
     NOT_SERVING at once, and requests in flight get `drain_timeout_s` to finish."""
-    server = AioServer(host, port, credentials=config.tls.server_credentials() if config.tls.enabled else None)
-    server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router),
-               generation_pb2.DESCRIPTOR.services_by_name["Generation"])
+    # gRPC itself refuses (uncounted) only requests past this; up to it the router reads every
+    # request and answers an oversized one (wire.MAX_REQUEST_BYTES) itself, counted
+    options = [("grpc.max_receive_message_length", 128 << 20)]
+    server = AioServer(host, port, extra_options=options,
+                       credentials=config.tls.server_credentials() if config.tls.enabled else None)
+    server.add(lambda servicer, grpc_server: grpc_server.add_generic_rpc_handlers((servicer.handler(),)),
+               GenerationServicer(router), generation_pb2.DESCRIPTOR.services_by_name["Generation"])
     await server.start()
     tasks = [asyncio.create_task(router.pool.watch(config.health_interval_s)),
              asyncio.create_task(_follow_readiness(router.pool, server, config.health_interval_s / 2))]

@@ -35,8 +35,10 @@ from pdserve.router.metrics import RequestTrace, RouterMetrics
 from pdserve.router.request import RequestFailed, RequestState, RouterRequest
 from pdserve.router.stream import ClientStream
 from pdserve.router.validate import Validator
+from pdserve.router import wire
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.serving.convert import work_request_message
+from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -327,12 +329,25 @@ def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """`pdserve.v1.Generation`. Registered with `handler()`, so it reads the request's bytes
+    itself: a malformed request is INVALID_ARGUMENT naming what is wrong (and counted)."""
+
     def __init__(self, router: Router):
         self.router = router
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler("pdserve.v1.Generation", {"Generate": grpc.unary_stream_rpc_method_handler(
+            self.Generate, request_deserializer=None, response_serializer=gen_pb2.GenerateResponse.SerializeToString)})
 
     async def Generate(self, request, context):
         router = self.router
         trace = router.metrics.arrived()
+        try:
+            if isinstance(request, bytes):
+                request = wire.parse(gen_pb2.GenerateRequest, request)
+        except wire.BadRequest as e:
+            router.metrics.count("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             router.check_accepting()
             key = router.api_keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))

@@ -40,8 +40,8 @@ class AioServer:
     def __init__(self, host: str, port: int, extra_options: list[tuple[str, int]] = (),
                  interceptors: list[grpc.aio.ServerInterceptor] = (), credentials: grpc.ServerCredentials | None = None):
         # the same message limits as every client channel; no port sharing between processes
-        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options],
-                                      interceptors=list(interceptors))
+        options = dict([*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options])  # later ones win
+        self.server = grpc.aio.server(options=list(options.items()), interceptors=list(interceptors))
         self.credentials = credentials  # TLS (mutual when it names a CA); None: plaintext
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
