@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as wk
 
 PROMPT = list(range(10, 30))  # 20 tokens
@@ -174,3 +175,55 @@ def test_full_decode_worker_refuses_admission_and_router_answers_resource_exhaus
             stream.cancel()
     cluster.wait_all_free()
     assert_router_serves(cluster, "R3")
+
+
+def test_sigterm_drains_the_router(cluster):
+    """On SIGTERM: NOT_SERVING at once on both APIs, new requests refused with UNAVAILABLE, the
+    request in flight (its decode worker frozen, so it cannot finish) ends with UNAVAILABLE
+    saying why once the drain timeout passes, and nothing in the log is a traceback."""
+    import json
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from procs import wait_ready
+
+    router = cluster.start_router("R-drain", "--prefill", cluster.address("P"), "--decode", cluster.address("D"),
+                                  "--http-port", "0", "--drain-timeout", "3")
+    wait_ready(router)
+    with grpc.insecure_channel(router.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        long = stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=PROMPT), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=400, ignore_eos=True)), timeout=60)
+        next(long)
+        decode = cluster.procs["D"].popen
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            router.signal(signal.SIGTERM)
+            time.sleep(0.5)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(f"http://{router.addresses['http']}/ready", timeout=5)
+            assert http_err.value.code == 503
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(gen.GenerateRequest(prompt="new", sampling_params=gen.SamplingParams(max_tokens=2)),
+                                   timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            body = json.dumps({"prompt": "new", "max_tokens": 2}).encode()
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(urllib.request.Request(f"http://{router.addresses['http']}/v1/completions",
+                                                              body), timeout=10)
+            assert http_err.value.code == 503
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in long:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "drain" in err.value.details()
+        finally:
+            decode.send_signal(signal.SIGCONT)
+    assert router.popen.wait(30) == 0
+    assert "Traceback" not in router.log.read_text()
+    cluster.wait_all_free()
