@@ -128,7 +128,7 @@ class CompletionsApp:
         trace = self.router.metrics.arrived()
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # deep nesting too: 400, not 500
             self.router.metrics.count("invalid_argument")
             return _error(400, "body is not valid JSON")
         try:
