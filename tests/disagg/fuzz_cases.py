@@ -94,7 +94,9 @@ def http_bodies(draw) -> bytes:
         depth = draw(st.integers(100, 5000))
         return ('{"prompt": ' + "[" * depth + "]" * depth + "}").encode()
     body = draw(st.dictionaries(st.sampled_from(OPENAI_FIELDS), JSON_VALUES, max_size=8))
-    if draw(st.booleans()):
+    if draw(st.booleans()):  # often enough a plausible request, so the paths past validation run too
+        body.setdefault("prompt", draw(TEXT))
+        body.setdefault("messages", [{"role": "user", "content": draw(TEXT)}])
         body.setdefault("max_tokens", draw(st.integers(1, 4)))
     return json.dumps(body).encode(errors="surrogatepass")
 
