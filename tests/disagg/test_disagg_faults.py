@@ -227,3 +227,51 @@ def test_sigterm_drains_the_router(cluster):
     assert router.popen.wait(30) == 0
     assert "Traceback" not in router.log.read_text()
     cluster.wait_all_free()
+
+
+def test_a_worker_back_with_another_configuration_is_not_paired_and_one_back_as_before_serves_soon(cluster):
+    """A decode worker restarted at the same address with a different block size is asked again
+    what it runs and refused (requests get UNAVAILABLE at once, saying why, not a stream of
+    transfer failures); restarted as before, it gets traffic again within a few seconds of
+    saying SERVING (a generous bound: the check is that the reconnect backoff is capped)."""
+    import time
+
+    from procs import wait_ready
+
+    args = ["--num-threads", "1", "--num-kv-blocks", "64", "--draft-model", str(cluster.model)]  # pairs with P
+    d = cluster.start("D-flip", "decode-worker", *args)
+    wait_ready(d)
+    address, port = d.address, d.address.rsplit(":", 1)[1]
+    r = cluster.start_router("R-flip", "--prefill", cluster.address("P"), "--decode", address,
+                             "--health-interval", "0.5", "--failover-wait", "2")
+    wait_ready(r)
+    request = gen.GenerateRequest(prompt="x", sampling_params=gen.SamplingParams(temperature=0, max_tokens=2))
+    assert list(cluster.generation("R-flip").Generate(request, timeout=60))
+
+    d.stop()
+    flipped = cluster.start("D-flip", "decode-worker", *args, "--block-size", "8", "--port", port)
+    wait_ready(flipped)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            list(cluster.generation("R-flip").Generate(request, timeout=30))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE and "pairs" in e.details(), e.details()
+            break
+        assert time.monotonic() < deadline, "the reconfigured worker kept getting traffic"
+        time.sleep(0.2)
+
+    flipped.stop()
+    back = cluster.start("D-flip", "decode-worker", *args, "--port", port)
+    wait_ready(back)
+    ready_at = time.monotonic()
+    while True:
+        try:
+            if list(cluster.generation("R-flip").Generate(request, timeout=30)):
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() - ready_at < 15, "the returning worker got no traffic for 15 s"
+        time.sleep(0.1)
+    recovery = time.monotonic() - ready_at
+    print(f"recovery after SERVING: {recovery:.2f} s")
