@@ -25,28 +25,43 @@ def joined(msgs) -> list[int]:
     return [t for m in msgs for t in m.token_ids]
 
 
-class FaultyTransport:
-    """The in-process transport with one fault applied to the streams of prompts of one length
-    (the first `times` of them)."""
+class InterceptingTransport:
+    """The in-process transport, with `intercept(header, messages)` deciding what follows the
+    header of each stream (a fault, a wait)."""
 
-    def __init__(self, inner, fault, num_tokens: int, times: int = 1 << 30):
-        self.inner, self.fault, self.num_tokens, self.times = inner, fault, num_tokens, times
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def intercept(self, header, messages):
+        return messages
 
     async def push(self, address, messages, timeout_s):
         header = await anext(messages)
-        if header.num_tokens == self.num_tokens and self.times > 0:
-            self.times -= 1
-            messages = self.fault(messages)
+        rest = await self.intercept(header, messages)
 
         async def stream():
             yield header
-            async for m in messages:
+            async for m in rest:
                 yield m
 
         return await self.inner.push(address, stream(), timeout_s)
 
     async def close(self):
         pass
+
+
+class FaultyTransport(InterceptingTransport):
+    """One fault applied to the streams of prompts of one length (the first `times` of them)."""
+
+    def __init__(self, inner, fault, num_tokens: int, times: int = 1 << 30):
+        super().__init__(inner)
+        self.fault, self.num_tokens, self.times = fault, num_tokens, times
+
+    async def intercept(self, header, messages):
+        if header.num_tokens == self.num_tokens and self.times > 0:
+            self.times -= 1
+            return self.fault(messages)
+        return messages
 
 
 async def corrupt(messages):
@@ -200,26 +215,17 @@ def test_a_burst_spreads_over_the_decode_workers(text_checkpoint):
     assert sorted(run(scenario())) == [3, 3]
 
 
-class HoldingTransport:
-    """The in-process transport, holding back streams of prompts of one length until released."""
+class HoldingTransport(InterceptingTransport):
+    """Streams of prompts of one length held back until released."""
 
     def __init__(self, inner, num_tokens: int):
-        self.inner, self.num_tokens, self.release = inner, num_tokens, asyncio.Event()
+        super().__init__(inner)
+        self.num_tokens, self.release = num_tokens, asyncio.Event()
 
-    async def push(self, address, messages, timeout_s):
-        header = await anext(messages)
+    async def intercept(self, header, messages):
         if header.num_tokens == self.num_tokens:
             await self.release.wait()
-
-        async def stream():
-            yield header
-            async for m in messages:
-                yield m
-
-        return await self.inner.push(address, stream(), timeout_s)
-
-    async def close(self):
-        pass
+        return messages
 
 
 def test_shared_prefix_requests_go_where_the_prefix_is_cached(text_checkpoint):
