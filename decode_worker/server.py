@@ -30,7 +30,7 @@ from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Sequence
-from pdserve.serving.convert import FINISH_REASONS, parse_work_request
+from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
@@ -68,7 +68,11 @@ class DecodeRequest:
 
 def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
     reason = FINISH_REASONS[out.finish_reason.value] if out.finish_reason else 0
-    return worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=out.new_token_ids, finish_reason=reason))
+    delta = worker_pb2.TokenDelta(token_ids=out.new_token_ids, finish_reason=reason)
+    if out.logprobs is not None:
+        num_before = len(out.token_ids) - len(out.new_token_ids)
+        delta.logprobs.extend(logprobs_message(row) for row in out.logprobs[num_before:])
+    return worker_pb2.DecodeEvent(tokens=delta)
 
 
 class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
@@ -221,7 +225,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     self.receiver.receive(r.progress, r.seq, msg)
                 elif isinstance(msg, KVTrailer):
                     self.receiver.finish(r.progress, msg)
-                    await self._activate(r, msg.first_token_id)
+                    await self._activate(r, msg.first_token_id, msg.first_token_logprobs)
                     self.kv_transfer_bytes_total += r.progress.num_bytes
                     self.metrics.observe_transfer(time.perf_counter() - opened_at)
                     return KVAck(r.progress.num_chunks, r.progress.num_bytes)
@@ -245,12 +249,14 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         r.state = DecodeState.RECEIVING
         return r
 
-    async def _activate(self, r: DecodeRequest, first_token: int) -> None:
+    async def _activate(self, r: DecodeRequest, first_token: int, logprobs) -> None:
         loop = self.loop
+        logprobs = list(logprobs) if logprobs else None
 
         def run(engine: LLMEngine) -> None:
             if r.state is DecodeState.RUNNING:  # not ended while this command waited (`_end` frees it then)
-                loop.deliver_soon([engine.activate(r.req_id, first_token)])  # before any later step's outputs
+                # before any later step's outputs
+                loop.deliver_soon([engine.activate(r.req_id, first_token, logprobs)])
 
         r.state = DecodeState.RUNNING
         await loop.call(run)

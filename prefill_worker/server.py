@@ -127,7 +127,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if isinstance(item, Exception):
             r.sender.fail(str(item))
         elif item.new_token_ids:
-            r.sender.finish(item.new_token_ids[0])
+            r.sender.finish(item.new_token_ids[0], item.logprobs[0] if item.logprobs else None)
 
     async def _push(self, r: PrefillRequest, address: str):
         started = time.perf_counter()

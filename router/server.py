@@ -178,8 +178,8 @@ class Router:
             if self.pool.is_disaggregated:
                 prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline))
                 trace.state = RequestState.PREFILLING
-            async for ids, reason in self._events(call, decode, prefill_task, flight):
-                yield stream.delta(ids, reason)
+            async for ids, reason, logprobs in self._events(call, decode, prefill_task, flight):
+                yield stream.delta(ids, reason, logprobs)
                 if stream.finished:
                     return
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} ended the stream "
@@ -198,7 +198,8 @@ class Router:
         """The request for the workers: after a failover, the prompt plus what was already sent."""
         if attempt == 0:
             return work_request_message(req.req_id, req.prompt_token_ids, req.params)
-        params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - len(stream.sent_ids))
+        params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - len(stream.sent_ids),
+                                     num_output_tokens_in_prompt=len(stream.sent_ids))
         return work_request_message(f"{req.req_id}.{attempt}", req.prompt_token_ids + stream.sent_ids, params)
 
     async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float):
@@ -282,7 +283,7 @@ class Router:
         return resp
 
     async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight):
-        """(token ids, finish reason) of each delta on the decode stream; a failed prefill ends it
+        """(token ids, finish reason, log-probs) of each delta on the decode stream; a failed prefill ends it
         with the prefill's failure, and the router's own abort with its reason."""
         failure: list[RequestFailed] = []
         if prefill_task is not None:
@@ -292,7 +293,7 @@ class Router:
             # forbids mixing the two on one call
             while (event := await call.read()) is not grpc.aio.EOF:
                 if event.WhichOneof("event") == "tokens":
-                    yield list(event.tokens.token_ids), event.tokens.finish_reason
+                    yield list(event.tokens.token_ids), event.tokens.finish_reason, event.tokens.logprobs
         except grpc.aio.AioRpcError as e:
             if failure:
                 raise failure[0] from None

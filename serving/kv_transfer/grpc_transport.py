@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve.serving.convert import logprobs_message, parse_logprobs
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVTrailer, TransferError,
@@ -39,8 +40,10 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
             transfer_id=msg.transfer_id, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
                 worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                                          head_dim=g.head_dim) for g in msg.groups]))
-    return worker_pb2.KVChunk(trailer=worker_pb2.KVTrailer(num_chunks=msg.num_chunks,
-                                                           first_token_id=msg.first_token_id))
+    trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id)
+    if msg.first_token_logprobs is not None:
+        trailer.first_token_logprobs.CopyFrom(logprobs_message(list(msg.first_token_logprobs)))
+    return worker_pb2.KVChunk(trailer=trailer)
 
 
 def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
@@ -53,7 +56,10 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         return KVHeader(h.transfer_id, h.num_tokens, h.dtype, tuple(
             KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups))
     if part == "trailer":
-        return KVTrailer(chunk.trailer.num_chunks, chunk.trailer.first_token_id)
+        t = chunk.trailer
+        logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
+                    if t.HasField("first_token_logprobs") else None)
+        return KVTrailer(t.num_chunks, t.first_token_id, logprobs)
     raise TransferError(TransferFailure.CORRUPT, "a KV chunk carries no header, data or trailer")
 
 
