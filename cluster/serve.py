@@ -171,7 +171,7 @@ async def serve(config: ServeConfig, ray_address: str | None, log_level: str, un
     controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0,
                                                 max_concurrency=1000).remote(config, log_level)
     r = config.router
-    router_config = RouterConfig(model=config.model, policy=RouterPolicy(
+    router_config = RouterConfig(model=config.model, served_model_name=config.served_model_name, policy=RouterPolicy(
         rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
         failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
         max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars)
