@@ -4,11 +4,13 @@ echo, penalties and its typed errors; raw HTTP for what the client cannot send (
 types, deep nesting). Every generated text is checked against the offline engine."""
 from __future__ import annotations
 
+# `openai` is imported inside the tests, not at collection: it is a heavy import, and this test
+# process also runs the client side of tests that compare latencies
+
 import http.client
 import json
 import math
 
-import openai
 import pytest
 
 from pdserve.engine import SamplingParams
@@ -21,6 +23,7 @@ GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def client(cluster):
+    import openai
     with openai.OpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="unused", max_retries=0,
                        timeout=60) as c:
         yield c
@@ -127,6 +130,7 @@ def test_echo_and_penalties(client, model, offline):
     (dict(extra_body={"foo": 1}), "foo"),
 ])
 def test_bad_completion_parameters_are_400_naming_them(client, model, kwargs, param):
+    import openai
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=PROMPT, **kwargs)
     assert e.value.status_code == 400 and e.value.body["param"] == param and param in e.value.message
@@ -140,12 +144,14 @@ def test_bad_completion_parameters_are_400_naming_them(client, model, kwargs, pa
     (dict(response_format={"type": "json_object"}), "response_format"),
 ])
 def test_bad_chat_parameters_are_400_naming_them(client, model, kwargs, param):
+    import openai
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{"model": model, "messages": CHAT, **kwargs})
     assert e.value.body["param"] == param
 
 
 def test_an_unknown_model_is_404_not_another_model(client):
+    import openai
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "gpt-4" in e.value.message
