@@ -35,6 +35,8 @@ from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, serve_push_kv
+from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
+from pdserve.serving.tracing import RequestSpans, extract, metadata_value
 from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -60,6 +62,7 @@ class DecodeRequest:
     seq: Sequence | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
     progress: TransferProgress = field(default_factory=TransferProgress)
+    spans: RequestSpans | None = None  # reservation, transfer, decode
 
     @property
     def is_live(self) -> bool:
@@ -112,18 +115,24 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- disaggregated: reserve, then tokens once the K/V arrived ---------------------------
     async def Decode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
+        spans = self._spans(req_id, context, len(ids))
+        spans.start("reservation")
         pending = self.loop.call(lambda e: e.reserve(req_id, ids, params))
         try:
             seq = await asyncio.shield(pending)
         except ValueError as e:
+            spans.finish("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router went away while we reserved: give the blocks back
+            spans.finish("cancelled")
             pending.add_done_callback(lambda f: f.exception() is None and f.result() is not None and self.loop.call(
                 lambda e: e.abort(req_id)))
             raise
+        spans.end("reservation")
         if seq is None:
+            spans.finish("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
-        r = DecodeRequest(req_id, DecodeState.RESERVED, secrets.token_hex(16), seq)
+        r = DecodeRequest(req_id, DecodeState.RESERVED, secrets.token_hex(16), seq, spans=spans)
         self.num_requests_total += 1
         self.transfers[r.transfer_id] = r
         self.live.add(r)
@@ -138,6 +147,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             self.live.discard(r)
             self.loop.sinks.pop(req_id, None)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
+            self._log_end(r)
 
     def _no_room(self, num_prompt_tokens: int) -> str:
         e = self.engine
@@ -148,7 +158,8 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- colocated: the engine prefills the request itself -------------------------------
     async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
-        r = DecodeRequest(req_id, DecodeState.RUNNING)
+        r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)))
+        r.spans.start("decode")
         self.live.add(r)
         self.loop.sinks[req_id] = r.events.put_nowait
         try:
@@ -166,6 +177,21 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             self.live.discard(r)
             self.loop.sinks.pop(req_id, None)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
+            self._log_end(r)
+
+    @staticmethod
+    def _spans(req_id: str, context, num_prompt_tokens: int) -> RequestSpans:
+        """The request's id for this task's log lines and its spans, from the call's metadata."""
+        metadata = context.invocation_metadata()
+        request_id.set(metadata_value(metadata, REQUEST_ID_KEY) or req_id)
+        return RequestSpans("pdserve.decode", extract(metadata), req_id=req_id, prompt_tokens=num_prompt_tokens)
+
+    @staticmethod
+    def _log_end(r: DecodeRequest) -> None:
+        status = "ok" if r.state is DecodeState.FINISHED else r.state.value
+        num_tokens = r.seq.num_output_tokens if r.seq is not None else None
+        r.spans.finish(status, completion_tokens=num_tokens)
+        log.info("request", extra=fields(state=r.state.value, completion_tokens=num_tokens))
 
     # ---- the token stream both modes share -----------------------------------------------
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
@@ -225,6 +251,8 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     self.receiver.receive(r.progress, r.seq, msg)
                 elif isinstance(msg, KVTrailer):
                     self.receiver.finish(r.progress, msg)
+                    r.spans.end("transfer")
+                    r.spans.start("decode")
                     await self._activate(r, msg.first_token_id, msg.first_token_logprobs)
                     self.kv_transfer_bytes_total += r.progress.num_bytes
                     self.metrics.observe_transfer(time.perf_counter() - opened_at)
@@ -247,6 +275,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             raise TransferError(TransferFailure.CORRUPT, f"transfer for {r.req_id} already {r.state.value}")
         self.receiver.open(r.progress, r.seq, header)
         r.state = DecodeState.RECEIVING
+        r.spans.start("transfer")
         return r
 
     async def _activate(self, r: DecodeRequest, first_token: int, logprobs) -> None:

@@ -127,12 +127,12 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     return tokenizer
 
 
-# The model knows only Python source, so a conversation is shown to it as comments: each message
-# a "# role: ..." block, then "# assistant:" for it to continue.
-CHAT_TEMPLATE = ("{%- for message in messages -%}"
-                 "{{ '# ' ~ message['role'] ~ ': ' ~ (message['content'] | replace('\\n', '\\n# ')) ~ '\\n' }}"
-                 "{%- endfor -%}"
-                 "{%- if add_generation_prompt -%}{{ '# assistant:\\n' }}{%- endif -%}")
+# The model knows only Python source, so a conversation is shown to it as a module docstring
+# ("role: content" lines) followed by "def ", which it continues as code.
+CHAT_TEMPLATE = ("{{ '\"\"\"\\n' }}"
+                 "{%- for message in messages -%}{{ message['role'] ~ ': ' ~ message['content'] ~ '\\n' }}{%- endfor -%}"
+                 "{{ '\"\"\"\\n' }}"
+                 "{%- if add_generation_prompt -%}{{ '\\ndef ' }}{%- endif -%}")
 
 
 def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:

@@ -29,6 +29,7 @@ from pdserve.router.openai_params import OpenAIError, OpenAIRequest, parse_chat,
 from pdserve.router.request import RequestFailed, RouterRequest
 from pdserve.router.server import Router
 from pdserve.serving.metrics import metrics_handler, start_http_app
+from pdserve.serving.tracing import extract
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -112,9 +113,10 @@ class OpenAIApp:
         meta = {"id": f"{kind}-{req.req_id}", "created": int(time.time()), "model": self.model_name}
         prefix = self._echo_prefix(oreq, req)
         choices = [Choice(i, self.token_text, oreq.num_logprobs, prefix) for i in range(oreq.n)]
+        parent = extract(request.headers)  # the client's traceparent, if any
         if oreq.stream:
-            return await self._stream(request, oreq, reqs, traces, choices, meta)
-        return await self._complete(oreq, reqs, traces, choices, meta)
+            return await self._stream(request, oreq, reqs, traces, choices, meta, parent)
+        return await self._complete(oreq, reqs, traces, choices, meta, parent)
 
     def _parse(self, raw: bytes, is_chat: bool) -> tuple[OpenAIRequest, RouterRequest]:
         oreq = parse_chat(parse_json(raw)) if is_chat else parse_completion(parse_json(raw))
@@ -157,9 +159,9 @@ class OpenAIApp:
             return oreq.message.prompt
         return self.router.tokenizer.decode(req.prompt_token_ids) if self.router.tokenizer else ""
 
-    async def _complete(self, oreq, reqs, traces, choices: list[Choice], meta: dict) -> web.Response:
+    async def _complete(self, oreq, reqs, traces, choices: list[Choice], meta: dict, parent) -> web.Response:
         async def run(req, trace, choice):
-            async for msg in self.router.generate(req, trace):
+            async for msg in self.router.generate(req, trace, parent):
                 choice.add(msg)
 
         tasks = [asyncio.ensure_future(run(*args)) for args in zip(reqs, traces, choices)]
@@ -175,12 +177,13 @@ class OpenAIApp:
                 "usage": usage(len(reqs[0].prompt_token_ids), sum(c.num_tokens for c in choices))}
         return web.json_response(body)
 
-    async def _stream(self, request, oreq, reqs, traces, choices: list[Choice], meta: dict) -> web.StreamResponse:
+    async def _stream(self, request, oreq, reqs, traces, choices: list[Choice], meta: dict,
+                      parent) -> web.StreamResponse:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, req, trace):
             try:
-                async for msg in self.router.generate(req, trace):
+                async for msg in self.router.generate(req, trace, parent):
                     queue.put_nowait((i, msg))
             except RequestFailed as e:
                 queue.put_nowait((i, e))

@@ -36,6 +36,8 @@ from pdserve.router.stream import ClientStream
 from pdserve.router.validate import Validator
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.serving.convert import work_request_message
+from pdserve.serving.logs import fields
+from pdserve.serving.tracing import RequestSpans, extract, outgoing_metadata
 from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -107,22 +109,27 @@ class Router:
         while self.flights and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.05)
 
-    async def generate(self, req: RouterRequest, trace: RequestTrace | None = None):
-        """`trace`: from `metrics.arrived()` when the request arrived (default: now)."""
+    async def generate(self, req: RouterRequest, trace: RequestTrace | None = None, parent=None):
+        """`trace`: from `metrics.arrived()` when the request arrived (default: now); `parent`:
+        the client's trace context (`serving.tracing.extract`), if it sent one."""
         trace = trace or self.metrics.arrived()
         stream = ClientStream(req, self.tokenizer)
         deadline = time.monotonic() + self.policy.rpc_timeout_s
         failures: list[RequestFailed] = []
         flight = Flight()
         self.flights.add(flight)
+        spans = RequestSpans("pdserve.request", parent, req_id=req.req_id, client_request_id=req.client_request_id,
+                             prompt_tokens=len(req.prompt_token_ids))
+        status = "cancelled"
         try:
             while True:
                 try:
-                    async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight):
+                    async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight, spans):
                         trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
                         self.metrics.delta_out(trace, len(resp.token_ids))
                         if stream.finished:
                             self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
+                            status = "ok"
                         yield resp
                     return
                 except RequestFailed as e:
@@ -132,21 +139,25 @@ class Router:
                     failures.append(e)
                     trace.state = RequestState.RE_ADMITTED
                     self.metrics.failed_over()
-                    log.warning("failing over req_id=%s after %d tokens (attempt %d): %s: %s", req.req_id,
-                                len(stream.sent_ids), len(failures), e.code.name, e)
+                    log.warning("failing over after %d tokens (attempt %d): %s: %s", len(stream.sent_ids),
+                                len(failures), e.code.name, e, extra={"req_id": req.req_id})
         except RequestFailed as e:
             trace.state = RequestState.FAILED
-            self.metrics.ended(trace, e.code.name.lower())
+            status = e.code.name.lower()
+            self.metrics.ended(trace, status)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             trace.state = RequestState.CANCELLED
             raise
         except Exception:
             trace.state = RequestState.FAILED
+            status = "error"
             self.metrics.ended(trace, "error")
             raise
         finally:
             self.flights.discard(flight)
+            spans.finish(status, completion_tokens=len(stream.sent_ids), failovers=len(failures))
+            log_request(req, trace, status, len(stream.sent_ids), len(failures))
             if trace.state is not RequestState.FINISHED:
                 self.metrics.ended(trace, "cancelled")  # a no-op when it ended above
 
@@ -166,9 +177,17 @@ class Router:
 
     # ---- one attempt: admission, prefill, the decode stream ------------------------------
     async def _attempt(self, req: RouterRequest, stream: ClientStream, trace: RequestTrace, attempt: int,
-                       deadline: float, flight: Flight):
+                       deadline: float, flight: Flight, spans: RequestSpans):
         work = self._work(req, stream, attempt)
-        call, decode, transfer_id = await self._admit(work, attempt > 0, deadline)
+        metadata = outgoing_metadata(work.req_id, spans.start("attempt", attempt=attempt))
+        spans.start("admission")
+        try:
+            call, decode, transfer_id = await self._admit(work, attempt > 0, deadline, metadata)
+        except BaseException:
+            spans.end("attempt")
+            raise
+        finally:
+            spans.end("admission")
         flight.call = call
         prefill_task = None
         try:
@@ -176,7 +195,7 @@ class Router:
                 trace.state = RequestState.ADMITTED
                 self.metrics.admitted(trace, len(req.prompt_token_ids))
             if self.pool.is_disaggregated:
-                prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline))
+                prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline, metadata))
                 trace.state = RequestState.PREFILLING
             async for ids, reason, logprobs in self._events(call, decode, prefill_task, flight):
                 yield stream.delta(ids, reason, logprobs)
@@ -185,6 +204,7 @@ class Router:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} ended the stream "
                                 "without finishing the request")
         finally:
+            spans.end("attempt")
             call.cancel()
             # a finished request's prefill is only waiting for the decode side's acknowledgement,
             # which has been sent: let it complete, so the prefill worker counts a good transfer
@@ -202,7 +222,7 @@ class Router:
                                      num_output_tokens_in_prompt=len(stream.sent_ids))
         return work_request_message(f"{req.req_id}.{attempt}", req.prompt_token_ids + stream.sent_ids, params)
 
-    async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float):
+    async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float, metadata=()):
         """A decode worker's reservation: (call, worker, transfer id). Waits in the admission queue
         while every worker is full; when a pool has no usable worker, UNAVAILABLE at once (or,
         during a failover, after `failover_wait_s` for one to come back)."""
@@ -212,7 +232,7 @@ class Router:
             for w in candidates:
                 w.num_in_flight += 1  # before the answer: a burst spreads over the workers
                 try:
-                    admitted = await self._reserve(w, work, deadline)
+                    admitted = await self._reserve(w, work, deadline, metadata)
                 except BaseException:
                     w.num_in_flight -= 1
                     raise
@@ -238,10 +258,10 @@ class Router:
             await asyncio.sleep(0.1)
         return self.pool.decode_candidates()
 
-    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float):
+    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=()):
         """(call, worker, transfer id), or None when this worker cannot take it."""
         rpc = w.stub.Decode if self.pool.is_disaggregated else w.stub.PrefillAndDecode
-        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001))
+        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         try:
             event = await call.read()
         except asyncio.CancelledError:
@@ -258,7 +278,7 @@ class Router:
         return call, w, event.admitted.transfer_id
 
     async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker, transfer_id: str,
-                       deadline: float) -> worker_pb2.PrefillResponse:
+                       deadline: float, metadata=()) -> worker_pb2.PrefillResponse:
         prompt = list(work.prompt_token_ids)
         candidates = self.pool.prefill_candidates(decode, prompt)
         if not candidates:
@@ -269,7 +289,7 @@ class Router:
         try:
             resp = await w.stub.Prefill(worker_pb2.PrefillRequest(request=work, decode_address=decode.address,
                                                                   transfer_id=transfer_id),
-                                        timeout=max(deadline - time.monotonic(), 0.001))
+                                        timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_unavailable(w)
@@ -308,6 +328,18 @@ class Router:
             raise
 
 
+def log_request(req: RouterRequest, trace: RequestTrace, status: str, completion_tokens: int, failovers: int) -> None:
+    """The one info line of a request, however it ended."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    now = time.monotonic()
+    ttft = None if trace.first_token_s is None else round(trace.first_token_s - trace.arrival_s, 6)
+    log.info("request", extra={"req_id": req.req_id, **fields(
+        client_request_id=req.client_request_id, status=status, prompt_tokens=len(req.prompt_token_ids),
+        completion_tokens=completion_tokens, ttft_s=ttft, e2e_s=round(now - trace.arrival_s, 6),
+        failovers=failovers)})
+
+
 def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
     if task.cancelled():
         return
@@ -323,6 +355,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         trace = self.router.metrics.arrived()
+        parent = extract(context.invocation_metadata())
         try:
             self.router.check_accepting()
             req = self.router.validator.parse(request)
@@ -333,8 +366,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.router.metrics.count(e.code.name.lower())
             await context.abort(e.code, str(e))
         try:
-            async for resp in self.router.generate(req, trace):
+            async for resp in self.router.generate(req, trace, parent):
                 yield resp
         except RequestFailed as e:
-            log.info("request failed req_id=%s code=%s: %s", req.client_request_id, e.code.name, e)
             await context.abort(e.code, str(e))

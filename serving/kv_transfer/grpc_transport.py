@@ -14,6 +14,8 @@ import grpc
 
 from pdserve.serving.convert import logprobs_message, parse_logprobs
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
+from pdserve.serving.logs import REQUEST_ID_KEY, request_id
+from pdserve.serving.tracing import metadata_value, outgoing_metadata
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVTrailer, TransferError,
                                          TransferFailure)
@@ -78,7 +80,8 @@ class GrpcTransport:
             async for msg in messages:
                 yield to_proto(msg)
 
-        call = self._stub(address).PushKV(chunks(), timeout=timeout_s)
+        # the request's id and trace context ride along, for the decode side's log lines
+        call = self._stub(address).PushKV(chunks(), timeout=timeout_s, metadata=outgoing_metadata())
         try:
             ack = await call
         except grpc.aio.AioRpcError as e:
@@ -98,6 +101,8 @@ async def serve_push_kv(endpoint: KVEndpoint, request_iterator, context) -> work
     async def messages():
         async for chunk in request_iterator:
             yield from_proto(chunk)
+
+    request_id.set(metadata_value(context.invocation_metadata(), REQUEST_ID_KEY))
 
     try:
         ack = await endpoint.receive_kv(messages())

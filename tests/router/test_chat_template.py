@@ -18,7 +18,7 @@ def test_the_demo_pair_ships_one_template_and_one_tokenizer():
     configs = [json.loads((d / "tokenizer_config.json").read_text()) for d in (target, draft)]
     assert configs[0]["chat_template"] == configs[1]["chat_template"]
     text = ChatTemplate.from_dir(target).render([ChatMessage("system", "Be brief."), ChatMessage("user", "a\nb")])
-    assert text == "# system: Be brief.\n# user: a\n# b\n# assistant:\n"
+    assert text == '"""\nsystem: Be brief.\nuser: a\nb\n"""\n\ndef '
 
 
 def test_hugging_face_variables(tmp_path):
@@ -52,3 +52,12 @@ def test_a_template_cannot_escape_or_crash(source, words):
 def test_a_template_that_does_not_parse_is_a_load_error():
     with pytest.raises(ValueError, match="does not parse"):
         ChatTemplate("{% for %}")
+
+
+def test_the_training_script_writes_the_shipped_template():
+    import ast
+
+    tree = ast.parse((REPO / "models" / "train.py").read_text())
+    (source,) = [ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CHAT_TEMPLATE"]
+    assert source == json.loads((REPO / "models" / "demo" / "tokenizer_config.json").read_text())["chat_template"]
