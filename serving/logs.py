@@ -113,13 +113,15 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str = "warning", fmt: str = "text") -> None:
-    """Replace the root logger's handlers with one stderr handler in `fmt`."""
+    """One stderr handler in `fmt` on the root logger (replacing the one an earlier call added)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_RequestIdFilter())
+    handler.is_pdserve = True
     root = logging.getLogger()
     for h in list(root.handlers):
-        root.removeHandler(h)
+        if getattr(h, "is_pdserve", False):
+            root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     _progress_log.setLevel(logging.INFO)  # start-up progress is shown at any level

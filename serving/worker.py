@@ -127,7 +127,7 @@ def load_engine(config: EngineConfig, role: str, warmup: bool):
     bm = engine.block_manager
     kv_bytes = sum(t.numel() * t.element_size() for t in _kv_tensors(engine))
     progress(f"{role} worker: loaded in {time.perf_counter() - started:.1f} s on {engine.device}: KV cache "
-             f"{bm.num_blocks} blocks of {bm.block_size} tokens ({kv_bytes / 2**20:.0f} MiB)")
+             f"{bm.num_blocks} blocks of {bm.block_size} tokens ({kv_bytes / 2**20:.1f} MiB)")
     if warmup:
         started = time.perf_counter()
         engine.add_request("warmup", [0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, seed=0))
