@@ -63,6 +63,7 @@ class DecodeRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
     progress: TransferProgress = field(default_factory=TransferProgress)
     spans: RequestSpans | None = None  # reservation, transfer, decode
+    num_tokens: int = 0  # generated and sent
 
     @property
     def is_live(self) -> bool:
@@ -189,9 +190,8 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     @staticmethod
     def _log_end(r: DecodeRequest) -> None:
         status = "ok" if r.state is DecodeState.FINISHED else r.state.value
-        num_tokens = r.seq.num_output_tokens if r.seq is not None else None
-        r.spans.finish(status, completion_tokens=num_tokens)
-        log.info("request", extra=fields(state=r.state.value, completion_tokens=num_tokens))
+        r.spans.finish(status, completion_tokens=r.num_tokens)
+        log.info("request", extra=fields(state=r.state.value, completion_tokens=r.num_tokens))
 
     # ---- the token stream both modes share -----------------------------------------------
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
@@ -213,6 +213,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             timeout = self.config.stream_timeout_s
             if item.finished:
                 r.state = DecodeState.FINISHED
+            r.num_tokens = len(item.token_ids)
             yield token_delta(item)
             if item.finished:
                 return
