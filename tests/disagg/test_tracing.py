@@ -123,3 +123,18 @@ def test_one_request_is_one_trace_across_three_processes(traced):
         if r.get("msg") == "request" and r.get("req_id") == req_id]
     assert request_line and request_line[0]["status"] == "ok" and request_line[0]["completion_tokens"] == 6
     assert {"prompt_tokens", "ttft_s", "e2e_s", "failovers"} <= set(request_line[0])
+
+
+def test_a_grpc_clients_traceparent_is_honoured(traced):
+    from pdserve.client import Client
+
+    cluster, collector = traced
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    with Client(cluster.address("R"), timeout=60, metadata={"traceparent": f"00-{trace_id}-{client_span}-01"}) as c:
+        assert len(c.complete("import os", max_tokens=3, ignore_eos=True).token_ids) == 3
+    deadline = time.monotonic() + 30
+    while len({s["service"] for s in collector.of_trace(trace_id)}) < 3:
+        assert time.monotonic() < deadline, f"spans so far: {collector.of_trace(trace_id)}"
+        time.sleep(0.2)
+    (root,) = [s for s in collector.of_trace(trace_id) if s["name"] == "pdserve.request"]
+    assert root["parent"] == client_span and root["service"] == "pdserve-router"
