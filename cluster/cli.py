@@ -64,6 +64,7 @@ def _serve(name: str, serve) -> int:
 
     async def main() -> None:
         until = asyncio.ensure_future(wait_for_signal())  # signals handled from the start, loading included
+        await asyncio.sleep(0)  # let it install its handlers before anything else runs
         try:
             await serve(until, ready)
         finally:

@@ -158,6 +158,7 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
     drains: NOT_SERVING at once, new requests refused, live ones given `drain_timeout_s`.
     Loading and warming up report their progress (`serving.logs.progress`)."""
 
+    until = asyncio.ensure_future(until)
     server = AioServer(host, port, extra_options=service.server_options())
     service.add_to(server)
     await server.start()
@@ -168,6 +169,9 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
             metrics, bound = await start_metrics_server(service.metrics.registry, host, metrics_port)
             metrics_address = f"{host}:{bound}"
         engine = await asyncio.to_thread(load_engine, engine_config, service.role, warmup)
+        if until.done():  # stopped while loading: never serve, never say ready
+            progress(f"{service.role} worker: stopped while loading")
+            return
         loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
         service.attach(loop, Path(engine_config.model).name)
         loop.start()
