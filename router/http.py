@@ -35,6 +35,8 @@ log = logging.getLogger("pdserve.router.http")
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                 grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401}
+# the gRPC-side field a validation message names -> the OpenAI parameter it came from
+_OPENAI_PARAM = {"token_ids": "prompt", "request_id": "user"}
 MAX_BODY_BYTES = 8 << 20
 _END = object()
 
@@ -103,7 +105,8 @@ class OpenAIApp:
             message = str(e).removeprefix("sampling_params.")
             if is_chat and message.startswith("prompt"):
                 message = "messages: the rendered conversation" + message.removeprefix("prompt")
-            return error_response(400, message, message.split(" ", 1)[0].rstrip(":"), "invalid_value")
+            param = message.split(" ", 1)[0].rstrip(":")
+            return error_response(400, message, _OPENAI_PARAM.get(param, param), "invalid_value")
         except RequestFailed as e:
             self.router.metrics.count(e.code.name.lower())
             return error_response(_HTTP_STATUS.get(e.code, 503), str(e))

@@ -84,6 +84,8 @@ def test_bad_input_is_400_naming_the_field(cluster, body, field):
     conn.close()
     assert status == 400 and err["type"] == "invalid_request_error"
     assert field in err["message"], err
+    if isinstance(body, dict) and "token ids" in field:
+        assert err["param"] == "prompt"  # OpenAI's name for it, not the gRPC API's
 
 
 def test_models_and_health(cluster):
