@@ -161,6 +161,8 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
     the controller and every worker."""
     import ray
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from pdserve.cluster.controller import NAME, NAMESPACE, Controller, PlacementFailed
     from pdserve.router.main import RouterConfig, build_router, serve_router
     from pdserve.router.server import RouterPolicy
@@ -169,8 +171,11 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
     progress = Progress()
     progress(f"Ray at {ray.get_runtime_context().gcs_address}; placing {config.prefill.workers} prefill and "
              f"{config.decode.workers} decode workers")
-    controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0,
-                                                max_concurrency=1000).remote(config, telemetry)
+    # the controller owns the worker actors, and an owner's death takes them with it: it lives on
+    # this process's node, so losing another node never takes the whole system down
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
+                                                scheduling_strategy=here).remote(config, telemetry)
     r = config.router
     router_config = RouterConfig(model=config.model, served_model_name=config.served_model_name, policy=RouterPolicy(
         rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
