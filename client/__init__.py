@@ -12,11 +12,12 @@ from pdserve.client.async_client import AsyncClient, AsyncStream
 from pdserve.client.errors import (CancelledError, DeadlineExceededError, GenerationError, InvalidArgumentError,
                                    PermissionDeniedError, ResourceExhaustedError, UnauthenticatedError,
                                    UnavailableError)
-from pdserve.client.messages import Completion, Delta, FinishReason, SamplingParams, Usage
+from pdserve.client.messages import Completion, Delta, FinishReason, SamplingParams, TokenLogprobs, Usage
 from pdserve.client.retry import RetryPolicy
 from pdserve.client.sync_client import Client, Stream
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "Delta", "Completion", "Usage", "FinishReason",
+           "TokenLogprobs",
            "SamplingParams", "RetryPolicy", "GenerationError", "InvalidArgumentError", "ResourceExhaustedError",
            "UnavailableError", "DeadlineExceededError", "UnauthenticatedError", "PermissionDeniedError",
            "CancelledError"]

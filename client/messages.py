@@ -51,15 +51,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # log-probs of each token and of its top N alternatives (Delta.logprobs)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if value is not None and not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
         _check_int("top_k", self.top_k, INT32_MIN, INT32_MAX)
         _check_int("max_tokens", self.max_tokens, 1, UINT32_MAX)
         _check_int("seed", self.seed, 0, UINT64_MAX)
+        _check_int("logprobs", self.logprobs, 0, UINT32_MAX)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) for s in stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -73,7 +77,8 @@ class SamplingParams:
 
     def to_proto(self) -> gen_pb2.SamplingParams:
         msg = gen_pb2.SamplingParams(stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
-        for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "presence_penalty",
+                     "frequency_penalty"):
             value = getattr(self, name)
             if value is not None:
                 setattr(msg, name, value)
@@ -110,6 +115,14 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The model's log-probability of one generated token, and its top alternatives (most likely first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """One streamed message: its new text and token ids; the last one has finish_reason and usage."""
 
@@ -118,6 +131,7 @@ class Delta:
     request_id: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when asked for
 
     @property
     def is_last(self) -> bool:
@@ -127,7 +141,8 @@ class Delta:
 def delta_from(msg: gen_pb2.GenerateResponse) -> Delta:
     reason = _FINISH_FROM_WIRE.get(msg.finish_reason)
     usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if reason is not None else None
-    return Delta(msg.text, tuple(msg.token_ids), msg.request_id, reason, usage)
+    logprobs = tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in msg.logprobs)
+    return Delta(msg.text, tuple(msg.token_ids), msg.request_id, reason, usage, logprobs)
 
 
 @dataclass(slots=True)
@@ -139,10 +154,12 @@ class Completion:
     request_id: str = ""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
         self.request_id = delta.request_id or self.request_id
         if delta.is_last:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage

@@ -4,25 +4,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--draft-model", default=None, help="draft checkpoint for speculative decoding")
-    p.add_argument("--num-speculative-tokens", type=int, default=0)
-    p.add_argument("--speculative-method", default=None, choices=["draft", "ngram"])
-    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="per-sequence speculation depth from acceptance and step costs (default on)")
+from pdserve.cluster.cli_options import (HelpFormatter, add, add_cluster_security_args, add_engine_args,
+                                         add_logging_args, add_public_security_args, add_server_args, add_worker_args,
+                                         speculation_depth)
 
 
-def engine_options(args: argparse.Namespace) -> dict:
+def engine_options(args: argparse.Namespace, speculates: bool = True) -> dict:
     return dict(dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
                 max_model_len=args.max_model_len, draft_model=args.draft_model,
-                num_speculative_tokens=args.num_speculative_tokens, speculative_method=args.speculative_method,
-                spec_adaptive=args.spec_adaptive)
+                num_speculative_tokens=speculation_depth(args, speculates),
+                speculative_method=args.speculative_method, spec_adaptive=args.spec_adaptive)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -48,39 +39,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default: off)")
-
-
-def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    _add_engine_args(p)
-    _add_server_args(p, default_port)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized by memory)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (chunked prefill)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds live requests get to finish before the worker stops")
-    p.add_argument("--advertise-address", default=None, help="HOST:PORT other processes reach this worker at "
-                   "(default: the address it binds; set it when binding 0.0.0.0)")
-    _add_cluster_security_args(p)
-
-
-def _setup_logging(level: str) -> None:
-    import logging
-
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
-
-
-def _worker_engine_config(args: argparse.Namespace):
+def _worker_engine_config(args: argparse.Namespace, speculates: bool):
     from pdserve.engine.config import EngineConfig
 
     if args.num_threads:
@@ -89,7 +48,8 @@ def _worker_engine_config(args: argparse.Namespace):
         torch.set_num_threads(args.num_threads)
     return EngineConfig(model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        seed=args.seed, enable_prefix_caching=not args.no_prefix_caching, **engine_options(args))
+                        seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                        **engine_options(args, speculates))
 
 
 def _serve(name: str, serve) -> int:
@@ -105,24 +65,19 @@ def _serve(name: str, serve) -> int:
 
     async def main() -> None:
         until = asyncio.ensure_future(wait_for_signal())  # signals handled from the start, loading included
+        await asyncio.sleep(0)  # let it install its handlers before anything else runs
         try:
             await serve(until, ready)
         finally:
             until.cancel()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        from pdserve.serving.tracing import shutdown_tracing
+
+        shutdown_tracing()  # the last spans, before the process goes
     return 0
-
-
-def _add_cluster_security_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster credentials (the internal RPCs between router and workers)")
-    g.add_argument("--cluster-token-file", default=None, help="file holding the cluster's shared secret "
-                   "(or PDSERVE_CLUSTER_TOKEN); without one, internal calls are not authenticated")
-    g.add_argument("--cluster-tls-cert", default=None, help="this process's certificate for mutual TLS")
-    g.add_argument("--cluster-tls-key", default=None, help="its private key")
-    g.add_argument("--cluster-tls-ca", default=None, help="the CA every peer's certificate must chain to")
-    g.add_argument("--cluster-tls-server-name", default=None, help="the name peers' certificates carry "
-                   "(default: their address's host)")
 
 
 def cluster_security(args: argparse.Namespace, role: str):
@@ -137,15 +92,15 @@ def cluster_security(args: argparse.Namespace, role: str):
 def _worker(args: argparse.Namespace, service) -> int:
     from pdserve.serving.worker import serve_worker
 
-    engine_config = _worker_engine_config(args)
+    engine_config = _worker_engine_config(args, speculates=service.role == "decode")
+    check_ports_free(args.host, [args.port, args.metrics_port])
     return _serve(args.command, lambda until, ready: serve_worker(
         service, engine_config, args.host, args.port, args.metrics_port, until,
         lambda a: ready({"grpc": a.grpc, "metrics": a.metrics}), drain_timeout_s=args.drain_timeout,
-        advertise=args.advertise_address))
+        advertise=args.advertise_address, warmup=not args.no_warmup))
 
 
 def _decode_worker(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
     from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
@@ -153,7 +108,6 @@ def _decode_worker(args: argparse.Namespace) -> int:
 
 
 def _prefill_worker(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
     from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
@@ -161,11 +115,15 @@ def _prefill_worker(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
+    from pathlib import Path
+
     from pdserve.router.main import serve
 
+    if not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model}: no such checkpoint directory")
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
     config = router_config(args)
+    check_ports_free(args.host, [args.port, args.http_port, args.metrics_port])
     return _serve("router", lambda until, ready: serve(config, split(args.prefill), split(args.decode), args.host,
                                                        args.port, args.http_port, args.metrics_port, until, ready,
                                                        args.drain_timeout))
@@ -179,21 +137,12 @@ def router_config(args: argparse.Namespace):
 
     policy = RouterPolicy(rpc_timeout_s=args.rpc_timeout, queue_timeout_s=args.queue_timeout,
                           max_failovers=args.max_failovers, failover_wait_s=args.failover_wait)
-    return RouterConfig(model=args.model, policy=policy, connect_timeout_s=args.connect_timeout,
+    return RouterConfig(model=args.model, served_model_name=args.served_model_name, policy=policy,
+                        connect_timeout_s=args.connect_timeout,
                         health_interval_s=args.health_interval, max_queued_requests=args.max_queued_requests,
                         max_prompt_chars=args.max_prompt_chars, cluster=cluster_security(args, "router"),
                         tls=TLSFiles(args.tls_cert, args.tls_key),
                         api_keys=ApiKeys.from_flags(args.api_key, args.api_key_rate_limit, args.api_key_max_concurrency))
-
-
-def _add_public_security_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("the public APIs (gRPC and HTTP)")
-    g.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
-    g.add_argument("--tls-key", default=None, help="and this private key")
-    g.add_argument("--api-key", action="append", default=None, help="a key clients must present as "
-                   "'authorization: Bearer <key>' (repeatable; or PDSERVE_API_KEY, comma separated)")
-    g.add_argument("--api-key-rate-limit", type=float, default=None, help="requests per second per key")
-    g.add_argument("--api-key-max-concurrency", type=int, default=None, help="requests in flight per key")
 
 
 # `pdserve serve` flag -> config field (dotted: section.field)
@@ -210,7 +159,6 @@ SERVE_OVERRIDES = {
 
 
 def _serve_system(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
     from pdserve.cluster.config import load
 
     overrides = {field: getattr(args, flag) for flag, field in SERVE_OVERRIDES.items() if field}
@@ -228,7 +176,7 @@ def _serve_system(args: argparse.Namespace) -> int:
     connection = system.start_ray(args.ray_address, args.num_cpus)
     conn_file = system.write_connection_file(connection, embedded=args.ray_address is None)
     try:
-        return _serve("", lambda until, ready: system.serve(config, args.ray_address, args.log_level, until, ready))
+        return _serve("", lambda until, ready: system.serve(config, args.ray_address, telemetry(args), until, ready))
     finally:
         conn_file.unlink(missing_ok=True)
         system.stop_ray()
@@ -239,6 +187,8 @@ def check_ports_free(host: str, ports: list[int]) -> None:
     import socket
 
     for port in ports:
+        if not port:  # None (off) or 0 (any free port)
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
@@ -247,7 +197,6 @@ def check_ports_free(host: str, ports: list[int]) -> None:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
     from pdserve.cluster.serve import connect_to_running
 
     controller = connect_to_running(args.ray_address)
@@ -262,7 +211,6 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
     import dataclasses
     import json
 
@@ -314,10 +262,15 @@ def _add_profile_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving")
+    from pdserve import __version__
+
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving. Settings also come "
+                                     "from PDSERVE_* environment variables (a flag wins); each command's --help "
+                                     "names them.")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="run the offline engine on one prompt, streaming to stdout")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0)
@@ -328,21 +281,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     dec = sub.add_parser("decode-worker", help="serve the decode pool's worker (gRPC)")
-    _add_worker_args(dec, 50061)
+    add_worker_args(dec, 50061)
     dec.add_argument("--stream-timeout", type=float, default=120.0, help="seconds between token deltas at most")
     dec.set_defaults(func=_decode_worker)
 
-    pre = sub.add_parser("prefill-worker", help="serve the prefill pool's worker (gRPC)")
-    _add_worker_args(pre, 50071)
+    pre = sub.add_parser("prefill-worker", help="serve the prefill pool's worker (gRPC); with --draft-model it "
+                         "fills the draft's KV cache too (prefill workers never speculate)")
+    add_worker_args(pre, 50071)
     pre.add_argument("--max-chunk-bytes", type=int, default=1 << 20, help="KV bytes per PushKV message at most")
     pre.set_defaults(func=_prefill_worker)
 
-    rt = sub.add_parser("router", help="serve the public Generation API (gRPC) and OpenAI HTTP")
-    rt.add_argument("--model", required=True, help="checkpoint directory: its tokenizer is used")
-    _add_server_args(rt, 50051)
-    rt.add_argument("--http-port", type=int, default=None, help="serve OpenAI /v1/completions (and /metrics) here too")
-    rt.add_argument("--prefill", default="", help="prefill worker addresses, comma separated (omit: colocated)")
-    rt.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
+    rt = sub.add_parser("router", help="serve the public Generation API (gRPC) and the OpenAI API (HTTP)")
+    add(rt, "--model", required=True, help="checkpoint directory: its tokenizer and chat template are used")
+    add(rt, "--served-model-name", help="the model's name in /v1/models, requests and metrics "
+        "(default: the checkpoint directory's name)")
+    add_server_args(rt, 50051)
+    add(rt, "--http-port", type=int, help="serve the OpenAI API (and /metrics) here too (default: off)")
+    add(rt, "--prefill", default="", help="prefill worker addresses, comma separated (none: colocated)")
+    add(rt, "--decode", required=True, help="decode worker addresses, comma separated")
     rt.add_argument("--rpc-timeout", type=float, default=300.0, help="seconds one request may take end to end")
     rt.add_argument("--connect-timeout", type=float, default=120.0, help="seconds to wait for workers at start")
     rt.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
@@ -355,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a failing-over request waits for a usable worker to (re)appear")
     rt.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
-    _add_cluster_security_args(rt)
-    _add_public_security_args(rt)
+    add_cluster_security_args(rt)
+    add_public_security_args(rt)
     rt.set_defaults(func=_router)
     _add_serve_parser(sub)
     _add_scale_parser(sub)
@@ -365,18 +321,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_plan_parser(sub)
     _add_profile_parser(sub)
+    for command in sub.choices.values():  # every command: defaults in --help, --log-level and --log-format
+        command.formatter_class = HelpFormatter
+        add_logging_args(command)
     return parser
 
 
+# `pdserve serve` flags a container may set through the environment instead
+_SERVE_ENV = {"--config": "PDSERVE_CONFIG", "--model": "PDSERVE_MODEL", "--draft-model": "PDSERVE_DRAFT_MODEL",
+              "--served-model-name": "PDSERVE_SERVED_MODEL_NAME", "--host": "PDSERVE_HOST",
+              "--grpc-port": "PDSERVE_GRPC_PORT", "--http-port": "PDSERVE_HTTP_PORT"}
+
+
 def _add_serve_parser(sub) -> None:
-    sv = sub.add_parser("serve", help="the whole system on Ray: router, prefill and decode pools",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sv.add_argument("--config", default=None, help="YAML file describing the pools (see deploy/pdserve.yaml); "
-                    "flags override it")
+    sv = sub.add_parser("serve", help="the whole system on Ray: router, prefill and decode pools")
+    add(sv, "--config", help="YAML file describing the pools (see deploy/pdserve.yaml); flags override it")
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto' or HOST:PORT) instead "
                     "of starting a private local one")
     sv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray (default: all)")
-    sv.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_logging_args(sv, otlp=True)
     for flag, kind, what in [
             ("--model", str, "checkpoint directory (default: the demo model)"),
             ("--draft-model", str, "draft checkpoint (default: the demo draft)"),
@@ -398,7 +361,10 @@ def _add_serve_parser(sub) -> None:
             ("--metrics-targets-file", str, "where to write the Prometheus file-SD target list"),
             ("--cluster-token-file", str, "the internal RPCs' shared secret (default: a new one per run)"),
             ("--tls-cert", str, "TLS certificate of the public ports"), ("--tls-key", str, "and its key")]:
-        sv.add_argument(flag, type=kind, default=None, help=what + " (default: the config's)")
+        if flag in _SERVE_ENV:
+            add(sv, flag, variable=_SERVE_ENV[flag], type=kind, help=what + " (default: the config's)")
+        else:
+            sv.add_argument(flag, type=kind, default=None, help=what + " (default: the config's)")
     sv.add_argument("--api-key", action="append", default=None, help="an API key clients must present (repeatable)")
     sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
     sv.set_defaults(func=_serve_system)
@@ -411,18 +377,23 @@ def _add_scale_parser(sub) -> None:
     sc.add_argument("--ray-address", default=None, help="the cluster it runs on (default: the one a local "
                     "`pdserve serve` started)")
     sc.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the change")
-    sc.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     sc.set_defaults(func=_scale)
     st = sub.add_parser("status", help="the workers of a running `pdserve serve`: where, which node, which process")
     st.add_argument("--ray-address", default=None, help="as for `pdserve scale`")
     st.add_argument("--json", action="store_true", help="one JSON object")
-    st.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     st.set_defaults(func=_status)
+
+
+def telemetry(args: argparse.Namespace):
+    from pdserve.serving.logs import Telemetry
+
+    return Telemetry(args.log_level, args.log_format, getattr(args, "otlp_endpoint", None))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        telemetry(args).setup(f"pdserve-{args.command}")
         return args.func(args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"pdserve: error: {e}", file=sys.stderr)

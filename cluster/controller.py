@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.worker_actor import Member, WorkerActor, WorkerSpec
+from pdserve.serving.logs import Telemetry, setup_logging
 
 log = logging.getLogger("pdserve.cluster")
 
@@ -42,9 +43,9 @@ class Placed:
 
 
 class Controller:
-    def __init__(self, config: ServeConfig, security, log_level: str = "warning"):
-        logging.basicConfig(level=getattr(logging, log_level.upper()))
-        self.config, self.security, self.log_level = config, security, log_level
+    def __init__(self, config: ServeConfig, security, telemetry: Telemetry = Telemetry()):
+        setup_logging(telemetry.log_level, telemetry.log_format)
+        self.config, self.security, self.telemetry = config, security, telemetry
         self.placed: dict[str, Placed] = {}
         self.members: dict[str, Member] = {}
         self.version = 0
@@ -140,7 +141,7 @@ class Controller:
         worker_id = f"{role}-{next(self._numbers[role])}"
         c = self.config
         spec = WorkerSpec(worker_id, role, c.engine_options(role), num_threads, c.kv_transfer_timeout,
-                          c.stream_timeout, c.router.drain_timeout, self.security, self.log_level)
+                          c.stream_timeout, c.router.drain_timeout, self.security, self.telemetry)
         pool = c.prefill if role == "prefill" else c.decode
         actor = ray.remote(WorkerActor).options(
             name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.cpus, num_gpus=pool.gpus,

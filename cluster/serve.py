@@ -17,11 +17,11 @@ import json
 import logging
 import os
 import secrets
-import sys
 import time
 from pathlib import Path
 
 from pdserve.cluster.config import ServeConfig
+from pdserve.serving.logs import progress
 
 log = logging.getLogger("pdserve.cluster")
 
@@ -128,15 +128,14 @@ class TargetsFile:
 
 
 class Progress:
-    """One line on stderr per stage; quiet when stderr is not a terminal except for stage changes."""
+    """One line on stderr per stage (`serving.logs.progress`: any level, the log format)."""
 
     def __init__(self) -> None:
-        self.started = time.monotonic()
         self._last = ""
 
     def __call__(self, message: str) -> None:
         if message != self._last:
-            print(f"[{time.monotonic() - self.started:5.1f}s] {message}", file=sys.stderr, flush=True)
+            progress(message)
             self._last = message
 
 
@@ -157,8 +156,12 @@ async def follow_membership(controller, pool, targets: TargetsFile, on_change=la
         known = now
 
 
-async def serve(config: ServeConfig, ray_address: str | None, log_level: str, until, on_ready) -> None:
+async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, on_ready) -> None:
+    """`telemetry` (`serving.logs.Telemetry`): how this process logs and traces, passed on to
+    the controller and every worker."""
     import ray
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pdserve.cluster.controller import NAME, NAMESPACE, Controller, PlacementFailed
     from pdserve.router.main import RouterConfig, build_router, serve_router
@@ -172,10 +175,13 @@ async def serve(config: ServeConfig, ray_address: str | None, log_level: str, un
     security, sec = config.cluster_security(), config.security
     progress(f"Ray at {ray.get_runtime_context().gcs_address}; placing {config.prefill.workers} prefill and "
              f"{config.decode.workers} decode workers")
-    controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0,
-                                                max_concurrency=1000).remote(config, security, log_level)
+    # the controller owns the worker actors, and an owner's death takes them with it: it lives on
+    # this process's node, so losing another node never takes the whole system down
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
+                                                scheduling_strategy=here).remote(config, security, telemetry)
     r = config.router
-    router_config = RouterConfig(model=config.model, policy=RouterPolicy(
+    router_config = RouterConfig(model=config.model, served_model_name=config.served_model_name, policy=RouterPolicy(
         rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
         failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
         max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import ray
 
+from pdserve.serving.logs import Telemetry
+
 log = logging.getLogger("pdserve.cluster")
 
 
@@ -30,7 +32,7 @@ class WorkerSpec:
     stream_timeout_s: float
     drain_timeout_s: float
     security: object  # serving.auth.ClusterSecurity: the cluster's secret and TLS files
-    log_level: str = "warning"
+    telemetry: Telemetry = Telemetry()
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,7 @@ class Member:
 
 class WorkerActor:
     def __init__(self, spec: WorkerSpec, controller):
-        logging.basicConfig(level=getattr(logging, spec.log_level.upper()),
-                            format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+        spec.telemetry.setup(f"pdserve-{spec.role}")
         self.spec, self.controller = spec, controller
         self.member: Member | None = None
         self.error: str | None = None

@@ -32,12 +32,14 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.convert import FINISH_REASONS, parse_work_request
+from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, serve_push_kv
+from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
 from pdserve.serving.tickets import TicketError, issue, verify
+from pdserve.serving.tracing import RequestSpans, extract, metadata_value
 from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -63,6 +65,8 @@ class DecodeRequest:
     seq: Sequence | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
     progress: TransferProgress = field(default_factory=TransferProgress)
+    spans: RequestSpans | None = None  # reservation, transfer, decode
+    num_tokens: int = 0  # generated and sent
 
     @property
     def is_live(self) -> bool:
@@ -71,7 +75,11 @@ class DecodeRequest:
 
 def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
     reason = FINISH_REASONS[out.finish_reason.value] if out.finish_reason else 0
-    return worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=out.new_token_ids, finish_reason=reason))
+    delta = worker_pb2.TokenDelta(token_ids=out.new_token_ids, finish_reason=reason)
+    if out.logprobs is not None:
+        num_before = len(out.token_ids) - len(out.new_token_ids)
+        delta.logprobs.extend(logprobs_message(row) for row in out.logprobs[num_before:])
+    return worker_pb2.DecodeEvent(tokens=delta)
 
 
 class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
@@ -112,19 +120,25 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- disaggregated: reserve, then tokens once the K/V arrived ---------------------------
     async def Decode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
+        spans = self._spans(req_id, context, len(ids))
+        spans.start("reservation")
         pending = self.loop.call(lambda e: e.reserve(req_id, ids, params))
         try:
             seq = await asyncio.shield(pending)
         except ValueError as e:
+            spans.finish("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router went away while we reserved: give the blocks back
+            spans.finish("cancelled")
             pending.add_done_callback(lambda f: f.exception() is None and f.result() is not None and self.loop.call(
                 lambda e: e.abort(req_id)))
             raise
+        spans.end("reservation")
         if seq is None:
+            spans.finish("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
         text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s)
-        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq)
+        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans)
         self.num_requests_total += 1
         self.transfers[r.nonce] = r
         self._track(r)
@@ -137,6 +151,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             self.transfers.pop(r.nonce, None)
             self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
+            self._log_end(r)
 
     def _no_room(self, num_prompt_tokens: int) -> str:
         e = self.engine
@@ -149,7 +164,8 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         req_id, ids, params = await self._parse(request, context)
         if req_id in self.loop.sinks:  # a second call with a live request's id must not touch it
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being served")
-        r = DecodeRequest(req_id, DecodeState.RUNNING)
+        r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)))
+        r.spans.start("decode")
         self._track(r)
         try:
             try:
@@ -165,6 +181,20 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
+            self._log_end(r)
+
+    @staticmethod
+    def _spans(req_id: str, context, num_prompt_tokens: int) -> RequestSpans:
+        """The request's id for this task's log lines and its spans, from the call's metadata."""
+        metadata = context.invocation_metadata()
+        request_id.set(metadata_value(metadata, REQUEST_ID_KEY) or req_id)
+        return RequestSpans("pdserve.decode", extract(metadata), req_id=req_id, prompt_tokens=num_prompt_tokens)
+
+    @staticmethod
+    def _log_end(r: DecodeRequest) -> None:
+        status = "ok" if r.state is DecodeState.FINISHED else r.state.value
+        r.spans.finish(status, completion_tokens=r.num_tokens)
+        log.info("request", extra=fields(state=r.state.value, completion_tokens=r.num_tokens))
 
     def _track(self, r: DecodeRequest) -> None:
         self.live.add(r)
@@ -196,6 +226,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             timeout = self.config.stream_timeout_s
             if item.finished:
                 r.state = DecodeState.FINISHED
+            r.num_tokens = len(item.token_ids)
             yield token_delta(item)
             if item.finished:
                 return
@@ -235,7 +266,9 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     self.receiver.receive(r.progress, r.seq, msg)
                 elif isinstance(msg, KVTrailer):
                     self.receiver.finish(r.progress, msg)
-                    await self._activate(r, msg.first_token_id)
+                    r.spans.end("transfer")
+                    r.spans.start("decode")
+                    await self._activate(r, msg.first_token_id, msg.first_token_logprobs)
                     self.kv_transfer_bytes_total += r.progress.num_bytes
                     self.metrics.observe_transfer(time.perf_counter() - opened_at)
                     return KVAck(r.progress.num_chunks, r.progress.num_bytes)
@@ -261,14 +294,17 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             raise TransferError(TransferFailure.CORRUPT, f"transfer for {r.req_id} already {r.state.value}")
         self.receiver.open(r.progress, r.seq, header)
         r.state = DecodeState.RECEIVING
+        r.spans.start("transfer")
         return r
 
-    async def _activate(self, r: DecodeRequest, first_token: int) -> None:
+    async def _activate(self, r: DecodeRequest, first_token: int, logprobs) -> None:
         loop = self.loop
+        logprobs = list(logprobs) if logprobs else None
 
         def run(engine: LLMEngine) -> None:
             if r.state is DecodeState.RUNNING:  # not ended while this command waited (`_end` frees it then)
-                loop.deliver_soon([engine.activate(r.req_id, first_token)])  # before any later step's outputs
+                # before any later step's outputs
+                loop.deliver_soon([engine.activate(r.req_id, first_token, logprobs)])
 
         r.state = DecodeState.RUNNING
         await loop.call(run)

@@ -21,6 +21,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model.config import load_model_config
 from pdserve.engine.model_runner import BatchEntry, ModelRunner, kv_bytes_per_block
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.penalties import penalize
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -212,11 +213,15 @@ class LLMEngine:
         self._register(seq)
         return seq
 
-    def activate(self, req_id: str, first_token: int) -> RequestOutput:
+    def activate(self, req_id: str, first_token: int, first_logprobs: list[tuple[int, float]] | None = None
+                 ) -> RequestOutput:
         """Decode worker, once a reserved sequence's K/V transfer is verified: its prompt counts
         as computed (in the draft's cache too, which the transfer also filled), it joins the
-        running batch, and the first token is appended (which may already finish it)."""
+        running batch, and the first token is appended (which may already finish it), with the
+        log-probs the prefill worker computed for it when the request asked for them."""
         seq = self._requests[req_id].seq
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(first_logprobs or [(first_token, float("nan"))])
         seq.num_computed_tokens = seq.num_prompt_tokens
         if self.draft_runner is not None:
             seq.num_draft_computed_tokens = seq.num_prompt_tokens
@@ -285,13 +290,15 @@ class LLMEngine:
         return {i: prop for i, prop in zip(idx, props) if prop.token_ids}
 
     def _postprocess(self, batch: list[BatchEntry], logits, proposals: dict[int, Proposal]) -> list[RequestOutput]:
-        rows = logits.split([e.num_logits for e in batch])
+        # what picks tokens sees the penalized logits; reported log-probs are the model's own
+        sizes = [e.num_logits for e in batch]
+        raw, rows = logits.split(sizes), penalize(logits, batch).split(sizes)
         for e in batch:
             e.seq.num_computed_tokens += e.num_new_tokens
         plain = [i for i, e in enumerate(batch) if e.num_logits and i not in proposals]
-        outputs = self._sample_plain([batch[i].seq for i in plain], [rows[i] for i in plain])
+        outputs = self._sample_plain([batch[i].seq for i in plain], [rows[i] for i in plain], [raw[i] for i in plain])
         for i, prop in proposals.items():
-            outputs.append(self._verify(batch[i].seq, prop, rows[i]))
+            outputs.append(self._verify(batch[i].seq, prop, rows[i], raw[i]))
         for e in batch:
             if not e.num_logits:
                 self.block_manager.commit(e.seq)
@@ -299,18 +306,18 @@ class LLMEngine:
                 self.block_manager.truncate(e.seq, e.seq.num_tokens)  # unused lookahead slots
         return outputs
 
-    def _sample_plain(self, seqs: list[Sequence], rows: list) -> list[RequestOutput]:
+    def _sample_plain(self, seqs: list[Sequence], rows: list, raw_rows: list) -> list[RequestOutput]:
         if not seqs:
             return []
         logits = torch.cat(rows)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                      [s.num_tokens for s in seqs])
         outputs = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+        for seq, raw, tok in zip(seqs, raw_rows, tokens):
+            self._record_logprobs(seq, raw, [tok])
             if seq.is_prefill_only:
                 outputs.append(self._hand_off(seq, tok))
                 continue
-            self._record_logprobs(seq, logits[i:i + 1], [tok])
             outputs.append(self.append_tokens(seq, [tok]))
         return outputs
 
@@ -321,11 +328,11 @@ class LLMEngine:
         self.scheduler.hold(seq)
         return self._output(self._requests[seq.req_id])
 
-    def _verify(self, seq: Sequence, prop: Proposal, logits) -> RequestOutput:
+    def _verify(self, seq: Sequence, prop: Proposal, logits, raw_logits) -> RequestOutput:
         before = seq.num_tokens
         tokens = self.speculator.verify(seq, prop, logits)
         self.speculator.rollback(seq, before, len(tokens) - 1)
-        self._record_logprobs(seq, logits[:len(tokens)], tokens)
+        self._record_logprobs(seq, raw_logits[:len(tokens)], tokens)
         return self.append_tokens(seq, tokens)
 
     def _record_logprobs(self, seq: Sequence, logits, tokens: list[int]) -> None:

@@ -127,6 +127,14 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     return tokenizer
 
 
+# The model knows only Python source, so a conversation is shown to it as a module docstring
+# ("role: content" lines) followed by "def ", which it continues as code.
+CHAT_TEMPLATE = ("{{ '\"\"\"\\n' }}"
+                 "{%- for message in messages -%}{{ message['role'] ~ ': ' ~ message['content'] ~ '\\n' }}{%- endfor -%}"
+                 "{{ '\"\"\"\\n' }}"
+                 "{%- if add_generation_prompt -%}{{ '\\ndef ' }}{%- endif -%}")
+
+
 def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {
@@ -136,6 +144,7 @@ def save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
         "pad_token": PAD,
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

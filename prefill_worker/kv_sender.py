@@ -52,10 +52,10 @@ class KVSender:
             self.num_chunks += 1
             self.num_bytes += len(data)
 
-    def finish(self, first_token: int) -> None:
+    def finish(self, first_token: int, logprobs: list[tuple[int, float]] | None = None) -> None:
         self.first_token = first_token
         self.finished_at = time.perf_counter()
-        self._put(KVTrailer(self.num_chunks, first_token))
+        self._put(KVTrailer(self.num_chunks, first_token, tuple(logprobs) if logprobs else None))
         self._put(_END)
 
     def fail(self, reason: str) -> None:

@@ -25,7 +25,9 @@ from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
+from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
 from pdserve.serving.tickets import Ticket, TicketError, verify
+from pdserve.serving.tracing import RequestSpans, extract, metadata_value
 from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -103,6 +105,9 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
         r = PrefillRequest(req_id, KVSender(asyncio.get_running_loop(), header, self.config.max_chunk_bytes))
+        metadata = context.invocation_metadata()
+        request_id.set(metadata_value(metadata, REQUEST_ID_KEY) or req_id)  # this task's log lines, the KV push
+        spans = RequestSpans("pdserve.prefill", extract(metadata), req_id=req_id, prompt_tokens=len(ids))
         self.requests[req_id] = r
         self.loop.sinks[req_id] = lambda item: self._on_output(r, item)
         try:
@@ -116,6 +121,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             await context.abort(STATUS_OF[e.failure], str(e))
         finally:
             self._end(r)
+            self._finish_spans(r, spans)
         s = r.sender
         return worker_pb2.PrefillResponse(first_token_id=s.first_token, num_chunks=ack.num_chunks,
                                           num_bytes=ack.num_bytes, prefill_seconds=s.finished_at - s.created_at,
@@ -132,6 +138,19 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                                 "another request")
         return ticket
 
+    @staticmethod
+    def _finish_spans(r: PrefillRequest, spans: RequestSpans) -> None:
+        """queue (until the first layer's K/V), prefill (until the first token), push (the first
+        K/V sent until the decode side verified them: it overlaps the prefill by design)."""
+        s, now = r.sender, time.perf_counter()
+        spans.add("queue", s.created_at, s.first_layer_at or now)
+        spans.add("prefill", s.first_layer_at, s.finished_at)
+        spans.add("push", s.first_layer_at, now, num_bytes=s.num_bytes, num_chunks=s.num_chunks)
+        status = r.state.value if r.ended is not PrefillState.DONE else "ok"
+        spans.finish(status)
+        log.info("request", extra=fields(state=r.state.value, prompt_seconds=(
+            round(s.finished_at - s.created_at, 6) if s.finished_at else None)))
+
     def _add(self, engine: LLMEngine, r: PrefillRequest, ids: list[int], params) -> None:
         """Engine thread: queue the prompt (ValueError on a bad request)."""
         engine.add_prefill(r.req_id, ids, params)
@@ -141,7 +160,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if isinstance(item, Exception):
             r.sender.fail(str(item))
         elif item.new_token_ids:
-            r.sender.finish(item.new_token_ids[0])
+            r.sender.finish(item.new_token_ids[0], item.logprobs[0] if item.logprobs else None)
 
     async def _push(self, r: PrefillRequest, address: str):
         started = time.perf_counter()

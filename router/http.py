@@ -1,92 +1,71 @@
-"""OpenAI-compatible HTTP front end: `POST /v1/completions` (streaming as server-sent events),
-`GET /v1/models`, `GET /health`, `GET /metrics` (the router's Prometheus metrics). It builds the
-same `GenerateRequest` the gRPC API takes and runs it through the same `Router`, so validation,
-admission, cancellation and metrics are shared.
+"""OpenAI-compatible HTTP front end: `POST /v1/completions` and `POST /v1/chat/completions`
+(streaming as server-sent events), `GET /v1/models`, `GET /health`, `GET /ready`, `GET /metrics`
+(the router's Prometheus metrics). Bodies are parsed strictly (`openai_params.py`), a chat is
+rendered with the model's own chat template (`chat_template.py`), and the result is the same
+`GenerateRequest` the gRPC API takes, run through the same `Router`, so validation, admission,
+cancellation and metrics are shared. Responses take OpenAI's shapes (`openai_format.py`).
 
-Status codes: 400 for bad input (the message names the field), 429 when no worker can admit
-the request, 503 when workers fail. A client that disconnects mid-stream cancels the request,
-which frees its blocks on both workers.
+`n` > 1 fans out into n requests whose seeds derive from the request's (choice 0 keeps it, so
+n = 1 and n = 2 agree on the first choice), run concurrently; their choices carry their index.
+
+Status codes, in OpenAI's error shape: 400 for bad input (naming the parameter), 404 for a model
+this server does not serve, 429 when no worker can admit the request, 503 when workers fail. A
+client that disconnects mid-stream cancels its requests, which frees their blocks on both workers.
 """
 from __future__ import annotations
 
-import json
+import asyncio
+import dataclasses
+import hashlib
 import logging
 import time
 
 import grpc
 from aiohttp import web
 
-from pdserve.serving.convert import FINISH_REASON_NAMES
-from pdserve.serving.metrics import metrics_handler, start_http_app
-from pdserve.v1 import generation_pb2 as gen_pb2
-from pdserve.router.request import RequestFailed
+from pdserve.router.chat_template import ChatTemplate, TemplateError
+from pdserve.router.openai_format import Choice, TokenText, error_response, sse, usage
+from pdserve.router.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion, parse_json
+from pdserve.router.request import RequestFailed, RouterRequest
 from pdserve.router.server import Router
+from pdserve.serving.metrics import metrics_handler, start_http_app
+from pdserve.serving.tracing import extract
 
 log = logging.getLogger("pdserve.router.http")
 
-# OpenAI field -> our SamplingParams field (all optional)
-_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int,
-                    "seed": int}
-_UNSUPPORTED = ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias")
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-                grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+                grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401}
+# the gRPC-side field a validation message names -> the OpenAI parameter it came from
+_OPENAI_PARAM = {"token_ids": "prompt", "request_id": "user"}
 MAX_BODY_BYTES = 8 << 20
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes and scrapes: no API key
+_END = object()
 
 
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
+def derive_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: the request's own for choice 0, a hash of (seed, index) after."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "big")
 
 
-def completion_request(body: object) -> gen_pb2.GenerateRequest:
-    """OpenAI completions body -> GenerateRequest. ValueError names the field."""
-    if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, 1 if name in ("n", "best_of") else None, False):
-            raise ValueError(f"{name} is not supported")
-    req = gen_pb2.GenerateRequest(request_id=str(body.get("user") or ""))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        req.prompt = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        req.token_ids.ids.extend(prompt)
-    else:
-        raise ValueError("prompt must be a string or a list of non-negative token ids")
-    sp = req.sampling_params
-    for name, kind in _SAMPLING_FIELDS.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ValueError(f"{name} must be a number{' (integer)' if kind is int else ''}, got {value!r}")
-        if kind is int and not (-2**31 <= value < 2**64):
-            raise ValueError(f"{name} is out of range: {value!r}")
-        if name == "max_tokens" and value < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {value!r}")
-        if name == "seed" and value < 0:
-            raise ValueError(f"seed must be >= 0, got {value!r}")
-        setattr(sp, name, kind(value))
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ValueError("stop must be a string or a list of strings")
-    sp.stop.extend(stop)
-    sp.ignore_eos = bool(body.get("ignore_eos", False))
-    return req
+def fan_out(req: RouterRequest, n: int) -> list[RouterRequest]:
+    if n == 1:
+        return [req]
+    return [dataclasses.replace(req, req_id=f"{req.req_id}-{i}",
+                                params=dataclasses.replace(req.params, seed=derive_seed(req.params.seed, i)))
+            for i in range(n)]
 
 
-class CompletionsApp:
-    def __init__(self, router: Router, model_name: str):
-        self.router, self.model_name = router, model_name
+class OpenAIApp:
+    def __init__(self, router: Router, model_name: str, chat_template: ChatTemplate | None = None):
+        self.router, self.model_name, self.chat_template = router, model_name, chat_template
+        self.token_text = TokenText(router.tokenizer)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.authenticate])
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
@@ -122,85 +101,162 @@ class CompletionsApp:
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "owned_by": "pdserve"}]})
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, is_chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, is_chat=True)
+
+    # ---- one request: parse, validate, fan out, answer -------------------------------------
+    async def _serve(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         trace = self.router.metrics.arrived()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # deep nesting too: 400, not 500
+            oreq, req = await self._parse(await request.read(), is_chat)
+        except web.HTTPRequestEntityTooLarge as e:  # counted like every other answer
             self.router.metrics.count("invalid_argument")
-            return _error(400, "body is not valid JSON")
-        try:
-            self.router.check_accepting()
-            req = self.router.validator.parse(completion_request(body))
+            return error_response(413, e.text or "the request body is too large", None, "request_too_large")
+        except OpenAIError as e:
+            self.router.metrics.count("not_found" if e.status == 404 else "invalid_argument")
+            return error_response(e.status, str(e), e.param, e.code)
         except ValueError as e:  # the gRPC-side names ("sampling_params.top_p") read as OpenAI's ("top_p")
             self.router.metrics.count("invalid_argument")
             message = str(e).removeprefix("sampling_params.")
-            return _error(400, message, param=message.split(" ", 1)[0])
+            if is_chat and message.startswith("prompt"):
+                message = "messages: the rendered conversation" + message.removeprefix("prompt")
+            param = message.split(" ", 1)[0].rstrip(":")
+            return error_response(400, message, _OPENAI_PARAM.get(param, param), "invalid_value")
         except RequestFailed as e:
             self.router.metrics.count(e.code.name.lower())
-            return _error(_HTTP_STATUS.get(e.code, 503), str(e))
-        meta = {"id": f"cmpl-{req.req_id}", "created": int(time.time()), "model": self.model_name}
-        if body.get("stream"):
-            return await self._stream(request, req, trace, meta)
-        return await self._complete(req, trace, meta)
+            return error_response(_HTTP_STATUS.get(e.code, 503), str(e))
+        reqs = fan_out(req, oreq.n)
+        traces = [trace] + [self.router.metrics.arrived() for _ in reqs[1:]]
+        kind = "chatcmpl" if is_chat else "cmpl"
+        meta = {"id": f"{kind}-{req.req_id}", "created": int(time.time()), "model": self.model_name}
+        prefix = self._echo_prefix(oreq, req)
+        choices = [Choice(i, self.token_text, oreq.num_logprobs, prefix) for i in range(oreq.n)]
+        parent = extract(request.headers)  # the client's traceparent, if any
+        if oreq.stream:
+            return await self._stream(request, oreq, reqs, traces, choices, meta, parent)
+        return await self._complete(oreq, reqs, traces, choices, meta, parent)
 
-    async def _complete(self, req, trace, meta: dict) -> web.Response:
-        text, last = [], None
-        try:
-            async for resp in self.router.generate(req, trace):
-                text.append(resp.text)
-                last = resp
-        except RequestFailed as e:
-            return _error(_HTTP_STATUS.get(e.code, 503), str(e))
-        choice = {"index": 0, "text": "".join(text), "logprobs": None,
-                  "finish_reason": FINISH_REASON_NAMES.get(last.finish_reason)}
-        return web.json_response({**meta, "object": "text_completion", "choices": [choice],
-                                  "usage": _usage(last)})
+    async def _parse(self, raw: bytes, is_chat: bool) -> tuple[OpenAIRequest, RouterRequest]:
+        oreq = parse_chat(parse_json(raw)) if is_chat else parse_completion(parse_json(raw))
+        if oreq.model is not None and oreq.model != self.model_name:
+            raise OpenAIError(404, f"The model `{oreq.model}` does not exist (this server serves "
+                              f"`{self.model_name}`)", "model", "model_not_found")
+        if is_chat:
+            oreq.message.prompt = self._render(oreq)
+        self.router.check_accepting()
+        req = await self.router.parse(oreq.message)  # tokenizing off the event loop
+        return oreq, self._fit_context(oreq, req)
 
-    async def _stream(self, request: web.Request, req, trace, meta: dict) -> web.StreamResponse:
-        gen = self.router.generate(req, trace)
+    def _render(self, oreq: OpenAIRequest) -> str:
+        if self.chat_template is None:
+            raise OpenAIError(400, f"the model `{self.model_name}` has no chat template (no chat_template in its "
+                              "tokenizer_config.json): use /v1/completions", "messages", "no_chat_template")
         try:
-            first = await anext(gen)  # admission failures still get a proper status code
-        except RequestFailed as e:
-            return _error(_HTTP_STATUS.get(e.code, 503), str(e))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+            return self.chat_template.render(oreq.messages)
+        except TemplateError as e:
+            raise OpenAIError(400, f"messages: {e}", "messages", "invalid_value") from None
+
+    def _fit_context(self, oreq: OpenAIRequest, req: RouterRequest) -> RouterRequest:
+        """max_tokens must fit the model's context beside the prompt; a chat without it gets
+        the rest of the context."""
+        max_model_len = self.router.validator.limits.max_model_len
+        room = max_model_len - len(req.prompt_token_ids)
+        if not oreq.has_max_tokens:
+            return dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=room))
+        if req.params.max_tokens > room:
+            name = "max_tokens"
+            raise OpenAIError(400, f"{name} is {req.params.max_tokens}, but the prompt has {len(req.prompt_token_ids)} "
+                              f"tokens and the model's context is {max_model_len}: at most {room}", name,
+                              "context_length_exceeded")
+        return req
+
+    def _echo_prefix(self, oreq: OpenAIRequest, req: RouterRequest) -> str:
+        if not oreq.echo:
+            return ""
+        if oreq.message.WhichOneof("input") == "prompt":
+            return oreq.message.prompt
+        return self.router.tokenizer.decode(req.prompt_token_ids) if self.router.tokenizer else ""
+
+    async def _complete(self, oreq, reqs, traces, choices: list[Choice], meta: dict, parent) -> web.Response:
+        async def run(req, trace, choice):
+            async for msg in self.router.generate(req, trace, parent):
+                choice.add(msg)
+
+        tasks = [asyncio.ensure_future(run(*args)) for args in zip(reqs, traces, choices)]
         try:
-            msg = first
-            while msg is not None:
-                await resp.write(_sse({**meta, "object": "text_completion", "choices": [_chunk_choice(msg)],
-                                       **({"usage": _usage(msg)} if msg.finish_reason else {})}))
-                msg = await anext(gen, None)
+            await asyncio.gather(*tasks)
         except RequestFailed as e:
-            await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": e.code.name}}))
+            return error_response(_HTTP_STATUS.get(e.code, 503), str(e))
         finally:
-            await gen.aclose()  # a vanished client lands here too: the workers' calls are cancelled
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+            for t in tasks:
+                t.cancel()
+        body = {**meta, "object": "chat.completion" if oreq.is_chat else "text_completion",
+                "choices": [c.chat() if oreq.is_chat else c.completion() for c in choices],
+                "usage": usage(len(reqs[0].prompt_token_ids), sum(c.num_tokens for c in choices))}
+        return web.json_response(body)
 
+    async def _stream(self, request, oreq, reqs, traces, choices: list[Choice], meta: dict,
+                      parent) -> web.StreamResponse:
+        queue: asyncio.Queue = asyncio.Queue()
 
-def _chunk_choice(msg: gen_pb2.GenerateResponse) -> dict:
-    return {"index": 0, "text": msg.text, "logprobs": None, "token_ids": list(msg.token_ids),
-            "finish_reason": FINISH_REASON_NAMES.get(msg.finish_reason)}
+        async def pump(i, req, trace):
+            try:
+                async for msg in self.router.generate(req, trace, parent):
+                    queue.put_nowait((i, msg))
+            except RequestFailed as e:
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, _END))
 
+        tasks = [asyncio.ensure_future(pump(i, r, t)) for i, (r, t) in enumerate(zip(reqs, traces))]
+        try:
+            i, first = await queue.get()  # admission failures still get a proper status code
+            if isinstance(first, RequestFailed):
+                return error_response(_HTTP_STATUS.get(first.code, 503), str(first))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await self._write_events(resp, oreq, choices, meta, queue, (i, first), len(tasks))
+            await resp.write(sse("[DONE]"))
+            return resp
+        finally:
+            for t in tasks:  # a vanished client lands here too: the workers' calls are cancelled
+                t.cancel()
 
-def _usage(msg: gen_pb2.GenerateResponse) -> dict:
-    u = msg.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
-
-
-def _sse(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
+    async def _write_events(self, resp, oreq, choices, meta, queue, item, num_open: int) -> None:
+        obj = "chat.completion.chunk" if oreq.is_chat else "text_completion"
+        prompt_tokens = 0
+        while True:
+            i, msg = item
+            if msg is _END:
+                num_open -= 1
+                if num_open == 0:
+                    break
+            elif isinstance(msg, RequestFailed):
+                await resp.write(sse({"error": {"message": str(msg), "type": "server_error", "code": msg.code.name}}))
+            else:
+                choice = choices[i]
+                chunk = choice.chat_chunk(msg) if oreq.is_chat else choice.completion_chunk(msg)
+                event = {**meta, "object": obj, "choices": [chunk]}
+                if msg.finish_reason:
+                    prompt_tokens = msg.usage.prompt_tokens
+                    if not oreq.is_chat:  # completions have always carried it on a choice's last chunk
+                        event["usage"] = usage(prompt_tokens, msg.usage.completion_tokens)
+                await resp.write(sse(event))
+            item = await queue.get()
+        if oreq.include_usage:
+            await resp.write(sse({**meta, "object": obj, "choices": [],
+                                  "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))}))
 
 
 async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve",
-                     ssl_context=None) -> tuple[web.AppRunner, int]:
+                     chat_template: ChatTemplate | None = None, ssl_context=None) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    runner, bound = await start_http_app(CompletionsApp(router, model_name).app(), host, port, ssl_context,
+    runner, bound = await start_http_app(OpenAIApp(router, model_name, chat_template).app(), host, port, ssl_context,
                                          handler_cancellation=True)
     log.info("http listening address=%s:%d", host, bound)
     return runner, bound

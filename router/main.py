@@ -23,7 +23,8 @@ log = logging.getLogger("pdserve.router")
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    model: str  # its tokenizer is used
+    model: str  # its tokenizer and chat template are used
+    served_model_name: str | None = None  # what /v1/models lists and requests must name; default: model's folder
     policy: RouterPolicy = RouterPolicy()
     connect_timeout_s: float = 120.0  # standalone: for the listed workers to come up
     health_interval_s: float = 1.0
@@ -40,13 +41,19 @@ class RouterConfig:
         for name in ("max_queued_requests", "max_prompt_chars"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RouterConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("RouterConfig.served_model_name must not be empty")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name
 
 
 def build_router(config: RouterConfig, pool: WorkerPool, model_name: str | None = None) -> Router:
     tokenizer = Tokenizer.from_dir(config.model)
     validator = Validator(tokenizer, config.max_prompt_chars, pool.limits)
     return Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests), config.policy,
-                  RouterMetrics(model_name or Path(config.model).name), config.api_keys)
+                  RouterMetrics(model_name or config.name), config.api_keys)
 
 
 async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,
@@ -81,9 +88,10 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
     runners, addresses = [], {"grpc": server.address}
     try:
         if http_port is not None:
+            from pdserve.router.chat_template import ChatTemplate
             from pdserve.router.http import start_http
 
-            runner, bound = await start_http(router, host, http_port, Path(config.model).name,
+            runner, bound = await start_http(router, host, http_port, config.name, ChatTemplate.from_dir(config.model),
                                              config.tls.ssl_context() if config.tls.enabled else None)
             runners.append(runner)
             addresses["http"] = f"{host}:{bound}"

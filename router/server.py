@@ -38,6 +38,8 @@ from pdserve.router.validate import Validator
 from pdserve.router import wire
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.serving.convert import work_request_message
+from pdserve.serving.logs import fields
+from pdserve.serving.tracing import RequestSpans, extract, outgoing_metadata
 from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
@@ -119,22 +121,27 @@ class Router:
         while self.flights and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.05)
 
-    async def generate(self, req: RouterRequest, trace: RequestTrace | None = None):
-        """`trace`: from `metrics.arrived()` when the request arrived (default: now)."""
+    async def generate(self, req: RouterRequest, trace: RequestTrace | None = None, parent=None):
+        """`trace`: from `metrics.arrived()` when the request arrived (default: now); `parent`:
+        the client's trace context (`serving.tracing.extract`), if it sent one."""
         trace = trace or self.metrics.arrived()
         stream = ClientStream(req, self.tokenizer)
         deadline = time.monotonic() + self.policy.rpc_timeout_s
         failures: list[RequestFailed] = []
         flight = Flight()
         self.flights.add(flight)
+        spans = RequestSpans("pdserve.request", parent, req_id=req.req_id, client_request_id=req.client_request_id,
+                             prompt_tokens=len(req.prompt_token_ids))
+        status = "cancelled"
         try:
             while True:
                 try:
-                    async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight):
+                    async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight, spans):
                         trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
                         self.metrics.delta_out(trace, len(resp.token_ids))
                         if stream.finished:
                             self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
+                            status = "ok"
                         yield resp
                     return
                 except RequestFailed as e:
@@ -144,21 +151,25 @@ class Router:
                     failures.append(e)
                     trace.state = RequestState.RE_ADMITTED
                     self.metrics.failed_over()
-                    log.warning("failing over req_id=%s after %d tokens (attempt %d): %s: %s", req.req_id,
-                                len(stream.sent_ids), len(failures), e.code.name, e)
+                    log.warning("failing over after %d tokens (attempt %d): %s: %s", len(stream.sent_ids),
+                                len(failures), e.code.name, e, extra={"req_id": req.req_id})
         except RequestFailed as e:
             trace.state = RequestState.FAILED
-            self.metrics.ended(trace, e.code.name.lower())
+            status = e.code.name.lower()
+            self.metrics.ended(trace, status)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             trace.state = RequestState.CANCELLED
             raise
         except Exception:
             trace.state = RequestState.FAILED
+            status = "error"
             self.metrics.ended(trace, "error")
             raise
         finally:
             self.flights.discard(flight)
+            spans.finish(status, completion_tokens=len(stream.sent_ids), failovers=len(failures))
+            log_request(req, trace, status, len(stream.sent_ids), len(failures))
             if trace.state is not RequestState.FINISHED:
                 self.metrics.ended(trace, "cancelled")  # a no-op when it ended above
 
@@ -178,9 +189,19 @@ class Router:
 
     # ---- one attempt: admission, prefill, the decode stream ------------------------------
     async def _attempt(self, req: RouterRequest, stream: ClientStream, trace: RequestTrace, attempt: int,
-                       deadline: float, flight: Flight):
+                       deadline: float, flight: Flight, spans: RequestSpans):
         work = self._work(req, stream, attempt)
-        call, decode, ticket = await self._admit(work, attempt > 0, deadline)
+        # the cluster's credentials, and the request's id and trace context, on every worker call
+        metadata = (*self.pool.security.metadata,
+                    *outgoing_metadata(work.req_id, spans.start("attempt", attempt=attempt)))
+        spans.start("admission")
+        try:
+            call, decode, ticket = await self._admit(work, attempt > 0, deadline, metadata)
+        except BaseException:
+            spans.end("attempt")
+            raise
+        finally:
+            spans.end("admission")
         flight.call = call
         prefill_task = None
         try:
@@ -188,15 +209,16 @@ class Router:
                 trace.state = RequestState.ADMITTED
                 self.metrics.admitted(trace, len(req.prompt_token_ids))
             if self.pool.is_disaggregated:
-                prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline))
+                prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline, metadata))
                 trace.state = RequestState.PREFILLING
-            async for ids, reason in self._events(call, decode, prefill_task, flight):
-                yield stream.delta(ids, reason)
+            async for ids, reason, logprobs in self._events(call, decode, prefill_task, flight):
+                yield stream.delta(ids, reason, logprobs)
                 if stream.finished:
                     return
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} ended the stream "
                                 "without finishing the request")
         finally:
+            spans.end("attempt")
             call.cancel()
             # a finished request's prefill is only waiting for the decode side's acknowledgement,
             # which has been sent: let it complete, so the prefill worker counts a good transfer
@@ -210,10 +232,11 @@ class Router:
         """The request for the workers: after a failover, the prompt plus what was already sent."""
         if attempt == 0:
             return work_request_message(req.req_id, req.prompt_token_ids, req.params)
-        params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - len(stream.sent_ids))
+        params = dataclasses.replace(req.params, max_tokens=req.params.max_tokens - len(stream.sent_ids),
+                                     num_output_tokens_in_prompt=len(stream.sent_ids))
         return work_request_message(f"{req.req_id}.{attempt}", req.prompt_token_ids + stream.sent_ids, params)
 
-    async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float):
+    async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float, metadata=()):
         """A decode worker's reservation: (call, worker, transfer ticket). Waits in the admission queue
         while every worker is full; when a pool has no usable worker, UNAVAILABLE at once (or,
         during a failover, after `failover_wait_s` for one to come back)."""
@@ -223,7 +246,7 @@ class Router:
             for w in candidates:
                 w.num_in_flight += 1  # before the answer: a burst spreads over the workers
                 try:
-                    admitted = await self._reserve(w, work, deadline)
+                    admitted = await self._reserve(w, work, deadline, metadata)
                 except BaseException:
                     w.num_in_flight -= 1
                     raise
@@ -249,10 +272,10 @@ class Router:
             await asyncio.sleep(0.1)
         return self.pool.decode_candidates()
 
-    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float):
+    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=()):
         """(call, worker, transfer ticket), or None when this worker cannot take it."""
         rpc = w.stub.Decode if self.pool.is_disaggregated else w.stub.PrefillAndDecode
-        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=self.pool.security.metadata)
+        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         try:
             event = await call.read()
         except asyncio.CancelledError:
@@ -269,7 +292,7 @@ class Router:
         return call, w, event.admitted.ticket
 
     async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker, ticket: str,
-                       deadline: float) -> worker_pb2.PrefillResponse:
+                       deadline: float, metadata=()) -> worker_pb2.PrefillResponse:
         prompt = list(work.prompt_token_ids)
         candidates = self.pool.prefill_candidates(decode, prompt)
         if not candidates:
@@ -279,8 +302,7 @@ class Router:
         w.num_in_flight += 1
         try:
             resp = await w.stub.Prefill(worker_pb2.PrefillRequest(request=work, ticket=ticket),
-                                        timeout=max(deadline - time.monotonic(), 0.001),
-                                        metadata=self.pool.security.metadata)
+                                        timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_unavailable(w)
@@ -294,7 +316,7 @@ class Router:
         return resp
 
     async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight):
-        """(token ids, finish reason) of each delta on the decode stream; a failed prefill ends it
+        """(token ids, finish reason, log-probs) of each delta on the decode stream; a failed prefill ends it
         with the prefill's failure, and the router's own abort with its reason."""
         failure: list[RequestFailed] = []
         if prefill_task is not None:
@@ -304,7 +326,7 @@ class Router:
             # forbids mixing the two on one call
             while (event := await call.read()) is not grpc.aio.EOF:
                 if event.WhichOneof("event") == "tokens":
-                    yield list(event.tokens.token_ids), event.tokens.finish_reason
+                    yield list(event.tokens.token_ids), event.tokens.finish_reason, event.tokens.logprobs
         except grpc.aio.AioRpcError as e:
             if failure:
                 raise failure[0] from None
@@ -317,6 +339,18 @@ class Router:
             if flight.abort_reason is not None:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, flight.abort_reason) from None
             raise
+
+
+def log_request(req: RouterRequest, trace: RequestTrace, status: str, completion_tokens: int, failovers: int) -> None:
+    """The one info line of a request, however it ended."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    now = time.monotonic()
+    ttft = None if trace.first_token_s is None else round(trace.first_token_s - trace.arrival_s, 6)
+    log.info("request", extra={"req_id": req.req_id, **fields(
+        client_request_id=req.client_request_id, status=status, prompt_tokens=len(req.prompt_token_ids),
+        completion_tokens=completion_tokens, ttft_s=ttft, e2e_s=round(now - trace.arrival_s, 6),
+        failovers=failovers)})
 
 
 def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
@@ -342,6 +376,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         router = self.router
         trace = router.metrics.arrived()
+        parent = extract(context.invocation_metadata())  # the client's trace context, if any
         try:
             if isinstance(request, bytes):
                 request = wire.parse(gen_pb2.GenerateRequest, request)
@@ -361,10 +396,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 except ValueError as e:
                     router.metrics.count("invalid_argument")
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                async for resp in router.generate(req, trace):
+                async for resp in router.generate(req, trace, parent):
                     yield resp
         except RequestFailed as e:
             if trace.state is RequestState.RECEIVED:  # refused before it began: count it here
                 router.metrics.count(e.code.name.lower())
-            log.info("request failed code=%s: %s", e.code.name, e)
             await context.abort(e.code, str(e))

@@ -7,7 +7,8 @@ from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import worker_pb2
 
 # The OpenAI defaults for unset optional fields; max_tokens 16 as in OpenAI's completions API.
-_OPTIONAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 16, "seed": None}
+_OPTIONAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 16, "seed": None,
+                      "logprobs": None, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 FINISH_REASONS = {"stop": gen_pb2.STOP, "length": gen_pb2.LENGTH, "abort": gen_pb2.ABORT}
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
@@ -39,15 +40,20 @@ def sampling_message(p: SamplingParams) -> gen_pb2.SamplingParams:
     msg = gen_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                                  max_tokens=p.max_tokens, stop=p.stop, stop_token_ids=p.stop_token_ids,
                                  ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        msg.seed = p.seed
+    for name in ("seed", "logprobs"):
+        if getattr(p, name) is not None:
+            setattr(msg, name, getattr(p, name))
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(p, name):
+            setattr(msg, name, getattr(p, name))
     return msg
 
 
 def work_request_message(req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> worker_pb2.WorkRequest:
     """What the router sends a worker: a validated, tokenized, seeded request."""
     return worker_pb2.WorkRequest(req_id=req_id, prompt_token_ids=prompt_token_ids,
-                                  sampling_params=sampling_message(params))
+                                  sampling_params=sampling_message(params),
+                                  num_output_tokens_in_prompt=params.num_output_tokens_in_prompt)
 
 
 def parse_work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], SamplingParams]:
@@ -55,7 +61,25 @@ def parse_work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], Sam
     if not msg.req_id:
         raise ValueError("req_id is empty")
     check_stop_limits(msg.sampling_params.stop, msg.sampling_params.stop_token_ids)
-    return msg.req_id, list(msg.prompt_token_ids), SamplingParams(**sampling_kwargs(msg.sampling_params))
+    if msg.num_output_tokens_in_prompt > len(msg.prompt_token_ids):
+        raise ValueError("num_output_tokens_in_prompt is longer than the prompt")
+    params = SamplingParams(**sampling_kwargs(msg.sampling_params),
+                            num_output_tokens_in_prompt=msg.num_output_tokens_in_prompt)
+    return msg.req_id, list(msg.prompt_token_ids), params
+
+
+# the engine's log-probs of one token: (token id, logprob) of the generated token, then the top N
+TokenLogprobs = list[tuple[int, float]]
+
+
+def logprobs_message(row: TokenLogprobs) -> gen_pb2.TokenLogprobs:
+    (_, logprob), top = row[0], row[1:]
+    return gen_pb2.TokenLogprobs(logprob=logprob, top_token_ids=[t for t, _ in top],
+                                 top_logprobs=[lp for _, lp in top])
+
+
+def parse_logprobs(msg: gen_pb2.TokenLogprobs, token_id: int) -> TokenLogprobs:
+    return [(token_id, msg.logprob), *zip(msg.top_token_ids, msg.top_logprobs)]
 
 
 def worker_info(role: str, desc) -> worker_pb2.WorkerInfo:

@@ -26,6 +26,7 @@ from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import worker_info
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
+from pdserve.serving.logs import progress
 from pdserve.serving.metrics import WorkerMetrics, start_metrics_server
 from pdserve.serving.tickets import ticket_key
 from pdserve.v1 import worker_pb2
@@ -119,6 +120,37 @@ class WorkerService:
         return {}
 
 
+def load_engine(config: EngineConfig, role: str, warmup: bool):
+    """Load the weights, allocate the KV cache and (unless told not to) run one tiny request
+    through, so the first client's request pays no first-use cost (kernel compilation on a GPU,
+    allocator growth); each step reported as it happens."""
+    from pdserve.engine.llm_engine import LLMEngine  # torch: only where a worker runs
+    from pdserve.engine.sampling_params import SamplingParams
+
+    draft = f" and draft {config.draft_model}" if config.draft_model else ""
+    progress(f"{role} worker: loading {config.model}{draft} and allocating the KV cache")
+    started = time.perf_counter()
+    engine = LLMEngine(config)
+    bm = engine.block_manager
+    kv_bytes = sum(t.numel() * t.element_size() for t in _kv_tensors(engine))
+    progress(f"{role} worker: loaded in {time.perf_counter() - started:.1f} s on {engine.device}: KV cache "
+             f"{bm.num_blocks} blocks of {bm.block_size} tokens ({kv_bytes / 2**20:.1f} MiB)")
+    if warmup:
+        started = time.perf_counter()
+        engine.add_request("warmup", [0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, seed=0))
+        while engine.has_unfinished():
+            engine.step()
+        progress(f"{role} worker: warmed up in {time.perf_counter() - started:.2f} s")
+    return engine
+
+
+def _kv_tensors(engine):
+    for runner in (engine.runner, engine.draft_runner):
+        if runner is not None:
+            for kv in runner.kv_caches:
+                yield from (kv if isinstance(kv, (tuple, list)) else (kv,))
+
+
 @dataclass(frozen=True, slots=True)
 class BoundAddresses:
     grpc: str
@@ -128,12 +160,13 @@ class BoundAddresses:
 async def serve_worker(service: WorkerService, engine_config: EngineConfig, host: str, port: int,
                        metrics_port: int | None, until: Awaitable,
                        on_ready: Callable[[BoundAddresses], None] = lambda a: None, drain_timeout_s: float = 30.0,
-                       grace_s: float = 1.0, advertise: str | None = None) -> None:
+                       grace_s: float = 1.0, advertise: str | None = None, warmup: bool = True) -> None:
     """A worker's whole life, until `until` completes (a signal, or its owner's stop); then it
     drains: NOT_SERVING at once, new requests refused, live ones given `drain_timeout_s`.
-    `advertise`: the address other processes reach it at (default: the one it bound)."""
-    from pdserve.engine.llm_engine import LLMEngine  # torch: only where a worker runs
+    `advertise`: the address other processes reach it at (default: the one it bound). Loading and
+    warming up report their progress (`serving.logs.progress`)."""
 
+    until = asyncio.ensure_future(until)
     sec = service.security
     server = AioServer(host, port, extra_options=service.server_options(), interceptors=sec.interceptors(),
                        credentials=sec.tls.server_credentials() if sec.tls.enabled else None)
@@ -146,7 +179,10 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
         if metrics_port is not None:
             metrics, bound = await start_metrics_server(service.metrics.registry, host, metrics_port)
             metrics_address = f"{host}:{bound}"
-        engine = await asyncio.to_thread(LLMEngine, engine_config)
+        engine = await asyncio.to_thread(load_engine, engine_config, service.role, warmup)
+        if until.done():  # stopped while loading: never serve, never say ready
+            progress(f"{service.role} worker: stopped while loading")
+            return
         loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
         service.attach(loop, Path(engine_config.model).name)
         loop.start()

@@ -55,7 +55,19 @@ def serving_model(checkpoint) -> Path:
     path = Path(checkpoint("llama", seed=3, vocab_size=320))
     if not (path / "tokenizer.json").is_file():  # eos "</s>" = id 2, as in the checkpoint's config
         build_tokenizer(path, specials=(("pad_token", "<pad>"), ("bos_token", "<s>"), ("eos_token", "</s>")))
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["chat_template"] = CHAT_TEMPLATE
+        cfg_path.write_text(json.dumps(cfg))
     return path
+
+
+# ChatML-style, with the checks real templates make (raise_exception) and the bos token
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+                 "{% if m['role'] not in ['system', 'user', 'assistant', 'developer'] %}"
+                 "{{ raise_exception('unknown role ' ~ m['role']) }}{% endif %}"
+                 "{{ '<|' ~ m['role'] ~ '|>' ~ m['content'] ~ '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 @pytest.fixture(scope="session")

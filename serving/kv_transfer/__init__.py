@@ -52,6 +52,8 @@ class KVData:
 class KVTrailer:
     num_chunks: int  # data chunks sent
     first_token_id: int
+    # (token id, logprob) of the first token, then its top alternatives; when the request asked
+    first_token_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 KVMessage = KVHeader | KVData | KVTrailer

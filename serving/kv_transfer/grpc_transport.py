@@ -12,7 +12,10 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve.serving.convert import logprobs_message, parse_logprobs
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
+from pdserve.serving.logs import REQUEST_ID_KEY, request_id
+from pdserve.serving.tracing import metadata_value, outgoing_metadata
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVTrailer, TransferError,
@@ -41,8 +44,10 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
             ticket=msg.ticket, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
                 worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                                          head_dim=g.head_dim) for g in msg.groups]))
-    return worker_pb2.KVChunk(trailer=worker_pb2.KVTrailer(num_chunks=msg.num_chunks,
-                                                           first_token_id=msg.first_token_id))
+    trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id)
+    if msg.first_token_logprobs is not None:
+        trailer.first_token_logprobs.CopyFrom(logprobs_message(list(msg.first_token_logprobs)))
+    return worker_pb2.KVChunk(trailer=trailer)
 
 
 def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
@@ -55,7 +60,10 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         return KVHeader(h.ticket, h.num_tokens, h.dtype, tuple(
             KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups))
     if part == "trailer":
-        return KVTrailer(chunk.trailer.num_chunks, chunk.trailer.first_token_id)
+        t = chunk.trailer
+        logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
+                    if t.HasField("first_token_logprobs") else None)
+        return KVTrailer(t.num_chunks, t.first_token_id, logprobs)
     raise TransferError(TransferFailure.CORRUPT, "a KV chunk carries no header, data or trailer")
 
 
@@ -75,7 +83,9 @@ class GrpcTransport:
             async for msg in messages:
                 yield to_proto(msg)
 
-        call = self._stub(address).PushKV(chunks(), timeout=timeout_s, metadata=self._security.metadata)
+        # the cluster's credentials, and the request's id and trace context for the decode side's logs
+        call = self._stub(address).PushKV(chunks(), timeout=timeout_s,
+                                          metadata=(*self._security.metadata, *outgoing_metadata()))
         try:
             ack = await call
         except grpc.aio.AioRpcError as e:
@@ -95,6 +105,8 @@ async def serve_push_kv(endpoint: KVEndpoint, request_iterator, context) -> work
     async def messages():
         async for chunk in request_iterator:
             yield from_proto(chunk)
+
+    request_id.set(metadata_value(context.invocation_metadata(), REQUEST_ID_KEY))
 
     try:
         ack = await endpoint.receive_kv(messages())

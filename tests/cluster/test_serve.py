@@ -23,7 +23,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class
 def system(serving_model, tmp_path_factory):
     # a RAY_ADDRESS in the environment must not pull the embedded Ray into another cluster
     s = start_system(tmp_path_factory.mktemp("serve"), "serve", serve_config(serving_model, decode=2),
-                     env={"RAY_ADDRESS": "127.0.0.1:1"})
+                     "--served-model-name", "tiny", env={"RAY_ADDRESS": "127.0.0.1:1"})
     yield s
     s.stop()
 
@@ -40,6 +40,8 @@ def test_serves_what_the_offline_engine_computes(system, offline):
         assert json.loads(resp.read())["choices"][0]["text"] == want[0].text
     with urllib.request.urlopen(f"http://{system.http_address}/ready", timeout=10) as resp:
         assert resp.status == 200
+    with urllib.request.urlopen(f"http://{system.http_address}/v1/models", timeout=10) as resp:
+        assert [m["id"] for m in json.loads(resp.read())["data"]] == ["tiny"]  # --served-model-name
 
 
 def test_status_lists_every_worker_by_pool(system):

@@ -37,7 +37,7 @@ def offline_text(offline):
 
 
 def test_completion_matches_offline(cluster, offline_text):
-    status, resp, conn = post(cluster, {"model": "x", "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
+    status, resp, conn = post(cluster, {"prompt": PROMPT, "max_tokens": 20, "temperature": 0,  # no model: the served one
                                         "ignore_eos": True})
     body = json.loads(resp.read())
     conn.close()
@@ -71,7 +71,8 @@ def test_streamed_completion_concatenates_to_the_full_text(cluster, offline_text
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "n": 2}, "n is not supported"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of is not supported"),
+    ({"prompt": "hi", "stream": "no"}, "stream must be a boolean"),
     ({"prompt": "hi", "stop": [3]}, "stop must be"),
     ({"prompt": [1, 2, 99999]}, "token_ids contains unknown token ids"),
     ({"prompt": "lazy dog " * 2000}, "prompt has"),
@@ -83,6 +84,8 @@ def test_bad_input_is_400_naming_the_field(cluster, body, field):
     conn.close()
     assert status == 400 and err["type"] == "invalid_request_error"
     assert field in err["message"], err
+    if isinstance(body, dict) and "token ids" in field:
+        assert err["param"] == "prompt"  # OpenAI's name for it, not the gRPC API's
 
 
 def test_models_and_health(cluster):

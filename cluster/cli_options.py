@@ -1,0 +1,140 @@
+"""The `pdserve` command line's shared options, and the environment variables that set them
+where a container would rather set variables than flags. A flag always wins over its variable;
+`--help` shows each default (the variable's value when it is set).
+
+| variable | sets | commands |
+|---|---|---|
+| `PDSERVE_MODEL` | `--model` | generate, prefill-worker, decode-worker, router, serve |
+| `PDSERVE_DRAFT_MODEL` | `--draft-model` | generate, prefill-worker, decode-worker, serve |
+| `PDSERVE_SERVED_MODEL_NAME` | `--served-model-name` | router, serve |
+| `PDSERVE_HOST` | `--host` | prefill-worker, decode-worker, router, serve |
+| `PDSERVE_GRPC_PORT` | `--port` (`--grpc-port` of serve) | prefill-worker, decode-worker, router, serve |
+| `PDSERVE_HTTP_PORT` | `--http-port` | router, serve |
+| `PDSERVE_METRICS_PORT` | `--metrics-port` | prefill-worker, decode-worker, router |
+| `PDSERVE_PREFILL`, `PDSERVE_DECODE` | `--prefill`, `--decode` (worker addresses) | router |
+| `PDSERVE_CONFIG` | `--config` | serve |
+| `PDSERVE_LOG_LEVEL` | `--log-level` | every command |
+| `PDSERVE_LOG_FORMAT` | `--log-format` | every command |
+| `PDSERVE_OTLP_ENDPOINT` | `--otlp-endpoint` | prefill-worker, decode-worker, router, serve |
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from pdserve.serving.logs import LOG_FORMATS, LOG_LEVELS
+
+ENV_PREFIX = "PDSERVE_"
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # with a proposer and no -k
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in --help, unless its help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS) or action.required:
+            return text
+        return super()._get_help_string(action)
+
+
+def env(flag: str, fallback=None, variable: str | None = None):
+    """The default of `flag`: its PDSERVE_* variable when set, else `fallback`."""
+    name = variable or ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    value = os.environ.get(name)
+    return value if value not in (None, "") else fallback
+
+
+def add(p: argparse.ArgumentParser, flag: str, *, variable: str | None = None, required: bool = False,
+        help: str = "", **kwargs) -> None:
+    """An option whose default may come from the environment (`--model` ← PDSERVE_MODEL)."""
+    name = variable or ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    default = env(flag, kwargs.pop("default", None), name)
+    p.add_argument(flag, default=default, required=required and default is None,
+                   help=f"{help} [env {name}]".strip(), **kwargs)
+
+
+def add_logging_args(p: argparse.ArgumentParser, otlp: bool = False) -> None:
+    """--log-level, --log-format (every command) and --otlp-endpoint (servers)."""
+    if not any("--log-level" in a.option_strings for a in p._actions):
+        add(p, "--log-level", default="warning", choices=LOG_LEVELS,
+            help="warning: quiet; info: one line per request")
+    if not any("--log-format" in a.option_strings for a in p._actions):
+        add(p, "--log-format", default="text", choices=LOG_FORMATS, help="text (key=value) or json (one object per line)")
+    if otlp:
+        add(p, "--otlp-endpoint", help="export OpenTelemetry spans to this OTLP/HTTP collector, e.g. "
+            "http://127.0.0.1:4318 (default: none)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add(p, "--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    add(p, "--draft-model", help="draft checkpoint for speculative decoding")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,
+                   help=f"speculation depth; default {DEFAULT_NUM_SPECULATIVE_TOKENS} with --draft-model or "
+                   "--speculative-method ngram, else 0 (no speculation); needs one of them")
+    p.add_argument("--speculative-method", default=None, choices=["draft", "ngram"],
+                   help="default: draft with --draft-model")
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="per-sequence speculation depth from acceptance and step costs")
+
+
+def speculation_depth(args: argparse.Namespace, speculates: bool = True) -> int:
+    """-k as given, or its documented default; ValueError when -k has no proposer. A worker
+    that never speculates (prefill) takes a draft only to fill its cache: 0 unless given."""
+    k, has_proposer = args.num_speculative_tokens, bool(args.draft_model or args.speculative_method)
+    if k is not None and k > 0 and not has_proposer:
+        raise ValueError("--num-speculative-tokens needs a proposer: --draft-model PATH or --speculative-method ngram")
+    if k is None:
+        return DEFAULT_NUM_SPECULATIVE_TOKENS if has_proposer and speculates else 0
+    return k
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    add(p, "--host", default="127.0.0.1")
+    add(p, "--port", variable="PDSERVE_GRPC_PORT", type=int, default=default_port, help="gRPC port (0: a free one)")
+    add(p, "--metrics-port", type=int, help="serve Prometheus /metrics here (default: off)")
+    add_logging_args(p, otlp=True)
+
+
+def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    add_engine_args(p)
+    add_server_args(p, default_port)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized by memory)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (chunked prefill)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds live requests get to finish before the worker stops")
+    p.add_argument("--advertise-address", default=None, help="HOST:PORT other processes reach this worker at "
+                   "(default: the address it binds; set it when binding 0.0.0.0)")
+    add_cluster_security_args(p)
+
+
+def add_cluster_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster credentials (the internal RPCs between router and workers)")
+    g.add_argument("--cluster-token-file", default=None, help="file holding the cluster's shared secret "
+                   "(or PDSERVE_CLUSTER_TOKEN); without one, internal calls are not authenticated")
+    g.add_argument("--cluster-tls-cert", default=None, help="this process's certificate for mutual TLS")
+    g.add_argument("--cluster-tls-key", default=None, help="its private key")
+    g.add_argument("--cluster-tls-ca", default=None, help="the CA every peer's certificate must chain to")
+    g.add_argument("--cluster-tls-server-name", default=None, help="the name peers' certificates carry "
+                   "(default: their address's host)")
+
+
+def add_public_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the public APIs (gRPC and HTTP)")
+    g.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    g.add_argument("--tls-key", default=None, help="and this private key")
+    g.add_argument("--api-key", action="append", default=None, help="a key clients must present as "
+                   "'authorization: Bearer <key>' (repeatable; or PDSERVE_API_KEY, comma separated)")
+    g.add_argument("--api-key-rate-limit", type=float, default=None, help="requests per second per key")
+    g.add_argument("--api-key-max-concurrency", type=int, default=None, help="requests in flight per key")

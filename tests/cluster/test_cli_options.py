@@ -1,0 +1,114 @@
+"""The command line around the servers: --version, defaults and environment variables in
+--help, PDSERVE_* settings under flags, speculation flags that would otherwise be silent, a
+taken port or a missing model reported in one line before anything loads, and both log formats."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve import __version__
+from pdserve.cluster.cli import build_parser, main
+from pdserve.serving.logs import JsonFormatter, TextFormatter, fields, request_context, setup_logging
+
+PDSERVE = str(Path(sys.executable).with_name("pdserve"))
+SERVERS = ("router", "prefill-worker", "decode-worker", "serve")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pdserve {__version__}"
+
+
+@pytest.mark.parametrize("command", [*SERVERS, "generate", "bench", "plan", "profile", "scale", "status"])
+def test_help_shows_defaults_and_log_options(command):
+    text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+    assert "(default:" in text and "--log-format" in text and "--log-level" in text
+    if command in SERVERS:
+        assert "PDSERVE_MODEL" in text and "--otlp-endpoint" in text and "PDSERVE_LOG_FORMAT" in text
+
+
+def test_environment_sets_what_flags_do_not(monkeypatch):
+    monkeypatch.setenv("PDSERVE_MODEL", "/models/m")
+    monkeypatch.setenv("PDSERVE_GRPC_PORT", "7001")
+    monkeypatch.setenv("PDSERVE_HTTP_PORT", "8001")
+    monkeypatch.setenv("PDSERVE_DECODE", "10.0.0.1:1")
+    monkeypatch.setenv("PDSERVE_LOG_FORMAT", "json")
+    monkeypatch.setenv("PDSERVE_OTLP_ENDPOINT", "http://collector:4318")
+    args = build_parser().parse_args(["router"])  # --model and --decode are required, unless set
+    assert (args.model, args.port, args.http_port, args.decode) == ("/models/m", 7001, 8001, "10.0.0.1:1")
+    assert (args.log_format, args.otlp_endpoint, args.log_level) == ("json", "http://collector:4318", "warning")
+    args = build_parser().parse_args(["router", "--model", "/other", "--port", "7", "--log-format", "text"])
+    assert (args.model, args.port, args.log_format) == ("/other", 7, "text")  # flags win
+    monkeypatch.setenv("PDSERVE_CONFIG", "/etc/pdserve.yaml")
+    args = build_parser().parse_args(["serve"])
+    assert (args.config, args.grpc_port, args.model) == ("/etc/pdserve.yaml", 7001, "/models/m")
+
+
+def test_speculation_flags_are_never_silent(text_checkpoint, capsys):
+    assert main(["generate", "--model", str(text_checkpoint), "-k", "3", "--prompt", "x"]) == 2
+    assert "needs a proposer" in capsys.readouterr().err
+    from pdserve.cluster.cli import engine_options
+
+    with_draft = build_parser().parse_args(["decode-worker", "--model", "m", "--draft-model", "d"])
+    assert engine_options(with_draft)["num_speculative_tokens"] == 4  # the documented default
+    assert engine_options(with_draft, speculates=False)["num_speculative_tokens"] == 0  # a prefill worker
+    ngram = build_parser().parse_args(["decode-worker", "--model", "m", "--speculative-method", "ngram", "-k", "2"])
+    assert engine_options(ngram)["num_speculative_tokens"] == 2
+
+
+@pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "router"])
+def test_a_taken_port_is_one_line_before_loading(command, text_checkpoint, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        extra = ["--decode", "127.0.0.1:1"] if command == "router" else []
+        assert main([command, "--model", str(text_checkpoint), "--port", str(port), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"pdserve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_router_errors_exit_2_with_one_line_and_no_noise(tmp_path, text_checkpoint):
+    missing = subprocess.run([PDSERVE, "router", "--model", str(tmp_path / "nope"), "--decode", "127.0.0.1:1"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.strip().endswith("no such checkpoint directory")
+    unreachable = subprocess.run([PDSERVE, "router", "--model", str(text_checkpoint), "--decode", "127.0.0.1:1",
+                                  "--port", "0", "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert unreachable.returncode == 2
+    assert unreachable.stderr.strip().splitlines() == ["pdserve: error: workers not serving after 1 s: ['127.0.0.1:1']"]
+
+
+def _records(fmt: str) -> list[str]:
+    stream = io.StringIO()
+    setup_logging("info", fmt)
+    (handler,) = [h for h in logging.getLogger().handlers if getattr(h, "is_pdserve", False)]
+    handler.setStream(stream)
+    log = logging.getLogger("pdserve.test")
+    with request_context("abc123"):
+        log.info("request", extra=fields(status="ok", ttft_s=0.25, client="a b"))
+    log.debug("hidden")
+    logging.getLogger("pdserve.progress").info("loading")
+    setup_logging()  # back to the default
+    return stream.getvalue().splitlines()
+
+
+def test_json_logs_are_one_object_per_line():
+    line, progress = _records("json")
+    obj = json.loads(line)
+    assert (obj["level"], obj["logger"], obj["msg"], obj["req_id"]) == ("info", "pdserve.test", "request", "abc123")
+    assert (obj["status"], obj["ttft_s"], obj["client"]) == ("ok", 0.25, "a b")
+    assert json.loads(progress)["progress"] is True
+
+
+def test_text_logs_are_key_value():
+    line, progress = _records("text")
+    assert "level=INFO logger=pdserve.test req_id=abc123 msg=request status=ok ttft_s=0.25 client=\"a b\"" in line
+    assert progress.endswith("] loading")
