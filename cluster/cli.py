@@ -89,11 +89,12 @@ def cluster_security(args: argparse.Namespace, role: str):
     return ClusterSecurity(token, tls)
 
 
-def _worker(args: argparse.Namespace, service) -> int:
+def _worker(args: argparse.Namespace, make_service) -> int:
     from pdserve.serving.worker import serve_worker
 
+    check_ports_free(args.host, [args.port, args.metrics_port])  # first: a taken port is the only line printed
+    service = make_service()
     engine_config = _worker_engine_config(args, speculates=service.role == "decode")
-    check_ports_free(args.host, [args.port, args.metrics_port])
     return _serve(args.command, lambda until, ready: serve_worker(
         service, engine_config, args.host, args.port, args.metrics_port, until,
         lambda a: ready({"grpc": a.grpc, "metrics": a.metrics}), drain_timeout_s=args.drain_timeout,
@@ -104,14 +105,14 @@ def _decode_worker(args: argparse.Namespace) -> int:
     from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
-    return _worker(args, DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
+    return _worker(args, lambda: DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
 
 
 def _prefill_worker(args: argparse.Namespace) -> int:
     from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
-    return _worker(args, PrefillWorkerServicer(config, security=cluster_security(args, "prefill worker")))
+    return _worker(args, lambda: PrefillWorkerServicer(config, security=cluster_security(args, "prefill worker")))
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -122,8 +123,8 @@ def _router(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model}: no such checkpoint directory")
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
-    config = router_config(args)
     check_ports_free(args.host, [args.port, args.http_port, args.metrics_port])
+    config = router_config(args)
     return _serve("router", lambda until, ready: serve(config, split(args.prefill), split(args.decode), args.host,
                                                        args.port, args.http_port, args.metrics_port, until, ready,
                                                        args.drain_timeout))

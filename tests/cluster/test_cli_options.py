@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -80,10 +81,16 @@ def test_router_errors_exit_2_with_one_line_and_no_noise(tmp_path, text_checkpoi
     missing = subprocess.run([PDSERVE, "router", "--model", str(tmp_path / "nope"), "--decode", "127.0.0.1:1"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and missing.stderr.strip().endswith("no such checkpoint directory")
+    secured = {**os.environ, "PDSERVE_CLUSTER_TOKEN": "t" * 32}  # else the loud open-cluster warning is a line too
     unreachable = subprocess.run([PDSERVE, "router", "--model", str(text_checkpoint), "--decode", "127.0.0.1:1",
-                                  "--port", "0", "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
+                                  "--port", "0", "--connect-timeout", "1"], capture_output=True, text=True, timeout=60,
+                                 env=secured)
     assert unreachable.returncode == 2
     assert unreachable.stderr.strip().splitlines() == ["pdserve: error: workers not serving after 1 s: ['127.0.0.1:1']"]
+    open_cluster = subprocess.run([PDSERVE, "router", "--model", str(text_checkpoint), "--decode", "127.0.0.1:1",
+                                   "--port", "0", "--connect-timeout", "1"], capture_output=True, text=True, timeout=60,
+                                  env={k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"})
+    assert "NO CLUSTER CREDENTIALS" in open_cluster.stderr.splitlines()[0]
 
 
 def _records(fmt: str) -> list[str]:
