@@ -162,6 +162,7 @@ async def serve(config: ServeConfig, ray_address: str | None, log_level: str, un
 
     from pdserve.cluster.controller import NAME, NAMESPACE, Controller, PlacementFailed
     from pdserve.router.main import RouterConfig, build_router, serve_router
+    from pdserve.router.metrics import SLO
     from pdserve.router.server import RouterPolicy
     from pdserve.router.workers import WorkerPool
 
@@ -174,7 +175,8 @@ async def serve(config: ServeConfig, ray_address: str | None, log_level: str, un
     router_config = RouterConfig(model=config.model, policy=RouterPolicy(
         rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
         failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
-        max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars)
+        max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars,
+        slo=SLO(r.slo_ttft, r.slo_tpot))
     pool = WorkerPool(is_disaggregated=config.is_disaggregated)
     router = build_router(router_config, pool, config.name)
     targets = TargetsFile(Path(config.metrics_targets_file or _session_dir() / "pdserve_targets.json"), config.name)

@@ -11,7 +11,7 @@ from pdserve.serving.metrics import start_metrics_server
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.serving.grpc_server import AioServer
 from pdserve.router.admission import AdmissionQueue
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import SLO, RouterMetrics
 from pdserve.router.server import GenerationServicer, Router, RouterPolicy
 from pdserve.router.validate import Validator
 from pdserve.router.workers import WorkerPool
@@ -27,6 +27,7 @@ class RouterConfig:
     health_interval_s: float = 1.0
     max_queued_requests: int = 1024
     max_prompt_chars: int = 1 << 20
+    slo: SLO = SLO()  # requests meeting it count toward goodput (`pdserve:request_slo_met_total`)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "health_interval_s"):
@@ -41,7 +42,7 @@ def build_router(config: RouterConfig, pool: WorkerPool, model_name: str | None 
     tokenizer = Tokenizer.from_dir(config.model)
     validator = Validator(tokenizer, config.max_prompt_chars, pool.limits)
     return Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests), config.policy,
-                  RouterMetrics(model_name or Path(config.model).name))
+                  RouterMetrics(model_name or Path(config.model).name, slo=config.slo))
 
 
 async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,

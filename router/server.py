@@ -35,7 +35,7 @@ from pdserve.router.request import RequestFailed, RequestState, RouterRequest
 from pdserve.router.stream import ClientStream
 from pdserve.router.validate import Validator
 from pdserve.router.workers import Worker, WorkerPool
-from pdserve.serving.convert import work_request_message
+from pdserve.serving.convert import FINISH_REASON_NAMES, work_request_message
 from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -90,6 +90,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.flights: set[Flight] = set()
         self.is_draining = False
+        self.metrics.watch(self)
 
     def check_accepting(self) -> None:
         if self.is_draining:
@@ -120,9 +121,9 @@ class Router:
                 try:
                     async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight):
                         trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
-                        self.metrics.delta_out(trace, len(resp.token_ids))
-                        if stream.finished:
-                            self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
+                        self.metrics.delta_out(trace, len(resp.token_ids), self.pool.is_disaggregated)
+                        if stream.finished:  # as the last delta leaves, not when the client reads on
+                            self.metrics.ended(trace, "ok", FINISH_REASON_NAMES.get(resp.finish_reason))
                         yield resp
                     return
                 except RequestFailed as e:
@@ -174,11 +175,13 @@ class Router:
         try:
             if attempt == 0:
                 trace.state = RequestState.ADMITTED
-                self.metrics.admitted(trace, len(req.prompt_token_ids))
+            self.metrics.admitted(trace, attempt, len(req.prompt_token_ids))
             if self.pool.is_disaggregated:
                 prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline))
+                prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
                 trace.state = RequestState.PREFILLING
             async for ids, reason in self._events(call, decode, prefill_task, flight):
+                self.metrics.received(trace, len(ids))
                 yield stream.delta(ids, reason)
                 if stream.finished:
                     return
@@ -192,6 +195,11 @@ class Router:
                 prefill_task.cancel()
             decode.num_in_flight -= 1
             self.admission.wake_one()
+
+    def _prefilled(self, task: asyncio.Task, trace: RequestTrace, attempt: int) -> None:
+        """The prefill worker answered: its account of the prefill completes the TTFT stages."""
+        if not task.cancelled() and task.exception() is None:
+            self.metrics.prefilled(trace, attempt, task.result().prefill_seconds)
 
     @staticmethod
     def _work(req: RouterRequest, stream: ClientStream, attempt: int) -> worker_pb2.WorkRequest:
