@@ -153,7 +153,7 @@ class Router:
 
     def _check_retry(self, req: RouterRequest, e: RequestFailed, failures: list[RequestFailed], deadline: float):
         """Raise the error the client gets when this failure is final."""
-        if e.code not in RETRYABLE:
+        if e.code not in RETRYABLE or e.is_final:
             raise e
         if time.monotonic() >= deadline:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -241,7 +241,8 @@ class Router:
         give_up = time.monotonic() + (self.policy.failover_wait_s if wait else 0)
         while (missing := self.pool.missing()) is not None:
             if time.monotonic() >= give_up:
-                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"cannot serve: {missing}")
+                # final: a new request gets it at once, a failover after its wait
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"cannot serve: {missing}", is_final=True)
             await asyncio.sleep(0.1)
         return self.pool.decode_candidates()
 
