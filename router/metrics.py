@@ -141,6 +141,7 @@ class RouterMetrics:
             self._success.labels(model_name, reason)
         self.slo_met = counter("request_slo_met", "Finished requests that met both SLOs (TTFT and time per "
                                "output token): goodput is its rate")
+        self.ttft_slo_met = counter("request_ttft_slo_met", "Finished requests whose TTFT met the TTFT SLO")
         for name, value, what in (("slo_ttft_seconds", slo.ttft_s, "TTFT"),
                                   ("slo_tpot_seconds", slo.tpot_s, "time per output token")):
             Gauge(PREFIX + name, f"The {what} SLO this router counts requests against", labels,
@@ -233,8 +234,10 @@ class RouterMetrics:
         tpot = trace.tpot_s
         if tpot is not None:
             self.request_tpot.observe(tpot)
-        if trace.ttft_s <= self.slo.ttft_s and (tpot is None or tpot <= self.slo.tpot_s):
-            self.slo_met.inc()
+        if trace.ttft_s <= self.slo.ttft_s:
+            self.ttft_slo_met.inc()
+            if tpot is None or tpot <= self.slo.tpot_s:
+                self.slo_met.inc()
 
     def count(self, status: str) -> None:
         """A request ended with `status` (also for those rejected before admission)."""

@@ -35,6 +35,7 @@ def test_requests_meeting_both_slos_count_toward_goodput():
     _finished(m, 0.4, [0.1, 0.2])  # tpot 0.1: misses the TPOT SLO
     _finished(m, 0.5, [])  # one token: no TPOT to miss; TTFT exactly at the SLO meets it
     assert _value(m, "pdserve:request_slo_met_total") == 2
+    assert _value(m, "pdserve:request_ttft_slo_met_total") == 3
     assert _value(m, "pdserve:request_success_total", finished_reason="length") == 4
     assert _value(m, "pdserve:request_time_per_output_token_seconds_count") == 3
     assert _value(m, "pdserve:slo_ttft_seconds") == 0.5 and _value(m, "pdserve:slo_tpot_seconds") == 0.05
