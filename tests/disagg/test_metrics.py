@@ -178,3 +178,25 @@ def test_ttft_stages_add_up_to_each_requests_ttft(cluster, router):
         assert all(seconds >= 0 for seconds, _ in d.values()) and d["prefill"][0] > 0, d
         if router == "R2":  # colocated: the decode worker prefills, nothing is transferred
             assert d["transfer"][0] == 0
+
+
+def _exported_names(cluster, name: str) -> set[str]:
+    """Metric names as documented: counters with `_total`, histograms without their suffixes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://{cluster.procs[name].addresses['metrics']}/metrics", timeout=10) as resp:
+        families = text_string_to_metric_families(resp.read().decode())
+        return {f.name + ("_total" if f.type == "counter" else "") for f in families}
+
+
+def test_the_readme_metric_table_is_exactly_what_is_exported(traffic, cluster):
+    import re
+
+    from pdserve.cluster.config import REPO
+
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| metric |", readme.index("## Metrics\n")):]
+    table = table[:table.index("\n\n")]
+    documented = {n for row in table.splitlines()[2:] for n in re.findall(r"`([a-z0-9_:]+)", row.split(" | ")[0])}
+    exported = set().union(*(_exported_names(cluster, n) for n in ("R", "P", "D")))
+    assert exported == documented, (sorted(exported - documented), sorted(documented - exported))
