@@ -90,7 +90,14 @@ class CompletionsApp:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
+        app.router.add_get("/prometheus/targets", self.prometheus_targets)
         return app
+
+    async def prometheus_targets(self, _request: web.Request) -> web.Response:
+        """Prometheus HTTP service discovery: `pdserve serve`'s processes (404 for a standalone router)."""
+        if self.router.prometheus_targets is None:
+            return _error(404, "no targets: this router does not run under `pdserve serve`")
+        return web.json_response(self.router.prometheus_targets())
 
     async def health(self, _request: web.Request) -> web.Response:
         """Liveness: the process answers."""

@@ -90,6 +90,7 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.flights: set[Flight] = set()
         self.is_draining = False
+        self.prometheus_targets = None  # `pdserve serve`: () -> its processes' scrape targets (HTTP SD)
         self.metrics.watch(self)
 
     def check_accepting(self) -> None:

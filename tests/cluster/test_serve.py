@@ -51,6 +51,9 @@ def test_status_lists_every_worker_by_pool(system):
     assert {g["labels"]["pdserve_role"] for g in targets} == {"router", "prefill", "decode"}
     assert sorted(t for g in targets for t in g["targets"] if g["labels"]["pdserve_role"] != "router") == \
         sorted(w["metrics_address"] for w in workers)
+    # the same list for Prometheus' HTTP service discovery, from the router's HTTP API
+    with urllib.request.urlopen(f"http://{system.http_address}/prometheus/targets", timeout=10) as resp:
+        assert json.loads(resp.read()) == targets
 
 
 def test_ray_list_actors_shows_which_pool_each_actor_is(system):

@@ -1,6 +1,7 @@
 """Prometheus /metrics of the router and both workers, scraped around known traffic through R."""
 from __future__ import annotations
 
+from urllib.error import HTTPError
 from urllib.request import urlopen
 
 import grpc
@@ -143,6 +144,10 @@ def test_router_http_app_serves_metrics_too(traffic, cluster):
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = resp.read().decode()
     assert 'pdserve:requests_total{model_name="' in text and 'status="ok"' in text
+    # HTTP service discovery is `pdserve serve`'s (tests/cluster); a standalone router has no list
+    with pytest.raises(HTTPError) as err:
+        urlopen(f"http://{cluster.http_address}/prometheus/targets", timeout=10)
+    assert err.value.code == 404
 
 
 def _stages(m: dict) -> dict[str, tuple[float, float]]:
