@@ -195,13 +195,8 @@ def _exported_names(cluster, name: str) -> set[str]:
 
 
 def test_the_readme_metric_table_is_exactly_what_is_exported(traffic, cluster):
-    import re
+    from deploy_files import documented_metrics
 
-    from pdserve.cluster.config import REPO
-
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("| metric |", readme.index("## Metrics\n")):]
-    table = table[:table.index("\n\n")]
-    documented = {n for row in table.splitlines()[2:] for n in re.findall(r"`([a-z0-9_:]+)", row.split(" | ")[0])}
     exported = set().union(*(_exported_names(cluster, n) for n in ("R", "P", "D")))
-    assert exported == documented, (sorted(exported - documented), sorted(documented - exported))
+    assert exported == documented_metrics(), (sorted(exported - documented_metrics()),
+                                              sorted(documented_metrics() - exported))
