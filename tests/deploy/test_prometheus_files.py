@@ -50,6 +50,7 @@ def test_scrape_config_ports_agree_with_the_defaults_and_the_readme():
     assert ports["router"] == ServeConfig().router.http_port == 8000
     readme = (REPO / "README.md").read_text()
     standalone = readme[readme.index("## The standalone processes"):]
+    standalone = standalone[:standalone.index("```", standalone.index("```") + 3)]  # its example
     commands = {m.group(1): m.group(0) for m in re.finditer(r"pdserve (decode-worker|prefill-worker|router) .*", standalone)}
     assert f"--http-port {ports['router']}" in commands["router"]
     assert f"--port {ServeConfig().router.grpc_port}" in commands["router"]
