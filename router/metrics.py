@@ -96,14 +96,7 @@ class RouterMetrics:
         self.registry = registry or new_registry()
         self.slo = slo
         self._model_name = model_name
-        r, labels = self.registry, ["model_name"]
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, registry=r, buckets=buckets).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
-
+        r, histogram = self.registry, self._histogram
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first token leaving for the client",
                               TTFT_BUCKETS)
         self._stages = Histogram(PREFIX + "time_to_first_token_stage_seconds",
@@ -131,6 +124,18 @@ class RouterMetrics:
                                                TOKEN_COUNT_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated for a finished "
                                                    "request", TOKEN_COUNT_BUCKETS)
+        self._counters()
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry,
+                         buckets=buckets).labels(self._model_name)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
+
+    def _counters(self) -> None:
+        """The counters (and the SLOs' gauges); every labelled one starts at 0 for each value."""
+        r, model_name, counter, slo = self.registry, self._model_name, self._counter, self.slo
         self._requests = Counter(PREFIX + "requests", "Requests by how they ended", ["model_name", "status"],
                                  registry=r)
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason",
@@ -144,7 +149,7 @@ class RouterMetrics:
         self.ttft_slo_met = counter("request_ttft_slo_met", "Finished requests whose TTFT met the TTFT SLO")
         for name, value, what in (("slo_ttft_seconds", slo.ttft_s, "TTFT"),
                                   ("slo_tpot_seconds", slo.tpot_s, "time per output token")):
-            Gauge(PREFIX + name, f"The {what} SLO this router counts requests against", labels,
+            Gauge(PREFIX + name, f"The {what} SLO this router counts requests against", ["model_name"],
                   registry=r).labels(model_name).set(value)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Tokens sent to clients")
