@@ -42,25 +42,26 @@ class Launcher:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _start(self, name: str, command: str, args: list[str], cpus: list[int] | None, threads: int) -> Process:
+    def _start(self, name: str, command: str, args: list[str], cpus: list[int] | None, threads: int,
+               env: dict | None = None) -> Process:
         proc = Process(name, command, [*args, "--metrics-port", "0"], self.log_dir / f"{name}.log",
-                       tuple(cpus) if cpus else None, env={"OMP_NUM_THREADS": str(threads)})
+                       tuple(cpus) if cpus else None, env={"OMP_NUM_THREADS": str(threads), **(env or {})})
         self.procs.append(proc)
         return proc.start()
 
-    def worker(self, role: str, name: str, args: list[str], cpus: list[int] | None) -> Process:
+    def worker(self, role: str, name: str, args: list[str], cpus: list[int] | None, env: dict | None = None) -> Process:
         """role: prefill-worker or decode-worker; args: everything but ports and threads."""
-        return self._start(name, role, [*args, "--num-threads", str(self.threads)], cpus, self.threads)
+        return self._start(name, role, [*args, "--num-threads", str(self.threads)], cpus, self.threads, env)
 
     def router(self, name: str, model: str, prefill: list[Process], decode: list[Process],
-               cpus: list[int] | None = None, extra: list[str] = ()) -> Process:
+               cpus: list[int] | None = None, extra: list[str] = (), env: dict | None = None) -> Process:
         """Starts once its workers are ready (it needs the ports they bound)."""
         for proc in (*prefill, *decode):
             proc.wait_ready(START_TIMEOUT_S)
         args = ["--model", model, "--decode", ",".join(p.address for p in decode), "--http-port", "0", *extra]
         if prefill:
             args += ["--prefill", ",".join(p.address for p in prefill)]
-        return self._start(name, "router", args, cpus, threads=1)
+        return self._start(name, "router", args, cpus, 1, env)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Until every process printed its ready line; ProcessFailed with its log if one dies."""

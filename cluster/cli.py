@@ -68,6 +68,9 @@ def _add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds live requests get to finish before the worker stops")
+    p.add_argument("--advertise-address", default=None, help="HOST:PORT other processes reach this worker at "
+                   "(default: the address it binds; set it when binding 0.0.0.0)")
+    _add_cluster_security_args(p)
 
 
 def _setup_logging(level: str) -> None:
@@ -111,13 +114,34 @@ def _serve(name: str, serve) -> int:
     return 0
 
 
+def _add_cluster_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster credentials (the internal RPCs between router and workers)")
+    g.add_argument("--cluster-token-file", default=None, help="file holding the cluster's shared secret "
+                   "(or PDSERVE_CLUSTER_TOKEN); without one, internal calls are not authenticated")
+    g.add_argument("--cluster-tls-cert", default=None, help="this process's certificate for mutual TLS")
+    g.add_argument("--cluster-tls-key", default=None, help="its private key")
+    g.add_argument("--cluster-tls-ca", default=None, help="the CA every peer's certificate must chain to")
+    g.add_argument("--cluster-tls-server-name", default=None, help="the name peers' certificates carry "
+                   "(default: their address's host)")
+
+
+def cluster_security(args: argparse.Namespace, role: str):
+    from pdserve.serving.auth import ClusterSecurity, TLSFiles, load_cluster_token, warn_if_open
+
+    token = load_cluster_token(args.cluster_token_file)
+    warn_if_open(token, role)
+    tls = TLSFiles(args.cluster_tls_cert, args.cluster_tls_key, args.cluster_tls_ca, args.cluster_tls_server_name)
+    return ClusterSecurity(token, tls)
+
+
 def _worker(args: argparse.Namespace, service) -> int:
     from pdserve.serving.worker import serve_worker
 
     engine_config = _worker_engine_config(args)
     return _serve(args.command, lambda until, ready: serve_worker(
         service, engine_config, args.host, args.port, args.metrics_port, until,
-        lambda a: ready({"grpc": a.grpc, "metrics": a.metrics}), drain_timeout_s=args.drain_timeout))
+        lambda a: ready({"grpc": a.grpc, "metrics": a.metrics}), drain_timeout_s=args.drain_timeout,
+        advertise=args.advertise_address))
 
 
 def _decode_worker(args: argparse.Namespace) -> int:
@@ -125,7 +149,7 @@ def _decode_worker(args: argparse.Namespace) -> int:
     from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
-    return _worker(args, DecodeWorkerServicer(config))
+    return _worker(args, DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
 
 
 def _prefill_worker(args: argparse.Namespace) -> int:
@@ -133,7 +157,7 @@ def _prefill_worker(args: argparse.Namespace) -> int:
     from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
-    return _worker(args, PrefillWorkerServicer(config))
+    return _worker(args, PrefillWorkerServicer(config, security=cluster_security(args, "prefill worker")))
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -143,20 +167,36 @@ def _router(args: argparse.Namespace) -> int:
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
     config = router_config(args)
     return _serve("router", lambda until, ready: serve(config, split(args.prefill), split(args.decode), args.host,
-                                                       args.port, args.http_port, args.metrics_port, until, ready))
+                                                       args.port, args.http_port, args.metrics_port, until, ready,
+                                                       args.drain_timeout))
 
 
 def router_config(args: argparse.Namespace):
+    from pdserve.router.api_keys import ApiKeys
     from pdserve.router.main import RouterConfig
     from pdserve.router.metrics import SLO
     from pdserve.router.server import RouterPolicy
+    from pdserve.serving.auth import TLSFiles
 
     policy = RouterPolicy(rpc_timeout_s=args.rpc_timeout, queue_timeout_s=args.queue_timeout,
                           max_failovers=args.max_failovers, failover_wait_s=args.failover_wait)
     slo = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot)) if v is not None}
     return RouterConfig(model=args.model, policy=policy, connect_timeout_s=args.connect_timeout,
                         health_interval_s=args.health_interval, max_queued_requests=args.max_queued_requests,
-                        max_prompt_chars=args.max_prompt_chars, slo=SLO(**slo))
+                        max_prompt_chars=args.max_prompt_chars, cluster=cluster_security(args, "router"),
+                        tls=TLSFiles(args.tls_cert, args.tls_key),
+                        api_keys=ApiKeys.from_flags(args.api_key, args.api_key_rate_limit, args.api_key_max_concurrency),
+                        slo=SLO(**slo))
+
+
+def _add_public_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the public APIs (gRPC and HTTP)")
+    g.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    g.add_argument("--tls-key", default=None, help="and this private key")
+    g.add_argument("--api-key", action="append", default=None, help="a key clients must present as "
+                   "'authorization: Bearer <key>' (repeatable; or PDSERVE_API_KEY, comma separated)")
+    g.add_argument("--api-key-rate-limit", type=float, default=None, help="requests per second per key")
+    g.add_argument("--api-key-max-concurrency", type=int, default=None, help="requests in flight per key")
 
 
 # `pdserve serve` flag -> config field (dotted: section.field)
@@ -167,6 +207,8 @@ SERVE_OVERRIDES = {
     "decode_cpus": "decode.cpus", "gpus_per_worker": None, "host": "router.host", "grpc_port": "router.grpc_port",
     "http_port": "router.http_port", "drain_timeout": "router.drain_timeout", "max_failovers": "router.max_failovers",
     "placement_timeout": "placement_timeout", "metrics_targets_file": "metrics_targets_file",
+    "cluster_token_file": "security.cluster_token_file", "tls_cert": "security.tls_cert",
+    "tls_key": "security.tls_key", "api_key": "security.api_keys",
 }
 
 
@@ -318,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TTFT SLO in seconds (default 1): requests meeting both SLOs count toward goodput")
     rt.add_argument("--slo-tpot", type=float, default=None,
                     help="SLO on the time per output token after the first, seconds (default 0.1)")
+    rt.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
+    _add_cluster_security_args(rt)
+    _add_public_security_args(rt)
     rt.set_defaults(func=_router)
     _add_serve_parser(sub)
     _add_scale_parser(sub)
@@ -356,8 +402,11 @@ def _add_serve_parser(sub) -> None:
             ("--drain-timeout", float, "seconds in-flight requests get on shutdown"),
             ("--max-failovers", int, "times a request may move after a worker fails"),
             ("--placement-timeout", float, "seconds to place and load every worker"),
-            ("--metrics-targets-file", str, "where to write the Prometheus file-SD target list")]:
+            ("--metrics-targets-file", str, "where to write the Prometheus file-SD target list"),
+            ("--cluster-token-file", str, "the internal RPCs' shared secret (default: a new one per run)"),
+            ("--tls-cert", str, "TLS certificate of the public ports"), ("--tls-key", str, "and its key")]:
         sv.add_argument(flag, type=kind, default=None, help=what + " (default: the config's)")
+    sv.add_argument("--api-key", action="append", default=None, help="an API key clients must present (repeatable)")
     sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
     sv.set_defaults(func=_serve_system)
 

@@ -51,6 +51,20 @@ class RouterSection:
 
 
 @dataclass(frozen=True, slots=True)
+class SecuritySection:
+    cluster_token_file: str | None = None  # the internal RPCs' shared secret; default: a new one per run
+    cluster_tls_cert: str | None = None  # mutual TLS between the processes: certificate, key, CA
+    cluster_tls_key: str | None = None
+    cluster_tls_ca: str | None = None
+    cluster_tls_server_name: str | None = None  # the name in every process's certificate
+    tls_cert: str | None = None  # TLS on the public gRPC and HTTP ports
+    tls_key: str | None = None
+    api_keys: list = field(default_factory=list)  # keys clients must present (also PDSERVE_API_KEY)
+    api_key_rate_limit: float | None = None  # requests per second per key
+    api_key_max_concurrency: int | None = None  # requests in flight per key
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     model: str = str(DEMO_MODEL)
     served_model_name: str | None = None  # default: the model directory's name
@@ -59,6 +73,7 @@ class ServeConfig:
     speculative_method: str | None = None  # "draft" | "ngram"; default: draft when draft_model is set
     dtype: str = "auto"
     router: RouterSection = RouterSection()
+    security: SecuritySection = SecuritySection()
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig()
     kv_transfer_timeout: float = 30.0
@@ -82,8 +97,20 @@ class ServeConfig:
         _check_pool("prefill", self.prefill, minimum=0)
         _check_pool("decode", self.decode, minimum=1)
         _check_router(self.router)
+        _check_security(self.security)
         for role in ("prefill", "decode"):
             self.engine_config(role)  # every engine option's value, checked before anything starts
+
+    def cluster_security(self):
+        """The internal RPCs' credentials: the file's secret, or a new one for this run."""
+        import secrets
+
+        from pdserve.serving.auth import ClusterSecurity, TLSFiles, load_cluster_token
+
+        sec = self.security
+        token = load_cluster_token(sec.cluster_token_file) if sec.cluster_token_file else secrets.token_urlsafe(32)
+        return ClusterSecurity(token, TLSFiles(sec.cluster_tls_cert, sec.cluster_tls_key, sec.cluster_tls_ca,
+                                               sec.cluster_tls_server_name))
 
     def engine_config(self, role: str):
         from pdserve.engine.config import EngineConfig
@@ -150,7 +177,26 @@ def _check_router(r: RouterSection) -> None:
                "must be an integer >= 0")
 
 
-SECTIONS = {"router": RouterSection, "prefill": PoolConfig, "decode": PoolConfig}
+def _check_security(sec: SecuritySection) -> None:
+    from pdserve.router.api_keys import ApiKeys
+    from pdserve.serving.auth import TLSFiles
+
+    for name in ("cluster_token_file", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca", "tls_cert", "tls_key"):
+        value = getattr(sec, name)
+        _check(value is None or (isinstance(value, str) and Path(value).is_file()), f"security.{name}", value,
+               "must be an existing file")
+    _check(isinstance(sec.api_keys, list) and all(isinstance(k, str) for k in sec.api_keys), "security.api_keys",
+           sec.api_keys, "must be a list of strings")
+    for make in (lambda: TLSFiles(sec.cluster_tls_cert, sec.cluster_tls_key, sec.cluster_tls_ca),
+                 lambda: TLSFiles(sec.tls_cert, sec.tls_key),
+                 lambda: ApiKeys(tuple(sec.api_keys), sec.api_key_rate_limit, sec.api_key_max_concurrency)):
+        try:
+            make()
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"security: {e}") from None
+
+
+SECTIONS = {"router": RouterSection, "security": SecuritySection, "prefill": PoolConfig, "decode": PoolConfig}
 
 
 def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
@@ -160,15 +206,27 @@ def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(path)
-        for key in ("model", "draft_model", "metrics_targets_file"):  # relative to the file, not the caller
-            if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
-                raw[key] = str((Path(path).parent / raw[key]).resolve())
+        _resolve_paths(raw, Path(path).parent)
     for dotted, value in overrides.items():
         if value is None:
             continue
         section, _, key = dotted.rpartition(".")
         (raw.setdefault(section, {}) if section else raw)[key] = value
     return _build(ServeConfig, raw, "")
+
+
+PATH_FIELDS = {"": ("model", "draft_model", "metrics_targets_file"),
+               "security": ("cluster_token_file", "cluster_tls_cert", "cluster_tls_key", "cluster_tls_ca", "tls_cert",
+                            "tls_key")}
+
+
+def _resolve_paths(raw: dict, base: Path) -> None:
+    """Paths in a config file are relative to the file, not to where the command runs."""
+    for section, keys in PATH_FIELDS.items():
+        table = raw.get(section) if section else raw
+        for key in keys if isinstance(table, dict) else ():
+            if isinstance(table.get(key), str) and not Path(table[key]).is_absolute():
+                table[key] = str((base / table[key]).resolve())
 
 
 def _read_yaml(path: str) -> dict:

@@ -42,9 +42,9 @@ class Placed:
 
 
 class Controller:
-    def __init__(self, config: ServeConfig, log_level: str = "warning"):
+    def __init__(self, config: ServeConfig, security, log_level: str = "warning"):
         logging.basicConfig(level=getattr(logging, log_level.upper()))
-        self.config, self.log_level = config, log_level
+        self.config, self.security, self.log_level = config, security, log_level
         self.placed: dict[str, Placed] = {}
         self.members: dict[str, Member] = {}
         self.version = 0
@@ -140,7 +140,7 @@ class Controller:
         worker_id = f"{role}-{next(self._numbers[role])}"
         c = self.config
         spec = WorkerSpec(worker_id, role, c.engine_options(role), num_threads, c.kv_transfer_timeout,
-                          c.stream_timeout, c.router.drain_timeout, self.log_level)
+                          c.stream_timeout, c.router.drain_timeout, self.security, self.log_level)
         pool = c.prefill if role == "prefill" else c.decode
         actor = ray.remote(WorkerActor).options(
             name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.cpus, num_gpus=pool.gpus,

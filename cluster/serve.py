@@ -172,18 +172,24 @@ async def serve(config: ServeConfig, ray_address: str | None, log_level: str, un
     from pdserve.router.server import RouterPolicy
     from pdserve.router.workers import WorkerPool
 
+    from pdserve.router.api_keys import ApiKeys
+    from pdserve.serving.auth import TLSFiles
+
     progress = Progress()
+    security, sec = config.cluster_security(), config.security
     progress(f"Ray at {ray.get_runtime_context().gcs_address}; placing {config.prefill.workers} prefill and "
              f"{config.decode.workers} decode workers")
     controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0,
-                                                max_concurrency=1000).remote(config, log_level)
+                                                max_concurrency=1000).remote(config, security, log_level)
     r = config.router
     router_config = RouterConfig(model=config.model, policy=RouterPolicy(
         rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
         failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
-        max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars,
+        max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,
+        tls=TLSFiles(sec.tls_cert, sec.tls_key),
+        api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency),
         slo=SLO(r.slo_ttft, r.slo_tpot))
-    pool = WorkerPool(is_disaggregated=config.is_disaggregated)
+    pool = WorkerPool(is_disaggregated=config.is_disaggregated, security=security)
     router = build_router(router_config, pool, config.name)
     targets = TargetsFile(Path(config.metrics_targets_file or _session_dir() / "pdserve_targets.json"), config.name)
     total = config.prefill.workers + config.decode.workers

@@ -29,6 +29,7 @@ class WorkerSpec:
     kv_transfer_timeout_s: float
     stream_timeout_s: float
     drain_timeout_s: float
+    security: object  # serving.auth.ClusterSecurity: the cluster's secret and TLS files
     log_level: str = "warning"
 
 
@@ -113,11 +114,12 @@ class WorkerActor:
         if s.role == "prefill":
             from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
-            return PrefillWorkerServicer(PrefillServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s))
+            return PrefillWorkerServicer(PrefillServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s),
+                                         security=s.security)
         from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
         return DecodeWorkerServicer(DecodeServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
-                                                       stream_timeout_s=s.stream_timeout_s))
+                                                       stream_timeout_s=s.stream_timeout_s), security=s.security)
 
     def _on_ready(self, addresses) -> None:
         self.member = Member(self.spec.worker_id, self.spec.role, addresses.grpc, addresses.metrics or "",

@@ -2,13 +2,15 @@
 
 Life cycle of a disaggregated request on this worker (`DecodeState`):
 
-    Decode() ──engine.reserve──► reserved ──Admitted(transfer_id)──► (router asks a prefill worker)
+    Decode() ──engine.reserve──► reserved ──Admitted(ticket)──► (router asks a prefill worker)
         ──PushKV header──► receiving ──chunks verified, trailer──► engine.activate ──► running
         ──token deltas on the Decode stream──► finished (blocks freed)
     from any state ──bad chunk, truncation, timeout, Decode cancelled──► failed / cancelled (freed)
 
-The transfer id is generated here at reservation, distinct from the request id; only a push
-naming it reaches the reservation. A failed transfer ends both the push and the Decode stream
+The transfer ticket is issued here at reservation (serving/tickets.py): signed under the
+cluster's secret, naming the request, this worker's address and an expiry, distinct from the
+request id; only a push presenting it reaches the reservation, and a reservation nobody pushes
+to within the KV transfer timeout is freed and counted (`num_reservations_expired`). A failed transfer ends both the push and the Decode stream
 with the same status and counts in `kv_transfer_failures_total` (a cancellation does not).
 
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -30,11 +31,13 @@ from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import FINISH_REASONS, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, serve_push_kv
+from pdserve.serving.tickets import TicketError, issue, verify
 from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -56,7 +59,7 @@ class DecodeServerConfig:
 class DecodeRequest:
     req_id: str
     state: DecodeState
-    transfer_id: str = ""  # "" for a colocated request
+    nonce: str = ""  # its transfer ticket's; "" for a colocated request
     seq: Sequence | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
     progress: TransferProgress = field(default_factory=TransferProgress)
@@ -74,11 +77,12 @@ def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
 class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     role = "decode"
 
-    def __init__(self, config: DecodeServerConfig, metrics=None):
-        super().__init__(metrics)
+    def __init__(self, config: DecodeServerConfig, metrics=None, security: ClusterSecurity = ClusterSecurity()):
+        super().__init__(metrics, security)
         self.config = config
         self.receiver: KVReceiver | None = None
-        self.transfers: dict[str, DecodeRequest] = {}  # transfer_id -> reserved request; asyncio loop only
+        self.transfers: dict[str, DecodeRequest] = {}  # ticket nonce -> reserved request; asyncio loop only
+        self.num_reservations_expired = 0  # reserved, then no verified transfer within the timeout
         self.live: set[DecodeRequest] = set()  # every request with an open stream; asyncio loop only
 
     def add_to(self, server: AioServer) -> None:
@@ -119,20 +123,19 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             raise
         if seq is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
-        r = DecodeRequest(req_id, DecodeState.RESERVED, secrets.token_hex(16), seq)
+        text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s)
+        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq)
         self.num_requests_total += 1
-        self.transfers[r.transfer_id] = r
-        self.live.add(r)
-        self.loop.sinks[req_id] = r.events.put_nowait
+        self.transfers[r.nonce] = r
+        self._track(r)
         try:
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
-                transfer_id=r.transfer_id, num_free_blocks=self.engine.block_manager.num_free_blocks))
+                ticket=text, num_free_blocks=self.engine.block_manager.num_free_blocks))
             async for event in self._token_stream(r, context):
                 yield event
         finally:
-            self.transfers.pop(r.transfer_id, None)
-            self.live.discard(r)
-            self.loop.sinks.pop(req_id, None)
+            self.transfers.pop(r.nonce, None)
+            self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
 
     def _no_room(self, num_prompt_tokens: int) -> str:
@@ -144,9 +147,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- colocated: the engine prefills the request itself -------------------------------
     async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
+        if req_id in self.loop.sinks:  # a second call with a live request's id must not touch it
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being served")
         r = DecodeRequest(req_id, DecodeState.RUNNING)
-        self.live.add(r)
-        self.loop.sinks[req_id] = r.events.put_nowait
+        self._track(r)
         try:
             try:
                 await self.loop.call(lambda e: e.add_request(req_id, ids, params))
@@ -159,9 +163,17 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             async for event in self._token_stream(r, context):
                 yield event
         finally:
-            self.live.discard(r)
-            self.loop.sinks.pop(req_id, None)
+            self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
+
+    def _track(self, r: DecodeRequest) -> None:
+        self.live.add(r)
+        self.loop.sinks[r.req_id] = r.events.put_nowait
+
+    def _untrack(self, r: DecodeRequest) -> None:
+        self.live.discard(r)
+        if self.loop.sinks.get(r.req_id) == r.events.put_nowait:  # only its own
+            del self.loop.sinks[r.req_id]
 
     # ---- the token stream both modes share -----------------------------------------------
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
@@ -173,6 +185,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                 item = await asyncio.wait_for(r.events.get(), timeout)
             except asyncio.TimeoutError:
                 what = "verified KV transfer" if r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) else "token"
+                self.num_reservations_expired += r.state is DecodeState.RESERVED
                 item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
                 self._end(r, item)
             if isinstance(item, TransferError):
@@ -192,13 +205,14 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         error and its blocks are freed on the engine thread. Idempotent; a no-op once ended."""
         if not r.is_live:
             return
-        was_transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) and r.transfer_id
+        was_transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) and r.nonce
         r.state = DecodeState.CANCELLED if err.failure is TransferFailure.ABORTED else DecodeState.FAILED
         if r.state is DecodeState.FAILED:
             self.kv_transfer_failures_total += bool(was_transferring)
             log.warning("request %s failed: %s", r.req_id, err)
         r.events.put_nowait(err)
-        self.loop.sinks.pop(r.req_id, None)
+        if self.loop.sinks.get(r.req_id) == r.events.put_nowait:
+            del self.loop.sinks[r.req_id]
         self.loop.call(lambda e: e.abort(r.req_id))
 
     # ---- the K/V push from a prefill worker (KVEndpoint) ---------------------------------
@@ -236,9 +250,13 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             raise
 
     def _open(self, header: KVHeader) -> DecodeRequest:
-        r = self.transfers.get(header.transfer_id)
-        if r is None:
-            raise TransferError(TransferFailure.UNKNOWN, "no reservation for that transfer id")
+        try:
+            ticket = verify(self.ticket_key, header.ticket)
+        except TicketError as e:
+            raise TransferError(TransferFailure.FORBIDDEN, f"transfer ticket refused: {e}") from None
+        r = self.transfers.get(ticket.nonce)
+        if r is None or r.req_id != ticket.req_id or ticket.address != self.advertised_address:
+            raise TransferError(TransferFailure.UNKNOWN, "no live reservation here for that ticket")
         if r.state is not DecodeState.RESERVED:
             raise TransferError(TransferFailure.CORRUPT, f"transfer for {r.req_id} already {r.state.value}")
         self.receiver.open(r.progress, r.seq, header)
@@ -256,9 +274,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         await loop.call(run)
 
     def extra_stats(self) -> dict:
+        stats = dict(num_reservations_expired=self.num_reservations_expired)
         spec = self.engine.speculator
-        if spec is None:
-            return {}
-        st = spec.stats
-        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                    spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos))
+        if spec is not None:
+            st = spec.stats
+            stats.update(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                         spec_num_accepted_tokens=st.num_accepted_tokens, spec_accepted_per_pos=list(st.accepted_per_pos))
+        return stats

@@ -1,9 +1,10 @@
 """The prefill worker's gRPC service. Protobuf stops here: requests become engine values.
 
-`Prefill` queues the prompt (queued), the engine prefills it in chunks while its K/V stream to
-the decode worker the router reserved, layer by layer as each layer lands (prefilling), samples
-the first token and sends the trailer (sending), and the call returns once the decode side has
-verified the transfer (done). Whatever happens — done, failed, cancelled — the request's blocks
+`Prefill` checks the transfer ticket (a decode worker's signed reservation for this request:
+the K/V go to the address it names, nowhere else), queues the prompt (queued), the engine
+prefills it in chunks while its K/V stream to that decode worker, layer by layer as each layer
+lands (prefilling), samples the first token and sends the trailer (sending), and the call
+returns once the decode side has verified the transfer (done). Whatever happens — done, failed, cancelled — the request's blocks
 are then released. The states are `PrefillState`, derived from the request's progress.
 """
 from __future__ import annotations
@@ -18,11 +19,13 @@ import grpc
 from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, read_kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_worker.kv_sender import KVSender
+from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import parse_work_request
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
+from pdserve.serving.tickets import Ticket, TicketError, verify
 from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -59,10 +62,11 @@ class PrefillRequest:
 class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer):
     role = "prefill"
 
-    def __init__(self, config: PrefillServerConfig, transport: KVTransport | None = None, metrics=None):
-        super().__init__(metrics)
+    def __init__(self, config: PrefillServerConfig, transport: KVTransport | None = None, metrics=None,
+                 security: ClusterSecurity = ClusterSecurity()):
+        super().__init__(metrics, security)
         self.config = config
-        self.transport = transport or GrpcTransport()
+        self.transport = transport or GrpcTransport(security)
         self.requests: dict[str, PrefillRequest] = {}  # asyncio loop only
         self._senders: dict[str, KVSender] = {}  # engine thread only
         self._groups = []
@@ -91,12 +95,11 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         await self.check_accepting(context)
         try:
             req_id, ids, params = parse_work_request(request.request)
-            if not request.decode_address or not request.transfer_id:
-                raise ValueError("decode_address and transfer_id are required")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ticket = await self._check_ticket(request.ticket, req_id, context)
         engine = self.engine
-        header = KVHeader(request.transfer_id, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)))
+        header = KVHeader(request.ticket, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)))
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
         r = PrefillRequest(req_id, KVSender(asyncio.get_running_loop(), header, self.config.max_chunk_bytes))
@@ -108,7 +111,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.num_requests_total += 1
-            ack = await self._push(r, request.decode_address)
+            ack = await self._push(r, ticket.address)
         except TransferError as e:
             await context.abort(STATUS_OF[e.failure], str(e))
         finally:
@@ -117,6 +120,17 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         return worker_pb2.PrefillResponse(first_token_id=s.first_token, num_chunks=ack.num_chunks,
                                           num_bytes=ack.num_bytes, prefill_seconds=s.finished_at - s.created_at,
                                           tail_seconds=time.perf_counter() - s.finished_at)
+
+    async def _check_ticket(self, text: str, req_id: str, context) -> Ticket:
+        """The K/V go only where a decode worker reserved blocks for this very request."""
+        try:
+            ticket = verify(self.ticket_key, text)
+        except TicketError as e:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"transfer ticket refused: {e}")
+        if ticket.req_id != req_id:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "transfer ticket refused: it was issued for "
+                                "another request")
+        return ticket
 
     def _add(self, engine: LLMEngine, r: PrefillRequest, ids: list[int], params) -> None:
         """Engine thread: queue the prompt (ValueError on a bad request)."""

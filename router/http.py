@@ -31,6 +31,7 @@ _UNSUPPORTED = ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias")
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                 grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 MAX_BODY_BYTES = 8 << 20
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/prometheus/targets")  # probes and scrapes: no API key
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -84,7 +85,7 @@ class CompletionsApp:
         self.router, self.model_name = router, model_name
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.authenticate])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -92,6 +93,22 @@ class CompletionsApp:
         app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
         app.router.add_get("/prometheus/targets", self.prometheus_targets)
         return app
+
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler):
+        """API keys (when configured) on the API; probes and /metrics need none. A request
+        holds its key's slot until its response is done."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        keys = self.router.api_keys
+        try:
+            key = keys.identify(request.headers.get("Authorization"))
+            with keys.lease(key):
+                return await handler(request)
+        except RequestFailed as e:
+            self.router.metrics.count(e.code.name.lower())
+            status = 401 if e.code == grpc.StatusCode.UNAUTHENTICATED else _HTTP_STATUS.get(e.code, 503)
+            return _error(status, str(e))
 
     async def prometheus_targets(self, _request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery: `pdserve serve`'s processes (404 for a standalone router)."""
@@ -118,7 +135,7 @@ class CompletionsApp:
         trace = self.router.metrics.arrived()
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # deep nesting too: 400, not 500
             self.router.metrics.count("invalid_argument")
             return _error(400, "body is not valid JSON")
         try:
@@ -186,10 +203,11 @@ def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve") -> tuple[web.AppRunner, int]:
-    """Serve the HTTP API; returns the runner and the bound port (`port` 0: a free one)."""
+async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve",
+                     ssl_context=None) -> tuple[web.AppRunner, int]:
+    """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    runner, bound = await start_http_app(CompletionsApp(router, model_name).app(), host, port,
+    runner, bound = await start_http_app(CompletionsApp(router, model_name).app(), host, port, ssl_context,
                                          handler_cancellation=True)
     log.info("http listening address=%s:%d", host, bound)
     return runner, bound

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.serving.metrics import start_metrics_server
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2
+from pdserve.serving.auth import ClusterSecurity, TLSFiles
 from pdserve.serving.grpc_server import AioServer
 from pdserve.router.admission import AdmissionQueue
+from pdserve.router.api_keys import ApiKeys
 from pdserve.router.metrics import SLO, RouterMetrics
 from pdserve.router.server import GenerationServicer, Router, RouterPolicy
 from pdserve.router.validate import Validator
@@ -27,6 +29,9 @@ class RouterConfig:
     health_interval_s: float = 1.0
     max_queued_requests: int = 1024
     max_prompt_chars: int = 1 << 20
+    cluster: ClusterSecurity = ClusterSecurity()  # how it calls the workers
+    tls: TLSFiles = TLSFiles()  # on its public ports
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
     slo: SLO = SLO()  # requests meeting it count toward goodput (`pdserve:request_slo_met_total`)
 
     def __post_init__(self) -> None:
@@ -42,7 +47,7 @@ def build_router(config: RouterConfig, pool: WorkerPool, model_name: str | None 
     tokenizer = Tokenizer.from_dir(config.model)
     validator = Validator(tokenizer, config.max_prompt_chars, pool.limits)
     return Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests), config.policy,
-                  RouterMetrics(model_name or Path(config.model).name, slo=config.slo))
+                  RouterMetrics(model_name or Path(config.model).name, slo=config.slo), config.api_keys)
 
 
 async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,
@@ -52,7 +57,7 @@ async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addre
     mismatched), then `serve_router`."""
     if not decode_addresses:
         raise ValueError("at least one decode worker is required (--decode)")
-    pool = WorkerPool.static(prefill_addresses, decode_addresses)
+    pool = WorkerPool.static(prefill_addresses, decode_addresses, config.cluster)
     await pool.connect(config.connect_timeout_s)
     await serve_router(build_router(config, pool), config, host, port, http_port, metrics_port, until, on_ready,
                        drain_timeout_s)
@@ -64,9 +69,13 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
     """The router's life, until `until` completes: listen, report the bound addresses, watch the
     workers' health, and say SERVING (gRPC health, HTTP /ready) exactly while it can serve; then
     NOT_SERVING at once, and requests in flight get `drain_timeout_s` to finish."""
-    server = AioServer(host, port)
-    server.add(generation_pb2_grpc.add_GenerationServicer_to_server, GenerationServicer(router),
-               generation_pb2.DESCRIPTOR.services_by_name["Generation"])
+    # gRPC itself refuses (uncounted) only requests past this; up to it the router reads every
+    # request and answers an oversized one (wire.MAX_REQUEST_BYTES) itself, counted
+    options = [("grpc.max_receive_message_length", 128 << 20)]
+    server = AioServer(host, port, extra_options=options,
+                       credentials=config.tls.server_credentials() if config.tls.enabled else None)
+    server.add(lambda servicer, grpc_server: grpc_server.add_generic_rpc_handlers((servicer.handler(),)),
+               GenerationServicer(router), generation_pb2.DESCRIPTOR.services_by_name["Generation"])
     await server.start()
     tasks = [asyncio.create_task(router.pool.watch(config.health_interval_s)),
              asyncio.create_task(_follow_readiness(router.pool, server, config.health_interval_s / 2))]
@@ -75,7 +84,8 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
         if http_port is not None:
             from pdserve.router.http import start_http
 
-            runner, bound = await start_http(router, host, http_port, Path(config.model).name)
+            runner, bound = await start_http(router, host, http_port, Path(config.model).name,
+                                             config.tls.ssl_context() if config.tls.enabled else None)
             runners.append(runner)
             addresses["http"] = f"{host}:{bound}"
         if metrics_port is not None:

@@ -6,8 +6,8 @@ of `router.request.RequestState`). Protobuf of the public API stops here.
     ──► admitted: Decode() on the least loaded decode worker reserves its blocks
         (RESOURCE_EXHAUSTED: the next worker; none has room: the bounded admission queue)
     ──► prefilling: Prefill() on a paired prefill worker — the one with the least queued work
-        beyond the prefix it probably has cached — naming the decode worker and the transfer id
-        its reservation answered; it pushes the K/V there
+        beyond the prefix it probably has cached — with the transfer ticket the reservation
+        answered; it pushes the K/V where the ticket says
     ──► streaming: token deltas from the decode stream become text deltas (`ClientStream`)
     ──► finished: the last delta carries finish reason and usage
 
@@ -30,12 +30,15 @@ import grpc
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import AdmissionQueue, QueueFull
+from pdserve.router.api_keys import ApiKeys
 from pdserve.router.metrics import RequestTrace, RouterMetrics
 from pdserve.router.request import RequestFailed, RequestState, RouterRequest
 from pdserve.router.stream import ClientStream
 from pdserve.router.validate import Validator
+from pdserve.router import wire
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.serving.convert import FINISH_REASON_NAMES, work_request_message
+from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -81,9 +84,13 @@ class Router:
 
     def __init__(self, pool: WorkerPool, validator: Validator, tokenizer: Tokenizer | None,
                  admission: AdmissionQueue, policy: RouterPolicy = RouterPolicy(),
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None, api_keys: ApiKeys | None = None):
         self.pool = pool
         self.validator = validator
+        self.api_keys = api_keys or ApiKeys()
+        # tokenizing runs off the event loop, a few prompts at a time: one client's huge prompts
+        # then delay other prompts' tokenizing, not every stream and health check
+        self._tokenizing = asyncio.Semaphore(2)
         self.tokenizer = tokenizer
         self.admission = admission
         self.policy = policy
@@ -96,6 +103,11 @@ class Router:
     def check_accepting(self) -> None:
         if self.is_draining:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+
+    async def parse(self, msg) -> RouterRequest:
+        """Validate and tokenize off the event loop (ValueError / RequestFailed as the validator)."""
+        async with self._tokenizing:
+            return await asyncio.to_thread(self.validator.parse, msg)
 
     async def drain(self, timeout_s: float) -> None:
         """Shutting down: refuse new requests, give those in flight `timeout_s` to finish, then
@@ -170,7 +182,7 @@ class Router:
     async def _attempt(self, req: RouterRequest, stream: ClientStream, trace: RequestTrace, attempt: int,
                        deadline: float, flight: Flight):
         work = self._work(req, stream, attempt)
-        call, decode, transfer_id = await self._admit(work, attempt > 0, deadline)
+        call, decode, ticket = await self._admit(work, attempt > 0, deadline)
         flight.call = call
         prefill_task = None
         try:
@@ -178,7 +190,7 @@ class Router:
                 trace.state = RequestState.ADMITTED
             self.metrics.admitted(trace, attempt, len(req.prompt_token_ids))
             if self.pool.is_disaggregated:
-                prefill_task = asyncio.create_task(self._prefill(work, decode, transfer_id, deadline))
+                prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline))
                 prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
                 trace.state = RequestState.PREFILLING
             async for ids, reason in self._events(call, decode, prefill_task, flight):
@@ -211,7 +223,7 @@ class Router:
         return work_request_message(f"{req.req_id}.{attempt}", req.prompt_token_ids + stream.sent_ids, params)
 
     async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float):
-        """A decode worker's reservation: (call, worker, transfer id). Waits in the admission queue
+        """A decode worker's reservation: (call, worker, transfer ticket). Waits in the admission queue
         while every worker is full; when a pool has no usable worker, UNAVAILABLE at once (or,
         during a failover, after `failover_wait_s` for one to come back)."""
         queue_deadline = min(deadline, time.monotonic() + self.policy.queue_timeout_s)
@@ -248,9 +260,9 @@ class Router:
         return self.pool.decode_candidates()
 
     async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float):
-        """(call, worker, transfer id), or None when this worker cannot take it."""
+        """(call, worker, transfer ticket), or None when this worker cannot take it."""
         rpc = w.stub.Decode if self.pool.is_disaggregated else w.stub.PrefillAndDecode
-        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001))
+        call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=self.pool.security.metadata)
         try:
             event = await call.read()
         except asyncio.CancelledError:
@@ -264,9 +276,9 @@ class Router:
                 return None
             raise RequestFailed(e.code(), e.details()) from None
         w.stats.num_free_blocks = event.admitted.num_free_blocks
-        return call, w, event.admitted.transfer_id
+        return call, w, event.admitted.ticket
 
-    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker, transfer_id: str,
+    async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker, ticket: str,
                        deadline: float) -> worker_pb2.PrefillResponse:
         prompt = list(work.prompt_token_ids)
         candidates = self.pool.prefill_candidates(decode, prompt)
@@ -276,9 +288,9 @@ class Router:
         w.num_queued_prompt_tokens += len(prompt)
         w.num_in_flight += 1
         try:
-            resp = await w.stub.Prefill(worker_pb2.PrefillRequest(request=work, decode_address=decode.address,
-                                                                  transfer_id=transfer_id),
-                                        timeout=max(deadline - time.monotonic(), 0.001))
+            resp = await w.stub.Prefill(worker_pb2.PrefillRequest(request=work, ticket=ticket),
+                                        timeout=max(deadline - time.monotonic(), 0.001),
+                                        metadata=self.pool.security.metadata)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_unavailable(w)
@@ -327,23 +339,42 @@ def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """`pdserve.v1.Generation`. Registered with `handler()`, so it reads the request's bytes
+    itself: a malformed request is INVALID_ARGUMENT naming what is wrong (and counted)."""
+
     def __init__(self, router: Router):
         self.router = router
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler("pdserve.v1.Generation", {"Generate": grpc.unary_stream_rpc_method_handler(
+            self.Generate, request_deserializer=None, response_serializer=gen_pb2.GenerateResponse.SerializeToString)})
+
     async def Generate(self, request, context):
-        trace = self.router.metrics.arrived()
+        router = self.router
+        trace = router.metrics.arrived()
         try:
-            self.router.check_accepting()
-            req = self.router.validator.parse(request)
-        except ValueError as e:
-            self.router.metrics.count("invalid_argument")
+            if isinstance(request, bytes):
+                request = wire.parse(gen_pb2.GenerateRequest, request)
+        except wire.BadRequest as e:
+            router.metrics.count("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            router.check_accepting()
+            key = router.api_keys.identify(dict(context.invocation_metadata() or ()).get("authorization"))
         except RequestFailed as e:
-            self.router.metrics.count(e.code.name.lower())
+            router.metrics.count(e.code.name.lower())
             await context.abort(e.code, str(e))
         try:
-            async for resp in self.router.generate(req, trace):
-                yield resp
+            with router.api_keys.lease(key):
+                try:
+                    req = await router.parse(request)
+                except ValueError as e:
+                    router.metrics.count("invalid_argument")
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                async for resp in router.generate(req, trace):
+                    yield resp
         except RequestFailed as e:
-            log.info("request failed req_id=%s code=%s: %s", req.client_request_id, e.code.name, e)
+            if trace.state is RequestState.RECEIVED:  # refused before it began: count it here
+                router.metrics.count(e.code.name.lower())
+            log.info("request failed code=%s: %s", e.code.name, e)
             await context.abort(e.code, str(e))

@@ -15,13 +15,10 @@ import grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.request import RequestFailed, RouterRequest
-from pdserve.serving.convert import sampling_kwargs
+from pdserve.serving.convert import check_stop_limits, sampling_kwargs
 from pdserve.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +51,7 @@ class Validator:
             raise ValueError(f"request_id has {len(msg.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
         lim = self.limits
         ids = self._prompt_ids(msg, lim)
-        params = self._params(msg.sampling_params, lim)
+        params = self._params(msg.sampling_params, lim, room=lim.max_model_len - len(ids))
         return RouterRequest(uuid.uuid4().hex, msg.request_id or f"req-{uuid.uuid4().hex[:12]}", ids, params)
 
     def _prompt_ids(self, msg: generation_pb2.GenerateRequest, lim: Limits) -> list[int]:
@@ -85,15 +82,18 @@ class Validator:
                              "which leaves no room to generate")
         return ids
 
-    def _params(self, msg: generation_pb2.SamplingParams, lim: Limits) -> SamplingParams:
-        if len(msg.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in msg.stop):
-            raise ValueError(f"sampling_params.stop allows {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters")
-        if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"sampling_params.stop_token_ids allows {MAX_STOP_TOKEN_IDS} ids")
+    def _params(self, msg: generation_pb2.SamplingParams, lim: Limits, room: int) -> SamplingParams:
+        """`room`: tokens the context leaves after the prompt. An explicit max_tokens beyond it is
+        an error; the default (16) shrinks to fit."""
+        check_stop_limits(msg.stop, msg.stop_token_ids)
         unknown = [t for t in msg.stop_token_ids if t >= lim.vocab_size]
         if unknown:
             raise ValueError(f"sampling_params.stop_token_ids contains unknown token ids {unknown[:5]}")
+        if msg.HasField("max_tokens") and msg.max_tokens > room:
+            raise ValueError(f"sampling_params.max_tokens is {msg.max_tokens}, but the model's context "
+                             f"({lim.max_model_len}) leaves room for {room} tokens after the prompt")
         kwargs = sampling_kwargs(msg)
+        kwargs["max_tokens"] = min(kwargs["max_tokens"], room)
         if kwargs["seed"] is None:
             kwargs["seed"] = self._rng.getrandbits(63)  # both workers must sample with the same seed
         try:

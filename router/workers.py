@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -52,6 +53,7 @@ class Worker:
     info: worker_pb2.WorkerInfo | None = None
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     healthy: bool = False
+    boot_id: str = ""  # of the process last seen at this address: a new one may run another configuration
     is_removed: bool = False
     num_in_flight: int = 0  # requests this router sent here that have not ended
     num_queued_prompt_tokens: int = 0  # prefill: prompt tokens sent here and not yet answered
@@ -81,16 +83,19 @@ def _group(g: worker_pb2.KVGroupLayout) -> str:
 
 
 class WorkerPool:
-    def __init__(self, is_disaggregated: bool, check_timeout_s: float = 2.0):
+    def __init__(self, is_disaggregated: bool, security: ClusterSecurity = ClusterSecurity(),
+                 check_timeout_s: float = 2.0):
         self.is_disaggregated = is_disaggregated
+        self.security = security  # every call to a worker carries the cluster's credentials
         self.check_timeout_s = check_timeout_s
         self.workers: dict[str, Worker] = {}
         self._mismatch_logged: set[tuple[str, str]] = set()
 
     @classmethod
-    def static(cls, prefill_addresses: list[str], decode_addresses: list[str]) -> WorkerPool:
+    def static(cls, prefill_addresses: list[str], decode_addresses: list[str],
+               security: ClusterSecurity = ClusterSecurity()) -> WorkerPool:
         """The standalone router's pool: fixed addresses, each its own worker id."""
-        pool = cls(is_disaggregated=bool(prefill_addresses))
+        pool = cls(is_disaggregated=bool(prefill_addresses), security=security)
         for role, addresses in (("prefill", prefill_addresses), ("decode", decode_addresses)):
             for address in addresses:
                 pool.add(address, role, address)
@@ -108,7 +113,7 @@ class WorkerPool:
             return old
         if old is not None:
             self.remove(worker_id)
-        channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+        channel = self.security.channel(address, WORKER_CHANNEL_OPTIONS)
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
         w = Worker(worker_id, role, address, channel, stub, health_pb2_grpc.HealthStub(channel),
                    prefixes=PrefixIndex() if role == "prefill" else None)
@@ -129,14 +134,17 @@ class WorkerPool:
 
     # ---- health --------------------------------------------------------------------------
     async def check(self, w: Worker) -> None:
-        """One health check; a worker that is (again) SERVING is asked what it runs."""
+        """One health check; a worker that is (again) SERVING, or a new process at the same
+        address, is asked what it runs (and re-checked against the pairing rules)."""
+        md, timeout = self.security.metadata, self.check_timeout_s
         try:
-            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout_s)
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-            if serving and (w.info is None or not w.healthy):
-                w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=self.check_timeout_s)
             if serving:
-                w.stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=self.check_timeout_s)
+                stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout, metadata=md)
+                if w.info is None or not w.healthy or stats.boot_id != w.boot_id:
+                    w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=timeout, metadata=md)
+                w.stats, w.boot_id = stats, stats.boot_id
         except grpc.aio.AioRpcError:
             serving = False
         if serving != w.healthy and not w.is_removed:

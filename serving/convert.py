@@ -13,6 +13,20 @@ FINISH_REASONS = {"stop": gen_pb2.STOP, "length": gen_pb2.LENGTH, "abort": gen_p
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 
 
+# Stop conditions are checked against every token on the hot path: bounded wherever a request
+# enters (the router, and each worker, which may be called directly).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+def check_stop_limits(stop, stop_token_ids) -> None:
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ValueError(f"sampling_params.stop allows {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"sampling_params.stop_token_ids allows {MAX_STOP_TOKEN_IDS} ids")
+
+
 def sampling_kwargs(msg: gen_pb2.SamplingParams) -> dict:
     """Keyword arguments for `engine.SamplingParams`, unset fields at their defaults."""
     kwargs = {name: (getattr(msg, name) if msg.HasField(name) else default)
@@ -40,6 +54,7 @@ def parse_work_request(msg: worker_pb2.WorkRequest) -> tuple[str, list[int], Sam
     """A worker's side of `work_request_message`; ValueError naming the field."""
     if not msg.req_id:
         raise ValueError("req_id is empty")
+    check_stop_limits(msg.sampling_params.stop, msg.sampling_params.stop_token_ids)
     return msg.req_id, list(msg.prompt_token_ids), SamplingParams(**sampling_kwargs(msg.sampling_params))
 
 

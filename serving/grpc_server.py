@@ -38,9 +38,12 @@ KV_TRANSFER_OPTIONS = [
 class AioServer:
     """A grpc.aio server with health and reflection; `add` servicers, then `start`."""
 
-    def __init__(self, host: str, port: int, extra_options: list[tuple[str, int]] = ()):
+    def __init__(self, host: str, port: int, extra_options: list[tuple[str, int]] = (),
+                 interceptors: list[grpc.aio.ServerInterceptor] = (), credentials: grpc.ServerCredentials | None = None):
         # the same message limits as every client channel; no port sharing between processes
-        self.server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options])
+        options = dict([*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options])  # later ones win
+        self.server = grpc.aio.server(options=list(options.items()), interceptors=list(interceptors))
+        self.credentials = credentials  # TLS (mutual when it names a CA); None: plaintext
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
@@ -54,7 +57,10 @@ class AioServer:
         """Listen (health NOT_SERVING); returns the bound port (a free one when asked for 0)."""
         add_reflection(self.server, self._service_names)
         try:
-            port = self.server.add_insecure_port(self.address)
+            if self.credentials is not None:
+                port = self.server.add_secure_port(self.address, self.credentials)
+            else:
+                port = self.server.add_insecure_port(self.address)
         except RuntimeError:
             port = 0
         if port == 0:

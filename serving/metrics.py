@@ -63,11 +63,12 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
     return await start_http_app(app, host, port)
 
 
-async def start_http_app(app: web.Application, host: str, port: int, **runner_options) -> tuple[web.AppRunner, int]:
+async def start_http_app(app: web.Application, host: str, port: int, ssl_context=None,
+                         **runner_options) -> tuple[web.AppRunner, int]:
     """Serve an aiohttp app; returns its runner and the port it bound (`port` 0: a free one)."""
     runner = web.AppRunner(app, access_log=None, **runner_options)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,12 @@ import grpc
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.disagg import describe
+from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import worker_info
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.metrics import WorkerMetrics, start_metrics_server
+from pdserve.serving.tickets import ticket_key
 from pdserve.v1 import worker_pb2
 
 log = logging.getLogger("pdserve.server")
@@ -36,8 +39,12 @@ class WorkerService:
 
     role: ClassVar[str]  # "prefill" or "decode"
 
-    def __init__(self, metrics: WorkerMetrics | None = None):
+    def __init__(self, metrics: WorkerMetrics | None = None, security: ClusterSecurity = ClusterSecurity()):
         self.metrics = metrics or WorkerMetrics(self.role)
+        self.security = security
+        self.ticket_key = ticket_key(security.token)
+        self.advertised_address = ""  # where the other pool reaches this worker; set once it listens
+        self.boot_id = secrets.token_hex(8)
         self.loop: EngineLoop | None = None
         self.info: worker_pb2.WorkerInfo | None = None
         self.kv_transfer_bytes_total = 0
@@ -105,7 +112,7 @@ class WorkerService:
             kv_transfer_bytes_total=self.kv_transfer_bytes_total,
             kv_transfer_failures_total=self.kv_transfer_failures_total, num_requests_total=self.num_requests_total,
             prefix_cache_queries_total=sched.num_prefix_queried_tokens,
-            prefix_cache_hits_total=sched.num_prefix_hit_tokens,
+            prefix_cache_hits_total=sched.num_prefix_hit_tokens, boot_id=self.boot_id,
             max_num_seqs=sched.config.max_num_seqs, **self.extra_stats())
 
     def extra_stats(self) -> dict:
@@ -121,14 +128,18 @@ class BoundAddresses:
 async def serve_worker(service: WorkerService, engine_config: EngineConfig, host: str, port: int,
                        metrics_port: int | None, until: Awaitable,
                        on_ready: Callable[[BoundAddresses], None] = lambda a: None, drain_timeout_s: float = 30.0,
-                       grace_s: float = 1.0) -> None:
+                       grace_s: float = 1.0, advertise: str | None = None) -> None:
     """A worker's whole life, until `until` completes (a signal, or its owner's stop); then it
-    drains: NOT_SERVING at once, new requests refused, live ones given `drain_timeout_s`."""
+    drains: NOT_SERVING at once, new requests refused, live ones given `drain_timeout_s`.
+    `advertise`: the address other processes reach it at (default: the one it bound)."""
     from pdserve.engine.llm_engine import LLMEngine  # torch: only where a worker runs
 
-    server = AioServer(host, port, extra_options=service.server_options())
+    sec = service.security
+    server = AioServer(host, port, extra_options=service.server_options(), interceptors=sec.interceptors(),
+                       credentials=sec.tls.server_credentials() if sec.tls.enabled else None)
     service.add_to(server)
     await server.start()
+    service.advertised_address = advertise or server.address
     metrics = None
     try:
         metrics_address = None
@@ -142,7 +153,7 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
         await server.set_serving(True)
         log.info("serving role=%s address=%s model=%s num_blocks=%d", service.role, server.address,
                  engine_config.model, engine.block_manager.num_blocks)
-        on_ready(BoundAddresses(server.address, metrics_address))
+        on_ready(BoundAddresses(service.advertised_address, metrics_address))
         await until
         await server.set_serving(False)
         await service.drain(drain_timeout_s)

@@ -28,7 +28,7 @@ from pdserve.engine.disagg import KVGroupLayout
 
 @dataclass(frozen=True, slots=True)
 class KVHeader:
-    transfer_id: str  # what the decode worker's reservation answered
+    ticket: str  # the reservation's transfer ticket (serving/tickets.py)
     num_tokens: int  # the prompt's tokens, all of which the data chunks cover
     dtype: str  # "float32", "bfloat16", "float16"
     groups: tuple[KVGroupLayout, ...]  # every KV cache of the sender, in order (target, draft)
@@ -70,6 +70,7 @@ class TransferFailure(enum.Enum):
     TIMEOUT = "timeout"
     ABORTED = "aborted"  # cancelled by either side
     UNREACHABLE = "unreachable"  # the decode worker could not be reached, or went away
+    FORBIDDEN = "forbidden"  # the ticket is forged, expired, or for another request or worker
 
 
 class TransferError(Exception):

@@ -14,6 +14,7 @@ import grpc
 
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
 from pdserve.engine.disagg import KVGroupLayout
+from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVTrailer, TransferError,
                                          TransferFailure)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -25,6 +26,7 @@ STATUS_OF = {
     TransferFailure.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     TransferFailure.ABORTED: grpc.StatusCode.ABORTED,
     TransferFailure.UNREACHABLE: grpc.StatusCode.UNAVAILABLE,
+    TransferFailure.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
 }
 FAILURE_OF = {code: failure for failure, code in STATUS_OF.items()} | {grpc.StatusCode.CANCELLED: TransferFailure.ABORTED}
 
@@ -36,7 +38,7 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
             data=msg.data, crc32=msg.crc32))
     if isinstance(msg, KVHeader):
         return worker_pb2.KVChunk(header=worker_pb2.KVHeader(
-            transfer_id=msg.transfer_id, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
+            ticket=msg.ticket, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
                 worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                                          head_dim=g.head_dim) for g in msg.groups]))
     return worker_pb2.KVChunk(trailer=worker_pb2.KVTrailer(num_chunks=msg.num_chunks,
@@ -50,7 +52,7 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         return KVData(d.seq, d.group, d.layer, d.token_start, d.num_tokens, d.data, d.crc32)
     if part == "header":
         h = chunk.header
-        return KVHeader(h.transfer_id, h.num_tokens, h.dtype, tuple(
+        return KVHeader(h.ticket, h.num_tokens, h.dtype, tuple(
             KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups))
     if part == "trailer":
         return KVTrailer(chunk.trailer.num_chunks, chunk.trailer.first_token_id)
@@ -58,13 +60,14 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
 
 
 class GrpcTransport:
-    def __init__(self, channel_options: list[tuple] = ()):
+    def __init__(self, security: ClusterSecurity = ClusterSecurity(), channel_options: list[tuple] = ()):
+        self._security = security
         self._options = [*CHANNEL_OPTIONS, *KV_TRANSFER_OPTIONS, *channel_options]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = self._security.channel(address, self._options)
         return worker_pb2_grpc.DecodeWorkerStub(self._channels[address])
 
     async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
@@ -72,7 +75,7 @@ class GrpcTransport:
             async for msg in messages:
                 yield to_proto(msg)
 
-        call = self._stub(address).PushKV(chunks(), timeout=timeout_s)
+        call = self._stub(address).PushKV(chunks(), timeout=timeout_s, metadata=self._security.metadata)
         try:
             ack = await call
         except grpc.aio.AioRpcError as e:

@@ -179,7 +179,7 @@ def test_the_documented_config_file_is_the_defaults():
     raw = yaml.safe_load(path.read_text())
     fields = {f.name for f in dataclasses.fields(ServeConfig)}
     assert set(raw) == fields
-    for section in ("router", "prefill", "decode"):
+    for section in ("router", "security", "prefill", "decode"):
         assert set(raw[section]) == {f.name for f in dataclasses.fields(type(getattr(defaults, section)))}
 
 

@@ -15,6 +15,7 @@ from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 START_TIMEOUT_S = 120.0
+CLUSTER_TOKEN = "test-cluster-secret-0123456789"  # every process of the shared cluster runs with it
 NUM_KV_BLOCKS = 128
 MAX_NUM_SEQS = 32
 MAX_PROMPT_CHARS = 5000
@@ -27,6 +28,26 @@ def wait_ready(*procs: LocalProcess) -> None:
             proc.wait_ready(max(1.0, deadline - time.monotonic()))
         except ProcessFailed as e:
             pytest.fail(str(e))
+
+
+class _WithClusterToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Test channels to the workers present the cluster's credentials, as the router does."""
+
+    def _details(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), ("pdserve-cluster-token", CLUSTER_TOKEN)])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
 
 
 @dataclass
@@ -44,10 +65,13 @@ class Cluster:
         """Router R's OpenAI-compatible HTTP API."""
         return self.procs["R"].addresses["http"]
 
-    def channel(self, name: str) -> grpc.Channel:
-        if name not in self.channels:
-            self.channels[name] = grpc.insecure_channel(self.address(name))
-        return self.channels[name]
+    def channel(self, name: str, credentials: bool = True) -> grpc.Channel:
+        """To a process; with the cluster's credentials unless asked not to."""
+        key = (name, credentials)
+        if key not in self.channels:
+            channel = grpc.insecure_channel(self.address(name))
+            self.channels[key] = grpc.intercept_channel(channel, _WithClusterToken()) if credentials else channel
+        return self.channels[key]
 
     def generation(self, router: str = "R") -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel(router))
@@ -74,7 +98,8 @@ class Cluster:
     def start(self, name: str, command: str, *args: str, model: bool = True) -> LocalProcess:
         """Another process (stopped at teardown); wait for it with `wait_ready`."""
         extra = ["--model", str(self.model)] if model else []
-        proc = LocalProcess(name, command, [*extra, *args], self.logs / f"{name}.log")
+        proc = LocalProcess(name, command, [*extra, *args], self.logs / f"{name}.log",
+                            env={"PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN})
         self.procs[name] = proc
         return proc.start()
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as wk
 
 PROMPT = list(range(10, 30))  # 20 tokens
@@ -66,14 +67,14 @@ def reserve(cluster, req_id: str, prompt=PROMPT):
                                           timeout=60)
     event = next(stream)
     assert event.WhichOneof("event") == "admitted"
-    assert event.admitted.transfer_id and event.admitted.transfer_id != req_id  # the decode worker's own id
-    return stream, event.admitted.transfer_id
+    assert event.admitted.ticket and req_id not in event.admitted.ticket  # the decode worker's own, signed
+    return stream, event.admitted.ticket
 
 
-def kv_chunks(cluster, transfer_id: str, num_tokens=len(PROMPT), first_token=5):
+def kv_chunks(cluster, ticket: str, num_tokens=len(PROMPT), first_token=5):
     """A well-formed push: random K/V for every layer, one chunk per layer."""
     info = cluster.decode_stub().GetInfo(wk.InfoRequest(), timeout=5)
-    yield wk.KVChunk(header=wk.KVHeader(transfer_id=transfer_id, num_tokens=num_tokens, dtype=info.dtype,
+    yield wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=num_tokens, dtype=info.dtype,
                                         groups=info.kv_groups))
     seq = 0
     for g, group in enumerate(info.kv_groups):
@@ -90,8 +91,8 @@ def push(cluster, chunks):
 
 
 def test_hand_made_push_is_accepted_and_decoded(cluster):
-    stream, transfer_id = reserve(cluster, "hand-ok")
-    ack = push(cluster, kv_chunks(cluster, transfer_id))
+    stream, ticket = reserve(cluster, "hand-ok")
+    ack = push(cluster, kv_chunks(cluster, ticket))
     assert ack.num_chunks >= 2
     events = list(stream)
     assert [t for e in events for t in e.tokens.token_ids][0] == 5
@@ -129,9 +130,9 @@ def miscount(chunks):
 def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
     req_id = f"hand-{fault.__name__}"
     before = cluster.stats("D").kv_transfer_failures_total
-    stream, transfer_id = reserve(cluster, req_id)
+    stream, ticket = reserve(cluster, req_id)
     with pytest.raises(grpc.RpcError) as push_err:
-        push(cluster, fault(kv_chunks(cluster, transfer_id)))
+        push(cluster, fault(kv_chunks(cluster, ticket)))
     assert push_err.value.code() == grpc.StatusCode.DATA_LOSS and words in push_err.value.details()
     with pytest.raises(grpc.RpcError) as decode_err:
         list(stream)
@@ -141,12 +142,14 @@ def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
     assert_router_serves(cluster)
 
 
-def test_push_for_unknown_transfer_is_refused(cluster):
-    """Naming the request id instead of the reservation's transfer id reaches nothing."""
-    stream, _ = reserve(cluster, "hand-wrong-id")
-    with pytest.raises(grpc.RpcError) as err:
-        push(cluster, kv_chunks(cluster, "hand-wrong-id"))
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+def test_push_without_a_valid_ticket_is_refused(cluster):
+    """Naming the request id, or a ticket with its signature broken, reaches nothing."""
+    stream, ticket = reserve(cluster, "hand-wrong-id")
+    head, payload, mac = ticket.split(".")
+    for forged in ("hand-wrong-id", f"{head}.{payload}.{mac[:-2]}AA"):
+        with pytest.raises(grpc.RpcError) as err:
+            push(cluster, kv_chunks(cluster, forged))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "ticket refused" in err.value.details()
     stream.cancel()
     cluster.wait_all_free()
 
@@ -172,3 +175,107 @@ def test_full_decode_worker_refuses_admission_and_router_answers_resource_exhaus
             stream.cancel()
     cluster.wait_all_free()
     assert_router_serves(cluster, "R3")
+
+
+def test_sigterm_drains_the_router(cluster):
+    """On SIGTERM: NOT_SERVING at once on both APIs, new requests refused with UNAVAILABLE, the
+    request in flight (its decode worker frozen, so it cannot finish) ends with UNAVAILABLE
+    saying why once the drain timeout passes, and nothing in the log is a traceback."""
+    import json
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from procs import wait_ready
+
+    router = cluster.start_router("R-drain", "--prefill", cluster.address("P"), "--decode", cluster.address("D"),
+                                  "--http-port", "0", "--drain-timeout", "3")
+    wait_ready(router)
+    with grpc.insecure_channel(router.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        long = stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=PROMPT), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=400, ignore_eos=True)), timeout=60)
+        next(long)
+        decode = cluster.procs["D"].popen
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            router.signal(signal.SIGTERM)
+            time.sleep(0.5)
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(f"http://{router.addresses['http']}/ready", timeout=5)
+            assert http_err.value.code == 503
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(gen.GenerateRequest(prompt="new", sampling_params=gen.SamplingParams(max_tokens=2)),
+                                   timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            body = json.dumps({"prompt": "new", "max_tokens": 2}).encode()
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(urllib.request.Request(f"http://{router.addresses['http']}/v1/completions",
+                                                              body), timeout=10)
+            assert http_err.value.code == 503
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in long:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "drain" in err.value.details()
+        finally:
+            decode.send_signal(signal.SIGCONT)
+    assert router.popen.wait(30) == 0
+    assert "Traceback" not in router.log.read_text()
+    cluster.wait_all_free()
+
+
+def test_a_worker_back_with_another_configuration_is_not_paired_and_one_back_as_before_serves_soon(cluster):
+    """A decode worker restarted at the same address with a different block size is asked again
+    what it runs and refused (requests get UNAVAILABLE at once, saying why, not a stream of
+    transfer failures); restarted as before, it gets traffic again within a few seconds of
+    saying SERVING (a generous bound: the check is that the reconnect backoff is capped)."""
+    import time
+
+    from procs import wait_ready
+
+    args = ["--num-threads", "1", "--num-kv-blocks", "64", "--draft-model", str(cluster.model)]  # pairs with P
+    d = cluster.start("D-flip", "decode-worker", *args)
+    wait_ready(d)
+    address, port = d.address, d.address.rsplit(":", 1)[1]
+    r = cluster.start_router("R-flip", "--prefill", cluster.address("P"), "--decode", address,
+                             "--health-interval", "0.5", "--failover-wait", "2")
+    wait_ready(r)
+    request = gen.GenerateRequest(prompt="x", sampling_params=gen.SamplingParams(temperature=0, max_tokens=2))
+    assert list(cluster.generation("R-flip").Generate(request, timeout=60))
+
+    d.stop()
+    flipped = cluster.start("D-flip", "decode-worker", *args, "--block-size", "8", "--port", port)
+    wait_ready(flipped)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            list(cluster.generation("R-flip").Generate(request, timeout=30))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            if "pairs" in e.details():
+                break
+            # until the router re-checks the worker back at that address it has no healthy decode
+            # worker at all, and says so at once
+            assert "no healthy decode worker" in e.details(), e.details()
+        assert time.monotonic() < deadline, "the reconfigured worker kept getting traffic"
+        time.sleep(0.2)
+
+    flipped.stop()
+    back = cluster.start("D-flip", "decode-worker", *args, "--port", port)
+    wait_ready(back)
+    ready_at = time.monotonic()
+    while True:
+        try:
+            if list(cluster.generation("R-flip").Generate(request, timeout=30)):
+                break
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() - ready_at < 15, "the returning worker got no traffic for 15 s"
+        time.sleep(0.1)
+    recovery = time.monotonic() - ready_at
+    print(f"recovery after SERVING: {recovery:.2f} s")

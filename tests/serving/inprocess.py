@@ -60,6 +60,7 @@ class InProcessSystem:
         server = AioServer("127.0.0.1", 0, extra_options=service.server_options())
         service.add_to(server)
         await server.start()
+        service.advertised_address = server.address
         engine = await asyncio.to_thread(LLMEngine, engine_config)
         loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
         service.attach(loop, "test")

@@ -246,3 +246,18 @@ def test_shared_prefix_requests_go_where_the_prefix_is_cached(text_checkpoint):
     (n0, hits0), (n1, hits1) = run(scenario())
     assert (n0, n1) == (1, 5)
     assert hits1 >= 4 * 4 * 16 and hits0 == 0  # four later prompts, each several cached 16-token blocks
+
+
+def test_drain_lets_requests_in_flight_finish(text_checkpoint):
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            task = asyncio.create_task(system.generate(PROMPTS[0], 30))
+            while not system.router.flights:
+                await asyncio.sleep(0.01)
+            await system.router.drain(30)
+            with pytest.raises(RequestFailed) as err:  # refused from now on
+                system.router.check_accepting()
+            return await task, err.value
+
+    msgs, refusal = run(scenario())
+    assert len(joined(msgs)) == 30 and refusal.code == grpc.StatusCode.UNAVAILABLE

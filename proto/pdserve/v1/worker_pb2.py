@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"l\n\x0bWorkRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"j\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x07\n\x05\x65vent\"8\n\x08\x41\x64mitted\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\"P\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"g\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.WorkRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\"\x7f\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x05 \x01(\x01\"Y\n\rKVGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\"m\n\x08KVHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\"y\n\x06KVData\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"7\n\tKVTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\"\x87\x01\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.KVDataH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVTrailerH\x00\x42\x06\n\x04part\"7\n\x0ePushKVResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\r\n\x0bInfoRequest\"\xb9\x02\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12,\n\tkv_groups\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\x12\x13\n\x0bspec_method\x18\x07 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x64raft_identity\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\"\x0e\n\x0cStatsRequest\"\xd1\x03\n\x0bWorkerStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x05 \x01(\r\x12 \n\x18num_queued_prompt_tokens\x18\x06 \x01(\x04\x12\x1f\n\x17kv_transfer_bytes_total\x18\x07 \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x08 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x17\n\x0fspec_num_drafts\x18\n \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0b \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0c \x01(\x04\x12\x1d\n\x15spec_accepted_per_pos\x18\r \x03(\x04\x12\x1a\n\x12num_requests_total\x18\x0e \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x0f \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x10 \x01(\x04\x32\xcc\x02\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12\x46\n\x10PrefillAndDecode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xce\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"l\n\x0bWorkRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"j\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x07\n\x05\x65vent\"3\n\x08\x41\x64mitted\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\"P\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"P\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.WorkRequest\x12\x0e\n\x06ticket\x18\x03 \x01(\tJ\x04\x08\x02\x10\x03\"\x7f\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x05 \x01(\x01\"Y\n\rKVGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\"h\n\x08KVHeader\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\"y\n\x06KVData\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"7\n\tKVTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\"\x87\x01\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.KVDataH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVTrailerH\x00\x42\x06\n\x04part\"7\n\x0ePushKVResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\r\n\x0bInfoRequest\"\xb9\x02\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12,\n\tkv_groups\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\x12\x13\n\x0bspec_method\x18\x07 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x64raft_identity\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\"\x0e\n\x0cStatsRequest\"\x84\x04\n\x0bWorkerStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x05 \x01(\r\x12 \n\x18num_queued_prompt_tokens\x18\x06 \x01(\x04\x12\x1f\n\x17kv_transfer_bytes_total\x18\x07 \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x08 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x17\n\x0fspec_num_drafts\x18\n \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0b \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0c \x01(\x04\x12\x1d\n\x15spec_accepted_per_pos\x18\r \x03(\x04\x12\x1a\n\x12num_requests_total\x18\x0e \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x0f \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x10 \x01(\x04\x12 \n\x18num_reservations_expired\x18\x11 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x12 \x01(\t2\xcc\x02\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12\x46\n\x10PrefillAndDecode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xce\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEEVENT']._serialized_start=178
   _globals['_DECODEEVENT']._serialized_end=284
   _globals['_ADMITTED']._serialized_start=286
-  _globals['_ADMITTED']._serialized_end=342
-  _globals['_TOKENDELTA']._serialized_start=344
-  _globals['_TOKENDELTA']._serialized_end=424
-  _globals['_PREFILLREQUEST']._serialized_start=426
-  _globals['_PREFILLREQUEST']._serialized_end=529
-  _globals['_PREFILLRESPONSE']._serialized_start=531
-  _globals['_PREFILLRESPONSE']._serialized_end=658
-  _globals['_KVGROUPLAYOUT']._serialized_start=660
-  _globals['_KVGROUPLAYOUT']._serialized_end=749
-  _globals['_KVHEADER']._serialized_start=751
-  _globals['_KVHEADER']._serialized_end=860
-  _globals['_KVDATA']._serialized_start=862
-  _globals['_KVDATA']._serialized_end=983
-  _globals['_KVTRAILER']._serialized_start=985
-  _globals['_KVTRAILER']._serialized_end=1040
-  _globals['_KVCHUNK']._serialized_start=1043
-  _globals['_KVCHUNK']._serialized_end=1178
-  _globals['_PUSHKVRESPONSE']._serialized_start=1180
-  _globals['_PUSHKVRESPONSE']._serialized_end=1235
-  _globals['_INFOREQUEST']._serialized_start=1237
-  _globals['_INFOREQUEST']._serialized_end=1250
-  _globals['_WORKERINFO']._serialized_start=1253
-  _globals['_WORKERINFO']._serialized_end=1566
-  _globals['_STATSREQUEST']._serialized_start=1568
-  _globals['_STATSREQUEST']._serialized_end=1582
-  _globals['_WORKERSTATS']._serialized_start=1585
-  _globals['_WORKERSTATS']._serialized_end=2050
-  _globals['_DECODEWORKER']._serialized_start=2053
-  _globals['_DECODEWORKER']._serialized_end=2385
-  _globals['_PREFILLWORKER']._serialized_start=2388
-  _globals['_PREFILLWORKER']._serialized_end=2594
+  _globals['_ADMITTED']._serialized_end=337
+  _globals['_TOKENDELTA']._serialized_start=339
+  _globals['_TOKENDELTA']._serialized_end=419
+  _globals['_PREFILLREQUEST']._serialized_start=421
+  _globals['_PREFILLREQUEST']._serialized_end=501
+  _globals['_PREFILLRESPONSE']._serialized_start=503
+  _globals['_PREFILLRESPONSE']._serialized_end=630
+  _globals['_KVGROUPLAYOUT']._serialized_start=632
+  _globals['_KVGROUPLAYOUT']._serialized_end=721
+  _globals['_KVHEADER']._serialized_start=723
+  _globals['_KVHEADER']._serialized_end=827
+  _globals['_KVDATA']._serialized_start=829
+  _globals['_KVDATA']._serialized_end=950
+  _globals['_KVTRAILER']._serialized_start=952
+  _globals['_KVTRAILER']._serialized_end=1007
+  _globals['_KVCHUNK']._serialized_start=1010
+  _globals['_KVCHUNK']._serialized_end=1145
+  _globals['_PUSHKVRESPONSE']._serialized_start=1147
+  _globals['_PUSHKVRESPONSE']._serialized_end=1202
+  _globals['_INFOREQUEST']._serialized_start=1204
+  _globals['_INFOREQUEST']._serialized_end=1217
+  _globals['_WORKERINFO']._serialized_start=1220
+  _globals['_WORKERINFO']._serialized_end=1533
+  _globals['_STATSREQUEST']._serialized_start=1535
+  _globals['_STATSREQUEST']._serialized_end=1549
+  _globals['_WORKERSTATS']._serialized_start=1552
+  _globals['_WORKERSTATS']._serialized_end=2068
+  _globals['_DECODEWORKER']._serialized_start=2071
+  _globals['_DECODEWORKER']._serialized_end=2403
+  _globals['_PREFILLWORKER']._serialized_start=2406
+  _globals['_PREFILLWORKER']._serialized_end=2612
 # @@protoc_insertion_point(module_scope)

@@ -302,7 +302,7 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Prefill, sample the first token and push the KV to decode_address; returns once the
+        """Prefill, sample the first token and push the KV where the ticket says; returns once the
         decode worker has verified the transfer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
