@@ -133,17 +133,20 @@ def _router(args: argparse.Namespace) -> int:
 def router_config(args: argparse.Namespace):
     from pdserve.router.api_keys import ApiKeys
     from pdserve.router.main import RouterConfig
+    from pdserve.router.metrics import SLO
     from pdserve.router.server import RouterPolicy
     from pdserve.serving.auth import TLSFiles
 
     policy = RouterPolicy(rpc_timeout_s=args.rpc_timeout, queue_timeout_s=args.queue_timeout,
                           max_failovers=args.max_failovers, failover_wait_s=args.failover_wait)
+    slo = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot)) if v is not None}
     return RouterConfig(model=args.model, served_model_name=args.served_model_name, policy=policy,
                         connect_timeout_s=args.connect_timeout,
                         health_interval_s=args.health_interval, max_queued_requests=args.max_queued_requests,
                         max_prompt_chars=args.max_prompt_chars, cluster=cluster_security(args, "router"),
                         tls=TLSFiles(args.tls_cert, args.tls_key),
-                        api_keys=ApiKeys.from_flags(args.api_key, args.api_key_rate_limit, args.api_key_max_concurrency))
+                        api_keys=ApiKeys.from_flags(args.api_key, args.api_key_rate_limit, args.api_key_max_concurrency),
+                        slo=SLO(**slo))
 
 
 # `pdserve serve` flag -> config field (dotted: section.field)
@@ -310,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="times a request may move to other workers after one fails mid-request")
     rt.add_argument("--failover-wait", type=float, default=30.0,
                     help="seconds a failing-over request waits for a usable worker to (re)appear")
+    rt.add_argument("--slo-ttft", type=float, default=None,
+                    help="TTFT SLO in seconds (default 1): requests meeting both SLOs count toward goodput")
+    rt.add_argument("--slo-tpot", type=float, default=None,
+                    help="SLO on the time per output token after the first, seconds (default 0.1)")
     rt.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
     add_cluster_security_args(rt)

@@ -46,6 +46,8 @@ class RouterSection:
     failover_wait: float = 30.0
     health_interval: float = 1.0
     drain_timeout: float = 30.0
+    slo_ttft: float = 1.0  # seconds; requests meeting both SLOs count toward goodput
+    slo_tpot: float = 0.1  # seconds per output token after the first
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,8 @@ def _check_router(r: RouterSection) -> None:
         value = getattr(r, name)
         if value is not None:
             _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536, f"router.{name}", value, "must be a port (0: any free one)")
-    for name in ("rpc_timeout", "queue_timeout", "failover_wait", "health_interval", "drain_timeout"):
+    for name in ("rpc_timeout", "queue_timeout", "failover_wait", "health_interval", "drain_timeout", "slo_ttft",
+                 "slo_tpot"):
         _positive(f"router.{name}", getattr(r, name))
     for name in ("max_queued_requests", "max_failovers", "max_prompt_chars"):
         _check(isinstance(getattr(r, name), int) and not isinstance(getattr(r, name), bool) and getattr(r, name) >= 0, f"router.{name}", getattr(r, name),

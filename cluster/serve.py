@@ -7,8 +7,10 @@
         drain and stop, Ray stops (when embedded)
 
 Prometheus: a file-SD target list of every process (router and workers) is kept current as
-workers join, restart and leave. `pdserve scale` finds the controller through Ray; for an
-embedded Ray it reads how to connect from the connection file this command writes (0600).
+workers join, restart and leave; the router's HTTP API serves the same list for Prometheus'
+HTTP service discovery (`GET /prometheus/targets`), where Prometheus cannot read the file (a
+pod). `pdserve scale` finds the controller through Ray; for an embedded Ray it reads how to
+connect from the connection file this command writes (0600).
 """
 from __future__ import annotations
 
@@ -113,18 +115,22 @@ class TargetsFile:
 
     def write(self, members=None) -> None:
         """With the workers' registrations (None: the last ones), and the router once it listens."""
-        members = self.members = self.members if members is None else list(members)
+        self.members = self.members if members is None else list(members)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.groups(), indent=1) + "\n")
+        tmp.replace(self.path)
+
+    def groups(self) -> list[dict]:
+        """The target groups, as Prometheus' file and HTTP service discovery read them."""
         groups = []
         if self.router:
             groups.append({"targets": [self.router], "labels": {"pdserve_role": "router"}})
         groups += [{"targets": [m.metrics_address], "labels": {"pdserve_role": m.role, "pdserve_worker": m.worker_id,
                                                                 "pdserve_node": m.node_id[:12]}}
-                   for m in sorted(members, key=lambda m: m.worker_id) if m.metrics_address]
+                   for m in sorted(self.members, key=lambda m: m.worker_id) if m.metrics_address]
         for g in groups:
             g["labels"]["model_name"] = self.model_name
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(groups, indent=1) + "\n")
-        tmp.replace(self.path)
+        return groups
 
 
 class Progress:
@@ -165,6 +171,7 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
 
     from pdserve.cluster.controller import NAME, NAMESPACE, Controller, PlacementFailed
     from pdserve.router.main import RouterConfig, build_router, serve_router
+    from pdserve.router.metrics import SLO
     from pdserve.router.server import RouterPolicy
     from pdserve.router.workers import WorkerPool
 
@@ -186,7 +193,8 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
         failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
         max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,
         tls=TLSFiles(sec.tls_cert, sec.tls_key),
-        api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency))
+        api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency),
+        slo=SLO(r.slo_ttft, r.slo_tpot))
     pool = WorkerPool(is_disaggregated=config.is_disaggregated, security=security)
     router = build_router(router_config, pool, config.name)
     targets = TargetsFile(Path(config.metrics_targets_file or _session_dir() / "pdserve_targets.json"), config.name)
@@ -209,11 +217,12 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
         progress("all workers healthy")
 
         def ready(addresses: dict) -> None:
-            targets.router = addresses.get("metrics") or addresses.get("http")
+            targets.router = _reachable(addresses.get("metrics") or addresses.get("http"))
             targets.write()
             on_ready({**addresses, "ray": ray.get_runtime_context().gcs_address, "prefill": config.prefill.workers,
                       "decode": config.decode.workers, "targets": str(targets.path)})
 
+        router.prometheus_targets = targets.groups
         await serve_router(router, router_config, r.host, r.grpc_port, r.http_port, None, until, ready,
                            drain_timeout_s=r.drain_timeout)
     finally:
@@ -238,6 +247,18 @@ async def _wait_healthy(pool, total: int, timeout_s: float, until) -> None:
             sick = [f"{w.worker_id} at {w.address}" for w in pool.workers.values() if not w.healthy]
             raise RuntimeError(f"workers not healthy after {timeout_s:g} s: {sick}")
         await asyncio.sleep(0.1)
+
+
+def _reachable(address: str | None) -> str | None:
+    """A listening address others can scrape: a wildcard host (a pod's 0.0.0.0) becomes this node's IP."""
+    if address is None:
+        return None
+    host, port = address.rsplit(":", 1)
+    if host in ("0.0.0.0", "::", "[::]"):
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    return f"{host}:{port}"
 
 
 def _session_dir() -> Path:

@@ -270,7 +270,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     r.spans.start("decode")
                     await self._activate(r, msg.first_token_id, msg.first_token_logprobs)
                     self.kv_transfer_bytes_total += r.progress.num_bytes
-                    self.metrics.observe_transfer(time.perf_counter() - opened_at)
+                    self.metrics.observe_transfer(time.perf_counter() - opened_at, r.progress.num_bytes)
                     return KVAck(r.progress.num_chunks, r.progress.num_bytes)
             raise TransferError(TransferFailure.CORRUPT, "transfer truncated: the stream ended without a trailer")
         except TransferError as e:

@@ -71,6 +71,7 @@ class Scheduler:
         # prefix cache, in tokens, over admissions (vLLM's prefix_cache_queries / _hits)
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0  # over the engine's life (vLLM's num_preemptions)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -138,6 +139,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = seq.num_draft_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)

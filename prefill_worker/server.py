@@ -178,7 +178,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             raise
         r.ended = PrefillState.DONE
         self.kv_transfer_bytes_total += ack.num_bytes
-        self.metrics.observe_transfer(time.perf_counter() - started)
+        self.metrics.observe_transfer(time.perf_counter() - started, ack.num_bytes)
         return ack
 
     def _end(self, r: PrefillRequest) -> None:

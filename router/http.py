@@ -38,7 +38,7 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_
 # the gRPC-side field a validation message names -> the OpenAI parameter it came from
 _OPENAI_PARAM = {"token_ids": "prompt", "request_id": "user"}
 MAX_BODY_BYTES = 8 << 20
-OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes and scrapes: no API key
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/prometheus/targets")  # probes and scrapes: no API key
 _END = object()
 
 
@@ -70,6 +70,7 @@ class OpenAIApp:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
+        app.router.add_get("/prometheus/targets", self.prometheus_targets)
         return app
 
     @web.middleware
@@ -87,6 +88,12 @@ class OpenAIApp:
             self.router.metrics.count(e.code.name.lower())
             status = 401 if e.code == grpc.StatusCode.UNAUTHENTICATED else _HTTP_STATUS.get(e.code, 503)
             return _error(status, str(e))
+
+    async def prometheus_targets(self, _request: web.Request) -> web.Response:
+        """Prometheus HTTP service discovery: `pdserve serve`'s processes (404 for a standalone router)."""
+        if self.router.prometheus_targets is None:
+            return _error(404, "no targets: this router does not run under `pdserve serve`")
+        return web.json_response(self.router.prometheus_targets())
 
     async def health(self, _request: web.Request) -> web.Response:
         """Liveness: the process answers."""

@@ -13,7 +13,7 @@ from pdserve.serving.auth import ClusterSecurity, TLSFiles
 from pdserve.serving.grpc_server import AioServer
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.api_keys import ApiKeys
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import SLO, RouterMetrics
 from pdserve.router.server import GenerationServicer, Router, RouterPolicy
 from pdserve.router.validate import Validator
 from pdserve.router.workers import WorkerPool
@@ -33,6 +33,7 @@ class RouterConfig:
     cluster: ClusterSecurity = ClusterSecurity()  # how it calls the workers
     tls: TLSFiles = TLSFiles()  # on its public ports
     api_keys: ApiKeys = field(default_factory=ApiKeys)
+    slo: SLO = SLO()  # requests meeting it count toward goodput (`pdserve:request_slo_met_total`)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "health_interval_s"):
@@ -53,7 +54,7 @@ def build_router(config: RouterConfig, pool: WorkerPool, model_name: str | None 
     tokenizer = Tokenizer.from_dir(config.model)
     validator = Validator(tokenizer, config.max_prompt_chars, pool.limits)
     return Router(pool, validator, tokenizer, AdmissionQueue(config.max_queued_requests), config.policy,
-                  RouterMetrics(model_name or config.name), config.api_keys)
+                  RouterMetrics(model_name or config.name, slo=config.slo), config.api_keys)
 
 
 async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,

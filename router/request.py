@@ -32,11 +32,13 @@ class RequestState(enum.Enum):
 
 
 class RequestFailed(Exception):
-    """A request ends with this status code and message for the client."""
+    """A request ends with this status code and message for the client (`is_final`: whatever
+    the code, failing over would not help)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, is_final: bool = False):
         super().__init__(message)
         self.code = code
+        self.is_final = is_final
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from pdserve.router.stream import ClientStream
 from pdserve.router.validate import Validator
 from pdserve.router import wire
 from pdserve.router.workers import Worker, WorkerPool
-from pdserve.serving.convert import work_request_message
+from pdserve.serving.convert import FINISH_REASON_NAMES, work_request_message
 from pdserve.serving.logs import fields
 from pdserve.serving.tracing import RequestSpans, extract, outgoing_metadata
 from pdserve.v1 import generation_pb2 as gen_pb2
@@ -99,6 +99,8 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.flights: set[Flight] = set()
         self.is_draining = False
+        self.prometheus_targets = None  # `pdserve serve`: () -> its processes' scrape targets (HTTP SD)
+        self.metrics.watch(self)
 
     def check_accepting(self) -> None:
         if self.is_draining:
@@ -138,9 +140,9 @@ class Router:
                 try:
                     async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight, spans):
                         trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
-                        self.metrics.delta_out(trace, len(resp.token_ids))
-                        if stream.finished:
-                            self.metrics.ended(trace, "ok")  # as the last delta leaves, not when the client reads on
+                        self.metrics.delta_out(trace, len(resp.token_ids), self.pool.is_disaggregated)
+                        if stream.finished:  # as the last delta leaves, not when the client reads on
+                            self.metrics.ended(trace, "ok", FINISH_REASON_NAMES.get(resp.finish_reason))
                             status = "ok"
                         yield resp
                     return
@@ -175,7 +177,7 @@ class Router:
 
     def _check_retry(self, req: RouterRequest, e: RequestFailed, failures: list[RequestFailed], deadline: float):
         """Raise the error the client gets when this failure is final."""
-        if e.code not in RETRYABLE:
+        if e.code not in RETRYABLE or e.is_final:
             raise e
         if time.monotonic() >= deadline:
             raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -207,11 +209,13 @@ class Router:
         try:
             if attempt == 0:
                 trace.state = RequestState.ADMITTED
-                self.metrics.admitted(trace, len(req.prompt_token_ids))
+            self.metrics.admitted(trace, attempt, len(req.prompt_token_ids))
             if self.pool.is_disaggregated:
                 prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline, metadata))
+                prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
                 trace.state = RequestState.PREFILLING
             async for ids, reason, logprobs in self._events(call, decode, prefill_task, flight):
+                self.metrics.received(trace, len(ids))
                 yield stream.delta(ids, reason, logprobs)
                 if stream.finished:
                     return
@@ -226,6 +230,11 @@ class Router:
                 prefill_task.cancel()
             decode.num_in_flight -= 1
             self.admission.wake_one()
+
+    def _prefilled(self, task: asyncio.Task, trace: RequestTrace, attempt: int) -> None:
+        """The prefill worker answered: its account of the prefill completes the TTFT stages."""
+        if not task.cancelled() and task.exception() is None:
+            self.metrics.prefilled(trace, attempt, task.result().prefill_seconds)
 
     @staticmethod
     def _work(req: RouterRequest, stream: ClientStream, attempt: int) -> worker_pb2.WorkRequest:
@@ -268,7 +277,8 @@ class Router:
         give_up = time.monotonic() + (self.policy.failover_wait_s if wait else 0)
         while (missing := self.pool.missing()) is not None:
             if time.monotonic() >= give_up:
-                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"cannot serve: {missing}")
+                # final: a new request gets it at once, a failover after its wait
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"cannot serve: {missing}", is_final=True)
             await asyncio.sleep(0.1)
         return self.pool.decode_candidates()
 

@@ -3,8 +3,11 @@ and the load the router itself has put on each.
 
 Membership is static (the standalone router's `--prefill`/`--decode` addresses) or follows the
 cluster (`add` / `remove` as workers register, restart elsewhere, or are drained). A worker is
-*healthy* while its grpc.health.v1 check says SERVING; a failed check, or a call that finds it
-UNAVAILABLE, takes it out of selection until a later check passes, and a worker that comes back
+*healthy* while its grpc.health.v1 check says SERVING; a check that fails (NOT_SERVING, the
+connection refused), or a call that finds it UNAVAILABLE, takes it out of selection until a later
+check passes. A check that only times out counts as failed once `MAX_SLOW_CHECKS` do in a row:
+a worker too busy to answer within the check's timeout (a CPU-starved host) is not a dead one,
+and taking it out would fail requests it can serve. A worker that comes back
 is asked again what it runs, since it may have restarted with another configuration. A prefill
 and a decode worker are used together only if their KV-relevant descriptions agree (`PAIRING_FIELDS`).
 """
@@ -25,6 +28,8 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 
+# Health checks in a row that may time out before a healthy worker is taken out of selection.
+MAX_SLOW_CHECKS = 3
 # What must agree between a prefill and a decode worker for the KV of one to serve the other.
 PAIRING_FIELDS = ("model_identity", "dtype", "block_size", "kv_layout", "kv_groups", "draft_identity")
 # Router -> worker channels: notice a silent peer within ~15 s, and retry a lost connection at
@@ -53,6 +58,7 @@ class Worker:
     info: worker_pb2.WorkerInfo | None = None
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     healthy: bool = False
+    num_slow_checks: int = 0  # health checks in a row that timed out
     boot_id: str = ""  # of the process last seen at this address: a new one may run another configuration
     is_removed: bool = False
     num_in_flight: int = 0  # requests this router sent here that have not ended
@@ -145,8 +151,16 @@ class WorkerPool:
                 if w.info is None or not w.healthy or stats.boot_id != w.boot_id:
                     w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=timeout, metadata=md)
                 w.stats, w.boot_id = stats, stats.boot_id
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
             serving = False
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                w.num_slow_checks += 1
+                if w.healthy and w.num_slow_checks < MAX_SLOW_CHECKS:
+                    return  # busy, not gone: still healthy
+            else:
+                w.num_slow_checks = 0
+        else:
+            w.num_slow_checks = 0
         if serving != w.healthy and not w.is_removed:
             level = logging.INFO if serving else logging.WARNING
             log.log(level, "worker %s %s at %s is now %s", w.role, w.worker_id, w.address,

@@ -1,4 +1,5 @@
-"""What every pdserve gRPC server has: `grpc.health.v1`, server reflection, message limits.
+"""What every pdserve gRPC server has: `grpc.health.v1`, server reflection (v1 and v1alpha,
+`introspection.py`), message limits.
 
 Health starts NOT_SERVING and turns SERVING when the component says it is ready (a worker once
 its model is loaded), so a load balancer or the router never sends work to a loading process.
@@ -10,9 +11,9 @@ import logging
 import signal
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.serving.introspection import REFLECTION_SERVICES, HealthServicer, add_reflection
 
 log = logging.getLogger("pdserve.server")
 
@@ -43,10 +44,10 @@ class AioServer:
         options = dict([*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options])  # later ones win
         self.server = grpc.aio.server(options=list(options.items()), interceptors=list(interceptors))
         self.credentials = credentials  # TLS (mutual when it names a CA); None: plaintext
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
-        self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        self._service_names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
 
     def add(self, add_fn, servicer, service_descriptor) -> None:
         add_fn(servicer, self.server)
@@ -54,7 +55,7 @@ class AioServer:
 
     async def start(self) -> int:
         """Listen (health NOT_SERVING); returns the bound port (a free one when asked for 0)."""
-        reflection.enable_server_reflection(self._service_names, self.server)
+        add_reflection(self.server, self._service_names)
         try:
             if self.credentials is not None:
                 port = self.server.add_secure_port(self.address, self.credentials)
@@ -71,7 +72,7 @@ class AioServer:
 
     async def set_serving(self, is_serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self._service_names):
+        for name in ("", *self._service_names, *REFLECTION_SERVICES):
             result = self.health.set(name, status)
             if hasattr(result, "__await__"):
                 await result

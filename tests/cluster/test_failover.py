@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.serving.auth import CLUSTER_TOKEN_METADATA
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from serve_system import serve_config, start_system, stream_all, tokens
@@ -43,10 +44,16 @@ def expected(serving_model) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS + PROMPTS[:4], params)]
 
 
+CLUSTER_TOKEN = "failover-test-cluster-secret-0123"  # the workers' GetStats needs the cluster's credentials
+
+
 @pytest.fixture(scope="module")
 def system(serving_model, tmp_path_factory):
-    s = start_system(tmp_path_factory.mktemp("failover"), "failover",
-                     serve_config(serving_model, prefill=2, decode=2, spec=False, cpus=0.4, placement_timeout=10))
+    tmp = tmp_path_factory.mktemp("failover")
+    (tmp / "cluster.token").write_text(CLUSTER_TOKEN)
+    config = serve_config(serving_model, prefill=2, decode=2, spec=False, cpus=0.4, placement_timeout=10)
+    config["security"] = {"cluster_token_file": str(tmp / "cluster.token")}
+    s = start_system(tmp, "failover", config)
     yield s
     s.stop()
 
@@ -54,7 +61,8 @@ def system(serving_model, tmp_path_factory):
 def stats(address: str, role: str = "decode") -> worker_pb2.WorkerStats:
     stub = worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub
     with grpc.insecure_channel(address) as channel:
-        return stub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10)
+        return stub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10,
+                                      metadata=[(CLUSTER_TOKEN_METADATA, CLUSTER_TOKEN)])
 
 
 def test_kill_9_of_a_decode_worker_mid_stream_loses_no_token(system, expected):

@@ -53,6 +53,9 @@ def test_status_lists_every_worker_by_pool(system):
     assert {g["labels"]["pdserve_role"] for g in targets} == {"router", "prefill", "decode"}
     assert sorted(t for g in targets for t in g["targets"] if g["labels"]["pdserve_role"] != "router") == \
         sorted(w["metrics_address"] for w in workers)
+    # the same list for Prometheus' HTTP service discovery, from the router's HTTP API
+    with urllib.request.urlopen(f"http://{system.http_address}/prometheus/targets", timeout=10) as resp:
+        assert json.loads(resp.read()) == targets
 
 
 def test_ray_list_actors_shows_which_pool_each_actor_is(system):
@@ -180,3 +183,78 @@ def test_the_documented_config_file_is_the_defaults():
     assert set(raw) == fields
     for section in ("router", "security", "prefill", "decode"):
         assert set(raw[section]) == {f.name for f in dataclasses.fields(type(getattr(defaults, section)))}
+
+
+# ---- Prometheus, the dashboard and the alerts against this system ---------------------------
+def dashboard_queries(variables: dict[str, str]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of deploy/grafana/pdserve.json, with the template
+    variables substituted as Grafana would."""
+    import re
+
+    from pdserve.cluster.config import REPO
+
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pdserve.json").read_text())
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables[m.group(1) or m.group(2)], target["expr"])
+            out.append((panel["title"], expr))
+    return out
+
+
+def _traffic(address: str, stop) -> None:
+    """Small greedy requests, two at a time, until `stop` is set."""
+    import grpc
+
+    from pdserve.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        i = 0
+        while not stop.is_set():
+            i += 1
+            request = gen.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], sampling_params=gen.SamplingParams(
+                temperature=0, max_tokens=4 + i % 8, ignore_eos=True))
+            for _ in stub.Generate(request, timeout=60):
+                pass
+
+
+def test_prometheus_scrapes_the_file_sd_targets_and_every_dashboard_query_returns_data(system, tmp_path):
+    """A real Prometheus, fed only `pdserve serve`'s file-SD targets file, scrapes every process;
+    under a little traffic every panel's query of the Grafana dashboard parses and returns a
+    number, and every alert rule evaluates without error."""
+    import threading
+    import time
+
+    from pdserve.cluster.config import REPO
+    from prometheus_server import Prometheus
+
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": [str(REPO / "deploy" / "prometheus" / "alerts.yml")],
+              "scrape_configs": [{"job_name": "pdserve", "honor_labels": True, "file_sd_configs": [
+                  {"files": [system.proc.addresses["targets"]], "refresh_interval": "1s"}]}]}
+    prom = Prometheus.start(config, tmp_path)
+    stop = threading.Event()
+    senders = [threading.Thread(target=_traffic, args=(system.grpc_address, stop), daemon=True) for _ in range(2)]
+    try:
+        for t in senders:
+            t.start()
+        deadline = time.monotonic() + 45
+        while sorted(s["metric"]["pdserve_role"] for s in prom.query('up{job="pdserve"} == 1')) != \
+                ["decode", "decode", "prefill", "router"]:
+            assert time.monotonic() < deadline, prom.query("up")
+            time.sleep(0.5)
+        (model,) = prom.api("label/model_name/values", **{"match[]": "pdserve:time_to_first_token_seconds_count"})
+        queries = dashboard_queries({"model_name": model, "__rate_interval": "15s", "datasource": "prometheus"})
+        assert len(queries) > 30
+        missing = queries
+        while missing := [(title, expr) for title, expr in missing if not prom.finite_values(expr)]:
+            assert time.monotonic() < deadline, f"no data for {len(missing)} panel queries: {missing}"
+            time.sleep(1)
+        rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+        assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+    finally:
+        stop.set()
+        for t in senders:
+            t.join(timeout=60)
+        prom.stop()

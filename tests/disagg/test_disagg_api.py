@@ -4,8 +4,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from procs import wait_ready
+from types import SimpleNamespace
+
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from procs import wait_ready
 
 from procs import MAX_PROMPT_CHARS
 from pdserve.v1 import generation_pb2 as gen
@@ -45,11 +51,66 @@ def test_bad_input_is_invalid_argument_naming_the_field(cluster, name, router):
     assert err.value.details().startswith(field), err.value.details()
 
 
-def test_every_server_has_reflection_and_health(cluster):
-    expected = {"R": "pdserve.v1.Generation", "P": "pdserve.v1.PrefillWorker", "D": "pdserve.v1.DecodeWorker"}
-    for name, service in expected.items():
-        services = set(ProtoReflectionDescriptorDatabase(cluster.channel(name)).get_services())
-        assert {service, "grpc.health.v1.Health"} <= services, (name, services)
+class V1ReflectionDatabase(ProtoReflectionDescriptorDatabase):
+    """grpcio-reflection's client asks only `grpc.reflection.v1alpha`; this one asks only `v1`
+    (the same messages under the name current clients such as grpcurl ask first)."""
+
+    def __init__(self, channel: grpc.Channel):
+        super().__init__(channel)
+        self._stub = SimpleNamespace(ServerReflectionInfo=channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString))
+
+
+EXPECTED_SERVICES = {"R": "pdserve.v1.Generation", "P": "pdserve.v1.PrefillWorker", "D": "pdserve.v1.DecodeWorker"}
+
+
+@pytest.mark.parametrize("database", [ProtoReflectionDescriptorDatabase, V1ReflectionDatabase])
+def test_every_server_has_reflection_and_health(cluster, database):
+    """A client that knows nothing but reflection finds each service, its methods and their messages."""
+    for name, service in EXPECTED_SERVICES.items():
+        db = database(cluster.channel(name))
+        services = set(db.get_services())
+        assert {service, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= services, (name, services)
+        described = DescriptorPool(db).FindServiceByName(service)
+        assert "GetStats" in described.methods_by_name or "Generate" in described.methods_by_name, name
+    pool = DescriptorPool(database(cluster.channel("R")))
+    generate = pool.FindServiceByName("pdserve.v1.Generation").methods_by_name["Generate"]
+    assert generate.server_streaming and "sampling_params" in generate.input_type.fields_by_name
+
+
+def test_unimplemented_methods_answer_unimplemented_without_a_traceback(cluster):
+    logs = {name: len(cluster.procs[name].log.read_text()) for name in EXPECTED_SERVICES}
+    for name in EXPECTED_SERVICES:
+        channel = cluster.channel(name)
+        with pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, err.value.details())
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary("/pdserve.v1.Generation/NoSuchMethod")(b"", timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, name
+    for name, start in logs.items():
+        new = cluster.procs[name].log.read_text()[start:]
+        assert "Traceback" not in new and "NotImplementedError" not in new, (name, new)
+
+
+@pytest.mark.parametrize("servicer", ["GenerationServicer", "PrefillWorkerServicer", "DecodeWorkerServicer"])
+def test_our_servicers_implement_every_method_of_their_service(servicer):
+    """A method left to the generated base class would raise NotImplementedError (a traceback
+    in the log) instead of answering."""
+    from pdserve.decode_worker.server import DecodeWorkerServicer
+    from pdserve.prefill_worker.server import PrefillWorkerServicer
+    from pdserve.router.server import GenerationServicer
+    from pdserve.v1 import generation_pb2_grpc, worker_pb2_grpc
+
+    cls = {"GenerationServicer": GenerationServicer, "PrefillWorkerServicer": PrefillWorkerServicer,
+           "DecodeWorkerServicer": DecodeWorkerServicer}[servicer]
+    base = getattr(generation_pb2_grpc, servicer.replace("Servicer", "") + "Servicer", None) or \
+        getattr(worker_pb2_grpc, servicer.removesuffix("Servicer") + "Servicer")
+    methods = [m for m in vars(base) if not m.startswith("_")]
+    assert methods and all(getattr(cls, m) is not getattr(base, m) for m in methods), methods
 
 
 def test_mismatched_pair_is_refused_saying_what_differs(cluster):

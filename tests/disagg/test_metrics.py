@@ -1,13 +1,14 @@
 """Prometheus /metrics of the router and both workers, scraped around known traffic through R."""
 from __future__ import annotations
 
+from urllib.error import HTTPError
 from urllib.request import urlopen
 
 import grpc
 import pytest
 
 from pdserve.v1 import generation_pb2 as gen
-from procs import generate_all
+from procs import NUM_KV_BLOCKS, generate_all
 
 NUM_TOKENS = 6
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3] * 17]
@@ -46,12 +47,57 @@ def test_router_counts_requests_and_tokens(traffic):
     assert d("prompt_tokens_total") == sum(map(len, PROMPTS))
     assert d("generation_tokens_total") == n * NUM_TOKENS
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "time_per_output_token_seconds"):
+                 "request_time_per_output_token_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
         assert d(hist + "_count") == n, hist
         assert d(hist + "_bucket", le="+Inf") == n, hist
-    # one observation per token after each request's first delta
-    assert d("inter_token_latency_seconds_count") == sum(NUM_TOKENS - len(msgs[0].token_ids) for msgs in responses)
+    # one observation per token after each request's first delta; vLLM's older name has the same ones
+    num_later_tokens = sum(NUM_TOKENS - len(msgs[0].token_ids) for msgs in responses)
+    assert d("inter_token_latency_seconds_count") == d("time_per_output_token_seconds_count") == num_later_tokens
+    assert d("inter_token_latency_seconds_sum") == pytest.approx(d("time_per_output_token_seconds_sum"))
     assert 0 < d("time_to_first_token_seconds_sum") <= d("e2e_request_latency_seconds_sum")
+    # queue + prefill is the TTFT, prefill + decode the inference time
+    assert d("request_queue_time_seconds_sum") + d("request_prefill_time_seconds_sum") == \
+        pytest.approx(d("time_to_first_token_seconds_sum"))
+    assert d("request_prefill_time_seconds_sum") + d("request_decode_time_seconds_sum") == \
+        pytest.approx(d("request_inference_time_seconds_sum"))
+    assert d("request_prompt_tokens_sum") == sum(map(len, PROMPTS))
+    assert d("request_generation_tokens_sum") == n * NUM_TOKENS
+    # ignore_eos and max_tokens: every one finished for its length
+    assert d("request_success_total", finished_reason="length") == n
+    assert d("request_success_total", finished_reason="stop") == d("request_success_total", finished_reason="abort") == 0
+
+
+def test_labelled_counters_start_at_zero_for_every_value(cluster):
+    """Error panels show 0, not "no data": every status and finish reason exists before it happens
+    (R2 is never sent a request that fails for being unavailable or that aborts)."""
+    m = cluster.metrics("R2")
+    for status in ("ok", "unavailable", "resource_exhausted", "deadline_exceeded", "internal", "error"):
+        assert ("pdserve:requests_total", frozenset({("status", status)})) in m, status
+    for reason in ("stop", "length", "abort"):
+        assert ("pdserve:request_success_total", frozenset({("finished_reason", reason)})) in m, reason
+    assert m[("pdserve:request_success_total", frozenset({("finished_reason", "abort")}))] == 0
+
+
+def test_every_process_has_process_metrics_and_no_created_series(cluster):
+    for name in ("R", "P", "D"):
+        m = cluster.metrics(name)
+        assert m[("process_resident_memory_bytes", EMPTY)] > 0 and m[("process_open_fds", EMPTY)] > 0, name
+        assert m[("process_start_time_seconds", EMPTY)] > 0 and ("process_cpu_seconds_total", EMPTY) in m, name
+        assert not [s for s, _ in m if s.endswith("_created")], name
+
+
+def test_router_exports_its_queues_and_its_view_of_the_pools(traffic, cluster):
+    for name, roles in (("R", {"prefill", "decode"}), ("R2", {"decode"})):
+        m = cluster.metrics(name)
+        healthy = {dict(labels)["role"]: v for (s, labels), v in m.items() if s == "pdserve:router_healthy_workers"}
+        assert healthy == {role: 1 for role in roles}, (name, healthy)
+        assert m[("pdserve:router_ready", EMPTY)] == 1
+    after = traffic[1]["R"]
+    assert after[("pdserve:router_num_requests_in_flight", EMPTY)] == 0
+    assert after[("pdserve:router_num_requests_queued", EMPTY)] == 0
+    assert after[("pdserve:slo_ttft_seconds", EMPTY)] == 1.0 and after[("pdserve:slo_tpot_seconds", EMPTY)] == 0.1
 
 
 def test_workers_count_transfers_and_end_idle(traffic):
@@ -61,9 +107,22 @@ def test_workers_count_transfers_and_end_idle(traffic):
     assert sent > 0 and sent == received
     for w in ("P", "D"):
         assert _delta(before[w], after[w], "pdserve:kv_transfer_seconds_count") == len(PROMPTS), w
+        assert _delta(before[w], after[w], "pdserve:kv_transfer_bandwidth_bytes_per_second_count") == len(PROMPTS), w
+        assert _delta(before[w], after[w], "pdserve:kv_transfer_bandwidth_bytes_per_second_sum") > 0, w
+        assert _delta(before[w], after[w], "pdserve:num_preemptions_total") == 0, w
+        info = [dict(labels) for (s, labels), v in after[w].items() if s == "pdserve:cache_config_info" and v == 1]
+        assert info == [{"block_size": "16", "num_gpu_blocks": str(NUM_KV_BLOCKS), "cache_dtype": "float32",
+                         "enable_prefix_caching": "True"}], (w, info)
         assert _delta(before[w], after[w], "pdserve:kv_transfer_failures_total") == 0, w
         for gauge in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
             assert after[w][("pdserve:" + gauge, EMPTY)] == 0, (w, gauge)
+
+
+def test_prefill_worker_counts_prefix_cache_queries_and_hits_in_tokens(traffic):
+    before, after, _ = traffic
+    queries = _delta(before["P"], after["P"], "pdserve:prefix_cache_queries_total")
+    hits = _delta(before["P"], after["P"], "pdserve:prefix_cache_hits_total")
+    assert queries == sum(map(len, PROMPTS)) and 0 <= hits <= queries
 
 
 def test_spec_decode_counters_are_consistent(traffic, cluster):
@@ -85,3 +144,59 @@ def test_router_http_app_serves_metrics_too(traffic, cluster):
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = resp.read().decode()
     assert 'pdserve:requests_total{model_name="' in text and 'status="ok"' in text
+    # HTTP service discovery is `pdserve serve`'s (tests/cluster); a standalone router has no list
+    with pytest.raises(HTTPError) as err:
+        urlopen(f"http://{cluster.http_address}/prometheus/targets", timeout=10)
+    assert err.value.code == 404
+
+
+def _stages(m: dict) -> dict[str, tuple[float, float]]:
+    """{stage: (sum, count)} of the TTFT-by-stage histogram, and "ttft" of the TTFT's own."""
+    out = {dict(labels)["stage"]: (v, m[("pdserve:time_to_first_token_stage_seconds_count", labels)])
+           for (s, labels), v in m.items() if s == "pdserve:time_to_first_token_stage_seconds_sum"}
+    out["ttft"] = (m[("pdserve:time_to_first_token_seconds_sum", EMPTY)],
+                   m[("pdserve:time_to_first_token_seconds_count", EMPTY)])
+    return out
+
+
+@pytest.mark.parametrize("router", ["R", "R2"])
+def test_ttft_stages_add_up_to_each_requests_ttft(cluster, router):
+    """One request at a time: its four stage observations sum to its TTFT observation. A
+    disaggregated request's stages wait for the prefill worker's answer, which may come after
+    the client has its last token, hence the polling."""
+    import time
+
+    for i, prompt in enumerate(PROMPTS):
+        before = _stages(cluster.metrics(router))
+        request = gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=3 + i, ignore_eos=True))
+        assert list(cluster.generation(router).Generate(request, timeout=60))
+        deadline = time.monotonic() + 20
+        while (after := _stages(cluster.metrics(router)))["queue"][1] == before["queue"][1]:
+            assert time.monotonic() < deadline, "no TTFT stages observed"
+            time.sleep(0.05)
+        d = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+        assert {k: n for k, (_, n) in d.items()} == {"queue": 1, "prefill": 1, "transfer": 1, "delivery": 1,
+                                                     "ttft": 1}, d
+        assert sum(d[s][0] for s in ("queue", "prefill", "transfer", "delivery")) == pytest.approx(d["ttft"][0],
+                                                                                               abs=1e-9), d
+        assert all(seconds >= 0 for seconds, _ in d.values()) and d["prefill"][0] > 0, d
+        if router == "R2":  # colocated: the decode worker prefills, nothing is transferred
+            assert d["transfer"][0] == 0
+
+
+def _exported_names(cluster, name: str) -> set[str]:
+    """Metric names as documented: counters with `_total`, histograms without their suffixes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://{cluster.procs[name].addresses['metrics']}/metrics", timeout=10) as resp:
+        families = text_string_to_metric_families(resp.read().decode())
+        return {f.name + ("_total" if f.type == "counter" else "") for f in families}
+
+
+def test_the_readme_metric_table_is_exactly_what_is_exported(traffic, cluster):
+    from deploy_files import documented_metrics
+
+    exported = set().union(*(_exported_names(cluster, n) for n in ("R", "P", "D")))
+    assert exported == documented_metrics(), (sorted(exported - documented_metrics()),
+                                              sorted(documented_metrics() - exported))
