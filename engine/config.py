@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.capture import GRAPH_CAPTURES
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import DTYPES
 from pdserve.kernels import BACKENDS
@@ -20,6 +21,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the config's dtype on CUDA, float32 on CPU
     device: str = "auto"
     kernel_backend: str = "auto"
+    # the forward pass as one captured graph: "auto" (CUDA graphs on CUDA, off on the CPU), "off",
+    # "compile" (torch.compile; tens of seconds per model at start-up), "cuda_graphs"
+    graph_capture: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 << 20
@@ -40,6 +44,8 @@ class EngineConfig:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device,
                "must be 'auto', 'cpu' or 'cuda'")
         _check(self.kernel_backend in BACKENDS, "kernel_backend", self.kernel_backend, f"must be one of {BACKENDS}")
+        _check(self.graph_capture in GRAPH_CAPTURES, "graph_capture", self.graph_capture,
+               f"must be one of {GRAPH_CAPTURES}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "must be >= 1")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.block_manager import BlockManager, cdiv
+from pdserve.engine.capture import resolve_capture
 from pdserve.engine.disagg import KVHook, prefill_chunk
 from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -47,6 +48,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
+        self.capture = resolve_capture(config.graph_capture, self.device)
         # a draft is loaded whenever one is named (a prefill worker fills its cache without speculating)
         has_draft = config.draft_model and config.speculative_method != "ngram"
         self.draft_config = load_model_config(config.draft_model) if has_draft else None
@@ -55,7 +57,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
-                                  num_blocks, config.block_size)
+                                  num_blocks, config.block_size, self.capture)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.speculator = self._build_speculator()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -88,7 +90,7 @@ class LLMEngine:
             return None
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
-                           self.device, num_blocks, self.config.block_size)
+                           self.device, num_blocks, self.config.block_size, self.capture)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method

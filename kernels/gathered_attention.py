@@ -1,0 +1,145 @@
+"""Paged attention for a group of sequences in one dense call: the CPU path.
+
+Each layer gathers the group's K/V blocks into a dense [num_seqs, length, num_kv_heads,
+head_dim] tensor (`index_select` of whole blocks) and runs one `scaled_dot_product_attention`
+over the group; what does not change between layers (which blocks, the mask, where each query
+row goes) is worked out once per step by `plan_gather`. Decode (one query per sequence) and
+short extends (speculative verification: k + 1 queries per sequence) both run through it.
+
+Queries of different lengths are padded to the longest:
+
+    flat q rows      t0 | t1 t2 t3 | t4 t5            query_lens 1, 3, 2
+    padded           s0: t0 .  .
+                     s1: t1 t2 t3
+                     s2: t4 t5 .                      pad rows repeat row 0; dropped after
+
+Query i of sequence s sits at position context_len[s] - query_len[s] + i and sees keys 0..that
+position. Pad rows see keys up to their (fictional) position, all finite (the cache is zeroed
+at allocation), so no row of the softmax is empty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class GatherPlan:
+    """Where a group's K/V lie and how its queries line up, shared by every layer of a step."""
+
+    block_ids: torch.Tensor  # [num_seqs * num_blocks] int64: the blocks to gather, sequence by sequence
+    num_seqs: int
+    max_query_len: int
+    length: int  # keys per sequence: the longest context
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, length] bool (True: visible); None: all visible
+    pad_index: torch.Tensor | None  # [num_seqs * max_query_len] int64 rows of q; None: no padding
+    unpad_index: torch.Tensor | None  # [num_tokens] int64 rows of the padded output to keep
+
+
+def plan_gather(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int
+    context_lens: list[int],  # [num_seqs], each >= its query length
+    query_lens: list[int],  # [num_seqs], each >= 1; the queries are the last tokens of each context
+    block_size: int,
+    uniform: bool = False,  # mask and pad/unpad indices even where not needed: one traced graph (`write_and_attend`)
+) -> GatherPlan:
+    num_seqs, max_q, length = len(context_lens), max(query_lens), max(context_lens)
+    device = block_tables.device
+    num_blocks = -(-length // block_size)
+    block_ids = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)
+    mask = None
+    if uniform or max_q > 1 or min(context_lens) < length:
+        last = torch.tensor([c - n for c, n in zip(context_lens, query_lens)], device=device)  # [S] position of query 0
+        q_pos = last[:, None] + torch.arange(max_q, device=device)[None, :]  # [S, max_q]
+        mask = (torch.arange(length, device=device)[None, None, :] <= q_pos[:, :, None])[:, None]
+    pad_index = unpad_index = None
+    if uniform or min(query_lens) < max_q:
+        starts = [0]
+        for n in query_lens[:-1]:
+            starts.append(starts[-1] + n)
+        pad_index = torch.tensor([st + i if i < n else 0 for st, n in zip(starts, query_lens) for i in range(max_q)],
+                                 device=device)
+        unpad_index = torch.tensor([s * max_q + i for s, n in enumerate(query_lens) for i in range(n)], device=device)
+    return GatherPlan(block_ids, num_seqs, max_q, length, mask, pad_index, unpad_index)
+
+
+def gathered_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    plan: GatherPlan,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Math in float32 whatever the cache dtype, like `paged_decode_attention_ref`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    s, max_q, length = plan.num_seqs, plan.max_query_len, plan.length
+    k = _gather(k_cache, plan.block_ids, s)[:, :length].transpose(1, 2)  # [S, Hkv, T, D]
+    v = _gather(v_cache, plan.block_ids, s)[:, :length].transpose(1, 2)
+    rows = q if plan.pad_index is None else q.index_select(0, plan.pad_index)
+    rows = rows.view(s, max_q, num_heads, head_dim).transpose(1, 2)  # [S, H, max_q, D]
+    out = F.scaled_dot_product_attention(_fp32(rows), _fp32(k), _fp32(v), attn_mask=plan.mask, scale=scale,
+                                         enable_gqa=True)
+    out = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)
+    out = out if plan.unpad_index is None else out.index_select(0, plan.unpad_index)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[num_seqs, num_blocks * block_size, num_kv_heads, head_dim]: whole blocks copied as rows of
+    a [num_blocks, block_size * num_kv_heads * head_dim] view, several times faster on the CPU
+    than advanced indexing of the 4-D cache."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
+    return rows.view(num_seqs, -1, *cache.shape[2:])
+
+
+# --- for graph capture ---------------------------------------------------------------------
+#
+# A compiler traces the step once for every shape when the K/V write and the attention are one
+# opaque op whose output is shaped like q: it never reasons about the plan's sizes, which it sees
+# only as the dims of tensors (`plan_gather(..., uniform=True)`: every tensor present).
+
+
+_LIB = torch.library.Library("pdserve", "DEF")  # a plain library op: a tenth of `custom_op`'s call overhead
+_LIB.define("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+            "Tensor slot_mapping, Tensor block_ids, Tensor mask, Tensor pad_index, Tensor unpad_index, "
+            "float scale) -> Tensor")
+
+
+def write_and_attend(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    block_ids: torch.Tensor,  # a uniform plan's tensors
+    mask: torch.Tensor,
+    pad_index: torch.Tensor,
+    unpad_index: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`write_kv_ref` then `gathered_attention`, the plan's sizes read off its tensors, and the
+    mask and indices dropped where they change nothing (one query of one sequence sees its whole
+    context; an unpadded batch needs no reordering). `torch.ops.pdserve.write_and_attend`.
+    Every slot is a real one (no -1 padding: that is CUDA graphs' business)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    num_seqs, _, max_q, length = mask.shape
+    is_padded = pad_index.shape[0] != q.shape[0]
+    plan = GatherPlan(block_ids, num_seqs, max_q, length, mask if num_seqs > 1 or max_q > 1 else None,
+                      pad_index if is_padded else None, unpad_index if is_padded else None)
+    return gathered_attention(q, k_cache, v_cache, plan, scale).contiguous()
+
+
+def _write_and_attend_fake(q, k, v, k_cache, v_cache, slot_mapping, block_ids, mask, pad_index, unpad_index, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+_LIB.impl("write_and_attend", write_and_attend, "CPU")
+torch.library.register_fake("pdserve::write_and_attend", _write_and_attend_fake, lib=_LIB)
