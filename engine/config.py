@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.capture import GRAPH_CAPTURES
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import DTYPES
+from pdserve.engine.spec_decode.verifier import SPEC_VERIFIERS
 from pdserve.kernels import BACKENDS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
@@ -38,6 +39,11 @@ class EngineConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     spec_adaptive: bool = True  # per-sequence depth from acceptance and step costs; False: always k
+    # how a sampled request's draft tokens are verified: "coupled" (the target's own (seed,
+    # position) draws, kept while the drafts match them: the same tokens with or without
+    # speculation, at any depth) or "rejection" (min(1, p/q) acceptance; accepts more, but the
+    # tokens depend on the draft). Both are exact in distribution; greedy requests are unaffected.
+    spec_verifier: str = "coupled"
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype, f"must be one of {('auto', *DTYPES)}")
@@ -55,6 +61,8 @@ class EngineConfig:
                self.speculative_method, f"must be one of {SPECULATIVE_METHODS}")
         _check(not (self.speculative_method == "draft" and not self.draft_model), "draft_model", self.draft_model,
                "is required when speculative_method='draft'")
+        _check(self.spec_verifier in SPEC_VERIFIERS, "spec_verifier", self.spec_verifier,
+               f"must be one of {SPEC_VERIFIERS}")
         _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", (self.ngram_min, self.ngram_max),
                "must satisfy 1 <= ngram_min <= ngram_max")
 

@@ -30,6 +30,7 @@ from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Proposal, Speculator, StepShape
+from pdserve.engine.spec_decode.verifier import build_verifier
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import select_ops
 
@@ -59,11 +60,11 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size, self.capture)
         self.draft_runner = self._build_draft_runner(num_blocks)
+        self.sampler = Sampler(self.ops, self.device)
         self.speculator = self._build_speculator()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
-        self.sampler = Sampler(self.ops)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -97,14 +98,16 @@ class LLMEngine:
         if method is None:
             return None
         self.target_cost = LinearCost(a=5e-3, b=5e-4)
+        verifier = build_verifier(config.spec_verifier, self.sampler)
         draft_cost = None
         if method == "ngram":
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
             draft_cost = LinearCost(a=2e-3, b=5e-5)
-            proposer = DraftProposer(self.draft_runner, self.ops, draft_cost)
+            proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost, verifier.draft_stream,
+                                     keep_probs=verifier.needs_draft_probs)
         depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
-        return Speculator(proposer, depth, self.ops, self.model_config.vocab_size)
+        return Speculator(proposer, depth, verifier)
 
     def _check_draft_matches(self) -> None:
         draft, target = self.draft_config, self.model_config
@@ -292,8 +295,10 @@ class LLMEngine:
             e.seq.num_computed_tokens += e.num_new_tokens
         plain = [i for i, e in enumerate(batch) if e.num_logits and i not in proposals]
         outputs = self._sample_plain([batch[i].seq for i in plain], [rows[i] for i in plain])
-        for i, prop in proposals.items():
-            outputs.append(self._verify(batch[i].seq, prop, rows[i]))
+        if proposals:
+            verified = list(proposals)
+            outputs += self._verify([batch[i].seq for i in verified], [proposals[i] for i in verified],
+                                    [rows[i] for i in verified])
         for e in batch:
             if not e.num_logits:
                 self.block_manager.commit(e.seq)
@@ -323,12 +328,14 @@ class LLMEngine:
         self.scheduler.hold(seq)
         return self._output(self._requests[seq.req_id])
 
-    def _verify(self, seq: Sequence, prop: Proposal, logits) -> RequestOutput:
-        before = seq.num_tokens
-        tokens = self.speculator.verify(seq, prop, logits)
-        self.speculator.rollback(seq, before, len(tokens) - 1)
-        self._record_logprobs(seq, logits[:len(tokens)], tokens)
-        return self.append_tokens(seq, tokens)
+    def _verify(self, seqs: list[Sequence], props: list[Proposal], rows: list) -> list[RequestOutput]:
+        """Every speculating sequence's drafts at once; then each keeps what it accepted."""
+        outputs = []
+        for seq, tokens, logits in zip(seqs, self.speculator.verify(seqs, props, rows), rows):
+            self.speculator.rollback(seq, seq.num_tokens, len(tokens) - 1)
+            self._record_logprobs(seq, logits[:len(tokens)], tokens)
+            outputs.append(self.append_tokens(seq, tokens))
+        return outputs
 
     def _record_logprobs(self, seq: Sequence, logits, tokens: list[int]) -> None:
         if seq.params.logprobs is not None:
