@@ -31,13 +31,14 @@ log = logging.getLogger(__name__)
 GRAPH_CAPTURES = ("auto", "off", "compile", "cuda_graphs")
 
 
-def resolve_capture(name: str, device: torch.device) -> str:
-    """"auto": CUDA graphs on CUDA; off on the CPU, where compiling takes tens of seconds per
-    model (ask for "compile" where a process lives long enough to earn it back)."""
+def resolve_capture(name: str, device: torch.device, kernels: str) -> str:
+    """"auto": CUDA graphs on CUDA with the Triton kernels; off on the CPU, where compiling
+    takes tens of seconds per model (ask for "compile" where a process lives long enough to earn
+    it back). CUDA graphs need the Triton kernels: the torch references read lengths on the host."""
     if name == "auto":
-        return "cuda_graphs" if device.type == "cuda" else "off"
-    if name == "cuda_graphs" and device.type != "cuda":
-        raise ValueError("graph_capture='cuda_graphs' needs a CUDA device")
+        return "cuda_graphs" if device.type == "cuda" and kernels == "triton" else "off"
+    if name == "cuda_graphs" and (device.type != "cuda" or kernels != "triton"):
+        raise ValueError("graph_capture='cuda_graphs' needs a CUDA device and the Triton kernels")
     return name
 
 

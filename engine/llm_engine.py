@@ -49,7 +49,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
-        self.capture = resolve_capture(config.graph_capture, self.device)
+        self.capture = resolve_capture(config.graph_capture, self.device, self.ops.name)
         # a draft is loaded whenever one is named (a prefill worker fills its cache without speculating)
         has_draft = config.draft_model and config.speculative_method != "ngram"
         self.draft_config = load_model_config(config.draft_model) if has_draft else None
@@ -58,7 +58,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
-                                  num_blocks, config.block_size, self.capture)
+                                  num_blocks, config.block_size, self.capture, config.max_num_seqs)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device)
         self.speculator = self._build_speculator()
@@ -91,7 +91,7 @@ class LLMEngine:
             return None
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
-                           self.device, num_blocks, self.config.block_size, self.capture)
+                           self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method

@@ -44,8 +44,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, block_size: int, capture: str = "off"):
-        """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller."""
+                 device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64):
+        """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
+        max_batch: the most sequences a step holds (CUDA graphs capture up to it)."""
         self.cfg, self.device, self.block_size = cfg, device, block_size
         self.model = build_model(cfg, model_dir, ops, dtype, device)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -57,10 +58,10 @@ class ModelRunner:
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile")
-        self.capture = self._build_capture(capture)
+        self.capture = self._build_capture(capture, max_batch)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
 
-    def _build_capture(self, kind: str):
+    def _build_capture(self, kind: str, max_batch: int):
         if kind == "off":
             return None
         if kind == "compile":
@@ -68,7 +69,7 @@ class ModelRunner:
         else:
             from pdserve.engine.cuda_graphs import CudaGraphForward  # CUDA only
 
-            capture = CudaGraphForward(self.model, self.kv_caches, self.inputs)
+            capture = CudaGraphForward(self.model, self.kv_caches, self.inputs, max_batch)
         with torch.inference_mode():
             capture.warm_up(self.inputs.build([_dummy_entry()]))
         return capture

@@ -46,9 +46,16 @@ class InputBuffers:
         self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
         self._num_tokens = self._num_seqs = 0
+        self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
         self._grow(256, 16)
 
+    def reserve(self, num_tokens: int, num_seqs: int) -> None:
+        """Room for batches of this many tokens and sequences without reallocating."""
+        if num_tokens > self._num_tokens or num_seqs > self._num_seqs:
+            self._grow(num_tokens, num_seqs)
+
     def _grow(self, num_tokens: int, num_seqs: int) -> None:
+        self.generation += 1
         self._num_tokens, self._num_seqs = max(num_tokens, self._num_tokens), max(num_seqs, self._num_seqs)
         pin = self.device.type == "cuda"
         shapes = {**{n: ((self._num_tokens,), torch.int64) for n in _INT64},
@@ -132,7 +139,9 @@ class InputBuffers:
         return meta
 
     def _out(self, name: str, n: int) -> torch.Tensor:
-        """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA)."""
+        """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;
+        asynchronous, and safe to overwrite at the next step because every step ends by copying
+        its sampled tokens to the host, which waits for the stream)."""
         if self.dev is self.host:
             return self.host[name][:n]
         return self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)

@@ -44,5 +44,34 @@ def test_graph_capture_option_is_validated():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_cuda_graphs_need_cuda(target):
-    with pytest.raises(ValueError, match="needs a CUDA device"):
+    with pytest.raises(ValueError, match="needs a CUDA device and the Triton kernels"):
         LLM(target, graph_capture="cuda_graphs")
+
+
+def test_cuda_graph_bucket_padding_computes_the_same_rows(target):
+    """What a CUDA graph replays, run eagerly on the CPU: a decode step of 3 sequences written
+    into the fixed input buffers, padded to the bucket of 4 (slot -1, context 1 over block 0),
+    block tables at full width. Its first 3 rows are the plain step's, and the padding row
+    writes nothing into the cache."""
+    from pdserve.engine.cuda_graphs import CudaGraphForward, bucket_sizes
+    from pdserve.engine.model_runner import BatchEntry
+
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and bucket_sizes(1) == [1]
+    llm = LLM(target, max_num_seqs=4)
+    eng, runner = llm.engine, llm.engine.runner
+    seqs = [eng.add_request(f"r{i}", list(range(3 + i, 40 + 7 * i)), SamplingParams(max_tokens=8)) for i in range(3)]
+    eng.step()  # prefill all three; each now has one token to decode
+    graphs = CudaGraphForward(runner.model, runner.kv_caches, runner.inputs, max_batch=4)
+    with torch.inference_mode():
+        for s in seqs:
+            assert eng.block_manager.allocate(s, s.num_tokens)
+        step = runner.inputs.build([BatchEntry(s, 1, 1) for s in seqs])
+        slots = step.meta.slot_mapping.tolist()
+        before = [k.clone() for k, _ in runner.kv_caches]
+        want = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+        graphs._pad(3, 4)
+        got = runner.model(*graphs.static_args(4))
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    for (k, _), k_before in zip(runner.kv_caches, before):  # only the real tokens' slots were written
+        changed = (k != k_before).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+        assert changed == sorted(slots)
