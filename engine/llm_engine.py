@@ -60,7 +60,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size, self.capture, config.max_num_seqs)
         self.draft_runner = self._build_draft_runner(num_blocks)
-        self.sampler = Sampler(self.ops, self.device)
+        self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = self._build_speculator()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),

@@ -16,6 +16,8 @@ Two kinds of draws:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 _MASK = (1 << 64) - 1
@@ -51,19 +53,28 @@ def uniforms(seeds: list[int], positions: list[int], stream: int = SAMPLE_STREAM
 
 def exponentials(
     seeds: list[int], positions: list[int], vocab_size: int, stream: int | list[int] = SAMPLE_STREAM,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", hash_fn: Callable | None = None,
 ) -> torch.Tensor:  # [len(seeds), vocab_size] float32, i.i.d. Exp(1)
     """Row i: Exp(1) noise for the token at positions[i] of the request seeded seeds[i] (in
-    stream[i] when given a list)."""
+    stream[i] when given a list). hash_fn: `hash_uniforms` or a compiled copy of it (the same
+    bits: integer arithmetic and one exact scaling; the logarithm stays torch's own, whose last
+    bit a compiler's vectorised log does not always reproduce)."""
     streams = stream if isinstance(stream, list) else [stream] * len(seeds)
     keys = [row_key(s, p, st) for s, p, st in zip(seeds, positions, streams)]
     k = torch.tensor([[_int32(key & _M32), _int32(key >> 32)] for key in keys], dtype=torch.int32, device=device)
-    x = _vocab_codes(vocab_size, device)[None, :] ^ k[:, :1]  # [rows, vocab]
+    return (hash_fn or hash_uniforms)(k, _vocab_codes(vocab_size, device)).log_().neg_()
+
+
+def hash_uniforms(
+    keys: torch.Tensor,  # [rows, 2] int32: each row's 64-bit key as two halves
+    codes: torch.Tensor,  # [vocab_size] int32: `_vocab_codes`
+) -> torch.Tensor:  # [rows, vocab_size] float32, 24 random bits each, in (0, 1)
+    """The hash itself, a pure tensor function (so it can be compiled into one loop)."""
+    x = codes[None, :] ^ keys[:, :1]
     x = _mix32_(x)
-    x ^= k[:, 1:]
+    x ^= keys[:, 1:]
     x = _mix32_(x)
-    u = ((x >> 8) & 0xFFFFFF).float().add_(0.5).mul_(1.0 / (1 << 24))  # 24 bits, in (0, 1)
-    return u.log_().neg_()
+    return ((x >> 8) & 0xFFFFFF).float().add_(0.5).mul_(1.0 / (1 << 24))
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:

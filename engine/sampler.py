@@ -46,9 +46,12 @@ def param_tensors(params: list[SamplingParams], device: torch.device) -> tuple[t
 
 
 class Sampler:
-    def __init__(self, ops: KernelOps, device: torch.device):
+    def __init__(self, ops: KernelOps, device: torch.device, compile_noise: bool = False):
+        """compile_noise: hash the noise through a compiled `rng.hash_uniforms` (one fused loop
+        instead of a dozen passes over [rows, vocab], the same bits; seconds to compile)."""
         self.ops = ops
         self.tensors = SamplingTensors(device)
+        self.hash_fn = torch.compile(rng.hash_uniforms, dynamic=True) if compile_noise else rng.hash_uniforms
 
     def sample(
         self,
@@ -66,7 +69,7 @@ class Sampler:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         if all(p.is_greedy for p in params):  # one-hot rows: the race's winner is the argmax
             return logits.argmax(-1)
-        noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device)
+        noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
         return self.ops.sample(logits, *self.tensors.build(params), noise)
 
     @staticmethod
@@ -84,11 +87,13 @@ class Sampler:
 
 
 def race_noise(params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
-               stream: int | list[int], device: torch.device) -> torch.Tensor:  # [num_rows, vocab_size] float32
+               stream: int | list[int], device: torch.device,
+               hash_fn=rng.hash_uniforms) -> torch.Tensor:  # [num_rows, vocab_size] float32
     """Each sampled row's exponentials; greedy rows (which ignore them) get ones, not computed."""
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     streams = [stream[i] for i in sampled] if isinstance(stream, list) else stream
-    noise = rng.exponentials([seeds[i] for i in sampled], [positions[i] for i in sampled], vocab_size, streams, device)
+    noise = rng.exponentials([seeds[i] for i in sampled], [positions[i] for i in sampled], vocab_size, streams, device,
+                             hash_fn)
     if len(sampled) == len(params):
         return noise
     out = torch.ones(len(params), vocab_size, device=device)

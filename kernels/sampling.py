@@ -43,16 +43,18 @@ def filter_probs_ref(
     """The distribution a request samples from, after its own sampling parameters."""
     logits = logits.float()
     is_greedy = temperature <= 0
-    is_sampling = temperature > 0
     scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]
     # the mask sorts the whole vocabulary per row; most requests use neither filter, so skip it
     # then (one host sync, cheap on the CPU where this reference is the production path)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         scaled = scaled.masked_fill(_top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
     probs = scaled.softmax(-1)
-    below_min = probs < (min_p.float() * probs.max(-1).values)[:, None]
-    probs = probs.masked_fill(below_min, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
+    if bool((min_p > 0).any()):  # likewise min-p, and greedy rows below
+        below_min = probs < (min_p.float() * probs.max(-1).values)[:, None]
+        probs = probs.masked_fill(below_min, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if not bool(is_greedy.any()):
+        return probs
     greedy = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(is_greedy[:, None], greedy, probs)
 

@@ -63,7 +63,8 @@ class DraftProposer:
             picks = logits.argmax(-1)
         elif self.keep_probs:
             q = self.sampler.ops.filter_probs(logits, *self.sampler.tensors.build(params))
-            picks = race_ref(q, race_noise(params, seeds, positions, logits.shape[-1], self.noise_stream, q.device))
+            picks = race_ref(q, race_noise(params, seeds, positions, logits.shape[-1], self.noise_stream, q.device,
+                                         self.sampler.hash_fn))
         else:
             picks = self.sampler.sample_tensor(logits, params, seeds, positions, self.noise_stream)
         picks = picks.tolist()

@@ -75,7 +75,8 @@ class RejectionVerifier(_Verifier):
             streams = [rng.SAMPLE_STREAM if n == len(prop.token_ids) else rng.RESIDUAL_STREAM
                        for n, prop in zip(accepted, proposals)]
             return race_noise([s.params for s in seqs], [s.seed for s in seqs],
-                              [s.num_tokens + n for s, n in zip(seqs, accepted)], vocab, streams, p.device)
+                              [s.num_tokens + n for s, n in zip(seqs, accepted)], vocab, streams, p.device,
+                              self.sampler.hash_fn)
 
         return verify_batch(p, q, drafts, num_drafts, u, last_noise)
 
