@@ -134,13 +134,21 @@ def unpack(revision: str, into: Path) -> tuple[Path, str]:
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
-    """NAME=REV[:key=value,...] -> (name, revision, engine options)."""
+    """NAME=REV[:key=value,...] -> (name, revision, engine options); numbers and true/false are
+    parsed, a `*_model` path is taken relative to the repository."""
     name, _, rest = text.partition("=")
     revision, _, opts = rest.partition(":")
     options = {}
     for pair in filter(None, opts.split(",")):
         key, _, value = pair.partition("=")
-        options[key] = json.loads(value) if value[:1] in "0123456789[{tf" and value not in ("true", "false") else value
+        if value in ("true", "false"):
+            options[key] = value == "true"
+        elif value[:1].isdigit():
+            options[key] = json.loads(value)
+        elif key.endswith("_model"):
+            options[key] = str((REPO / value).resolve())
+        else:
+            options[key] = value
     return name, revision, options
 
 

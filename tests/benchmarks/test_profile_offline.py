@@ -22,8 +22,10 @@ def load():
 def test_variant_specs_parse():
     po = load()
     assert po.parse_variant("base=cc75024") == ("base", "cc75024", {})
-    assert po.parse_variant("c=HEAD:graph_capture=compile,num_kv_blocks=64") == \
-        ("c", "HEAD", {"graph_capture": "compile", "num_kv_blocks": 64})
+    assert po.parse_variant("c=HEAD:graph_capture=compile,num_kv_blocks=64,spec_adaptive=false") == \
+        ("c", "HEAD", {"graph_capture": "compile", "num_kv_blocks": 64, "spec_adaptive": False})
+    _, _, options = po.parse_variant("s=HEAD:draft_model=models/demo-draft")
+    assert options["draft_model"] == str(ROOT / "models" / "demo-draft")
 
 
 def test_a_revision_unpacks_as_the_pdserve_package(tmp_path):
