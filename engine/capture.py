@@ -74,8 +74,10 @@ def _mark_sizes_unbacked(step: StepInputs) -> None:
     """Every size that varies between steps: sizes the tracer may not specialise on (1 included)."""
     mark = torch._dynamo.decorators.mark_unbacked
     plan = step.meta.plan
-    for t in (step.input_ids, step.positions, step.meta.slot_mapping, plan.block_ids, plan.pad_index,
-              plan.unpad_index):
+    for t in (step.input_ids, step.positions, step.meta.slot_mapping, plan.pad_index, plan.unpad_index,
+              plan.groups_tensor):
         mark(t, 0)
+    for dim in (0, 1):  # [num_seqs, num_blocks]
+        mark(plan.block_ids, dim)
     for dim in (0, 2, 3):  # [num_seqs, 1, max_query_len, length]
         mark(plan.mask, dim)

@@ -10,7 +10,8 @@ On CUDA the host buffers are pinned and copied to device buffers of the same siz
 at fixed addresses: what CUDA graphs replay from (`cuda_graphs.py`).
 
 The flat batch is ordered as the model wants it: decode tokens first (one per sequence), then
-the other sequences' chunks; `logits_index` lists, in the caller's order, the rows to score.
+the other sequences' chunks, each kind by context length; `logits_index` lists, in the caller's
+order, the rows to score.
 On the CPU, when every chunk is short (decode, speculative verification, a draft catching up),
 the whole batch's attention runs as one dense call per layer by a `GatherPlan` made here once.
 """
@@ -67,7 +68,9 @@ class InputBuffers:
 
     def build(self, batch: list) -> StepInputs:
         """batch: `BatchEntry`s, in the caller's order."""
-        order = sorted(range(len(batch)), key=lambda i: batch[i].num_new_tokens != 1)  # decodes first, stable
+        # decodes first; each kind by context length, so the attention plan's runs pad little
+        order = sorted(range(len(batch)), key=lambda i: (batch[i].num_new_tokens != 1,
+                                                         batch[i].start + batch[i].num_new_tokens))
         entries = [batch[i] for i in order]
         num_tokens = sum(e.num_new_tokens for e in entries)
         if num_tokens > self._num_tokens or len(entries) > self._num_seqs:

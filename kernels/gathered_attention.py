@@ -16,6 +16,13 @@ Queries of different lengths are padded to the longest:
 Query i of sequence s sits at position context_len[s] - query_len[s] + i and sees keys 0..that
 position. Pad rows see keys up to their (fictional) position, all finite (the cache is zeroed
 at allocation), so no row of the softmax is empty.
+
+Every sequence of a dense call is padded to the longest context, and the padding costs as much
+as real keys. So the plan splits the sequences (ordered by context length by the caller) into
+runs whose lengths stay within a factor of each other, one call per run:
+
+    lengths   40 44 51 60 | 130 150 170 | 390 400     three calls: 4 x 60, 3 x 170, 2 x 400 keys
+                                                      instead of 9 x 400
 """
 from __future__ import annotations
 
@@ -29,13 +36,31 @@ import torch.nn.functional as F
 class GatherPlan:
     """Where a group's K/V lie and how its queries line up, shared by every layer of a step."""
 
-    block_ids: torch.Tensor  # [num_seqs * num_blocks] int64: the blocks to gather, sequence by sequence
+    block_ids: torch.Tensor  # [num_seqs, num_blocks] int64: the blocks to gather, sequence by sequence
     num_seqs: int
     max_query_len: int
     length: int  # keys per sequence: the longest context
     mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, length] bool (True: visible); None: all visible
     pad_index: torch.Tensor | None  # [num_seqs * max_query_len] int64 rows of q; None: no padding
     unpad_index: torch.Tensor | None  # [num_tokens] int64 rows of the padded output to keep
+    # the dense calls: (first sequence, end sequence, keys), covering the sequences in order
+    groups: list[tuple[int, int, int]]
+    groups_tensor: torch.Tensor | None = None  # [num_groups, 3] int64, the same, in uniform plans
+
+
+GROUP_GROWTH = 1.5  # a run of sequences ends where a context exceeds 1.5x its first one's ...
+GROUP_MIN_SEQS = 4  # ... once it holds this many (each call costs a fixed ~50 us)
+
+
+def group_by_length(context_lens: list[int]) -> list[tuple[int, int, int]]:
+    """Contiguous runs of sequences for `GatherPlan.groups` (best when the lengths are sorted)."""
+    groups, first = [], 0
+    for i in range(1, len(context_lens) + 1):
+        if i == len(context_lens) or (context_lens[i] > GROUP_GROWTH * context_lens[first]
+                                      and i - first >= GROUP_MIN_SEQS):
+            groups.append((first, i, max(context_lens[first:i])))
+            first = i
+    return groups
 
 
 def plan_gather(
@@ -48,7 +73,7 @@ def plan_gather(
     num_seqs, max_q, length = len(context_lens), max(query_lens), max(context_lens)
     device = block_tables.device
     num_blocks = -(-length // block_size)
-    block_ids = block_tables[:, :num_blocks].long().clamp(min=0).reshape(-1)
+    block_ids = block_tables[:, :num_blocks].long().clamp(min=0)
     mask = None
     if uniform or max_q > 1 or min(context_lens) < length:
         last = torch.tensor([c - n for c, n in zip(context_lens, query_lens)], device=device)  # [S] position of query 0
@@ -62,7 +87,9 @@ def plan_gather(
         pad_index = torch.tensor([st + i if i < n else 0 for st, n in zip(starts, query_lens) for i in range(max_q)],
                                  device=device)
         unpad_index = torch.tensor([s * max_q + i for s, n in enumerate(query_lens) for i in range(n)], device=device)
-    return GatherPlan(block_ids, num_seqs, max_q, length, mask, pad_index, unpad_index)
+    groups = group_by_length(context_lens)
+    groups_tensor = torch.tensor(groups, dtype=torch.int64, device=device) if uniform else None
+    return GatherPlan(block_ids, num_seqs, max_q, length, mask, pad_index, unpad_index, groups, groups_tensor)
 
 
 def gathered_attention(
@@ -73,17 +100,30 @@ def gathered_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Math in float32 whatever the cache dtype, like `paged_decode_attention_ref`."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    s, max_q, length = plan.num_seqs, plan.max_query_len, plan.length
-    k = _gather(k_cache, plan.block_ids, s)[:, :length].transpose(1, 2)  # [S, Hkv, T, D]
-    v = _gather(v_cache, plan.block_ids, s)[:, :length].transpose(1, 2)
-    rows = q if plan.pad_index is None else q.index_select(0, plan.pad_index)
-    rows = rows.view(s, max_q, num_heads, head_dim).transpose(1, 2)  # [S, H, max_q, D]
-    out = F.scaled_dot_product_attention(_fp32(rows), _fp32(k), _fp32(v), attn_mask=plan.mask, scale=scale,
-                                         enable_gqa=True)
-    out = out.transpose(1, 2).reshape(s * max_q, num_heads, head_dim)
+    max_q = plan.max_query_len
+    rows = q if plan.pad_index is None else q.index_select(0, plan.pad_index)  # [num_seqs * max_q, H, D]
+    outs = [_attend(rows[a * max_q:b * max_q], k_cache, v_cache, plan, a, b, length, scale)
+            for a, b, length in plan.groups]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = out if plan.unpad_index is None else out.index_select(0, plan.unpad_index)
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _attend(rows, k_cache, v_cache, plan: GatherPlan, first: int, end: int, length: int, scale: float):
+    """One dense call over sequences [first, end) of the plan, `length` keys each."""
+    num_seqs, max_q = end - first, plan.max_query_len
+    num_heads, head_dim = rows.shape[1], rows.shape[2]
+    num_blocks = -(-length // k_cache.shape[1])
+    ids = plan.block_ids[first:end, :num_blocks].reshape(-1)
+    k = _gather(k_cache, ids, num_seqs)[:, :length].transpose(1, 2)  # [S, Hkv, T, D]
+    v = _gather(v_cache, ids, num_seqs)[:, :length].transpose(1, 2)
+    mask = None
+    if plan.mask is not None and (num_seqs > 1 or max_q > 1):  # one query of one sequence sees all
+        mask = plan.mask[first:end, :, :, :length]
+    rows = rows.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [S, H, max_q, D]
+    out = F.scaled_dot_product_attention(_fp32(rows), _fp32(k), _fp32(v), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
 
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +148,7 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torc
 _LIB = torch.library.Library("pdserve", "DEF")  # a plain library op: a tenth of `custom_op`'s call overhead
 _LIB.define("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
             "Tensor slot_mapping, Tensor block_ids, Tensor mask, Tensor pad_index, Tensor unpad_index, "
-            "float scale) -> Tensor")
+            "Tensor groups, float scale) -> Tensor")
 
 
 def write_and_attend(
@@ -122,22 +162,24 @@ def write_and_attend(
     mask: torch.Tensor,
     pad_index: torch.Tensor,
     unpad_index: torch.Tensor,
+    groups: torch.Tensor,  # [num_groups, 3] int64: `GatherPlan.groups`
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`write_kv_ref` then `gathered_attention`, the plan's sizes read off its tensors, and the
-    mask and indices dropped where they change nothing (one query of one sequence sees its whole
-    context; an unpadded batch needs no reordering). `torch.ops.pdserve.write_and_attend`.
-    Every slot is a real one (no -1 padding: that is CUDA graphs' business)."""
+    indices dropped where they change nothing (an unpadded batch needs no reordering).
+    `torch.ops.pdserve.write_and_attend`. Every slot is a real one (no -1 padding: that is CUDA
+    graphs' business)."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     num_seqs, _, max_q, length = mask.shape
     is_padded = pad_index.shape[0] != q.shape[0]
-    plan = GatherPlan(block_ids, num_seqs, max_q, length, mask if num_seqs > 1 or max_q > 1 else None,
-                      pad_index if is_padded else None, unpad_index if is_padded else None)
+    plan = GatherPlan(block_ids, num_seqs, max_q, length, mask, pad_index if is_padded else None,
+                      unpad_index if is_padded else None, [tuple(g) for g in groups.tolist()])
     return gathered_attention(q, k_cache, v_cache, plan, scale).contiguous()
 
 
-def _write_and_attend_fake(q, k, v, k_cache, v_cache, slot_mapping, block_ids, mask, pad_index, unpad_index, scale):
+def _write_and_attend_fake(q, k, v, k_cache, v_cache, slot_mapping, block_ids, mask, pad_index, unpad_index, groups,
+                           scale):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 

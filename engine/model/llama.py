@@ -61,7 +61,7 @@ class Attention(nn.Module):
         if meta.plan is not None and torch.compiler.is_compiling():  # one opaque op for the tracer
             p = meta.plan
             out = torch.ops.pdserve.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
-                                                     p.mask, p.pad_index, p.unpad_index, self.scale)
+                                                     p.mask, p.pad_index, p.unpad_index, p.groups_tensor, self.scale)
             return self.o_proj(out.reshape(num_tokens, -1))
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.plan is not None:
