@@ -77,10 +77,8 @@ class InputBuffers:
             self._grow(max(num_tokens, 2 * self._num_tokens), max(len(entries), 2 * self._num_seqs))
         starts = self._fill_tokens(entries)
         width = self._fill_tables(entries)
-        num_logits = self._fill_logits_index(batch, order, starts)
         return StepInputs(self._out("input_ids", num_tokens), self._out("positions", num_tokens),
-                          self._metadata(entries, num_tokens, width), self._logits_index(batch, num_tokens, num_logits),
-                          order)
+                          self._metadata(entries, num_tokens, width), self._logits_index(batch, order, starts), order)
 
     def _fill_tokens(self, entries: list) -> list[int]:
         ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
@@ -112,19 +110,18 @@ class InputBuffers:
                 cu[cu_i] = q_total
         return width
 
-    def _fill_logits_index(self, batch: list, order: list[int], starts: list[int]) -> int:
-        rows, where = self.np["logits_index"], {b: starts[j] for j, b in enumerate(order)}
-        n = 0
-        for b, e in enumerate(batch):
-            end = where[b] + e.num_new_tokens
-            rows[n:n + e.num_logits] = np.arange(end - e.num_logits, end)
-            n += e.num_logits
-        return n
-
-    def _logits_index(self, batch: list, num_tokens: int, num_logits: int) -> torch.Tensor | None:
-        if num_logits == num_tokens and bool((self.np["logits_index"][:num_tokens] == np.arange(num_tokens)).all()):
+    def _logits_index(self, batch: list, order: list[int], starts: list[int]) -> torch.Tensor | None:
+        """Rows of the hidden states to score, in the caller's order; None when that is all of
+        them in order (a batch of one decode, a prefill that scores every position)."""
+        where = [0] * len(batch)
+        for j, b in enumerate(order):
+            where[b] = starts[j]
+        rows = [r for b, e in enumerate(batch)
+                for r in range(where[b] + e.num_new_tokens - e.num_logits, where[b] + e.num_new_tokens)]
+        if rows == list(range(sum(e.num_new_tokens for e in batch))):
             return None
-        return self._out("logits_index", num_logits)
+        self.np["logits_index"][:len(rows)] = rows
+        return self._out("logits_index", len(rows))
 
     def _metadata(self, entries: list, num_tokens: int, width: int) -> AttentionMetadata:
         nd = sum(1 for e in entries if e.num_new_tokens == 1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -70,26 +71,55 @@ def plan_gather(
     block_size: int,
     uniform: bool = False,  # mask and pad/unpad indices even where not needed: one traced graph (`write_and_attend`)
 ) -> GatherPlan:
+    """Worked out on the host with numpy (a plan is a dozen small arrays: numpy builds them in a
+    fraction of what as many torch ops cost), then handed over as tensors on the tables' device."""
     num_seqs, max_q, length = len(context_lens), max(query_lens), max(context_lens)
     device = block_tables.device
     num_blocks = -(-length // block_size)
-    block_ids = block_tables[:, :num_blocks].long().clamp(min=0)
+    tables = block_tables[:, :num_blocks].cpu().numpy()
+    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    block_ids = as_tensor(np.maximum(tables, 0).astype(np.int64))
     mask = None
-    if uniform or max_q > 1 or min(context_lens) < length:
-        last = torch.tensor([c - n for c, n in zip(context_lens, query_lens)], device=device)  # [S] position of query 0
-        q_pos = last[:, None] + torch.arange(max_q, device=device)[None, :]  # [S, max_q]
-        mask = (torch.arange(length, device=device)[None, None, :] <= q_pos[:, :, None])[:, None]
+    if uniform and num_seqs == 1 and max_q == 1:  # all visible: only its shape is read
+        mask = _all_true(length, device)
+    elif uniform or max_q > 1 or min(context_lens) < length:
+        q_pos = (np.asarray(context_lens) - np.asarray(query_lens))[:, None] + np.arange(max_q)[None, :]  # [S, max_q]
+        mask = as_tensor(np.arange(length)[None, None, :] <= q_pos[:, :, None])[:, None]  # torch's strides
     pad_index = unpad_index = None
-    if uniform or min(query_lens) < max_q:
-        starts = [0]
-        for n in query_lens[:-1]:
-            starts.append(starts[-1] + n)
-        pad_index = torch.tensor([st + i if i < n else 0 for st, n in zip(starts, query_lens) for i in range(max_q)],
-                                 device=device)
-        unpad_index = torch.tensor([s * max_q + i for s, n in enumerate(query_lens) for i in range(n)], device=device)
+    if min(query_lens) < max_q:
+        lens = np.asarray(query_lens)
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+        i = np.arange(max_q)[None, :]
+        pad_index = as_tensor(np.where(i < lens[:, None], starts[:, None] + i, 0).reshape(-1))
+        unpad_index = as_tensor(((np.arange(num_seqs) * max_q)[:, None] + i)[i < lens[:, None]])
+    elif uniform:  # no padding: the identity, both ways (two tensors: a tracer guards on aliasing)
+        pad_index, unpad_index = _identity(num_seqs * max_q, device, 0), _identity(num_seqs * max_q, device, 1)
     groups = group_by_length(context_lens)
-    groups_tensor = torch.tensor(groups, dtype=torch.int64, device=device) if uniform else None
+    groups_tensor = _cached(("groups", tuple(groups), str(device)),
+                            lambda: torch.tensor(groups, dtype=torch.int64, device=device)) if uniform else None
     return GatherPlan(block_ids, num_seqs, max_q, length, mask, pad_index, unpad_index, groups, groups_tensor)
+
+
+_CACHE: dict[tuple, torch.Tensor] = {}  # small constant tensors uniform plans reuse (never written)
+
+
+def _cached(key: tuple, make) -> torch.Tensor:
+    if key not in _CACHE:
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def _identity(n: int, device: torch.device, copy: int) -> torch.Tensor:
+    return _cached(("identity", n, str(device), copy), lambda: torch.arange(n, device=device))
+
+
+def _all_true(length: int, device: torch.device) -> torch.Tensor:  # [1, 1, 1, length], contiguous strides
+    row = _cached(("true", str(device)), lambda: torch.ones(1 << 16, dtype=torch.bool, device=device))
+    if length > row.shape[0]:
+        row = _CACHE[("true", str(device))] = torch.ones(2 * length, dtype=torch.bool, device=device)
+    return row[:length].view(1, 1, 1, length)
 
 
 def gathered_attention(
