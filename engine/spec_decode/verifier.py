@@ -7,9 +7,12 @@
   recover from norm(max(0, p - q)). Distribution-exact, accepts more, but which tokens come out
   depends on the draft and the depth.
 
-Both run the whole batch at once: the target's rows of every sequence, padded to the deepest
-proposal, with one host copy of the results. A batch of only greedy requests takes the
-argmax and needs neither distributions nor noise; both verifiers then agree with
+Both run the whole batch at once, with one host copy of the results: the coupled verifier
+draws every row in one call and matches the drafts against the draws on the host
+(`verify_greedy`'s rule: keep drafts while they equal the target's token, then emit the
+target's token); the rejection sampler pads every sequence's rows to the deepest proposal and
+tests them together (`rejection_sampler.verify_batch`). A batch of only greedy requests takes
+the argmax and needs neither distributions nor noise; both verifiers then agree with
 `verify_greedy`.
 """
 from __future__ import annotations
@@ -19,9 +22,8 @@ import torch
 from pdserve.engine import rng
 from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.coupled import emit_matching
 from pdserve.engine.spec_decode.proposer import Proposal
-from pdserve.engine.spec_decode.rejection_sampler import verify_batch
+from pdserve.engine.spec_decode.rejection_sampler import verify_batch, verify_greedy
 
 SPEC_VERIFIERS = ("coupled", "rejection")
 
@@ -37,24 +39,21 @@ class _Verifier:
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], rows: list[torch.Tensor]) -> list[list[int]]:
         """rows[b]: the target's logits [k_b + 1, vocab_size] at seqs[b]'s last token and each
         draft token. Returns each sequence's emitted tokens (accepted drafts + one)."""
-        drafts, num_drafts = _draft_ids(proposals, rows[0].device)
         if all(s.params.is_greedy for s in seqs):
-            return emit_matching(_pad_rows(rows, drafts.shape[1] + 1).argmax(-1), drafts, num_drafts)
-        return self._verify_sampled(seqs, proposals, rows, drafts, num_drafts)
+            return _match(torch.cat(rows).argmax(-1).tolist(), proposals)
+        return self._verify_sampled(seqs, proposals, rows)
 
-    def _verify_sampled(self, seqs, proposals, rows, drafts, num_drafts) -> list[list[int]]:
+    def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
         raise NotImplementedError
 
 
 class CoupledVerifier(_Verifier):
     name = "coupled"
 
-    def _verify_sampled(self, seqs, proposals, rows, drafts, num_drafts) -> list[list[int]]:
+    def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
         params, seeds, positions = _per_row(seqs, rows)
         picks = self.sampler.sample_tensor(torch.cat(rows), params, seeds, positions)  # plain sampling's draws
-        padded = torch.full((len(rows), drafts.shape[1] + 1), -1, dtype=torch.int64, device=picks.device)
-        padded[_row_mask(rows, drafts.shape[1] + 1)] = picks
-        return emit_matching(padded, drafts, num_drafts)
+        return _match(picks.tolist(), proposals)
 
 
 class RejectionVerifier(_Verifier):
@@ -62,7 +61,8 @@ class RejectionVerifier(_Verifier):
     draft_stream = rng.DRAFT_STREAM
     needs_draft_probs = True
 
-    def _verify_sampled(self, seqs, proposals, rows, drafts, num_drafts) -> list[list[int]]:
+    def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
+        drafts, num_drafts = _draft_ids(proposals, rows[0].device)
         params, _, _ = _per_row(seqs, rows)
         vocab, max_k = rows[0].shape[-1], drafts.shape[1]
         p = self.sampler.ops.filter_probs(torch.cat(rows), *self.sampler.tensors.build(params))
@@ -87,6 +87,17 @@ def build_verifier(name: str, sampler: Sampler) -> _Verifier:
     return CoupledVerifier(sampler) if name == "coupled" else RejectionVerifier(sampler)
 
 
+def _match(picks: list[int], proposals: list[Proposal]) -> list[list[int]]:
+    """Split the target's token at every verified row among the sequences and keep, per
+    sequence, the drafts that equal it (`coupled.emit_matching` on the host)."""
+    out, i = [], 0
+    for prop in proposals:
+        k = len(prop.token_ids)
+        out.append(verify_greedy(picks[i:i + k + 1], prop.token_ids))
+        i += k + 1
+    return out
+
+
 def _draft_ids(proposals: list[Proposal], device) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, max_k] draft ids padded with 0, and [batch] each k."""
     max_k = max(len(p.token_ids) for p in proposals)
@@ -101,11 +112,6 @@ def _pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     starts = torch.tensor([0] + [len(r) for r in rows[:-1]]).cumsum(0).repeat_interleave(width)
     flat = torch.cat(rows)
     return flat[(starts + torch.tensor(index)).to(flat.device)].view(len(rows), width, -1)
-
-
-def _row_mask(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    lens = torch.tensor([len(r) for r in rows])
-    return (torch.arange(width)[None, :] < lens[:, None]).to(rows[0].device)
 
 
 def _per_row(seqs: list[Sequence], rows: list[torch.Tensor]) -> tuple[list, list[int], list[int]]:
