@@ -144,7 +144,10 @@ def _attend(rows, k_cache, v_cache, plan: GatherPlan, first: int, end: int, leng
     num_seqs, max_q = end - first, plan.max_query_len
     num_heads, head_dim = rows.shape[1], rows.shape[2]
     num_blocks = -(-length // k_cache.shape[1])
-    ids = plan.block_ids[first:end, :num_blocks].reshape(-1)
+    ids = plan.block_ids
+    if (first, end, num_blocks) != (0, plan.num_seqs, ids.shape[1]):  # a run of the plan, not all of it
+        ids = ids[first:end, :num_blocks]
+    ids = ids.reshape(-1)
     k = _gather(k_cache, ids, num_seqs)[:, :length].transpose(1, 2)  # [S, Hkv, T, D]
     v = _gather(v_cache, ids, num_seqs)[:, :length].transpose(1, 2)
     mask = None
