@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks: achieved memory bandwidth and speed against the torch references.
 
-    python benchmarks/kernels.py [--peak-tbps 4.8] [--peak-name H200] [--out benchmarks/results]
+    python benchmarks/kernel_bandwidth.py [--peak-tbps 4.8] [--peak-name H200] [--out benchmarks/results]
 
 For each op it times the Triton launcher and its `*_ref` side by side in one run (and, for the
 attention ops, `scaled_dot_product_attention` on the equivalent dense, unpaged tensors), and
@@ -66,12 +66,12 @@ def build_cases(dev: str, dtype: torch.dtype) -> list[Case]:
                       lambda: rmsnorm.rms_norm_ref(x, w, 1e-6)))
     cases.append(Case("fused_add_rms_norm", 4 * x.numel() * el, lambda: rmsnorm.fused_add_rms_norm(x, r, w, 1e-6),
                       lambda: rmsnorm.fused_add_rms_norm_ref(x, r, w, 1e-6)))
-    q = torch.randn(tokens, 32, 128, dtype=dtype, device=dev)
-    k = torch.randn(tokens, 8, 128, dtype=dtype, device=dev)
-    cos, sin = (t.to(dev) for t in rotary.build_rope_cache(128, 8192, 500000.0))
-    pos = torch.arange(tokens, device=dev)
-    cases.append(Case("apply_rotary", 2 * (q.numel() + k.numel()) * el + 2 * tokens * 64 * 4,
-                      lambda: rotary.apply_rotary(q, k, pos, cos, sin), lambda: rotary.apply_rotary_ref(q, k, pos, cos, sin)))
+    qk = torch.randn(tokens, 32 + 8, 128, dtype=dtype, device=dev)  # q's and k's heads, rotated in one call
+    k = qk[:, 32:].contiguous()
+    cos, sin = rotary.rope_at(*(t.to(dev) for t in rotary.build_rope_cache(128, 8192, 500000.0)),
+                              torch.arange(tokens, device=dev), dtype)
+    cases.append(Case("apply_rotary (q and k heads)", 2 * qk.numel() * el + 2 * cos.numel() * el,
+                      lambda: rotary.apply_rotary(qk, cos, sin), lambda: rotary.apply_rotary_ref(qk, cos, sin)))
     k_cache, v_cache, _, _ = _paged(1, tokens, 8, 128, 16, dtype, dev)
     slots = torch.randperm(k_cache.shape[0] * 16, device=dev)[:tokens]
     cases.append(Case("write_kv", 4 * k.numel() * el, lambda: kv_write.write_kv(k, k, k_cache, v_cache, slots),
@@ -99,10 +99,11 @@ def build_cases(dev: str, dtype: torch.dtype) -> list[Case]:
         lambda: F.scaled_dot_product_attention(qdense, kd, vd, attn_mask=mask, scale=0.088, enable_gqa=True)))
     rows, vocab = 128, 128256
     logits = torch.randn(rows, vocab, device=dev)
+    noise = -torch.rand(rows, vocab, device=dev).log()
     params = (torch.full((rows,), 0.8, device=dev), torch.full((rows,), 50, device=dev, dtype=torch.int64),
-              torch.full((rows,), 0.9, device=dev), torch.full((rows,), 0.05, device=dev), torch.rand(rows, device=dev))
-    # bytes: the logits once (the kernel re-reads them per search pass, mostly from L2)
-    cases.append(Case("sample (top-k 50, top-p .9, min-p .05)", logits.numel() * 4,
+              torch.full((rows,), 0.9, device=dev), torch.full((rows,), 0.05, device=dev), noise)
+    # bytes: the logits and the noise once (the kernel re-reads the logits per search pass, mostly from L2)
+    cases.append(Case("sample (top-k 50, top-p .9, min-p .05)", 2 * logits.numel() * 4,
                       lambda: sampling.sample(logits, *params), lambda: sampling.sample_ref(logits, *params)))
     return cases
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs CUDA (it times compiled Triton kernels on a GPU); "
+        print("benchmarks/kernel_bandwidth.py needs CUDA (it times compiled Triton kernels on a GPU); "
               "no CUDA device here, so nothing was measured.")
         return 0
     print(f"peak bandwidth: {args.peak_tbps} TB/s ({args.peak_name}); device: {torch.cuda.get_device_name()}")

@@ -1,18 +1,22 @@
 """Offline throughput: pdserve against `transformers`' batched `generate`, side by side in one run.
 
-For each model (random-weight Llama configs built once and cached under `benchmarks/.cache/`):
+For each model (the committed demo target, and random-weight Llama configs built once and cached
+under `benchmarks/.cache/`):
 
 - **batch 1**: one prompt, greedy, a fixed number of new tokens (EOS ignored on both sides).
-  Reported: tokens/s, the whole request's latency, and the decode step time, estimated as
-  (time for N tokens - time for 1 token) / (N - 1), against this machine's floor, i.e. the
-  model's parameter bytes divided by the memory-copy bandwidth measured in the same run.
+  Reported: the whole request's latency, and the decode step time, estimated as
+  (time for N tokens - time for 1 token) / (N - 1), against this machine's floor: the model's
+  parameter bytes divided by the read bandwidth measured in the same run (`report.py`).
 - **mixed**: many prompts of seeded random lengths and seeded random `max_tokens`. pdserve gets
   every request with its own `max_tokens`; `transformers` runs static batches (left-padded with an
   attention mask) to the longest `max_tokens` of each batch. Useful tokens are the ones each
   request asked for, on both sides: rows that run past their own limit only cost time.
 
-Timed runs alternate between the two systems, so load from other processes skews both alike;
-the ratios are the figures to read. Everything is fp32 on the CPU.
+Every repeat runs both systems back to back (who goes first alternates), so load from other
+processes skews both alike; each figure is min / median / max over the repeats of the per-repeat
+ratio, and a goal is met only when the worst repeat meets it. Everything is fp32 on the CPU with
+the same torch threads on both sides; pdserve runs with `--graph-capture` (compile by default:
+its start-up, compile included, is reported apart from the timed runs).
 
     python benchmarks/offline_throughput.py            # full run, updates BENCHMARKS.md
     python benchmarks/offline_throughput.py --quick    # smoke run, writes *_quick files only
@@ -24,7 +28,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -37,10 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch
 from tqdm import tqdm
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import GOAL_HEADER, Goal, Spread, machine, measure_read_bandwidth, update_section  # noqa: E402
+
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 CACHE_DIR = ROOT / "benchmarks" / ".cache"
 MARKDOWN = ROOT / "BENCHMARKS.md"
-SECTION = "## Offline throughput (issue 2)"
+SECTION = "Offline throughput (issues 2, 14)"
 PAD_TOKEN_ID = 0
 EOS_TOKEN_ID = 2
 
@@ -58,21 +64,25 @@ class ModelSpec:
     vocab_size: int = 8192
     max_position_embeddings: int = 1024
     seed: int = 0
+    path: str = ""  # a committed checkpoint (relative to the repository) instead of random weights
 
     def cache_key(self) -> str:
         return "-".join(str(v) for v in asdict(self).values())
 
 
 MODELS = {
+    # the committed demo target: 8 layers, hidden 256, vocab 4096 (the shape fields are informative)
+    "demo": ModelSpec("demo", 256, 8, 8, 4, 768, vocab_size=4096, max_position_embeddings=2048, path="models/demo"),
     "llama-100m": ModelSpec("llama-100m", 768, 12, 12, 4, 2048),
     "llama-10m": ModelSpec("llama-10m", 256, 6, 4, 2, 688),
 }
+DEFAULT_MODELS = ("demo", "llama-100m")
 
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    models: tuple[ModelSpec, ...] = tuple(MODELS.values())
-    repeats: int = 3
+    models: tuple[ModelSpec, ...] = tuple(MODELS[m] for m in DEFAULT_MODELS)
+    repeats: int = 5
     b1_prompt_len: int = 64
     b1_new_tokens: int = 64
     num_prompts: int = 32
@@ -81,9 +91,10 @@ class BenchConfig:
     min_max_tokens: int = 8
     max_max_tokens: int = 128
     hf_batch_size: int = 32  # transformers' static batch; prompts run in chunks of this size
-    bandwidth_mb: int = 512
+    bandwidth_mb: int = 256
     seed: int = 0
-    engine_options: dict = field(default_factory=dict)  # extra `LLM(...)` options
+    threads: int = 1  # torch intra-op threads, both systems
+    engine_options: dict = field(default_factory=lambda: {"graph_capture": "compile"})  # extra `LLM(...)` options
     cache_dir: Path = CACHE_DIR
 
     def __post_init__(self) -> None:
@@ -106,7 +117,10 @@ class Request:
 # ---- setup ---------------------------------------------------------------------------------
 
 def build_checkpoint(spec: ModelSpec, cache_dir: Path) -> Path:
-    """Build (once) and return the directory of a random-weight Llama checkpoint."""
+    """Build (once) and return the directory of a random-weight Llama checkpoint (or the
+    committed one the spec names)."""
+    if spec.path:
+        return ROOT / spec.path
     path = Path(cache_dir) / spec.cache_key()
     if (path / "model.safetensors").is_file():
         return path
@@ -134,19 +148,6 @@ def make_workload(cfg: BenchConfig, vocab_size: int) -> list[Request]:
             for _ in range(cfg.num_prompts)]
 
 
-def measure_copy_bandwidth(num_mb: int, repeats: int = 5) -> float:
-    """Best-of-`repeats` `copy_` bandwidth in GB/s, counting bytes read plus bytes written."""
-    src = torch.ones(num_mb << 18, dtype=torch.float32)  # num_mb MiB
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best / 1e9
-
-
 # ---- the two systems -----------------------------------------------------------------------
 
 class PdserveRunner:
@@ -155,7 +156,9 @@ class PdserveRunner:
     def __init__(self, path: Path, options: dict):
         from pdserve.engine import LLM
 
+        start = time.perf_counter()
         self.llm = LLM(str(path), dtype="float32", device="cpu", **options)
+        self.startup_seconds = time.perf_counter() - start  # weights, KV cache, graph capture
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         from pdserve.engine import SamplingParams
@@ -228,59 +231,51 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, bandwidth_gbps: float, bar: t
 
     times = {r.name: {"b1_full": [], "b1_first": [], "mixed": []} for r in runners}
     outputs: dict[str, dict[str, list[list[int]]]] = {r.name: {} for r in runners}
-    for _ in range(cfg.repeats):
+    for rep in range(cfg.repeats):
         for kind, requests in (("b1_first", b1_first), ("b1_full", b1_full), ("mixed", mixed)):
-            for runner in runners:
+            for runner in (runners if rep % 2 == 0 else runners[::-1]):  # who goes first alternates
                 seconds, tokens = timed(runner, requests)
                 times[runner.name][kind].append(seconds)
                 outputs[runner.name][kind] = tokens
                 bar.update(1)
     floor_ms = param_bytes / (bandwidth_gbps * 1e9) * 1e3
-    systems = {}
-    for runner in runners:
-        t = {kind: statistics.median(v) for kind, v in times[runner.name].items()}
-        outs = outputs[runner.name]
-        step_ms = (t["b1_full"] - t["b1_first"]) / (cfg.b1_new_tokens - 1) * 1e3
-        systems[runner.name] = {
-            "batch1": {"seconds": t["b1_full"], "tokens": sum(map(len, outs["b1_full"])),
-                       "tokens_per_s": sum(map(len, outs["b1_full"])) / t["b1_full"],
-                       "first_token_seconds": t["b1_first"], "decode_step_ms": step_ms,
-                       "decode_step_vs_floor": step_ms / floor_ms, "all_seconds": times[runner.name]["b1_full"]},
-            "mixed": {"seconds": t["mixed"], "useful_tokens": sum(map(len, outs["mixed"])),
-                      "tokens_per_s": sum(map(len, outs["mixed"])) / t["mixed"],
-                      "all_seconds": times[runner.name]["mixed"]},
-        }
-    pd, hf = systems["pdserve"], systems["transformers"]
+    systems = {r.name: system_figures(times[r.name], outputs[r.name], cfg.b1_new_tokens, floor_ms) for r in runners}
+    pd, hf = times["pdserve"], times["transformers"]
+    goals = [
+        Goal(f"{spec.name}: mixed-batch throughput, pdserve / transformers",
+             Spread.of(h / p for p, h in zip(pd["mixed"], hf["mixed"])), 2.5, True),
+        Goal(f"{spec.name}: batch-1 latency, transformers / pdserve",
+             Spread.of(h / p for p, h in zip(pd["b1_full"], hf["b1_full"])), 1.5, True),
+        Goal(f"{spec.name}: batch-1 decode step / memory floor",
+             Spread.of(systems["pdserve"]["step_ms"].values[i] / floor_ms for i in range(cfg.repeats)), 3.0, False),
+    ]
     return {
         "model": asdict(spec) | {"num_params": num_params, "param_bytes": param_bytes},
         "decode_floor_ms": floor_ms,
-        "systems": systems,
-        "ratios": {
-            "mixed_throughput": pd["mixed"]["tokens_per_s"] / hf["mixed"]["tokens_per_s"],
-            "batch1_throughput": pd["batch1"]["tokens_per_s"] / hf["batch1"]["tokens_per_s"],
-            "batch1_latency": pd["batch1"]["seconds"] / hf["batch1"]["seconds"],
-            "batch1_decode_step": pd["batch1"]["decode_step_ms"] / hf["batch1"]["decode_step_ms"],
-        },
-        "paired_ratios": paired_ratios(systems),
-        "goals": {
-            "mixed_throughput_at_least_2x": pd["mixed"]["tokens_per_s"] >= 2 * hf["mixed"]["tokens_per_s"],
-            "batch1_latency_within_1.2x": pd["batch1"]["seconds"] <= 1.2 * hf["batch1"]["seconds"],
-        },
+        "pdserve_startup_seconds": runners[0].startup_seconds,
+        "systems": {name: {k: (v.as_dict() if isinstance(v, Spread) else v) for k, v in fig.items()}
+                    for name, fig in systems.items()},
+        "goals": [g.as_dict() for g in goals],
         "greedy_agreement": {kind: _agreement(outputs["pdserve"][kind], outputs["transformers"][kind])
                              for kind in ("b1_full", "mixed")},
         "mixed_workload": workload_summary(mixed, cfg.hf_batch_size),
     }
 
 
-def paired_ratios(systems: dict) -> dict:
-    """Per-repeat ratios of runs taken back to back: steadier than a ratio of medians when the
-    machine's load changes during the run. Both sides produce the same useful tokens."""
-    pd, hf = systems["pdserve"], systems["transformers"]
-    pairs = lambda kind: list(zip(pd[kind]["all_seconds"], hf[kind]["all_seconds"]))  # noqa: E731
-    mixed = [h / p for p, h in pairs("mixed")]
-    latency = [p / h for p, h in pairs("batch1")]
-    return {"mixed_throughput": mixed, "mixed_throughput_median": statistics.median(mixed),
-            "batch1_latency": latency, "batch1_latency_median": statistics.median(latency)}
+def system_figures(times: dict[str, list[float]], outputs: dict[str, list[list[int]]], new_tokens: int,
+                   floor_ms: float) -> dict:
+    """Per-repeat figures of one system, as spreads."""
+    steps = [(full - first) / (new_tokens - 1) * 1e3 for full, first in zip(times["b1_full"], times["b1_first"])]
+    useful = sum(map(len, outputs["mixed"]))
+    return {
+        "b1_seconds": Spread.of(times["b1_full"]),
+        "step_ms": Spread.of(steps),
+        "step_vs_floor": Spread.of(s / floor_ms for s in steps),
+        "mixed_tokens_per_s": Spread.of(useful / t for t in times["mixed"]),
+        "mixed_useful_tokens": useful,
+        "b1_tokens": sum(map(len, outputs["b1_full"])),
+        "raw_seconds": times,
+    }
 
 
 def workload_summary(requests: list[Request], batch_size: int) -> dict:
@@ -300,49 +295,50 @@ def workload_summary(requests: list[Request], batch_size: int) -> dict:
 
 def run_benchmark(cfg: BenchConfig, progress: bool = True) -> dict:
     """Every measurement of one run, as a JSON-ready dict."""
+    torch.set_num_threads(cfg.threads)
     load_start = os.getloadavg()[0]
-    bandwidth = measure_copy_bandwidth(cfg.bandwidth_mb)
+    bandwidth = measure_read_bandwidth(cfg.bandwidth_mb)
     total = len(cfg.models) * cfg.repeats * 3 * 2
     with tqdm(total=total, desc="offline throughput", unit="run", disable=not progress, leave=False) as bar:
         models = [bench_model(spec, cfg, bandwidth, bar) for spec in cfg.models]
     return {
         "benchmark": "offline_throughput",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "models"},
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                    "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
-        "copy_bandwidth_gbps": bandwidth,
+        "machine": machine() | {"load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
+        "read_bandwidth_gbps": bandwidth,
         "models": models,
     }
 
 
 # ---- reporting -----------------------------------------------------------------------------
 
+def _goal(d: dict) -> Goal:
+    s = d["spread"]
+    return Goal(d["name"], Spread(s["min"], s["median"], s["max"], tuple(s["values"])), d["target"], d["is_floor"])
+
+
+def _spread(d: dict) -> Spread:
+    return Spread(d["min"], d["median"], d["max"], tuple(d["values"]))
+
+
 def table_rows(result: dict) -> list[str]:
-    rows = ["| model | params | workload | pdserve tok/s | transformers tok/s | ratio | goal |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| model | params | pdserve start-up s | workload | pdserve | transformers |", "|---|---|---|---|---|---|"]
     for m in result["models"]:
-        pd, hf, r, g = m["systems"]["pdserve"], m["systems"]["transformers"], m["ratios"], m["goals"]
+        pd, hf = m["systems"]["pdserve"], m["systems"]["transformers"]
         name, params = m["model"]["name"], f"{m['model']['num_params'] / 1e6:.1f} M"
-        rows.append(f"| {name} | {params} | mixed ({len(m['mixed_workload']['max_tokens'])} prompts) | "
-                    f"{pd['mixed']['tokens_per_s']:.1f} | {hf['mixed']['tokens_per_s']:.1f} | "
-                    f"{r['mixed_throughput']:.2f}× ({_paired(m, 'mixed_throughput')}) | ≥ 2× {_mark(g['mixed_throughput_at_least_2x'])} |")
-        rows.append(f"| {name} | {params} | batch 1 | {pd['batch1']['tokens_per_s']:.1f} | "
-                    f"{hf['batch1']['tokens_per_s']:.1f} | latency {r['batch1_latency']:.2f}× "
-                    f"({_paired(m, 'batch1_latency')}) | "
-                    f"≤ 1.2× {_mark(g['batch1_latency_within_1.2x'])} |")
+        start = f"{m['pdserve_startup_seconds']:.1f}"
+        rows.append(f"| {name} | {params} | {start} | mixed ({len(m['mixed_workload']['max_tokens'])} prompts), "
+                    f"useful tokens/s | {_spread(pd['mixed_tokens_per_s']).fmt(0)} | "
+                    f"{_spread(hf['mixed_tokens_per_s']).fmt(0)} |")
+        rows.append(f"| {name} | {params} | {start} | batch 1, request seconds | {_spread(pd['b1_seconds']).fmt(3)} | "
+                    f"{_spread(hf['b1_seconds']).fmt(3)} |")
+        rows.append(f"| {name} | {params} | {start} | batch 1, decode ms/step (floor {m['decode_floor_ms']:.2f}) | "
+                    f"{_spread(pd['step_ms']).fmt(2)} | {_spread(hf['step_ms']).fmt(2)} |")
     return rows
 
 
-def step_rows(result: dict) -> list[str]:
-    rows = ["| model | param bytes | floor ms/step | pdserve ms/step | transformers ms/step |",
-            "|---|---|---|---|---|"]
-    for m in result["models"]:
-        pd, hf = m["systems"]["pdserve"]["batch1"], m["systems"]["transformers"]["batch1"]
-        rows.append(f"| {m['model']['name']} | {m['model']['param_bytes'] / 1e6:.0f} MB | {m['decode_floor_ms']:.2f} | "
-                    f"{pd['decode_step_ms']:.2f} ({pd['decode_step_vs_floor']:.1f}× floor) | "
-                    f"{hf['decode_step_ms']:.2f} ({hf['decode_step_vs_floor']:.1f}× floor) |")
-    return rows
+def goal_rows(result: dict) -> list[str]:
+    return GOAL_HEADER + [_goal(g).row() for m in result["models"] for g in m["goals"]]
 
 
 def waste_lines(result: dict) -> list[str]:
@@ -351,14 +347,6 @@ def waste_lines(result: dict) -> list[str]:
             f"for {w['prompt_tokens']} real ones, {w['hf_generated_tokens']} generated tokens for {w['useful_tokens']} "
             f"asked for: {w['static_batching_waste']:.2f}× the tokens, the ratio an engine with transformers' cost "
             "per token would get from continuous batching alone."]
-
-
-def _paired(m: dict, key: str) -> str:
-    return "per repeat " + ", ".join(f"{x:.2f}" for x in m["paired_ratios"][key])
-
-
-def _mark(ok: bool) -> str:
-    return "met" if ok else "**not met**"
 
 
 def write_json(result: dict, out_dir: Path, stem: str) -> Path:
@@ -376,15 +364,18 @@ def write_plot(result: dict, out_dir: Path, stem: str) -> Path:
 
     models = result["models"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, kind, title in ((axes[0], "mixed", "mixed batch"), (axes[1], "batch1", "batch 1")):
+    panels = ((axes[0], "mixed_tokens_per_s", "mixed batch: useful tokens/s"),
+              (axes[1], "b1_seconds", "batch 1: request seconds"))
+    for ax, key, title in panels:
         xs = range(len(models))
         for k, system in enumerate(("pdserve", "transformers")):
-            vals = [m["systems"][system][kind]["tokens_per_s"] for m in models]
-            bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], vals, 0.38, label=system)
-            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            spreads = [_spread(m["systems"][system][key]) for m in models]
+            med = [sp.median for sp in spreads]
+            err = [[sp.median - sp.min for sp in spreads], [sp.max - sp.median for sp in spreads]]
+            bars = ax.bar([x + (k - 0.5) * 0.38 for x in xs], med, 0.38, yerr=err, capsize=3, label=system)
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_xticks(list(xs), [m["model"]["name"] for m in models])
-        ax.set_title(f"{title}: useful tokens/s (median of {result['config']['repeats']})")
-        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{title} (median, min-max of {result['config']['repeats']})")
         ax.legend()
     fig.suptitle(f"pdserve vs transformers, fp32 CPU, {result['machine']['torch_threads']} threads")
     fig.tight_layout()
@@ -394,39 +385,35 @@ def write_plot(result: dict, out_dir: Path, stem: str) -> Path:
     return path
 
 
-def update_markdown(result: dict, command: str, path: Path = MARKDOWN) -> None:
-    section = "\n".join([
-        SECTION, "",
+def markdown(result: dict, command: str) -> str:
+    m = result["machine"]
+    return "\n".join([
         "pdserve's offline `LLM.generate` against `transformers`' batched `generate` (static batches, "
-        "left-padded, run to each batch's longest `max_tokens`), same random-weight Llama checkpoints, "
-        "fp32 on CPU, greedy, EOS ignored. Tokens/s count only the tokens each request asked for. "
-        f"Medians of {result['config']['repeats']} runs; the two systems alternate within each repeat, and the "
-        "ratio column also gives each repeat's back-to-back ratio.", "",
+        "left-padded, run to each batch's longest `max_tokens`), same checkpoints, fp32 on CPU, greedy, EOS "
+        f"ignored, {m['torch_threads']} torch thread(s) on both sides. pdserve options: "
+        f"`{result['config']['engine_options']}`. Tokens/s count only the tokens each request asked for. "
+        f"Each figure is min / median / max over {result['config']['repeats']} repeats; within a repeat the two "
+        "systems run back to back (alternating who goes first), and each goal is judged on its worst repeat.", "",
         "Command:", "", "```", command, "```", "",
         *table_rows(result), "",
+        *goal_rows(result), "",
         *waste_lines(result), "",
-        f"Batch-1 decode step against the floor (parameter bytes / {result['copy_bandwidth_gbps']:.1f} GB/s "
-        "measured `copy_` bandwidth, read + write bytes, same run):", "",
-        *step_rows(result), "",
+        f"Memory floor: parameter bytes / {result['read_bandwidth_gbps']:.1f} GB/s, the read bandwidth measured in the "
+        "same run (best of 5 sums over 256 MB). pdserve start-up (weights, KV cache and graph capture) is not in "
+        "any timed run.", "",
         f"Files: `benchmarks/results/offline_throughput.json`, `benchmarks/results/offline_throughput.png`. "
-        f"Load average (1 min) at the start and end of the run: {result['machine'].get('load_avg_1m_start', float('nan')):.2f}, "
-        f"{result['machine']['load_avg_1m_end']:.2f} ({result['machine']['cpu_count']} CPUs); above the CPU count the "
-        "figures are skewed by other processes.", "",
+        f"Load average (1 min) at the start and end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} "
+        f"({m['cpu_count']} CPUs).",
     ])
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nLatest figures; each row names the command that produced it.\n\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    path.write_text(text)
 
 
-def print_summary(result: dict) -> None:
-    print(f"copy bandwidth: {result['copy_bandwidth_gbps']:.1f} GB/s (read + write)")
-    for line in table_rows(result) + [""] + waste_lines(result) + [""] + step_rows(result):
-        print(line)
+def update_markdown(result: dict, command: str, path: Path = MARKDOWN) -> None:
+    update_section(path, SECTION, markdown(result, command))
+
+
+def print_summary(result: dict, command: str) -> None:
+    print(f"## {SECTION}\n")
+    print(markdown(result, command))
 
 
 # ---- CLI -----------------------------------------------------------------------------------
@@ -434,15 +421,16 @@ def print_summary(result: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, 1 repeat, small model only; writes *_quick files")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(MODELS)}")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, from {list(MODELS)}")
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-lens", default="16,256", help="min,max prompt length of the mixed batch")
     p.add_argument("--max-tokens", default="8,128", help="min,max max_tokens of the mixed batch")
     p.add_argument("--b1-prompt-len", type=int, default=64)
     p.add_argument("--b1-new-tokens", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=None, help="transformers' static batch (default: all prompts)")
-    p.add_argument("--bandwidth-mb", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both systems")
+    p.add_argument("--graph-capture", default="compile", help="pdserve's graph_capture option")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
@@ -458,11 +446,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         models=tuple(MODELS[name] for name in args.models.split(",")), repeats=args.repeats,
         b1_prompt_len=args.b1_prompt_len, b1_new_tokens=args.b1_new_tokens, num_prompts=args.num_prompts,
         min_prompt_len=lo_p, max_prompt_len=hi_p, min_max_tokens=lo_t, max_max_tokens=hi_t,
-        hf_batch_size=args.hf_batch_size or args.num_prompts, bandwidth_mb=args.bandwidth_mb, seed=args.seed)
+        hf_batch_size=args.hf_batch_size or args.num_prompts, seed=args.seed, threads=args.threads,
+        engine_options={"graph_capture": args.graph_capture})
     if args.quick:
         cfg = replace(cfg, models=(MODELS["llama-10m"],), repeats=1, b1_prompt_len=16, b1_new_tokens=8,
                       num_prompts=8, min_prompt_len=8, max_prompt_len=48, min_max_tokens=2, max_max_tokens=16,
-                      hf_batch_size=8, bandwidth_mb=64)
+                      hf_batch_size=8, bandwidth_mb=64, engine_options={"graph_capture": "off"})
     return cfg
 
 
@@ -473,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         write_plot(result, args.report_only.parent, args.report_only.stem)
         if not args.no_markdown:
             update_markdown(result, result["command"])
-        print_summary(result)
+        print_summary(result, result["command"])
         return
     cfg = config_from_args(args)
     torch.manual_seed(cfg.seed)
@@ -485,9 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     png_path = write_plot(result, args.out_dir, stem)
     if not (args.quick or args.no_markdown):
         update_markdown(result, result["command"])
-    print_summary(result)
-    print(f"wrote {json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path}, "
-          f"{png_path.name}" + ("" if args.quick or args.no_markdown else ", BENCHMARKS.md"))
+    print_summary(result, result["command"])
+    print(f"wrote {json_path}, {png_path.name}" + ("" if args.quick or args.no_markdown else ", BENCHMARKS.md"))
 
 
 if __name__ == "__main__":

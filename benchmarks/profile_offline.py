@@ -1,73 +1,254 @@
-"""Where pdserve's offline time goes, next to `transformers`, on the offline_throughput workloads.
+"""Where a decode step's time goes, and what each change to the step bought.
 
-Prints, for one model: the number of torch ops per batch-1 decode step on each side (a
-load-independent measure of overhead), torch.profiler's top ops by self CPU time, and a
-cProfile of pdserve's Python functions on the mixed batch.
+Two modes:
 
-    python benchmarks/profile_offline.py --model llama-100m [--threads 1]
+    python benchmarks/profile_offline.py [--model models/demo] [--threads 1]
+        One engine (the checkout's): aten ops per batch-1 decode step (a load-independent measure
+        of per-step overhead), torch.profiler's top ops by self CPU time, and a cProfile of the
+        engine's Python functions over a batch-1 generation.
+
+    python benchmarks/profile_offline.py --variant base=cc75024 --variant step=HEAD \\
+        --variant compiled=HEAD:graph_capture=compile [--repeats 7]
+        The same batch-1 greedy decode on several git revisions (each unpacked with `git archive`
+        and imported from there, in its own process, with its own engine options), measured side
+        by side: the processes take turns, one measurement each per repeat. Per variant: the decode
+        step's wall and CPU milliseconds (min / median / max over repeats), the ratio to the first
+        variant per repeat, and aten ops per step. Prints the Markdown table it writes to
+        BENCHMARKS.md (section "Step cost by change"), JSON and PNG under benchmarks/results/.
+
+The decode step is (time for N tokens - time for 1 token) / (N - 1) of one request, one torch
+thread, so prefill and start-up are out of it.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-import offline_throughput as ot
+from report import Spread, machine, update_section  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+SECTION = "Step cost by change (issue 14)"
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+FOLDERS = ("engine", "kernels", "serving", "prefill_worker", "decode_worker", "router", "cluster")
 
 
-def torch_profile(runner, requests, row_limit: int) -> tuple[int, str]:
+# ---- one engine: where the time goes -------------------------------------------------------
+
+def aten_ops_per_step(llm, sampling_params, new_tokens: int = 33) -> float:
+    """Top-level aten ops per decode step: ops of an N-token request minus a 1-token one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = llm.engine.tokenize(PROMPT)
+
+    def count(n: int) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            llm.generate([prompt], sampling_params(temperature=0, max_tokens=n, ignore_eos=True))
+        return sum(1 for e in prof.events() if e.name.startswith("aten::")
+                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+    count(4)
+    return (count(new_tokens) - count(1)) / (new_tokens - 1)
+
+
+def profile_one(model: str, threads: int, rows: int) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.engine import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model)
+    prompt = llm.engine.tokenize(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate([prompt], params)
+    print(f"== {model}: {aten_ops_per_step(llm, SamplingParams):.0f} top-level aten ops per batch-1 decode step")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        runner.generate(requests)
-    events = prof.key_averages()
-    num_ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    return num_ops, events.table(sort_by="self_cpu_time_total", row_limit=row_limit)
-
-
-def python_profile(runner, requests, row_limit: int) -> str:
+        llm.generate([prompt], params)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
     prof = cProfile.Profile()
     prof.enable()
-    runner.generate(requests)
+    llm.generate([prompt], params)
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(row_limit)
-    return out.getvalue()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    print("== Python functions by own time\n" + out.getvalue())
+
+
+# ---- several revisions, side by side -------------------------------------------------------
+
+def worker(model: str, options: dict, new_tokens: int) -> None:
+    """Run in a variant's process: load, count ops, then time one decode per line on stdin."""
+    import torch
+
+    from pdserve.engine import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    llm = LLM(model, **options)
+    startup = time.perf_counter() - start
+    prompt = llm.engine.tokenize(PROMPT)
+
+    def timed(n: int) -> tuple[float, float]:
+        w, c = time.perf_counter(), time.process_time()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - w, time.process_time() - c
+
+    timed(8)
+    timed(new_tokens)
+    ops = aten_ops_per_step(llm, SamplingParams) if options.get("graph_capture", "off") in ("off", "auto") else None
+    print(json.dumps(dict(startup_seconds=startup, aten_ops_per_step=ops)), flush=True)
+    for _ in sys.stdin:
+        full, first = timed(new_tokens), timed(1)
+        print(json.dumps(dict(wall_ms=(full[0] - first[0]) / (new_tokens - 1) * 1e3,
+                              cpu_ms=(full[1] - first[1]) / (new_tokens - 1) * 1e3)), flush=True)
+
+
+def unpack(revision: str, into: Path) -> tuple[Path, str]:
+    """The revision's sources laid out as the `pdserve` package (as the wheel maps them); its subject line."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", revision], cwd=REPO, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = into / "pkg" / "pdserve"
+    pkg.mkdir(parents=True)
+    for item in (src / "proto" / "pdserve").iterdir():
+        os.symlink(item, pkg / item.name)
+    for folder in FOLDERS:
+        if (src / folder).is_dir():
+            os.symlink(src / folder, pkg / folder)
+    subject = subprocess.run(["git", "log", "-1", "--format=%h %s", revision], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout.strip()
+    return into / "pkg", subject
+
+
+def parse_variant(text: str) -> tuple[str, str, dict]:
+    """NAME=REV[:key=value,...] -> (name, revision, engine options); numbers and true/false are
+    parsed, a `*_model` path is taken relative to the repository."""
+    name, _, rest = text.partition("=")
+    revision, _, opts = rest.partition(":")
+    options = {}
+    for pair in filter(None, opts.split(",")):
+        key, _, value = pair.partition("=")
+        if value in ("true", "false"):
+            options[key] = value == "true"
+        elif value[:1].isdigit():
+            options[key] = json.loads(value)
+        elif key.endswith("_model"):
+            options[key] = str((REPO / value).resolve())
+        else:
+            options[key] = value
+    return name, revision, options
+
+
+def compare(variants: list[str], model: str, repeats: int, new_tokens: int) -> dict:
+    parsed = [parse_variant(v) for v in variants]
+    model = str(Path(model).resolve())  # the workers run elsewhere
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, info = {}, {}
+        for i, (name, revision, options) in enumerate(parsed):
+            path, subject = unpack(revision, Path(tmp) / f"v{i}")
+            env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS="1")
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, json.dumps(options), str(new_tokens)]
+            procs[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            info[name] = dict(revision=revision, subject=subject, options=options)
+        for name, proc in procs.items():
+            info[name] |= json.loads(proc.stdout.readline())
+        samples = {name: [] for name in procs}
+        for rep in range(repeats):
+            for name in (list(procs) if rep % 2 == 0 else list(procs)[::-1]):
+                procs[name].stdin.write("go\n")
+                procs[name].stdin.flush()
+                samples[name].append(json.loads(procs[name].stdout.readline()))
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait()
+    first = parsed[0][0]
+    for name in samples:
+        for key in ("wall_ms", "cpu_ms"):
+            info[name][key] = Spread.of(s[key] for s in samples[name]).as_dict()
+            info[name][f"{key}_speedup"] = Spread.of(a[key] / b[key] for a, b in zip(samples[first], samples[name])).as_dict()
+    return dict(model=model, repeats=repeats, new_tokens=new_tokens, variants=info,
+                machine=machine() | {"load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]})
+
+
+def markdown(result: dict, command: str) -> str:
+    sp = lambda d: Spread(d["min"], d["median"], d["max"], tuple(d["values"]))  # noqa: E731
+    lines = [f"Command: `{command}`. Batch-1 greedy decode step of `{result['model']}` (one request, "
+             f"{result['new_tokens']} new tokens minus one, one torch thread), each variant in its own process, "
+             f"{result['repeats']} repeats taken in turn; min / median / max, speedups per repeat against the first "
+             f"variant. Load average (1 min) at the start and end: {result['machine']['load_avg_1m_start']:.2f}, "
+             f"{result['machine']['load_avg_1m_end']:.2f}.", "",
+             "| variant | revision | options | aten ops / step | wall ms / step | CPU ms / step | speedup (wall) | "
+             "speedup (CPU) | start-up s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in result["variants"].items():
+        ops = "–" if v["aten_ops_per_step"] is None else f"{v['aten_ops_per_step']:.0f}"
+        lines.append(f"| {name} | {v['subject'][:60]} | `{v['options'] or '{}'}` | {ops} | {sp(v['wall_ms']).fmt(2)} | "
+                     f"{sp(v['cpu_ms']).fmt(2)} | {sp(v['wall_ms_speedup']).fmt(2, '×')} | "
+                     f"{sp(v['cpu_ms_speedup']).fmt(2, '×')} | {v['startup_seconds']:.1f} |")
+    lines += ["", "aten ops are counted only without graph capture (a compiled step runs generated code)."]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["variants"])
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.5))
+    for i, key in enumerate(("wall_ms", "cpu_ms")):
+        spreads = [result["variants"][n][key] for n in names]
+        med = [s["median"] for s in spreads]
+        err = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
+        ax.bar([x + (i - 0.5) * 0.38 for x in range(len(names))], med, 0.38, yerr=err, capsize=3, label=key)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("ms per decode step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-100m", choices=list(ot.MODELS))
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--new-tokens", type=int, default=16)
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(REPO / "models" / "demo"))
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, default=20)
+    p.add_argument("--variant", action="append", default=[], help="NAME=REV[:key=value,...] (repeatable)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--new-tokens", type=int, default=129)
+    p.add_argument("--no-markdown", action="store_true")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = ot.BenchConfig()
-    spec = ot.MODELS[args.model]
-    path = ot.build_checkpoint(spec, cfg.cache_dir)
-    runners = [ot.PdserveRunner(path, {}), ot.HFRunner(path, cfg.hf_batch_size)]
-    b1 = [ot.Request(list(range(3, 3 + cfg.b1_prompt_len)), args.new_tokens)]
-    first = [ot.Request(b1[0].prompt_token_ids, 1)]
-    for r in runners:
-        r.generate(b1)
-    for r in runners:
-        n_full, table = torch_profile(r, b1, args.rows)
-        n_first, _ = torch_profile(r, first, args.rows)
-        print(f"== {r.name}: batch-1 decode, {(n_full - n_first) / (args.new_tokens - 1):.0f} aten ops per step")
-        print(table)
-    mixed = ot.make_workload(cfg, spec.vocab_size)
-    for r in runners:
-        n_ops, table = torch_profile(r, mixed, args.rows)
-        print(f"== {r.name}: mixed batch of {len(mixed)}, {n_ops} aten ops in all")
-        print(table)
-    print("== pdserve: mixed batch, Python functions by own time")
-    print(python_profile(runners[0], mixed, args.rows))
+    if not args.variant:
+        profile_one(args.model, args.threads, args.rows)
+        return
+    result = compare(args.variant, args.model, args.repeats, args.new_tokens)
+    command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
+    result["command"] = command
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "step_by_change.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / "step_by_change.png")
+    text = markdown(result, command)
+    if not args.no_markdown:
+        update_section(REPO / "BENCHMARKS.md", SECTION, text)
+    print(f"## {SECTION}\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -3,19 +3,25 @@ shared and noisy: compare the ratios, not the absolute rates).
 
     python benchmarks/spec_decode.py [--quick]
 
-Every configuration (plain decoding; draft-model proposer at fixed k = 4, fixed k = 2 and
-adaptive depth up to 4; n-gram proposer at fixed k = 4 and adaptive) generates --max-tokens
-tokens per prompt (ignore_eos, so every run emits the same number) for batches of 1, 8 and 32
-prompts, greedy and at temperature 1. The prompts are 64–128-token cuts of this repository's
-own engine/ and kernels/ sources, which the demo models never saw.
+Every configuration (plain decoding; the draft-model proposer at fixed k = 4, fixed k = 2 and
+adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temperature 1 also
+the rejection sampler beside the default coupled verifier) generates --max-tokens tokens per
+prompt (ignore_eos, so every run emits the same number) for batches of 1, 8 and 32 prompts,
+greedy and at temperature 1. The prompts are 64–128-token cuts of this repository's own engine/
+and kernels/ sources, which the demo models never saw. Every configuration runs with the tuned
+options (--graph-capture, --threads); a "newcomer" pair (README's `LLM("models/demo",
+draft_model="models/demo-draft", num_speculative_tokens=4)` and plain `LLM("models/demo")`, default
+options, default torch threads) is measured beside them at batch 1.
 
-Per configuration: tokens/s (median of --runs repeats, the repeats interleaved across
-configurations), the speedup against plain decoding at the same batch and temperature, the
-acceptance rate α, the mean accepted length (tokens per verification step), the draft/target
-step-cost ratio c (one draft forward against one target forward at the same batch size, timed
-around `ModelRunner.execute`), the ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)) with k the
-mean depth used, and the measured speedup as a share of it. Greedy outputs with and without
-speculation are compared token for token. JSON and a PNG under benchmarks/results/.
+Per configuration, over --runs repeats interleaved across configurations (the order reverses
+every repeat): tokens/s, and the speedup against plain decoding in the same repeat, as
+min / median / max; the acceptance rate α, the mean accepted length (tokens per verification
+step), the mean depth k, the draft/target step-cost ratio c (one draft forward against one
+target forward at the same batch size, timed around `ModelRunner.execute`), the ideal speedup
+(1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the measured speedup as a share of it. Greedy outputs
+with and without speculation, and coupled-verifier outputs at temperature 1 with and without,
+are compared token for token. Prints the Markdown it writes to BENCHMARKS.md, with the command;
+JSON and a PNG under benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -28,19 +34,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Tiny models on a shared 2-core machine: one intra-op thread avoids OpenMP spin-waiting when
-# the cores are oversubscribed (two threads were 10x slower per step here under load).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from report import GOAL_HEADER, Goal, Spread, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+MARKDOWN = REPO / "BENCHMARKS.md"
+SECTION = "Speculative decoding (issues 5, 10, 14)"
 PROMPT_SOURCES = ("engine", "kernels")
 
 
@@ -48,10 +55,16 @@ PROMPT_SOURCES = ("engine", "kernels")
 class Method:
     name: str
     options: dict = field(default_factory=dict)  # LLM options beyond the shared ones
+    temperatures: tuple[float, ...] | None = None  # None: every temperature
+    is_newcomer: bool = False  # README's options, default torch threads, batch 1 only
 
     @property
     def is_plain(self) -> bool:
-        return not self.options
+        return "num_speculative_tokens" not in self.options
+
+    @property
+    def uses_draft(self) -> bool:
+        return "draft" in self.options
 
 
 METHODS = (
@@ -61,6 +74,15 @@ METHODS = (
     Method("draft adaptive", dict(draft="draft", num_speculative_tokens=4, spec_adaptive=True)),
     Method("ngram k=4", dict(speculative_method="ngram", num_speculative_tokens=4, spec_adaptive=False)),
     Method("ngram adaptive", dict(speculative_method="ngram", num_speculative_tokens=4, spec_adaptive=True)),
+    # greedy requests are verified the same way by both verifiers: compare them where they differ
+    Method("draft k=4 rejection", dict(draft="draft", num_speculative_tokens=4, spec_adaptive=False,
+                                       spec_verifier="rejection"), temperatures=(1.0,)),
+    Method("draft adaptive rejection", dict(draft="draft", num_speculative_tokens=4, spec_adaptive=True,
+                                            spec_verifier="rejection"), temperatures=(1.0,)),
+)
+NEWCOMER = (
+    Method("newcomer plain", dict(), is_newcomer=True),
+    Method("newcomer draft k=4", dict(draft="draft", num_speculative_tokens=4), is_newcomer=True),
 )
 
 
@@ -102,12 +124,28 @@ class ForwardTimer:
         return statistics.median(times) if times else None
 
 
-def build(method: Method, model: str, draft: str, num_kv_blocks: int, max_num_seqs: int) -> LLM:
+@dataclass(slots=True)
+class Setup:
+    model: str
+    draft: str
+    num_kv_blocks: int
+    max_num_seqs: int
+    tuned: dict  # options every tuned configuration gets (graph capture)
+    threads: int
+    default_threads: int
+
+
+def build(method: Method, setup: Setup) -> tuple[LLM, float]:
+    """The engine and its start-up seconds (weights, caches, graph capture)."""
     options = dict(method.options)
     if options.pop("draft", None):
-        options["draft_model"] = draft
-    return LLM(model, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-               **options)
+        options["draft_model"] = setup.draft
+    if not method.is_newcomer:
+        options |= dict(num_kv_blocks=setup.num_kv_blocks, max_num_seqs=setup.max_num_seqs,
+                        enable_prefix_caching=False, **setup.tuned)
+    start = time.perf_counter()
+    llm = LLM(setup.model, **options)
+    return llm, time.perf_counter() - start
 
 
 def stats_snapshot(llm: LLM) -> tuple[int, int, int, list[int]]:
@@ -136,99 +174,172 @@ def ideal_speedup(alpha: float, k: float, c: float) -> float:
     return tokens / (1 + k * c)
 
 
-def summarize(method: Method, runs: list[dict], plain: dict | None, c: float | None) -> dict:
-    rates = [r["num_tokens"] / r["seconds"] for r in runs]
-    rate = statistics.median(rates)
-    out = dict(method=method.name, tokens_per_s=rate, tokens_per_s_runs=rates, num_tokens=runs[0]["num_tokens"])
-    if plain is None:
+def cases_of(method: Method, batch_sizes: list[int], temperatures: list[float]) -> list[tuple[int, float]]:
+    temps = [t for t in temperatures if method.temperatures is None or t in method.temperatures]
+    batches = [1] if method.is_newcomer and 1 in batch_sizes else ([] if method.is_newcomer else batch_sizes)
+    return [(b, t) for t in temps for b in batches]
+
+
+def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: list[float], max_tokens: int,
+                  runs: int, methods: tuple[Method, ...] = METHODS + NEWCOMER, tuned: dict | None = None,
+                  threads: int = 1, progress: bool = True) -> dict:
+    """The whole measurement: every method × batch × temperature, `runs` interleaved repeats."""
+    max_b = max(batch_sizes)
+    setup = Setup(model, draft, max_b * (-(-(128 + max_tokens + 8) // 16)) + 16, max_b,
+                  tuned if tuned is not None else {"graph_capture": "compile"}, threads, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    built = {m.name: build(m, setup) for m in methods}
+    llms = {name: llm for name, (llm, _) in built.items()}
+    timers = {name: (ForwardTimer(llm.engine.runner), ForwardTimer(llm.engine.draft_runner)
+                     if llm.engine.draft_runner else None) for name, llm in llms.items()}
+    prompts = code_prompts(llms[methods[0].name].engine.tokenizer, max_b)
+    warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for llm in llms.values():  # warm up: first passes allocate and fill caches
+        llm.generate(prompts[:2], warm)
+    cases = [(b, t) for t in temperatures for b in batch_sizes]
+    raw: dict[tuple, list[dict]] = {}
+    total = runs * sum(len(cases_of(m, batch_sizes, temperatures)) for m in methods)
+    with tqdm(total=total, desc="spec_decode", unit="gen", disable=not progress) as bar:
+        for rep in range(runs):
+            for b, temp in cases:
+                params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
+                order = methods if rep % 2 == 0 else methods[::-1]  # alternate who runs first
+                for m in order:
+                    if (b, temp) not in cases_of(m, batch_sizes, temperatures):
+                        continue
+                    raw.setdefault((b, temp, m.name), []).append(
+                        _timed_run(llms[m.name], timers[m.name], prompts[:b], params, m, setup))
+                    bar.update(1)
+    torch.set_num_threads(threads)
+    return dict(rows=collect(raw, methods, cases), startup_seconds={n: s for n, (_, s) in built.items()},
+                threads=threads, default_threads=setup.default_threads, tuned_options=setup.tuned)
+
+
+def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup) -> dict:
+    torch.set_num_threads(setup.default_threads if method.is_newcomer else setup.threads)
+    for t in timers:
+        if t is not None:
+            t.calls.clear()
+    r = run_once(llm, prompts, params)
+    tt, dt = timers
+    r["target_forward_s"] = tt.median_at(len(prompts))
+    r["draft_forward_s"] = dt.median_at(len(prompts)) if dt else None
+    return r
+
+
+def collect(raw: dict, methods: tuple[Method, ...], cases: list[tuple]) -> list[dict]:
+    rows = []
+    for b, temp in cases:
+        plain_runs = raw[(b, temp, "plain")]
+        target_s = statistics.median(r["target_forward_s"] for r in plain_runs if r["target_forward_s"])
+        # c is the pair's, not a method's: every draft forward over exactly b tokens (one per
+        # sequence, past the catch-up pass) at this batch and temperature, whichever method ran it
+        draft_times = [r["draft_forward_s"] for m in methods if (b, temp, m.name) in raw and not m.is_newcomer
+                       for r in raw[(b, temp, m.name)] if r["draft_forward_s"]]
+        c = statistics.median(draft_times) / target_s if draft_times else None
+        newcomer_plain = raw.get((b, temp, "newcomer plain"))
+        for m in methods:
+            runs = raw.get((b, temp, m.name))
+            if runs is None:
+                continue
+            base = newcomer_plain if m.is_newcomer and newcomer_plain else plain_runs
+            row = summarize(m, runs, None if m.is_plain else base, c if m.uses_draft else 0.0)
+            row.update(batch_size=b, temperature=temp, is_newcomer=m.is_newcomer,
+                       target_forward_ms=target_s * 1e3, draft_forward_ms=c * target_s * 1e3 if c else None)
+            if not m.is_plain and (temp == 0 or "rejection" not in m.name):  # coupled: same tokens as plain
+                row["same_tokens_as_plain"] = all(r["token_ids"] == p["token_ids"] for r, p in zip(runs, base))
+            rows.append(row)
+    return rows
+
+
+def summarize(method: Method, runs: list[dict], plain_runs: list[dict] | None, c: float | None) -> dict:
+    rates = Spread.of(r["num_tokens"] / r["seconds"] for r in runs)
+    out = dict(method=method.name, tokens_per_s=rates.as_dict(), num_tokens=runs[0]["num_tokens"])
+    if plain_runs is None:
         return out
-    out["speedup"] = rate / plain["tokens_per_s"]
+    speedup = Spread.of(p["seconds"] / r["seconds"] for r, p in zip(runs, plain_runs))  # same tokens, same repeat
     drafts = sum(r["num_drafts"] for r in runs)
     draft_tokens = sum(r["num_draft_tokens"] for r in runs)
     accepted = sum(r["num_accepted_tokens"] for r in runs)
     alpha = accepted / draft_tokens if draft_tokens else 0.0
     mean_k = draft_tokens / drafts if drafts else 0.0
-    out.update(alpha=alpha, mean_accepted_length=(accepted + drafts) / drafts if drafts else 0.0, mean_k=mean_k,
-               num_drafts=drafts, accepted_per_pos=[sum(x) for x in zip(*(r["accepted_per_pos"] for r in runs))],
-               c=c)
+    out.update(speedup=speedup.as_dict(), alpha=alpha, mean_accepted_length=(accepted + drafts) / drafts if drafts else 0.0,
+               mean_k=mean_k, num_drafts=drafts, c=c,
+               accepted_per_pos=[sum(x) for x in zip(*(r["accepted_per_pos"] for r in runs))])
     if c is not None and drafts:
-        out["ideal_speedup"] = ideal_speedup(alpha, mean_k, c)
-        out["share_of_ideal"] = out["speedup"] / out["ideal_speedup"]
+        ideal = ideal_speedup(alpha, mean_k, c)
+        out["ideal_speedup"] = ideal
+        out["share_of_ideal"] = Spread.of(s / ideal for s in speedup.values).as_dict()
     return out
 
 
-def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: list[float], max_tokens: int,
-                  runs: int, methods: tuple[Method, ...] = METHODS, progress: bool = True) -> dict:
-    """The whole measurement: every method × batch × temperature, `runs` interleaved repeats."""
-    max_b = max(batch_sizes)
-    blocks = max_b * (-(-(128 + max_tokens + 8) // 16)) + 16
-    llms = {m.name: build(m, model, draft, blocks, max_b) for m in methods}
-    timers = {m.name: (ForwardTimer(llms[m.name].engine.runner),
-                       ForwardTimer(llms[m.name].engine.draft_runner) if llms[m.name].engine.draft_runner else None)
-              for m in methods}
-    prompts = code_prompts(llms[methods[0].name].engine.tokenizer, max_b)
-    cases = [(b, t) for t in temperatures for b in batch_sizes]
-    raw: dict[tuple, list[dict]] = {}
-    warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for llm in llms.values():  # warm up: first passes allocate and fill caches
-        llm.generate(prompts[:2], warm)
-    with tqdm(total=runs * len(cases) * len(methods), desc="spec_decode", unit="gen", disable=not progress) as bar:
-        for rep in range(runs):
-            for b, temp in cases:
-                params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=None)
-                order = methods if rep % 2 == 0 else methods[::-1]  # alternate who runs first
-                for m in order:
-                    for t in timers[m.name]:
-                        if t is not None:
-                            t.calls.clear()
-                    r = run_once(llms[m.name], prompts[:b], params)
-                    tt, dt = timers[m.name]
-                    r["target_forward_s"] = tt.median_at(b)
-                    r["draft_forward_s"] = dt.median_at(b) if dt else None
-                    raw.setdefault((b, temp, m.name), []).append(r)
-                    bar.update(1)
-    return collect(raw, methods, cases)
+# ---- reporting -----------------------------------------------------------------------------
 
-
-def collect(raw: dict, methods: tuple[Method, ...], cases: list[tuple]) -> dict:
-    rows = []
-    for b, temp in cases:
-        plain_runs = raw[(b, temp, "plain")]
-        plain = summarize(METHODS[0], plain_runs, None, None)
-        target_s = statistics.median(r["target_forward_s"] for r in plain_runs if r["target_forward_s"])
-        plain.update(batch_size=b, temperature=temp, target_forward_s=target_s)
-        rows.append(plain)
-        # c is the pair's, not a method's: every draft forward over exactly b tokens (one per
-        # sequence, past the catch-up pass) at this batch and temperature, whichever method ran it
-        draft_times = [r["draft_forward_s"] for m in methods for r in raw[(b, temp, m.name)] if r["draft_forward_s"]]
-        draft_s = statistics.median(draft_times) if draft_times else None
-        plain["draft_forward_s"] = draft_s
-        for m in methods:
-            if m.is_plain:
-                continue
-            runs = raw[(b, temp, m.name)]
-            uses_draft = "draft" in m.options
-            c = (draft_s / target_s if draft_s is not None else None) if uses_draft else 0.0
-            row = summarize(m, runs, plain, c)
-            row.update(batch_size=b, temperature=temp)
-            if temp == 0:
-                row["greedy_identical"] = all(r["token_ids"] == p["token_ids"] for r, p in zip(runs, plain_runs))
-            rows.append(row)
-    return dict(rows=rows)
+def _sp(d: dict | None) -> Spread | None:
+    return None if d is None else Spread(d["min"], d["median"], d["max"], tuple(d["values"]))
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | temp | method | tokens/s | speedup | α | mean accepted length | mean k | c | ideal | share of ideal | greedy identical |",
+    lines = ["| batch | temp | method | tokens/s (min / med / max) | speedup (min / med / max) | α | mean accepted length "
+             "| mean k | c | ideal | share of ideal (min / med / max) | same tokens as plain |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in rows:
-        same = r.get("greedy_identical")
+        same = r.get("same_tokens_as_plain")
+        speed, share = _sp(r.get("speedup")), _sp(r.get("share_of_ideal"))
         lines.append(
-            f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {r['tokens_per_s']:.0f} | "
-            f"{fmt(r.get('speedup'), '.2f')} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
+            f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_sp(r['tokens_per_s']).fmt(0)} | "
+            f"{speed.fmt(2) if speed else '–'} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
             f"{fmt(r.get('mean_k'), '.2f')} | {fmt(r.get('c'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')} | "
-            f"{fmt(r.get('share_of_ideal'), '.2f')} | {'–' if same is None else ('yes' if same else '**no**')} |")
+            f"{share.fmt(2) if share else '–'} | {'–' if same is None else ('yes' if same else '**no**')} |")
     return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[Goal]:
+    def row(b, t, name):
+        return next((r for r in rows if r["batch_size"] == b and r["temperature"] == t and r["method"] == name), None)
+
+    out = []
+    for name in ("draft k=4", "draft adaptive", "ngram k=4"):
+        r = row(1, 0.0, name)
+        if r and r.get("speedup"):
+            out.append(Goal(f"batch 1 greedy, {name}: speedup", _sp(r["speedup"]), 2.5, True))
+            if r.get("share_of_ideal") and name.startswith("draft"):
+                out.append(Goal(f"batch 1 greedy, {name}: share of ideal", _sp(r["share_of_ideal"]), 0.85, True))
+    for b in (8, 32):
+        for t in (0.0, 1.0):
+            for name in ("draft adaptive", "ngram adaptive"):
+                r = row(b, t, name)
+                if r and r.get("speedup"):
+                    sp = _sp(r["speedup"])
+                    out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup (median)", Spread(sp.median, sp.median,
+                                    sp.median, (sp.median,)), 1.0, True))
+                    out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup (every repeat)", sp, 0.95, True))
+    r = row(1, 0.0, "draft k=4")
+    if r and r.get("c") is not None:
+        out.append(Goal("draft/target forward cost c at batch 1", Spread.of([r["c"]]), 0.17, False))
+    return out
+
+
+def markdown(result: dict) -> str:
+    rows = [r for r in result["rows"] if not r["is_newcomer"]]
+    newcomer = [r for r in result["rows"] if r["is_newcomer"]]
+    m = result["machine"]
+    start = ", ".join(f"{k} {v:.1f}" for k, v in result["startup_seconds"].items())
+    return "\n".join([
+        f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
+        f"over them, speedups against plain decoding in the same repeat). Tuned options: "
+        f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "
+        f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({m['cpu_count']} CPUs).", "",
+        markdown_table(rows), "",
+        "Newcomer (README's `LLM(\"models/demo\", draft_model=\"models/demo-draft\", num_speculative_tokens=4)` and "
+        f"plain `LLM(\"models/demo\")`, default options, default torch threads ({result['default_threads']}); "
+        "speedup against the newcomer plain engine):", "",
+        markdown_table(newcomer), "",
+        *GOAL_HEADER, *(g.row() for g in goals(result["rows"])), "",
+        f"Start-up seconds (weights, caches, graph capture; not in any timed run): {start}.", "",
+        "Files: `benchmarks/results/spec_decode.json`, `benchmarks/results/spec_decode.png`.",
+    ])
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -237,23 +348,28 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r["is_newcomer"] and r.get("speedup")]
     temps = sorted({r["temperature"] for r in rows})
     batches = sorted({r["batch_size"] for r in rows})
-    names = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
-    fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4), squeeze=False)
-    width = 0.8 / len(names)
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, len(temps), figsize=(7 * len(temps), 4), squeeze=False)
+    width = 0.8 / max(len(names), 1)
     for ax, temp in zip(axes[0], temps):
         for j, name in enumerate(names):
-            ys = [next((r["speedup"] for r in rows if r["method"] == name and r["batch_size"] == b
-                        and r["temperature"] == temp), 0) for b in batches]
-            ax.bar([i + j * width for i in range(len(batches))], ys, width, label=name)
+            sel = [next((r for r in rows if r["method"] == name and r["batch_size"] == b and r["temperature"] == temp),
+                        None) for b in batches]
+            med = [_sp(r["speedup"]).median if r else 0 for r in sel]
+            err = [[(_sp(r["speedup"]).median - _sp(r["speedup"]).min) if r else 0 for r in sel],
+                   [(_sp(r["speedup"]).max - _sp(r["speedup"]).median) if r else 0 for r in sel]]
+            ax.bar([i + j * width for i in range(len(batches))], med, width, yerr=err, capsize=2, label=name)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.axhline(2.0, color="tab:gray", lw=0.8, ls="--")
+        ax.axhline(2.5, color="tab:gray", lw=0.8, ls="--")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
-        ax.set_title(f"speedup vs plain decoding, temperature {temp:g}")
-    axes[0][0].legend(fontsize=8)
+        ax.set_title(f"speedup vs plain decoding, temperature {temp:g} (median, min-max)")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -263,20 +379,28 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 1 run")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the tuned configurations")
+    ap.add_argument("--graph-capture", default="compile", help="graph_capture of the tuned configurations")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
+    ap.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
     args = ap.parse_args()
     if args.quick:
-        args.batch_sizes, args.max_tokens, args.runs = [1, 8], 32, 1
-    torch.set_num_threads(args.threads)
-    result = run_benchmark(args.model, args.draft, args.batch_sizes, args.temperatures, args.max_tokens, args.runs)
+        args.batch_sizes, args.max_tokens, args.runs, args.graph_capture = [1, 8], 32, 2, "off"
+    load_start = os.getloadavg()[0]
+    result = run_benchmark(args.model, args.draft, args.batch_sizes, args.temperatures, args.max_tokens, args.runs,
+                           tuned={"graph_capture": args.graph_capture}, threads=args.threads)
     result = dict(command=" ".join(["python", "benchmarks/spec_decode.py", *sys.argv[1:]]), args=vars(args),
-                  torch_threads=torch.get_num_threads(), **result)
+                  runs=args.runs, machine=machine() | {"load_avg_1m_start": load_start,
+                                                       "load_avg_1m_end": os.getloadavg()[0]}, **result)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "spec_decode.json").write_text(json.dumps(result, indent=2))
-    plot(result["rows"], RESULTS / "spec_decode.png")
-    print(markdown_table(result["rows"]))
+    stem = "spec_decode_quick" if args.quick else "spec_decode"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(result["rows"], RESULTS / f"{stem}.png")
+    text = markdown(result)
+    if not (args.quick or args.no_markdown):
+        update_section(MARKDOWN, SECTION, text)
+    print(f"## {SECTION}\n\n{text}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.capture import GRAPH_CAPTURES
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import DTYPES
+from pdserve.engine.spec_decode.verifier import SPEC_VERIFIERS
 from pdserve.kernels import BACKENDS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
@@ -20,6 +22,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the config's dtype on CUDA, float32 on CPU
     device: str = "auto"
     kernel_backend: str = "auto"
+    # the forward pass as one captured graph: "auto" (CUDA graphs on CUDA, off on the CPU), "off",
+    # "compile" (torch.compile; tens of seconds per model at start-up), "cuda_graphs"
+    graph_capture: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 << 20
@@ -34,12 +39,19 @@ class EngineConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     spec_adaptive: bool = True  # per-sequence depth from acceptance and step costs; False: always k
+    # how a sampled request's draft tokens are verified: "coupled" (the target's own (seed,
+    # position) draws, kept while the drafts match them: the same tokens with or without
+    # speculation, at any depth) or "rejection" (min(1, p/q) acceptance; accepts more, but the
+    # tokens depend on the draft). Both are exact in distribution; greedy requests are unaffected.
+    spec_verifier: str = "coupled"
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype, f"must be one of {('auto', *DTYPES)}")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device,
                "must be 'auto', 'cpu' or 'cuda'")
         _check(self.kernel_backend in BACKENDS, "kernel_backend", self.kernel_backend, f"must be one of {BACKENDS}")
+        _check(self.graph_capture in GRAPH_CAPTURES, "graph_capture", self.graph_capture,
+               f"must be one of {GRAPH_CAPTURES}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "must be >= 1")
@@ -49,6 +61,8 @@ class EngineConfig:
                self.speculative_method, f"must be one of {SPECULATIVE_METHODS}")
         _check(not (self.speculative_method == "draft" and not self.draft_model), "draft_model", self.draft_model,
                "is required when speculative_method='draft'")
+        _check(self.spec_verifier in SPEC_VERIFIERS, "spec_verifier", self.spec_verifier,
+               f"must be one of {SPEC_VERIFIERS}")
         _check(1 <= self.ngram_min <= self.ngram_max, "ngram_min", (self.ngram_min, self.ngram_max),
                "must satisfy 1 <= ngram_min <= ngram_max")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.block_manager import BlockManager, cdiv
+from pdserve.engine.capture import resolve_capture
 from pdserve.engine.disagg import KVHook, prefill_chunk
 from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +31,7 @@ from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Proposal, Speculator, StepShape
+from pdserve.engine.spec_decode.verifier import build_verifier
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import select_ops
 
@@ -48,6 +50,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
+        self.capture = resolve_capture(config.graph_capture, self.device, self.ops.name)
         # a draft is loaded whenever one is named (a prefill worker fills its cache without speculating)
         has_draft = config.draft_model and config.speculative_method != "ngram"
         self.draft_config = load_model_config(config.draft_model) if has_draft else None
@@ -56,13 +59,13 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
-                                  num_blocks, config.block_size)
+                                  num_blocks, config.block_size, self.capture, config.max_num_seqs)
         self.draft_runner = self._build_draft_runner(num_blocks)
+        self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = self._build_speculator()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
-        self.sampler = Sampler(self.ops)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -89,21 +92,23 @@ class LLMEngine:
             return None
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
-                           self.device, num_blocks, self.config.block_size)
+                           self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method
         if method is None:
             return None
         self.target_cost = LinearCost(a=5e-3, b=5e-4)
+        verifier = build_verifier(config.spec_verifier, self.sampler)
         draft_cost = None
         if method == "ngram":
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
             draft_cost = LinearCost(a=2e-3, b=5e-5)
-            proposer = DraftProposer(self.draft_runner, self.ops, draft_cost)
+            proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost, verifier.draft_stream,
+                                     keep_probs=verifier.needs_draft_probs)
         depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
-        return Speculator(proposer, depth, self.ops, self.model_config.vocab_size)
+        return Speculator(proposer, depth, verifier)
 
     def _check_draft_matches(self) -> None:
         draft, target = self.draft_config, self.model_config
@@ -297,8 +302,10 @@ class LLMEngine:
             e.seq.num_computed_tokens += e.num_new_tokens
         plain = [i for i, e in enumerate(batch) if e.num_logits and i not in proposals]
         outputs = self._sample_plain([batch[i].seq for i in plain], [rows[i] for i in plain], [raw[i] for i in plain])
-        for i, prop in proposals.items():
-            outputs.append(self._verify(batch[i].seq, prop, rows[i], raw[i]))
+        if proposals:
+            verified = list(proposals)
+            outputs += self._verify([batch[i].seq for i in verified], [proposals[i] for i in verified],
+                                    [rows[i] for i in verified], [raw[i] for i in verified])
         for e in batch:
             if not e.num_logits:
                 self.block_manager.commit(e.seq)
@@ -328,12 +335,15 @@ class LLMEngine:
         self.scheduler.hold(seq)
         return self._output(self._requests[seq.req_id])
 
-    def _verify(self, seq: Sequence, prop: Proposal, logits, raw_logits) -> RequestOutput:
-        before = seq.num_tokens
-        tokens = self.speculator.verify(seq, prop, logits)
-        self.speculator.rollback(seq, before, len(tokens) - 1)
-        self._record_logprobs(seq, raw_logits[:len(tokens)], tokens)
-        return self.append_tokens(seq, tokens)
+    def _verify(self, seqs: list[Sequence], props: list[Proposal], rows: list, raw_rows: list) -> list[RequestOutput]:
+        """Every speculating sequence's drafts at once; then each keeps what it accepted. `rows`
+        pick the tokens (penalized); `raw_rows` are the model's own, for reported log-probs."""
+        outputs = []
+        for seq, tokens, raw in zip(seqs, self.speculator.verify(seqs, props, rows), raw_rows):
+            self.speculator.rollback(seq, seq.num_tokens, len(tokens) - 1)
+            self._record_logprobs(seq, raw[:len(tokens)], tokens)
+            outputs.append(self.append_tokens(seq, tokens))
+        return outputs
 
     def _record_logprobs(self, seq: Sequence, logits, tokens: list[int]) -> None:
         if seq.params.logprobs is not None:

@@ -14,9 +14,11 @@ from typing import Callable
 import torch
 
 from pdserve.engine.model.config import ModelConfig
-from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.engine.model.loader import build_model
+from pdserve.engine.capture import CompiledForward
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_inputs import InputBuffers
 from pdserve.kernels import KernelOps
 
 
@@ -42,7 +44,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, block_size: int):
+                 device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64):
+        """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
+        max_batch: the most sequences a step holds (CUDA graphs capture up to it)."""
         self.cfg, self.device, self.block_size = cfg, device, block_size
         self.model = build_model(cfg, model_dir, ops, dtype, device)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -51,59 +55,44 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
+        max_blocks = -(-cfg.max_model_len // block_size)
+        self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
+                                   uniform_plans=capture == "compile")
+        self.capture = self._build_capture(capture, max_batch)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
+
+    def _build_capture(self, kind: str, max_batch: int):
+        if kind == "off":
+            return None
+        if kind == "compile":
+            capture = CompiledForward(self.model, self.kv_caches)
+        else:
+            from pdserve.engine.cuda_graphs import CudaGraphForward  # CUDA only
+
+            capture = CudaGraphForward(self.model, self.kv_caches, self.inputs, max_batch)
+        with torch.inference_mode():
+            capture.warm_up(self.inputs.build([_dummy_entry()]))
+        return capture
 
     @torch.inference_mode()
     def execute(self, batch: list[BatchEntry], layer_callback: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [sum(num_logits), vocab_size] float32, rows in the order of `batch`.
         `layer_callback(i)` runs once layer i's K/V for this batch are in the cache (KV streaming)."""
         start = time.perf_counter()
-        order = sorted(range(len(batch)), key=lambda i: batch[i].num_new_tokens != 1)  # decodes first
-        input_ids, positions, meta, row_starts = self._prepare([batch[i] for i in order])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, layer_callback)
-        rows = []
-        for i in range(len(batch)):  # back to the caller's order
-            j = order.index(i)
-            end = row_starts[j] + batch[i].num_new_tokens
-            rows.extend(range(end - batch[i].num_logits, end))
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        step = self.inputs.build(batch)
+        if self.capture is not None and self.capture.covers(step, layer_callback is not None):
+            hidden = self.capture(step)
         else:
-            logits = hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
-        self.last_pass = (len(input_ids), time.perf_counter() - start)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, layer_callback)
+        if step.logits_index is not None:
+            hidden = hidden.index_select(0, step.logits_index)
+        logits = self.model.compute_logits(hidden)
+        self.last_pass = (len(step.input_ids), time.perf_counter() - start)
         return logits
 
-    def _prepare(self, batch: list[BatchEntry]):
-        ids, pos, slots, starts = [], [], [], []
-        bs = self.block_size
-        for e in batch:
-            start = e.start
-            starts.append(len(ids))
-            ids.extend((e.seq.token_ids + e.extra_token_ids)[start:start + e.num_new_tokens])
-            table = e.seq.block_table
-            for p in range(start, start + e.num_new_tokens):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-        nd = sum(1 for e in batch if e.num_new_tokens == 1)
-        dev = self.device
-        context_lens = [e.start + e.num_new_tokens for e in batch]
-        tables = _pad_tables([e.seq.block_table for e in batch], dev)
-        cu = [0]
-        for e in batch[nd:]:
-            cu.append(cu[-1] + e.num_new_tokens)
-        lens = torch.tensor(context_lens, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_tokens=nd,
-            decode_block_tables=tables[:nd], decode_context_lens=lens[:nd],
-            extend_block_tables=tables[nd:], extend_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            extend_context_lens=lens[nd:],
-        )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                meta, starts)
 
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0) or 1
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.int32, device=device)
+def _dummy_entry() -> BatchEntry:
+    """One token at position 0 in block 0, for warming captures up: its K/V land in slot 0,
+    which every sequence writes before it reads."""
+    seq = Sequence("warm-up", [0], SamplingParams(), seed=0, block_table=[0])
+    return BatchEntry(seq, 1, 1, start=0)

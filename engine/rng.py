@@ -1,12 +1,27 @@
 """Reproducible randomness: every draw is a pure function of (request seed, token position,
 stream), so a request samples the same tokens in any batch, on any worker, after preemption
 or failover. `stream` separates independent draws at one position (e.g. the speculative
-acceptance test and the residual sample)."""
+acceptance test and the residual sample).
+
+Two kinds of draws:
+
+- `uniform(s)`: one uniform per (seed, position, stream), for the rejection sampler's
+  acceptance tests.
+- `exponentials`: a whole row of i.i.d. Exp(1) variables per (seed, position, stream), one per
+  vocabulary entry, for sampling by the exponential race: argmax_v p(v) / E(v) is distributed
+  exactly as p (it is the Gumbel-max trick, log p(v) - log E(v) with -log E a Gumbel). Every
+  sampled token (plain sampling, a draft's samples, the coupled verifier) is drawn this way, so
+  the same noise gives the same token wherever it is drawn. The row is an integer hash of
+  (row key, vocabulary index) in 32-bit integer tensor arithmetic, identical on every device.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 _MASK = (1 << 64) - 1
+_M32 = (1 << 32) - 1
 
 SAMPLE_STREAM = 0
 ACCEPT_STREAM = 1
@@ -21,12 +36,70 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def row_key(seed: int, position: int, stream: int = SAMPLE_STREAM) -> int:
+    """64 random bits for (seed, position, stream)."""
+    return _splitmix64(_splitmix64(seed & _MASK) ^ ((position << 4) | stream))
+
+
 def uniform(seed: int, position: int, stream: int = SAMPLE_STREAM) -> float:
     """A uniform in [0, 1) with 53 random bits."""
-    x = _splitmix64(_splitmix64(seed & _MASK) ^ ((position << 4) | stream))
-    return (x >> 11) * (1.0 / (1 << 53))
+    return (row_key(seed, position, stream) >> 11) * (1.0 / (1 << 53))
 
 
 def uniforms(seeds: list[int], positions: list[int], stream: int = SAMPLE_STREAM) -> torch.Tensor:
     """[len(seeds)] float64."""
     return torch.tensor([uniform(s, p, stream) for s, p in zip(seeds, positions)], dtype=torch.float64)
+
+
+def exponentials(
+    seeds: list[int], positions: list[int], vocab_size: int, stream: int | list[int] = SAMPLE_STREAM,
+    device: torch.device | str = "cpu", hash_fn: Callable | None = None,
+) -> torch.Tensor:  # [len(seeds), vocab_size] float32, i.i.d. Exp(1)
+    """Row i: Exp(1) noise for the token at positions[i] of the request seeded seeds[i] (in
+    stream[i] when given a list). hash_fn: `hash_uniforms` or a compiled copy of it (the same
+    bits: integer arithmetic and one exact scaling; the logarithm stays torch's own, whose last
+    bit a compiler's vectorised log does not always reproduce)."""
+    streams = stream if isinstance(stream, list) else [stream] * len(seeds)
+    keys = [row_key(s, p, st) for s, p, st in zip(seeds, positions, streams)]
+    k = torch.tensor([[_int32(key & _M32), _int32(key >> 32)] for key in keys], dtype=torch.int32, device=device)
+    return (hash_fn or hash_uniforms)(k, _vocab_codes(vocab_size, device)).log_().neg_()
+
+
+def hash_uniforms(
+    keys: torch.Tensor,  # [rows, 2] int32: each row's 64-bit key as two halves
+    codes: torch.Tensor,  # [vocab_size] int32: `_vocab_codes`
+) -> torch.Tensor:  # [rows, vocab_size] float32, 24 random bits each, in (0, 1)
+    """The hash itself, a pure tensor function (so it can be compiled into one loop)."""
+    x = codes[None, :] ^ keys[:, :1]
+    x = _mix32_(x)
+    x ^= keys[:, 1:]
+    x = _mix32_(x)
+    return ((x >> 8) & 0xFFFFFF).float().add_(0.5).mul_(1.0 / (1 << 24))
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit xorshift-multiply finaliser (Wellons' lowbias32), in place on int32 tensors:
+    multiplication wraps modulo 2^32, and the masks make the arithmetic shifts logical."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= _int32(0x7FEB352D)
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _int32(0x846CA68B)
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def _int32(u: int) -> int:
+    """The int32 with the bits of the unsigned 32-bit u."""
+    return u - (1 << 32) if u >= (1 << 31) else u
+
+
+_CODES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _vocab_codes(vocab_size: int, device) -> torch.Tensor:
+    """Vocabulary indices spread over 32 bits (a golden-ratio multiple), cached per size."""
+    key = (vocab_size, str(device))
+    if key not in _CODES:
+        codes = [_int32(v * 0x9E3779B1 & _M32) for v in range(vocab_size)]
+        _CODES[key] = torch.tensor(codes, dtype=torch.int32, device=device)
+    return _CODES[key]

@@ -1,7 +1,10 @@
 """`Sampler`: turns logits rows into tokens under each request's own `SamplingParams`.
 
-Filtering and the draw run through the selected `KernelOps`; the uniforms come from `rng`,
-keyed by each row's request seed and the position the sampled token will occupy.
+One path for every sampled token: filter (temperature, top-k, top-p, min-p) and draw by the
+exponential race against the row's noise (`kernels/sampling.py`), fused in one kernel on CUDA.
+The noise comes from `rng`, keyed by each row's request seed and the position the sampled token
+will occupy, so a token depends on nothing else the batch holds. Greedy rows take the argmax
+without noise, and a batch of only greedy rows skips filtering altogether.
 """
 from __future__ import annotations
 
@@ -12,19 +15,43 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels import KernelOps
 
 
+class SamplingTensors:
+    """Per-row (temperature, top_k, top_p, min_p) for the sampling ops, written into buffers
+    allocated once (and grown when a batch outgrows them) rather than built per step."""
+
+    def __init__(self, device: torch.device, capacity: int = 64):
+        self.device, self._capacity = device, 0
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        self._capacity = capacity
+        pin = self.device.type == "cuda"
+        dtypes = (torch.float32, torch.int64, torch.float32, torch.float32)
+        self._host = [torch.zeros(capacity, dtype=dt, pin_memory=pin) for dt in dtypes]
+        self._np = [t.numpy() for t in self._host]
+
+    def build(self, params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
+        n = len(params)
+        if n > self._capacity:
+            self._grow(max(n, 2 * self._capacity))
+        for buf, values in zip(self._np, zip(*((p.temperature, p.top_k, p.top_p, p.min_p) for p in params))):
+            buf[:n] = values
+        return tuple(t[:n].to(self.device, non_blocking=True) for t in self._host)
+
+
 def param_tensors(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per-row (temperature, top_k, top_p, min_p) tensors for the sampling ops."""
-    return (
-        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-    )
+    """Per-row (temperature, top_k, top_p, min_p) tensors for the sampling ops (fresh tensors:
+    for tests and one-off callers; the engine's components hold a `SamplingTensors`)."""
+    return SamplingTensors(device, max(len(params), 1)).build(params)
 
 
 class Sampler:
-    def __init__(self, ops: KernelOps):
+    def __init__(self, ops: KernelOps, device: torch.device, compile_noise: bool = False):
+        """compile_noise: hash the noise through a compiled `rng.hash_uniforms` (one fused loop
+        instead of a dozen passes over [rows, vocab], the same bits; seconds to compile)."""
         self.ops = ops
+        self.tensors = SamplingTensors(device)
+        self.hash_fn = torch.compile(rng.hash_uniforms, dynamic=True) if compile_noise else rng.hash_uniforms
 
     def sample(
         self,
@@ -32,13 +59,18 @@ class Sampler:
         params: list[SamplingParams],
         seeds: list[int],
         positions: list[int],
+        stream: int = rng.SAMPLE_STREAM,
     ) -> list[int]:
+        return self.sample_tensor(logits, params, seeds, positions, stream).tolist()
+
+    def sample_tensor(self, logits, params, seeds, positions, stream: int | list[int] = rng.SAMPLE_STREAM) -> torch.Tensor:
+        """The sampled ids as a tensor [num_rows] int64, on the logits' device."""
         if not params:
-            return []
-        if all(p.is_greedy for p in params):  # one-hot rows: the draw is the argmax whatever u is
-            return logits.argmax(-1).tolist()
-        u = rng.uniforms(seeds, positions).to(logits.device)
-        return self.ops.sample(logits, *param_tensors(params, logits.device), u).tolist()
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        if all(p.is_greedy for p in params):  # one-hot rows: the race's winner is the argmax
+            return logits.argmax(-1)
+        noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
+        return self.ops.sample(logits, *self.tensors.build(params), noise)
 
     @staticmethod
     def top_logprobs(logits: torch.Tensor, token_ids: list[int], num: int) -> list[list[tuple[int, float]]]:
@@ -52,3 +84,18 @@ class Sampler:
                 row += list(zip(top.indices[i].tolist(), top.values[i].tolist()))
             out.append(row)
         return out
+
+
+def race_noise(params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
+               stream: int | list[int], device: torch.device,
+               hash_fn=rng.hash_uniforms) -> torch.Tensor:  # [num_rows, vocab_size] float32
+    """Each sampled row's exponentials; greedy rows (which ignore them) get ones, not computed."""
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    streams = [stream[i] for i in sampled] if isinstance(stream, list) else stream
+    noise = rng.exponentials([seeds[i] for i in sampled], [positions[i] for i in sampled], vocab_size, streams, device,
+                             hash_fn)
+    if len(sampled) == len(params):
+        return noise
+    out = torch.ones(len(params), vocab_size, device=device)
+    out[torch.tensor(sampled, device=device)] = noise
+    return out

@@ -22,8 +22,8 @@ def write_kv_ref(
     if bool((slot_mapping < 0).any()):  # drop padding rows first (the engine sends none)
         valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
 
 
 @triton.jit

@@ -7,9 +7,9 @@ ceil(context_len / block_size) are never read.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.kernels._triton import tl, triton
+from pdserve.kernels.gathered_attention import gathered_attention, plan_gather
 
 
 def gather_kv(
@@ -37,15 +37,12 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Every sequence's context gathered to the longest one, padding masked out; math in
-    float32 whatever the cache dtype."""
-    max_len = int(context_lens.max())
-    k = gather_kv(k_cache, block_tables, max_len).float().transpose(1, 2)  # [S, Hkv, T, D]
-    v = gather_kv(v_cache, block_tables, max_len).float().transpose(1, 2)
-    keep = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [S, T]
-    out = F.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=keep[:, None, None, :],
-                                         scale=scale, enable_gqa=True)  # [S, H, 1, D]
-    return out[:, :, 0, :].to(q.dtype)
+    """Every sequence's context gathered to the longest one, padding masked out, one dense
+    attention call; math in float32 whatever the cache dtype. The engine on the CPU makes the
+    plan once per step and calls `gathered_attention` in every layer."""
+    lens = context_lens.tolist()
+    plan = plan_gather(block_tables, lens, [1] * len(lens), k_cache.shape[1])
+    return gathered_attention(q, k_cache, v_cache, plan, scale)
 
 
 # --- Triton ------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Rotary position embedding in the Hugging Face rotate-half convention, with rope scaling.
 
-The cos/sin tables are built once per model (`build_rope_cache`); the op rotates q and k of a
-flat batch of tokens by their absolute positions.
+The cos/sin tables are built once per model (`build_rope_cache`); each step gathers its tokens'
+rows once (`rope_at`), and every layer's op rotates q's and k's heads by those rows.
 """
 from __future__ import annotations
 
@@ -49,43 +49,49 @@ def build_rope_cache(
     return freqs.cos(), freqs.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]; cos/sin: [num_tokens, 1, head_dim // 2] in x.dtype
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos2, sin2 = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-    return x * cos2 + torch.cat((-x2, x1), -1) * sin2
+def rope_at(
+    cos: torch.Tensor,  # [max_position, head_dim // 2] float32, from `build_rope_cache`
+    sin: torch.Tensor,  # [max_position, head_dim // 2] float32
+    positions: torch.Tensor,  # [num_tokens] int
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_tokens, head_dim] in dtype
+    """One step's rows of the tables, in Hugging Face's layout (each frequency twice) and in the
+    activations' dtype, as transformers casts them. Gathered once per step for every layer."""
+    c, s = cos[positions], sin[positions]
+    return torch.cat((c, c), -1).to(dtype), torch.cat((s, s), -1).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary_ref(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    positions: torch.Tensor,  # [num_tokens] int
-    cos: torch.Tensor,  # [max_position, head_dim // 2] float32
-    sin: torch.Tensor,  # [max_position, head_dim // 2] float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns rotated (q, k), computed in q's dtype like transformers' `apply_rotary_pos_emb`."""
-    c = cos[positions].to(q.dtype)[:, None, :]
-    s = sin[positions].to(q.dtype)[:, None, :]
-    return _rotate(q, c, s), _rotate(k, c, s)
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]: q's heads, or q's and k's side by side
+    cos: torch.Tensor,  # [num_tokens, head_dim] in x's dtype, from `rope_at`
+    sin: torch.Tensor,  # [num_tokens, head_dim] in x's dtype
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """transformers' `apply_rotary_pos_emb`, op for op, on every head of x. The model rotates
+    q's and k's heads in one call: they are neighbours in the fused qkv projection's output."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
 
 
 @triton.jit
 def apply_rotary_kernel(
-    x_ptr, out_ptr, positions_ptr, cos_ptr, sin_ptr,
+    x_ptr, out_ptr, cos_ptr, sin_ptr,
     num_heads, x_token_stride, x_head_stride, out_token_stride, out_head_stride, table_stride,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # One program per token: every head of q (or k) of that token, both halves at once.
+    # One program per token: every head of that token, both halves at once. The
+    # token's cos/sin row holds each frequency twice; the first half is enough.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (offs_h < num_heads) & (offs_d < HALF)
     dtype = x_ptr.dtype.element_ty
-    # the table is cast to x's dtype first, like the reference (and transformers)
-    c = tl.load(cos_ptr + pos * table_stride + offs_d, mask=offs_d < HALF, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * table_stride + offs_d, mask=offs_d < HALF, other=0.0).to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + token * table_stride + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * table_stride + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
     x_base = x_ptr + token * x_token_stride + offs_h * x_head_stride + offs_d
     x1 = tl.load(x_base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_base + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -99,33 +105,24 @@ def apply_rotary_kernel(
     tl.store(out_base + HALF, o2, mask=mask)
 
 
-def _rotate_launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim] in x's dtype, from `rope_at`
+    sin: torch.Tensor,  # [num_tokens, head_dim] in x's dtype
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton `apply_rotary_ref`, into a new tensor."""
+    assert x.dim() == 3 and x.stride(2) == 1, f"x must be [num_tokens, heads, head_dim] with contiguous head_dim, got {tuple(x.shape)} {x.stride()}"
     num_tokens, num_heads, head_dim = x.shape
-    assert x.stride(2) == 1, f"head_dim must be contiguous, got strides {x.stride()}"
+    assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
+    assert x.dtype == cos.dtype == sin.dtype, f"x, cos, sin dtypes differ: {x.dtype}, {cos.dtype}, {sin.dtype}"
+    assert cos.shape == sin.shape == (num_tokens, head_dim), f"cos/sin must be [{num_tokens}, {head_dim}], got {tuple(cos.shape)}"
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride(), "cos/sin must be row-contiguous with equal strides"
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_tokens > 0:
         apply_rotary_kernel[(num_tokens,)](
-            x, out, positions, cos, sin,
+            x, out, cos, sin,
             num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
             HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(num_heads),
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         )
     return out
-
-
-def apply_rotary(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    positions: torch.Tensor,  # [num_tokens] int
-    cos: torch.Tensor,  # [max_position, head_dim // 2] float32
-    sin: torch.Tensor,  # [max_position, head_dim // 2] float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton `apply_rotary_ref`: returns rotated (q, k) as new tensors."""
-    assert q.dim() == 3 and k.dim() == 3, f"q, k must be [num_tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}"
-    assert q.shape[0] == k.shape[0] == positions.shape[0], "q, k and positions must agree on num_tokens"
-    assert q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0, f"head_dim must match and be even, got {q.shape[2]}, {k.shape[2]}"
-    assert q.dtype == k.dtype, f"q and k dtypes differ: {q.dtype}, {k.dtype}"
-    assert cos.shape == sin.shape and cos.shape[1] == q.shape[2] // 2, f"cos/sin must be [max_position, {q.shape[2] // 2}]"
-    assert cos.stride(1) == 1 and sin.stride() == cos.stride(), "cos/sin must be row-contiguous with equal strides"
-    assert not positions.dtype.is_floating_point, f"positions must be integers, got {positions.dtype}"
-    return _rotate_launch(q, positions, cos, sin), _rotate_launch(k, positions, cos, sin)

@@ -1,8 +1,12 @@
-"""Sampling filters (temperature, top-k, top-p, min-p) and sampling from explicit uniforms.
+"""Sampling filters (temperature, top-k, top-p, min-p) and sampling from explicit noise.
 
-The random draws are inputs (one uniform per row) so a kernel and its reference consume the
-same randomness and can be compared exactly; where the draws come from (seed and position) is
-the engine's business. Filters apply in the order temperature → top-k → top-p → min-p.
+Sampling is one path: filter, then draw by the exponential race, argmax_v p(v) / E(v) with
+E(v) i.i.d. Exp(1) (the Gumbel-max trick: log p(v) - log E(v) is log p plus Gumbel noise), which
+picks v with probability exactly p(v). The random draws are inputs (a row of exponentials per
+sampled row; a uniform per row for `sample_from_probs_ref`, the inverse CDF the rejection
+sampler uses for its residual draws), so a kernel and its reference consume the same randomness
+and can be compared exactly; where the draws come from (seed and position) is the engine's
+business. Filters apply in the order temperature → top-k → top-p → min-p.
 Per-row parameter conventions: temperature 0 = greedy (one-hot argmax), top_k 0 = off,
 top_p 1 = off, min_p 0 = off.
 """
@@ -39,16 +43,18 @@ def filter_probs_ref(
     """The distribution a request samples from, after its own sampling parameters."""
     logits = logits.float()
     is_greedy = temperature <= 0
-    is_sampling = temperature > 0
     scaled = logits / torch.where(is_greedy, 1.0, temperature.float())[:, None]
     # the mask sorts the whole vocabulary per row; most requests use neither filter, so skip it
     # then (one host sync, cheap on the CPU where this reference is the production path)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         scaled = scaled.masked_fill(_top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
     probs = scaled.softmax(-1)
-    below_min = probs < (min_p.float() * probs.max(-1).values)[:, None]
-    probs = probs.masked_fill(below_min, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
+    if bool((min_p > 0).any()):  # likewise min-p, and greedy rows below
+        below_min = probs < (min_p.float() * probs.max(-1).values)[:, None]
+        probs = probs.masked_fill(below_min, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if not bool(is_greedy.any()):
+        return probs
     greedy = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(is_greedy[:, None], greedy, probs)
 
@@ -67,16 +73,25 @@ def sample_from_probs_ref(
     return ids.clamp(max=probs.shape[-1] - 1)
 
 
+def race_ref(
+    probs: torch.Tensor,  # [num_rows, vocab_size] float32, rows sum to ~1
+    exponentials: torch.Tensor,  # [num_rows, vocab_size] float32, i.i.d. Exp(1)
+) -> torch.Tensor:  # [num_rows] int64
+    """The exponential race: the first id with the largest p / E. A zero-probability id never
+    wins (0 / E = 0 < p / E of any id with p > 0)."""
+    return (probs / exponentials).argmax(-1)
+
+
 def sample_ref(
     logits: torch.Tensor,  # [num_rows, vocab_size]
     temperature: torch.Tensor,  # [num_rows]
     top_k: torch.Tensor,  # [num_rows]
     top_p: torch.Tensor,  # [num_rows]
     min_p: torch.Tensor,  # [num_rows]
-    uniforms: torch.Tensor,  # [num_rows]
+    exponentials: torch.Tensor,  # [num_rows, vocab_size]
 ) -> torch.Tensor:  # [num_rows] int64
-    probs = filter_probs_ref(logits, temperature, top_k, top_p, min_p)
-    return sample_from_probs_ref(probs, uniforms)
+    """Filter, then race. A greedy row's filtered distribution is one-hot: its argmax wins."""
+    return race_ref(filter_probs_ref(logits, temperature, top_k, top_p, min_p), exponentials)
 
 
 # --- Triton ------------------------------------------------------------------------------
@@ -90,9 +105,9 @@ def sample_ref(
 #   min-p: p >= min_p * p_max, i.e. the reference's test applied per token
 #
 # Each search costs ~32 passes over the row. Ties at a top-k threshold keep every tied token
-# (the reference's sort keeps an arbitrary k of them); tests avoid ties. Sampling then walks
-# the filtered distribution in token-id order and takes the first id whose running mass
-# exceeds u * total, the reference's inverse CDF.
+# (the reference's sort keeps an arbitrary k of them); tests avoid ties. Sampling then races
+# the filtered distribution against the row's exponentials: the first id with the largest
+# p / E, the reference's argmax.
 
 
 @triton.jit
@@ -104,8 +119,8 @@ def float_key(x):
 
 @triton.jit
 def sample_kernel(
-    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniforms_ptr, probs_ptr, token_ids_ptr,
-    vocab_size, logits_row_stride, probs_row_stride,
+    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, exponentials_ptr, probs_ptr, token_ids_ptr,
+    vocab_size, logits_row_stride, probs_row_stride, exponentials_row_stride,
     WRITE_PROBS: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -171,12 +186,9 @@ def sample_kernel(
         p = _filtered_probs(logits_row, v0 + offs, vocab_size, divisor, m, threshold, total, min_prob)
         kept_total += tl.sum(p, 0)
 
-    # final pass: write the distribution and/or walk its CDF in token-id order
-    if SAMPLE:
-        target = tl.load(uniforms_ptr + row).to(tl.float32) * kept_total
-    cdf = tl.zeros([], tl.float32)
-    chosen = tl.full([], -1, tl.int64)
-    last_nonzero = tl.full([], 0, tl.int64)
+    # final pass: write the distribution, or race it against the row's exponentials
+    best_score = tl.full([], -1.0, tl.float32)
+    chosen = tl.full([], 0, tl.int64)
     for v0 in range(0, vocab_size, BLOCK_V):
         ids = v0 + offs
         p = _filtered_probs(logits_row, ids, vocab_size, divisor, m, threshold, total, min_prob) / kept_total
@@ -184,14 +196,13 @@ def sample_kernel(
             p_out = tl.where(is_greedy, tl.where(ids == best, 1.0, 0.0), p)
             tl.store(probs_ptr + row * probs_row_stride + ids, p_out, mask=ids < vocab_size)
         if SAMPLE:
-            running = cdf + tl.cumsum(p * kept_total, 0)
-            hit = tl.min(tl.where((running > target) & (p > 0), ids, vocab_size), 0).to(tl.int64)
-            chosen = tl.where((chosen < 0) & (hit < vocab_size), hit, chosen)
-            last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(p > 0, ids, 0), 0).to(tl.int64))
-            cdf += tl.sum(p * kept_total, 0)
+            e = tl.load(exponentials_ptr + row * exponentials_row_stride + ids, mask=ids < vocab_size, other=1.0)
+            score = tl.where(p > 0, p / e, -1.0)
+            tile_best = tl.max(score, 0)
+            tile_arg = v0 + tl.argmax(score, 0).to(tl.int64)  # first of equals, like torch.argmax
+            chosen = tl.where(tile_best > best_score, tile_arg, chosen)
+            best_score = tl.maximum(best_score, tile_best)
     if SAMPLE:
-        # u * total can round to the total itself: then the last possible token
-        chosen = tl.where(chosen < 0, last_nonzero, chosen)
         tl.store(token_ids_ptr + row, tl.where(is_greedy, best, chosen))
 
 
@@ -216,7 +227,7 @@ def _filtered_probs(logits_row, ids, vocab_size, divisor, m, threshold, total, m
     return tl.where(p < min_prob, 0.0, p)
 
 
-def _launch_sample(logits, temperature, top_k, top_p, min_p, uniforms, write_probs: bool):
+def _launch_sample(logits, temperature, top_k, top_p, min_p, exponentials, write_probs: bool):
     num_rows, vocab_size = logits.shape
     assert logits.dim() == 2 and logits.stride(1) == 1, f"logits must be [num_rows, vocab] with contiguous rows, got {logits.stride()}"
     for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
@@ -224,14 +235,15 @@ def _launch_sample(logits, temperature, top_k, top_p, min_p, uniforms, write_pro
     assert not top_k.dtype.is_floating_point, f"top_k must be integers, got {top_k.dtype}"
     probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device) if write_probs else None
     token_ids = None if write_probs else torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if uniforms is not None:
-        assert uniforms.shape == (num_rows,), f"uniforms must be [{num_rows}], got {tuple(uniforms.shape)}"
+    if exponentials is not None:
+        assert exponentials.shape == (num_rows, vocab_size) and exponentials.stride(1) == 1, \
+            f"exponentials must be [{num_rows}, {vocab_size}] with contiguous rows, got {tuple(exponentials.shape)}"
     if num_rows > 0:
-        dummy = probs if probs is not None else token_ids
+        out = probs if probs is not None else token_ids
+        noise = exponentials if exponentials is not None else logits  # unread when writing probs
         sample_kernel[(num_rows,)](
-            logits, temperature, top_k, top_p, min_p, uniforms if uniforms is not None else temperature,
-            probs if probs is not None else dummy, token_ids if token_ids is not None else dummy,
-            vocab_size, logits.stride(0), probs.stride(0) if probs is not None else 0,
+            logits, temperature, top_k, top_p, min_p, noise, out, out,
+            vocab_size, logits.stride(0), probs.stride(0) if probs is not None else 0, noise.stride(0),
             WRITE_PROBS=write_probs, SAMPLE=not write_probs,
             BLOCK_V=min(1024, triton.next_power_of_2(vocab_size)),
         )
@@ -255,7 +267,7 @@ def sample(
     top_k: torch.Tensor,  # [num_rows]
     top_p: torch.Tensor,  # [num_rows]
     min_p: torch.Tensor,  # [num_rows]
-    uniforms: torch.Tensor,  # [num_rows]
+    exponentials: torch.Tensor,  # [num_rows, vocab_size]
 ) -> torch.Tensor:  # [num_rows] int64
-    """Triton `sample_ref`: filter and sample in one kernel, never materialising the probs."""
-    return _launch_sample(logits, temperature, top_k, top_p, min_p, uniforms, write_probs=False)
+    """Triton `sample_ref`: filter and race in one kernel, never materialising the probs."""
+    return _launch_sample(logits, temperature, top_k, top_p, min_p, exponentials, write_probs=False)

@@ -26,6 +26,16 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def pytest_collection_modifyitems(items):
+    """`@pytest.mark.gpu` tests, wherever they live, skip on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(arch="llama", seed=0, **config_overrides) -> path, built once per argument set."""

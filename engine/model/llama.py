@@ -15,6 +15,8 @@ from torch import nn
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.kernels import KernelOps, build_rope_cache
+from pdserve.kernels.gathered_attention import GatherPlan, gathered_attention
+from pdserve.kernels.rotary import rope_at
 
 
 @dataclass(slots=True)
@@ -32,6 +34,9 @@ class AttentionMetadata:
     extend_block_tables: torch.Tensor  # [num_extend_seqs, max_blocks] int32
     extend_cu_seqlens_q: torch.Tensor  # [num_extend_seqs + 1] int32
     extend_context_lens: torch.Tensor  # [num_extend_seqs] int32
+    # CPU: every token's attention as one dense call per layer, planned once per step (set when
+    # every chunk is short); the decode/extend ops otherwise
+    plan: GatherPlan | None = None
 
 
 class Attention(nn.Module):
@@ -45,25 +50,40 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x, positions, rope, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rotary(q, k, positions, *rope)
+        # [num_tokens, q heads | k heads | v heads, head_dim]: q and k rotate in one call
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k = self.ops.apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], *rope).split(
+            (self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
         k_cache, v_cache = kv_cache
+        if meta.plan is not None and torch.compiler.is_compiling():  # one opaque op for the tracer
+            p = meta.plan
+            out = torch.ops.pdserve.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
+                                                     p.mask, p.pad_index, p.unpad_index, p.groups_tensor, self.scale)
+            return self.o_proj(out.reshape(num_tokens, -1))
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.plan is not None:
+            out = gathered_attention(q, k_cache, v_cache, meta.plan, self.scale)
+        else:
+            out = self._split_attention(q, k_cache, v_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+    def _split_attention(self, q, k_cache, v_cache, meta: AttentionMetadata):
+        """Decode tokens through paged decode attention, the rest through extend attention."""
+        nd, num_tokens = meta.num_decode_tokens, q.shape[0]
+        if nd == num_tokens:
+            return self.ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, self.scale)
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self.ops.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        if nd < num_tokens:
-            out[nd:] = self.ops.extend_attention(
-                q[nd:], k_cache, v_cache, meta.extend_block_tables, meta.extend_cu_seqlens_q,
-                meta.extend_context_lens, self.scale)
-        return self.o_proj(out.view(num_tokens, -1))
+        out[nd:] = self.ops.extend_attention(
+            q[nd:], k_cache, v_cache, meta.extend_block_tables, meta.extend_cu_seqlens_q,
+            meta.extend_context_lens, self.scale)
+        return out
 
 
 class MLP(nn.Module):
@@ -93,13 +113,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rope, kv_cache, meta):
+    def forward(self, x, residual, rope, kv_cache, meta):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
             residual, x = x, self.ops.rms_norm(x, ln1.weight, ln1.eps)
         else:
             x, residual = self.ops.fused_add_rms_norm(x, residual, ln1.weight, ln1.eps)
-        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x = self.self_attn(x, rope, kv_cache, meta)
         x, residual = self.ops.fused_add_rms_norm(x, residual, ln2.weight, ln2.eps)
         return self.mlp(x), residual
 
@@ -140,8 +160,9 @@ class CausalLM(nn.Module):
         layer_callback: Callable[[int], None] | None = None,  # called with i once layer i is done
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x, residual = self.model.embed_tokens(input_ids), None
+        rope = rope_at(*self.rope, positions, x.dtype)  # this step's rows, for every layer
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
-            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
             if layer_callback is not None:
                 layer_callback(i)
         norm = self.model.norm

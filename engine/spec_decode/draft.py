@@ -5,6 +5,11 @@ The draft has its own KV tensors but shares the target's block tables: block b h
 target's K/V in the target cache and the draft's K/V in the draft cache. Each sequence tracks
 `num_draft_computed_tokens`; the first proposal step catches the draft up on whatever it has
 not seen (a fresh prompt, the last step's accepted and bonus tokens) in one pass.
+
+A sampled request's draft tokens are drawn by the same exponential race as every other token,
+with the noise the verifier asks for: the target's own (seed, position) noise for the coupled
+verifier, a separate stream for the rejection sampler, which also needs q, the distributions
+the tokens were drawn from.
 """
 from __future__ import annotations
 
@@ -12,21 +17,21 @@ import time
 
 import torch
 
-from pdserve.engine import rng
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
-from pdserve.engine.sampler import param_tensors
+from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import LinearCost
 from pdserve.engine.spec_decode.proposer import Proposal
-from pdserve.kernels import KernelOps, sample_from_probs_ref
+from pdserve.kernels import race_ref
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, ops: KernelOps, cost: LinearCost):
-        self.runner, self.ops, self.cost = runner, ops, cost
+    def __init__(self, runner: ModelRunner, sampler: Sampler, cost: LinearCost, noise_stream: int, keep_probs: bool):
+        self.runner, self.sampler, self.cost = runner, sampler, cost
+        self.noise_stream, self.keep_probs = noise_stream, keep_probs
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Per sequence: draft tokens and their distributions q [k, vocab_size] (None when greedy)."""
+        """Per sequence: draft tokens and, when kept, their distributions q [k, vocab_size]."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -47,16 +52,21 @@ class DraftProposer:
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
-        """One draft forward: the picked tokens and their distributions q [len(seqs), vocab_size],
-        or None when every row is greedy (q is then one-hot on the pick; verification needs only
-        the pick, so the filtering and the draws are skipped)."""
+        """One draft forward: the picked tokens and, when kept, their distributions q
+        [len(seqs), vocab_size] (None when every row is greedy: q is one-hot on the pick)."""
         start = time.perf_counter()
         logits = self.runner.execute(entries)
-        if all(s.params.is_greedy for s in seqs):
-            picks, q = logits.argmax(-1).tolist(), None
+        params, seeds = [s.params for s in seqs], [s.seed for s in seqs]
+        positions = [s.num_tokens + step for s in seqs]
+        q = None
+        if all(p.is_greedy for p in params):
+            picks = logits.argmax(-1)
+        elif self.keep_probs:
+            q = self.sampler.ops.filter_probs(logits, *self.sampler.tensors.build(params))
+            picks = race_ref(q, race_noise(params, seeds, positions, logits.shape[-1], self.noise_stream, q.device,
+                                         self.sampler.hash_fn))
         else:
-            q = self.ops.filter_probs(logits, *param_tensors([s.params for s in seqs], logits.device)).cpu()
-            u = rng.uniforms([s.seed for s in seqs], [s.num_tokens + step for s in seqs], rng.DRAFT_STREAM)
-            picks = sample_from_probs_ref(q, u).tolist()
+            picks = self.sampler.sample_tensor(logits, params, seeds, positions, self.noise_stream)
+        picks = picks.tolist()
         self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
         return picks, q

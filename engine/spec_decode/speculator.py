@@ -1,9 +1,10 @@
 """`Speculator`: the engine's one handle on speculative decoding.
 
 Per step, for each decoding sequence: `choose_k` (the scheduler reserves KV slots for k
-lookahead tokens), `propose` (draft tokens and their q), then after the target's forward
-`verify` (accept / recover / bonus) and `rollback` (cut both caches back to what was accepted;
-the blocks past it are freed by the engine).
+lookahead tokens), `propose` (draft tokens and, for the rejection sampler, their q), then after
+the target's forward `verify` (the whole batch at once, by the configured verifier) and
+`rollback` (cut both caches back to what was accepted; the blocks past it are freed by the
+engine).
 """
 from __future__ import annotations
 
@@ -11,14 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine import rng
-from pdserve.engine.sampler import param_tensors
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import AdaptiveDepth
 from pdserve.engine.spec_decode.gate import SpeculationGate
 from pdserve.engine.spec_decode.proposer import Proposal, Proposer
-from pdserve.engine.spec_decode.rejection_sampler import verify_greedy, verify_one
-from pdserve.kernels import KernelOps
 
 
 @dataclass(slots=True)
@@ -68,8 +65,9 @@ class StepShape:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, depth: AdaptiveDepth, ops: KernelOps, vocab_size: int):
-        self.proposer, self.depth, self.ops, self.vocab_size = proposer, depth, ops, vocab_size
+    def __init__(self, proposer: Proposer, depth: AdaptiveDepth, verifier):
+        """verifier: a `verifier.CoupledVerifier` or `verifier.RejectionVerifier`."""
+        self.proposer, self.depth, self.verifier = proposer, depth, verifier
         self.stats = SpecDecodeStats()
         self.gate = SpeculationGate()
         self._speculated = False  # whether this step proposed any draft token
@@ -97,37 +95,19 @@ class Speculator:
         self._speculated = any(p.token_ids for p in proposals)
         return proposals
 
-    def verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> list[int]:
-        """logits: [k + 1, vocab_size], the target at the last token and each draft token."""
-        k = len(proposal.token_ids)
-        if seq.params.is_greedy:  # p is one-hot on the argmax: no filtering, no draws, no q needed
-            tokens = verify_greedy(logits.argmax(-1).tolist(), proposal.token_ids)
-            self.stats.record(k, len(tokens) - 1)
-            self.depth.record(seq.req_id, k, len(tokens) - 1)
-            return tokens
-        p = self.ops.filter_probs(logits, *param_tensors([seq.params] * (k + 1), logits.device)).cpu()
-        q = proposal.probs if proposal.probs is not None else self._one_hot(proposal.token_ids)
-        first = seq.num_tokens  # position of the first draft token
-        positions = range(first, first + k)
-        tokens = verify_one(
-            p, q, proposal.token_ids,
-            [rng.uniform(seq.seed, pos, rng.ACCEPT_STREAM) for pos in positions],
-            [rng.uniform(seq.seed, pos, rng.RESIDUAL_STREAM) for pos in positions],
-            rng.uniform(seq.seed, first + k, rng.SAMPLE_STREAM),
-        )
-        self.stats.record(k, len(tokens) - 1)
-        self.depth.record(seq.req_id, k, len(tokens) - 1)
+    def verify(self, seqs: list[Sequence], proposals: list[Proposal], rows: list[torch.Tensor]) -> list[list[int]]:
+        """rows[b]: the target's logits [k_b + 1, vocab_size] at seqs[b]'s last token and each
+        draft token. Each sequence's emitted tokens: accepted drafts, then one more."""
+        tokens = self.verifier.verify(seqs, proposals, rows)
+        for seq, prop, out in zip(seqs, proposals, tokens):
+            self.stats.record(len(prop.token_ids), len(out) - 1)
+            self.depth.record(seq.req_id, len(prop.token_ids), len(out) - 1)
         return tokens
 
     def rollback(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
         """Only the K/V of the last token and the accepted drafts stay valid, in both caches."""
         seq.num_computed_tokens = num_tokens_before + num_accepted
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-
-    def _one_hot(self, token_ids: list[int]) -> torch.Tensor:
-        q = torch.zeros(len(token_ids), self.vocab_size)
-        q[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)] = 1.0
-        return q
 
     def forget(self, req_id: str) -> None:
         self.depth.forget(req_id)

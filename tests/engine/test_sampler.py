@@ -43,7 +43,7 @@ def test_min_p_drops_tokens_below_share_of_max():
 
 
 def test_greedy_is_argmax_whatever_the_draw():
-    s = Sampler(TORCH_OPS)
+    s = Sampler(TORCH_OPS, torch.device("cpu"))
     greedy = SamplingParams(temperature=0)
     toks = s.sample(LOGITS.repeat(50, 1), [greedy] * 50, list(range(50)), [3] * 50)
     assert set(toks) == {5}
@@ -53,13 +53,13 @@ def test_all_greedy_fast_path_matches_the_general_sample():
     torch.manual_seed(1)
     logits = torch.randn(64, 300)
     greedy = [SamplingParams(temperature=0)] * 64
-    u = rng.uniforms(list(range(64)), [9] * 64)
-    general = TORCH_OPS.sample(logits, *param_tensors(greedy, logits.device), u).tolist()
-    assert Sampler(TORCH_OPS).sample(logits, greedy, list(range(64)), [9] * 64) == general
+    noise = rng.exponentials(list(range(64)), [9] * 64, 300)
+    general = TORCH_OPS.sample(logits, *param_tensors(greedy, logits.device), noise).tolist()
+    assert Sampler(TORCH_OPS, torch.device("cpu")).sample(logits, greedy, list(range(64)), [9] * 64) == general
 
 
 def test_same_seed_and_position_same_token_in_any_batch():
-    s = Sampler(TORCH_OPS)
+    s = Sampler(TORCH_OPS, torch.device("cpu"))
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
     p = SamplingParams(temperature=1.0, top_p=0.9)
@@ -89,8 +89,8 @@ def test_seeded_request_same_tokens_alone_or_in_a_batch(checkpoint):
 def test_sampled_distribution_matches_processed_distribution(params):
     n = 40000
     exact = probs(params)[0].double()
-    u = rng.uniforms(list(range(n)), [17] * n)
-    toks = TORCH_OPS.sample(LOGITS.repeat(n, 1), *param_tensors([params] * n, LOGITS.device), u)
+    noise = rng.exponentials(list(range(n)), [17] * n, 10)  # the engine's own noise, seeds 0..n-1
+    toks = TORCH_OPS.sample(LOGITS.repeat(n, 1), *param_tensors([params] * n, LOGITS.device), noise)
     counts = torch.bincount(toks, minlength=10).double()
     kept = exact > 0
     assert counts[~kept].sum() == 0, "a filtered-out token was sampled"
@@ -108,6 +108,20 @@ def test_uniforms_are_uniform_and_stream_separated():
     u = rng.uniforms([7] * 20000, list(range(20000)))
     assert stats.kstest(u.numpy(), "uniform").pvalue > 1e-3
     assert rng.uniform(7, 3, rng.ACCEPT_STREAM) != rng.uniform(7, 3, rng.SAMPLE_STREAM)
+
+
+def test_exponentials_are_exponential_independent_and_keyed():
+    e = rng.exponentials(list(range(50)), [3] * 50, 4096)
+    assert stats.kstest(e.flatten().double().numpy(), "expon").pvalue > 1e-3
+    # neighbouring vocabulary entries and neighbouring rows (seeds, positions) uncorrelated
+    pairs = [(e[:, :-1], e[:, 1:]), (e[:-1], e[1:])]
+    by_position = rng.exponentials([7] * 50, list(range(50)), 4096)
+    pairs.append((by_position[:-1], by_position[1:]))
+    for a, b in pairs:
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.01
+    # a pure function of (seed, position, stream), whatever else is in the call
+    assert torch.equal(rng.exponentials([9, 7], [4, 5], 300)[1], rng.exponentials([7], [5], 300)[0])
+    assert not torch.equal(rng.exponentials([7], [5], 300, rng.DRAFT_STREAM), rng.exponentials([7], [5], 300))
 
 
 def test_logprobs_returned_when_asked(checkpoint):

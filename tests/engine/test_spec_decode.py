@@ -14,7 +14,8 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.ngram import NgramProposer
-from pdserve.engine.spec_decode.rejection_sampler import verify_greedy, verify_one
+from pdserve.engine.spec_decode.coupled import emit_matching, verify_coupled_batch, verify_coupled_one
+from pdserve.engine.spec_decode.rejection_sampler import verify_batch, verify_greedy, verify_one
 from pdserve.kernels import TORCH_OPS
 from pdserve.engine.sampler import param_tensors
 
@@ -48,8 +49,11 @@ def assert_all_free(llm: LLM) -> None:
     dict(num_speculative_tokens=4, spec_adaptive=False, draft="target"),  # a perfect draft
     dict(num_speculative_tokens=3, spec_adaptive=False, draft="useless"),  # nearly all rejected
     dict(num_speculative_tokens=3, draft="useless"),
-], ids=["ngram", "ngram-fixed-k", "draft-perfect", "draft-useless-fixed-k", "draft-useless-adaptive"])
+    dict(num_speculative_tokens=3, spec_adaptive=False, draft="useless", spec_verifier="rejection"),
+], ids=["ngram", "ngram-fixed-k", "draft-perfect", "draft-useless-fixed-k", "draft-useless-adaptive",
+        "draft-useless-rejection"])
 def test_greedy_with_speculation_equals_without(target, useless_draft, baseline, options):
+    options = dict(options)  # the parametrize dict is shared by reruns: never mutate it
     draft = options.pop("draft", None)
     if draft:
         options["draft_model"] = target if draft == "target" else useless_draft
@@ -83,8 +87,8 @@ def small_pair(checkpoint):
     return t, d
 
 
-def exact_distributions(path, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(2nd token) and P(3rd token) from the target alone, after the sampling filters."""
+def exact_distributions(path, params: SamplingParams, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """P(2nd token) and P(3rd token) after `prompt` from the target alone, after the sampling filters."""
     model = hf_model(path)
 
     def processed(ids: torch.Tensor) -> torch.Tensor:  # [n, len] -> [n, vocab] next-token probs
@@ -92,11 +96,11 @@ def exact_distributions(path, params: SamplingParams) -> tuple[torch.Tensor, tor
             logits = model(ids).logits[:, -1].float()
         return TORCH_OPS.filter_probs(logits, *param_tensors([params] * len(ids), logits.device)).double()
 
-    p1 = processed(torch.tensor([PROMPT]))[0]
-    firsts = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+    p1 = processed(torch.tensor([prompt]))[0]
+    firsts = torch.tensor([prompt + [a] for a in range(VOCAB)])
     p2_given = processed(firsts)  # [V, V]
     p2 = p1 @ p2_given
-    pairs = torch.tensor([PROMPT + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
+    pairs = torch.tensor([prompt + [a, b] for a, b in itertools.product(range(VOCAB), repeat=2)])
     p3_given = processed(pairs).view(VOCAB, VOCAB, VOCAB)
     p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
     return p2, p3
@@ -126,9 +130,11 @@ def assert_matches(samples: torch.Tensor, exact: torch.Tensor, n: int) -> None:
     SamplingParams(temperature=0.8, top_p=0.7, max_tokens=3, ignore_eos=True),
 ], ids=["t1", "topk5", "topp0.7"])
 @pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_speculation_is_lossless_in_distribution(small_pair, params, method):
+@pytest.mark.parametrize("verifier", ["coupled", "rejection"])
+def test_speculation_is_lossless_in_distribution(small_pair, params, method, verifier):
     target, draft = small_pair
-    options = dict(num_speculative_tokens=2, spec_adaptive=False, max_num_seqs=256, max_num_batched_tokens=4096)
+    options = dict(num_speculative_tokens=2, spec_adaptive=False, max_num_seqs=256, max_num_batched_tokens=4096,
+                   spec_verifier=verifier)
     if method == "draft":
         options["draft_model"] = draft
     else:
@@ -143,22 +149,10 @@ def test_speculation_is_lossless_in_distribution(small_pair, params, method):
     st = llm.engine.speculator.stats
     # the test needs both outcomes in numbers (n-gram drafts are accepted with probability p(x) only)
     assert st.num_accepted_tokens >= 20 and st.acceptance_rate < 0.95
-    if method == "ngram":
-        p2, p3 = exact_distributions_for(target, params, prompt)
-    else:
-        p2, p3 = exact_distributions(target, params)
+    p2, p3 = exact_distributions(target, params, prompt)
     assert_matches(torch.tensor([o.token_ids[1] for o in outs]), p2, n)
     assert_matches(torch.tensor([o.token_ids[2] for o in outs]), p3, n)
     assert_all_free(llm)
-
-
-def exact_distributions_for(path, params, prompt):
-    global PROMPT
-    saved, PROMPT = PROMPT, prompt
-    try:
-        return exact_distributions(path, params)
-    finally:
-        PROMPT = saved
 
 
 # ---- the rejection sampler by hand ---------------------------------------------------------
@@ -168,29 +162,38 @@ def one_hot(*ids, v=4):
     return t
 
 
+def flat_noise(k, v=4):
+    """Equal exponentials everywhere: the race then picks the most likely token."""
+    return torch.ones(k + 1, v)
+
+
 def test_rejected_at_first_position_yields_residual_token():
     p = one_hot(2, 1, 1)  # target wants 2, then 1
     q = one_hot(3, 1)  # draft proposed 3 (p=0): rejected; residual max(0, p-q) is all on 2
-    assert verify_one(p, q, [3, 1], [0.0, 0.0], [0.5, 0.5], 0.5) == [2]
+    assert verify_one(p, q, [3, 1], [0.0, 0.0], flat_noise(2)) == [2]
 
 
 def test_all_accepted_yields_bonus_from_last_row():
     p = torch.cat([one_hot(0, 1), torch.tensor([[0.1, 0.2, 0.3, 0.4]])])
     q = one_hot(0, 1)
-    assert verify_one(p, q, [0, 1], [0.99, 0.99], [0.0, 0.0], 0.35) == [0, 1, 2]  # cdf .1 .3 .6 1: u=.35 -> 2
+    noise = flat_noise(2)
+    noise[2] = torch.tensor([1.0, 1.0, 0.5, 1.0])  # p / E: .1 .2 .6 .4 -> 2
+    assert verify_one(p, q, [0, 1], [0.99, 0.99], noise) == [0, 1, 2]
 
 
 def test_draft_token_with_q_zero_is_accepted():
     p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25] * 4])
     q = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # x = 1 has q = 0 < p
-    assert verify_one(p, q, [1], [0.999], [0.0], 0.0) == [1, 0]
+    noise = flat_noise(1)
+    noise[1, 0] = 0.5  # the bonus row is uniform: the smaller exponential wins
+    assert verify_one(p, q, [1], [0.999], noise) == [1, 0]
 
 
 def test_acceptance_probability_is_min_one_p_over_q():
     p = torch.tensor([[0.3, 0.7], [0.5, 0.5]])
     q = torch.tensor([[0.6, 0.4]])  # x = 0: accept iff u < 0.5
-    assert verify_one(p, q, [0], [0.49], [0.0], 0.0)[0] == 0
-    assert verify_one(p, q, [0], [0.51], [0.0], 0.0) == [1]  # residual max(0, p-q) = [0, .3]
+    assert verify_one(p, q, [0], [0.49], flat_noise(1, 2))[0] == 0
+    assert verify_one(p, q, [0], [0.51], flat_noise(1, 2)) == [1]  # residual max(0, p-q) = [0, .3]
 
 
 def test_greedy_verify_matches_verify_one_on_one_hot_distributions():
@@ -199,9 +202,11 @@ def test_greedy_verify_matches_verify_one_on_one_hot_distributions():
     v, k = 3, 3
     for argmax in itertools.product(range(v), repeat=k + 1):
         for drafts in itertools.product(range(v), repeat=k):
-            expected = verify_one(one_hot(*argmax, v=v), one_hot(*drafts, v=v), list(drafts),
-                                  [0.7] * k, [0.3] * k, 0.9)
+            expected = verify_one(one_hot(*argmax, v=v), one_hot(*drafts, v=v), list(drafts), [0.7] * k,
+                                  torch.rand(k + 1, v) + 0.1)
             assert verify_greedy(list(argmax), list(drafts)) == expected, (argmax, drafts)
+            picks = torch.tensor([argmax])  # the batched emit on argmax picks is the same rule
+            assert emit_matching(picks, torch.tensor([drafts]), torch.tensor([k])) == [expected]
 
 
 def test_greedy_verify_rejects_wrong_lengths():
@@ -217,7 +222,53 @@ def test_greedy_verify_rejects_wrong_lengths():
 ])
 def test_rejection_sampler_rejects_bad_input(p, q, ids, match):
     with pytest.raises(ValueError, match=match):
-        verify_one(p, q, ids, [0.5] * len(ids), [0.5] * len(ids), 0.5)
+        verify_one(p, q, ids, [0.5] * len(ids), flat_noise(len(ids), 2))
+
+
+def _random_verify_case(seed: int, batch: int = 7, max_k: int = 4, vocab: int = 6):
+    """Random target/draft distributions (some with zeros), drafts drawn from q, per-sequence k."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def dist(*shape):
+        w = torch.rand(*shape, vocab, generator=gen) * (torch.rand(*shape, vocab, generator=gen) > 0.3)
+        w[..., 0] += 1e-3  # never an all-zero row
+        return w / w.sum(-1, keepdim=True)
+
+    p, q = dist(batch, max_k + 1), dist(batch, max_k)
+    ids = torch.multinomial(q.view(-1, vocab), 1, generator=gen).view(batch, max_k)
+    ks = torch.randint(1, max_k + 1, (batch,), generator=gen)
+    u = torch.rand(batch, max_k, generator=gen, dtype=torch.float64)
+    noise = -torch.rand(batch, max_k + 1, vocab, generator=gen).log()
+    return p, q, ids, ks, u, noise
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_batched_rejection_equals_verify_one_on_the_same_draws(seed):
+    p, q, ids, ks, u, noise = _random_verify_case(seed)
+    last_noise = lambda accepted: noise[torch.arange(len(accepted)), torch.tensor(accepted)]  # noqa: E731
+    batched = verify_batch(p, q, ids, ks, u, last_noise)
+    for b, k in enumerate(ks.tolist()):
+        assert batched[b] == verify_one(p[b, :k + 1], q[b, :k], ids[b, :k].tolist(), u[b, :k].tolist(),
+                                        noise[b, :k + 1]), b
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_batched_coupled_equals_verify_coupled_one_on_the_same_draws(seed):
+    p, _, ids, ks, _, noise = _random_verify_case(seed)
+    picks = (p / noise).argmax(-1)
+    ids = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.6, picks[:, :-1], ids)
+    batched = verify_coupled_batch(p, ids, ks, noise)
+    for b, k in enumerate(ks.tolist()):
+        assert batched[b] == verify_coupled_one(p[b, :k + 1], ids[b, :k].tolist(), noise[b, :k + 1]), b
+    assert any(len(t) > 1 for t in batched)  # the case exercises acceptance
+
+
+def test_coupled_emits_the_target_draws_while_drafts_match():
+    p = torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]])
+    noise = torch.tensor([[1.0, 0.5], [1.0, 1.0], [1.0, 1.0]])  # target draws: 1, 0, 1
+    assert verify_coupled_one(p, [1, 0], noise) == [1, 0, 1]  # all kept, then the bonus draw
+    assert verify_coupled_one(p, [1, 1], noise) == [1, 0]  # second mismatches: the target's 0
+    assert verify_coupled_one(p, [0, 0], noise) == [1]
 
 
 # ---- rollback, depth, proposers -------------------------------------------------------------
@@ -307,7 +358,15 @@ def test_ngram_proposes_what_followed_the_latest_match():
     ng = NgramProposer(1, 3)
     assert ng.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]
     assert ng.propose_one([4, 5, 6], 3) == []
-    assert ng.propose_one([8, 1, 8], 4) == [1, 8]
+
+
+def test_ngram_proposes_several_periods_of_a_repeating_tail():
+    ng = NgramProposer(1, 3)
+    # the latest match of the tail is one period back: the copy runs on through its own output
+    assert ng.propose_one([8, 1, 8], 4) == [1, 8, 1, 8]
+    assert ng.propose_one([7, 1, 2, 3, 1, 2, 3], 5) == [1, 2, 3, 1, 2]
+    assert ng.propose_one([5, 5, 5], 4) == [5, 5, 5, 5]
+    assert ng.propose_one([9, 4, 1, 2, 4, 1, 2, 4], 3) == [1, 2, 4]  # enough text after the match: as before
 
 
 def test_draft_must_share_the_vocabulary(target, checkpoint):

@@ -17,16 +17,6 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pytest_collection_modifyitems(items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
-    here = os.path.dirname(__file__)
-    for item in items:
-        if "gpu" in item.keywords and str(item.path).startswith(here):
-            item.add_marker(skip)
-
-
 @pytest.fixture
 def device() -> str:
     return DEVICE

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pdserve.kernels.rotary import apply_rotary, apply_rotary_ref, build_rope_cache
+from pdserve.kernels.rotary import apply_rotary, apply_rotary_ref, build_rope_cache, rope_at
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -33,14 +33,35 @@ def test_apply_rotary_matches_ref(dtype, head_dim, num_heads, num_kv_heads, scal
     positions = torch.tensor([0, 1, 17, 299, 5]).to(device)
     q = torch.randn(5, num_heads, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(5, num_kv_heads, head_dim, generator=gen).to(device, dtype)
-    q_out, k_out = apply_rotary(q, k, positions, cos.to(device), sin.to(device))
-    q_ref, k_ref = apply_rotary_ref(q, k, positions, cos.to(device), sin.to(device))
-    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
-    torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+    c, s = rope_at(cos.to(device), sin.to(device), positions, dtype)
+    qk = torch.cat((q, k), 1)  # the model rotates q's and k's heads in one call
+    torch.testing.assert_close(apply_rotary(qk, c, s), apply_rotary_ref(qk, c, s), **TOL[dtype])
+    torch.testing.assert_close(apply_rotary(q, c, s), apply_rotary_ref(q, c, s), **TOL[dtype])
+    # a strided view of the fused projection, as the model passes it
+    qkv = torch.cat((q, k, k), 1)
+    view = qkv[:, :num_heads + num_kv_heads]
+    torch.testing.assert_close(apply_rotary(view, c, s), apply_rotary_ref(qk, c, s), **TOL[dtype])
 
 
 def test_apply_rotary_position_zero_is_identity(device):
     cos, sin = build_rope_cache(64, 4, 10000.0)
     q = torch.randn(1, 2, 64).to(device)
-    q_out, _ = apply_rotary(q, q[:, :1], torch.zeros(1, dtype=torch.long).to(device), cos.to(device), sin.to(device))
-    torch.testing.assert_close(q_out, q)
+    c, s = rope_at(cos.to(device), sin.to(device), torch.zeros(1, dtype=torch.long).to(device), q.dtype)
+    for impl in (apply_rotary, apply_rotary_ref):
+        torch.testing.assert_close(impl(q, c, s), q)
+
+
+def test_apply_rotary_ref_is_transformers_rotation():
+    """The reference against transformers' own `apply_rotary_pos_emb` and rotary module."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=64)
+    positions = torch.tensor([0, 3, 63, 17])
+    q, k = torch.randn(4, 4, 64), torch.randn(4, 2, 64)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(q, positions[None])  # [1, tokens, head_dim]
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    cos, sin = rope_at(*build_rope_cache(64, 64, config.rope_parameters["rope_theta"]), positions, torch.float32)
+    ours = apply_rotary_ref(torch.cat((q, k), 1), cos, sin)
+    torch.testing.assert_close(ours[:, :4], hf_q[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(ours[:, 4:], hf_k[0].transpose(0, 1), atol=0, rtol=0)

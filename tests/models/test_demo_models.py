@@ -86,10 +86,13 @@ def test_train_report_describes_the_pair(target, draft):
     assert report["target_loss_per_token"] > 0 and report["draft_loss_per_token"] > 0
 
 
-def test_target_greedy_continuation_decodes(target, tokenizer):
-    prompt_ids = tokenizer.encode("def fibonacci(n):").ids
-    with torch.no_grad():
-        out = target.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=12)
-    new_ids = out[0, len(prompt_ids):].tolist()
-    assert len(new_ids) > 0
-    assert tokenizer.decode(new_ids, skip_special_tokens=True).strip() != ""
+def test_pdserve_continues_a_prompt_with_text(tokenizer):
+    """Through pdserve, each model continues a prompt with real text: new tokens, decoded by the
+    shared tokenizer to what the engine reports, without replacement characters."""
+    from pdserve.engine import LLM, SamplingParams
+
+    for path in (TARGET_DIR, DRAFT_DIR):
+        out = LLM(path).generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=12))[0]
+        assert out.token_ids and out.finish_reason is not None
+        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.text.strip() and "\ufffd" not in out.text

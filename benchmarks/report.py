@@ -1,0 +1,100 @@
+"""What every benchmark reports the same way: spreads over interleaved repeats, goals judged on
+the worst repeat, the machine's state, and its section of BENCHMARKS.md.
+
+A figure is min / median / max over repeats. A goal counts as met only when the worst repeat
+meets it: the minimum for a floor ("at least 2.5x"), the maximum for a ceiling ("within 3x").
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    min: float
+    median: float
+    max: float
+    values: tuple[float, ...]
+
+    @classmethod
+    def of(cls, values) -> Spread:
+        values = tuple(float(v) for v in values)
+        if not values:
+            raise ValueError("a spread needs at least one value")
+        return cls(min(values), statistics.median(values), max(values), values)
+
+    def fmt(self, digits: int = 2, unit: str = "") -> str:
+        f = f"{{:.{digits}f}}"
+        return f"{f.format(self.min)} / {f.format(self.median)} / {f.format(self.max)}{unit}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    name: str
+    spread: Spread
+    target: float
+    is_floor: bool  # True: every repeat must be >= target; False: every repeat <= target
+
+    @property
+    def worst(self) -> float:
+        return self.spread.min if self.is_floor else self.spread.max
+
+    @property
+    def is_met(self) -> bool:
+        return self.worst >= self.target if self.is_floor else self.worst <= self.target
+
+    def row(self, digits: int = 2, unit: str = "×") -> str:
+        sign = "≥" if self.is_floor else "≤"
+        verdict = "met" if self.is_met else "**not met**"
+        return (f"| {self.name} | {self.spread.fmt(digits, unit)} | {sign} {self.target:g}{unit} | "
+                f"{verdict} (worst {self.worst:.{digits}f}{unit}) |")
+
+    def as_dict(self) -> dict:
+        return dict(name=self.name, spread=self.spread.as_dict(), target=self.target, is_floor=self.is_floor,
+                    is_met=self.is_met)
+
+
+GOAL_HEADER = ["| goal | min / median / max | target | verdict |", "|---|---|---|---|"]
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def measure_read_bandwidth(num_mb: int = 256, repeats: int = 5) -> float:
+    """Best-of-`repeats` GB/s of reading a buffer much larger than the caches once (a `sum`),
+    with the current torch threads: what a decode step's weight reads can reach at best."""
+    buf = torch.ones(num_mb << 18, dtype=torch.float32)
+    buf.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best / 1e9
+
+
+def update_section(path: Path, title: str, body: str) -> None:
+    """Replace (or append) the `## title` section of a Markdown file with `body`."""
+    heading = f"## {title}"
+    section = f"{heading}\n\n{body.rstrip()}\n"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(heading + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + section + (text[end:] if end >= 0 else "")
+    path.write_text(text)

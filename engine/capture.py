@@ -1,0 +1,83 @@
+"""Graph capture: a step's forward pass run as one captured unit instead of op by op.
+
+At batch 1 a decode step of a small model is mostly per-op overhead (FACTS.md: ~7x the time to
+stream the weights once), so running the whole forward as one captured graph is where most of
+what is left goes. Two captures, one interface (`covers`, `__call__`, `warm_up`):
+
+- **compile** (CPU): `torch.compile` (Inductor) of the model's forward for every step whose
+  attention runs by a `GatherPlan` (decode, speculative verification, a draft's passes), whatever
+  its batch size or lengths: the K/V write and the attention are one opaque op
+  (`write_and_attend`), and every size the step varies in is marked unbacked, so one graph serves
+  them all and nothing recompiles as contexts grow. Prefill chunks and steps that stream K/V layer
+  by layer run eagerly.
+- **cuda_graphs** (CUDA): one CUDA graph per batch-size bucket of decode-only steps, replayed from
+  static input buffers (`cuda_graphs.py`).
+
+A capture never changes what a step computes, only how: it runs the same model code on the same
+inputs. It may round differently (Inductor fuses elementwise ops and reorders sums, about 1e-6
+relative in float32), so tests check that greedy tokens are the same with and without it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdserve.engine.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+GRAPH_CAPTURES = ("auto", "off", "compile", "cuda_graphs")
+
+
+def resolve_capture(name: str, device: torch.device, kernels: str) -> str:
+    """"auto": CUDA graphs on CUDA with the Triton kernels; off on the CPU, where compiling
+    takes tens of seconds per model (ask for "compile" where a process lives long enough to earn
+    it back). CUDA graphs need the Triton kernels: the torch references read lengths on the host."""
+    if name == "auto":
+        return "cuda_graphs" if device.type == "cuda" and kernels == "triton" else "off"
+    if name == "cuda_graphs" and (device.type != "cuda" or kernels != "triton"):
+        raise ValueError("graph_capture='cuda_graphs' needs a CUDA device and the Triton kernels")
+    return name
+
+
+class CompiledForward:
+    """`torch.compile` of `model.forward` for steps planned by a uniform `GatherPlan`."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list):
+        self.model, self.kv_caches = model, kv_caches
+        self._compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        self.is_broken = False  # compiling failed once (no C++ compiler, say): eager from then on
+        self.compile_seconds = 0.0
+
+    def covers(self, step: StepInputs, has_layer_callback: bool) -> bool:
+        return not self.is_broken and not has_layer_callback and step.meta.plan is not None
+
+    def __call__(self, step: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
+        _mark_sizes_unbacked(step)
+        try:
+            return self._compiled(step.input_ids, step.positions, self.kv_caches, step.meta)
+        except Exception as e:  # compilation failed: say so once and stay eager
+            self.is_broken = True
+            log.warning("graph capture (compile) failed, running eagerly: %r", e)
+            return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+
+    def warm_up(self, step: StepInputs) -> None:
+        """Compile now (on a dummy one-token step) rather than in the first request's step."""
+        start = time.perf_counter()
+        self(step)
+        self.compile_seconds = time.perf_counter() - start
+
+
+def _mark_sizes_unbacked(step: StepInputs) -> None:
+    """Every size that varies between steps: sizes the tracer may not specialise on (1 included)."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    plan = step.meta.plan
+    for t in (step.input_ids, step.positions, step.meta.slot_mapping, plan.pad_index, plan.unpad_index,
+              plan.groups_tensor):
+        mark(t, 0)
+    for dim in (0, 1):  # [num_seqs, num_blocks]
+        mark(plan.block_ids, dim)
+    for dim in (0, 2, 3):  # [num_seqs, 1, max_query_len, length]
+        mark(plan.mask, dim)

@@ -1,0 +1,157 @@
+"""`InputBuffers`: a step's model inputs, written into buffers allocated once and reused.
+
+Every step needs token ids, positions, the slot mapping, block tables, context lengths and the
+rows to score. Building them as fresh tensors from Python lists costs a dozen allocations and
+list conversions per step, which at batch 1 on a CPU is a visible share of a step. Here they
+are written through numpy views into host tensors that live as long as the runner (grown, never
+shrunk, when a batch outgrows them), and the step's tensors are slices of those.
+
+On CUDA the host buffers are pinned and copied to device buffers of the same size, which stay
+at fixed addresses: what CUDA graphs replay from (`cuda_graphs.py`).
+
+The flat batch is ordered as the model wants it: decode tokens first (one per sequence), then
+the other sequences' chunks, each kind by context length; `logits_index` lists, in the caller's
+order, the rows to score.
+On the CPU, when every chunk is short (decode, speculative verification, a draft catching up),
+the whole batch's attention runs as one dense call per layer by a `GatherPlan` made here once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.model.llama import AttentionMetadata
+from pdserve.kernels.gathered_attention import plan_gather
+
+MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `extend_attention`
+
+_INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")  # per token
+_INT32 = ("context_lens", "cu_seqlens_q")  # per sequence (+1)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_index: torch.Tensor | None  # [num_logits] int64 rows of the hidden states; None: every row, in order
+    order: list[int]  # batch index of each sequence in the flat batch
+
+
+class InputBuffers:
+    def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device, plan_on_host: bool,
+                 uniform_plans: bool = False):
+        self.block_size, self.max_blocks, self.device = block_size, max_blocks_per_seq, device
+        self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
+        self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
+        self._num_tokens = self._num_seqs = 0
+        self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
+        self._grow(256, 16)
+
+    def reserve(self, num_tokens: int, num_seqs: int) -> None:
+        """Room for batches of this many tokens and sequences without reallocating."""
+        if num_tokens > self._num_tokens or num_seqs > self._num_seqs:
+            self._grow(num_tokens, num_seqs)
+
+    def _grow(self, num_tokens: int, num_seqs: int) -> None:
+        self.generation += 1
+        self._num_tokens, self._num_seqs = max(num_tokens, self._num_tokens), max(num_seqs, self._num_seqs)
+        pin = self.device.type == "cuda"
+        shapes = {**{n: ((self._num_tokens,), torch.int64) for n in _INT64},
+                  "context_lens": ((self._num_seqs,), torch.int32), "cu_seqlens_q": ((self._num_seqs + 1,), torch.int32),
+                  "block_tables": ((self._num_seqs, self.max_blocks), torch.int32)}
+        self.host = {n: torch.zeros(shape, dtype=dt, pin_memory=pin) for n, (shape, dt) in shapes.items()}
+        self.np = {n: t.numpy() for n, t in self.host.items()}
+        self.dev = self.host if not pin else {n: torch.zeros_like(t, device=self.device) for n, t in self.host.items()}
+
+    def build(self, batch: list) -> StepInputs:
+        """batch: `BatchEntry`s, in the caller's order."""
+        # decodes first; each kind by context length, so the attention plan's runs pad little
+        order = sorted(range(len(batch)), key=lambda i: (batch[i].num_new_tokens != 1,
+                                                         batch[i].start + batch[i].num_new_tokens))
+        entries = [batch[i] for i in order]
+        num_tokens = sum(e.num_new_tokens for e in entries)
+        if num_tokens > self._num_tokens or len(entries) > self._num_seqs:
+            self._grow(max(num_tokens, 2 * self._num_tokens), max(len(entries), 2 * self._num_seqs))
+        starts = self._fill_tokens(entries)
+        width = self._fill_tables(entries)
+        return StepInputs(self._out("input_ids", num_tokens), self._out("positions", num_tokens),
+                          self._metadata(entries, num_tokens, width), self._logits_index(batch, order, starts), order)
+
+    def _fill_tokens(self, entries: list) -> list[int]:
+        ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
+        bs, t, starts = self.block_size, 0, []
+        for e in entries:
+            starts.append(t)
+            n, start, table = e.num_new_tokens, e.start, e.seq.block_table
+            if n == 1:
+                ids[t], pos[t], slots[t] = _token_ids(e, start, 1)[0], start, table[start // bs] * bs + start % bs
+            else:
+                p = np.arange(start, start + n)
+                ids[t:t + n], pos[t:t + n] = _token_ids(e, start, n), p
+                slots[t:t + n] = np.asarray(table)[p // bs] * bs + p % bs
+            t += n
+        return starts
+
+    def _fill_tables(self, entries: list) -> int:
+        tables, lens, cu = self.np["block_tables"], self.np["context_lens"], self.np["cu_seqlens_q"]
+        width, q_total, cu_i = 1, 0, 0
+        cu[0] = 0
+        for i, e in enumerate(entries):
+            table = e.seq.block_table
+            tables[i, :len(table)] = table
+            width = max(width, len(table))
+            lens[i] = e.start + e.num_new_tokens
+            if e.num_new_tokens != 1:
+                q_total += e.num_new_tokens
+                cu_i += 1
+                cu[cu_i] = q_total
+        return width
+
+    def _logits_index(self, batch: list, order: list[int], starts: list[int]) -> torch.Tensor | None:
+        """Rows of the hidden states to score, in the caller's order; None when that is all of
+        them in order (a batch of one decode, a prefill that scores every position)."""
+        where = [0] * len(batch)
+        for j, b in enumerate(order):
+            where[b] = starts[j]
+        rows = [r for b, e in enumerate(batch)
+                for r in range(where[b] + e.num_new_tokens - e.num_logits, where[b] + e.num_new_tokens)]
+        if rows == list(range(sum(e.num_new_tokens for e in batch))):
+            return None
+        self.np["logits_index"][:len(rows)] = rows
+        return self._out("logits_index", len(rows))
+
+    def _metadata(self, entries: list, num_tokens: int, width: int) -> AttentionMetadata:
+        nd = sum(1 for e in entries if e.num_new_tokens == 1)
+        ns = len(entries)
+        tables, lens = self._out("block_tables", ns)[:, :width], self._out("context_lens", ns)
+        meta = AttentionMetadata(
+            slot_mapping=self._out("slot_mapping", num_tokens), num_decode_tokens=nd,
+            decode_block_tables=tables[:nd], decode_context_lens=lens[:nd],
+            extend_block_tables=tables[nd:], extend_cu_seqlens_q=self._out("cu_seqlens_q", ns - nd + 1),
+            extend_context_lens=lens[nd:],
+        )
+        if self.plan_on_host and max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
+            meta.plan = plan_gather(tables, [e.start + e.num_new_tokens for e in entries],
+                                    [e.num_new_tokens for e in entries], self.block_size, self.uniform_plans)
+        return meta
+
+    def _out(self, name: str, n: int) -> torch.Tensor:
+        """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;
+        asynchronous, and safe to overwrite at the next step because every step ends by copying
+        its sampled tokens to the host, which waits for the stream)."""
+        if self.dev is self.host:
+            return self.host[name][:n]
+        return self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+
+
+def _token_ids(e, start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of the entry's sequence followed by its draft tokens, without
+    building the whole token list when they are all outputs (the decode case)."""
+    seq = e.seq
+    offset = start - len(seq.prompt_token_ids)
+    if offset >= 0 and offset + n <= len(seq.output_token_ids):
+        return seq.output_token_ids[offset:offset + n]
+    return (seq.token_ids + e.extra_token_ids)[start:start + n]

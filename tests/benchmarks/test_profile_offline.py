@@ -1,0 +1,38 @@
+"""benchmarks/profile_offline.py: variant specs parse, and a revision unpacks as an importable
+`pdserve` (what its side-by-side mode runs). No timing is asserted."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("profile_offline", ROOT / "benchmarks" / "profile_offline.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_variant_specs_parse():
+    po = load()
+    assert po.parse_variant("base=cc75024") == ("base", "cc75024", {})
+    assert po.parse_variant("c=HEAD:graph_capture=compile,num_kv_blocks=64,spec_adaptive=false") == \
+        ("c", "HEAD", {"graph_capture": "compile", "num_kv_blocks": 64, "spec_adaptive": False})
+    _, _, options = po.parse_variant("s=HEAD:draft_model=models/demo-draft")
+    assert options["draft_model"] == str(ROOT / "models" / "demo-draft")
+
+
+def test_a_revision_unpacks_as_the_pdserve_package(tmp_path):
+    po = load()
+    path, subject = po.unpack("HEAD", tmp_path)
+    assert subject.split()[0] and (path / "pdserve" / "engine" / "llm_engine.py").is_file()
+    env = dict(os.environ, PYTHONPATH=str(path))
+    out = subprocess.run([sys.executable, "-c", "import pdserve.engine as e; print(e.__file__)"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith(str(path)), out.stderr  # not the installed checkout

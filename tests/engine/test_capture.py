@@ -1,0 +1,80 @@
+"""Graph capture (`engine/capture.py`): a captured forward computes what the eager one does.
+
+The CPU capture compiles the model once (tens of seconds); one engine covers batch 1 and a
+batch of several sequences, decode steps and speculative verification, greedy and seeded
+sampling, all through the single graph it traces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10]
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return checkpoint("llama")
+
+
+@pytest.mark.slow
+def test_compiled_forward_gives_the_eager_tokens(target):
+    options = dict(speculative_method="ngram", num_speculative_tokens=3, spec_adaptive=False)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from pdserve.engine.model.llama import CausalLM
+
+    eager, compiled = LLM(target, **options), LLM(target, graph_capture="compile", **options)
+    graphs = len(_debug_get_cache_entry_list(CausalLM.forward.__code__))  # warm-up compiled one
+    capture = compiled.engine.runner.capture
+    assert capture is not None and capture.compile_seconds > 0  # compiled at start-up, not in a request
+    for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)):
+        for prompts in (PROMPTS[:1], PROMPTS):
+            want = [o.token_ids for o in eager.generate(prompts, params)]
+            assert [o.token_ids for o in compiled.generate(prompts, params)] == want
+    assert not capture.is_broken and compiled.engine.speculator.stats.num_drafts > 0
+    # one graph for every batch size and length: nothing recompiled after the warm-up
+    assert len(_debug_get_cache_entry_list(CausalLM.forward.__code__)) == graphs >= 1
+
+
+def test_graph_capture_option_is_validated():
+    with pytest.raises(ValueError, match="graph_capture"):
+        EngineConfig(model="m", graph_capture="sometimes")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cuda_graphs_need_cuda(target):
+    with pytest.raises(ValueError, match="needs a CUDA device and the Triton kernels"):
+        LLM(target, graph_capture="cuda_graphs")
+
+
+def test_cuda_graph_bucket_padding_computes_the_same_rows(target):
+    """What a CUDA graph replays, run eagerly on the CPU: a decode step of 3 sequences written
+    into the fixed input buffers, padded to the bucket of 4 (slot -1, context 1 over block 0),
+    block tables at full width. Its first 3 rows are the plain step's, and the padding row
+    writes nothing into the cache."""
+    from pdserve.engine.cuda_graphs import CudaGraphForward, bucket_sizes
+    from pdserve.engine.model_runner import BatchEntry
+
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and bucket_sizes(1) == [1]
+    llm = LLM(target, max_num_seqs=4)
+    eng, runner = llm.engine, llm.engine.runner
+    seqs = [eng.add_request(f"r{i}", list(range(3 + i, 40 + 7 * i)), SamplingParams(max_tokens=8)) for i in range(3)]
+    eng.step()  # prefill all three; each now has one token to decode
+    graphs = CudaGraphForward(runner.model, runner.kv_caches, runner.inputs, max_batch=4)
+    with torch.inference_mode():
+        for s in seqs:
+            assert eng.block_manager.allocate(s, s.num_tokens)
+        step = runner.inputs.build([BatchEntry(s, 1, 1) for s in seqs])
+        slots = step.meta.slot_mapping.tolist()
+        before = [k.clone() for k, _ in runner.kv_caches]
+        want = runner.model(step.input_ids, step.positions, runner.kv_caches, step.meta)
+        graphs._pad(3, 4)
+        got = runner.model(*graphs.static_args(4))
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    for (k, _), k_before in zip(runner.kv_caches, before):  # only the real tokens' slots were written
+        changed = (k != k_before).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+        assert changed == sorted(slots)
