@@ -194,6 +194,7 @@ def check_ports_free(host: str, ports: list[int]) -> None:
         if not port:  # None (off) or 0 (any free port)
             continue
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no owner
             try:
                 s.bind((host, port))
             except OSError as e:

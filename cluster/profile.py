@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pdserve.loadgen.costs import (CostProfile, SpeculationCost, StepCost, TransferCost, WorkerLimits,
+from pdserve.loadgen.costs import (CostProfile, SpeculationCost, TransferCost, WorkerLimits,
                                    chunk_attention)
 from pdserve.loadgen.fit import StepPoint, fit_step_cost
 

@@ -366,12 +366,17 @@ class LLMEngine:
         return self._output(req)
 
     def _finish_reason(self, seq: Sequence, tok: int, req: _Request) -> FinishReason | None:
-        p = seq.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return FinishReason.STOP
         if req.detok is not None and req.detok.stopped:
             return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        return self.finish_reason_of(seq.params, tok, seq.num_output_tokens, seq.num_tokens)
+
+    def finish_reason_of(self, p: SamplingParams, tok: int, num_output_tokens: int,
+                         num_tokens: int) -> FinishReason | None:
+        """Whether `tok`, the `num_output_tokens`-th output token (`num_tokens` in all), ends a
+        request (stop strings aside). Reads only what never changes: callable from any thread."""
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if num_output_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

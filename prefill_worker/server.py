@@ -20,7 +20,7 @@ from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_worker.kv_sender import KVSender
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.convert import parse_work_request
+from pdserve.serving.convert import logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
@@ -50,6 +50,7 @@ class PrefillServerConfig:
 class PrefillRequest:
     req_id: str
     sender: KVSender
+    first: asyncio.Future  # (first token, its logprobs or None) once sampled
     ended: PrefillState | None = None  # DONE, FAILED or CANCELLED once it is over
 
     @property
@@ -94,6 +95,18 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         return len(self.requests)
 
     async def Prefill(self, request, context):
+        done = None
+        async for event in self._prefill(request, context, stream_first_token=False):
+            done = event.done
+        return done
+
+    async def PrefillStream(self, request, context):
+        async for event in self._prefill(request, context, stream_first_token=True):
+            yield event
+
+    async def _prefill(self, request, context, stream_first_token: bool):
+        """PrefillEvents: the first token as soon as the engine samples it (when asked), then,
+        once the decode side has verified the K/V, the PrefillResponse."""
         await self.check_accepting(context)
         try:
             req_id, ids, params = parse_work_request(request.request)
@@ -104,28 +117,41 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         header = KVHeader(request.ticket, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)))
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
-        r = PrefillRequest(req_id, KVSender(asyncio.get_running_loop(), header, self.config.max_chunk_bytes))
+        loop = asyncio.get_running_loop()
+        r = PrefillRequest(req_id, KVSender(loop, header, self.config.max_chunk_bytes), loop.create_future())
         metadata = context.invocation_metadata()
         request_id.set(metadata_value(metadata, REQUEST_ID_KEY) or req_id)  # this task's log lines, the KV push
         spans = RequestSpans("pdserve.prefill", extract(metadata), req_id=req_id, prompt_tokens=len(ids))
         self.requests[req_id] = r
         self.loop.sinks[req_id] = lambda item: self._on_output(r, item)
+        push = None
         try:
             try:
                 await self.loop.call(lambda e: self._add(e, r, ids, params))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.num_requests_total += 1
-            ack = await self._push(r, ticket.address)
+            push = asyncio.ensure_future(self._push(r, ticket.address))
+            if stream_first_token:
+                await asyncio.wait({push, r.first}, return_when=asyncio.FIRST_COMPLETED)
+                if r.first.done() and not push.done():
+                    tok, logprobs = r.first.result()
+                    ends = engine.finish_reason_of(params, tok, 1, len(ids) + 1) is not None
+                    yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(
+                        token_id=tok, logprobs=logprobs_message(logprobs) if logprobs else None, ends_request=ends))
+            ack = await push
         except TransferError as e:
             await context.abort(STATUS_OF[e.failure], str(e))
         finally:
+            if push is not None and not push.done():  # the caller went away: stop pushing
+                push.cancel()
+                await asyncio.gather(push, return_exceptions=True)
             self._end(r)
             self._finish_spans(r, spans)
         s = r.sender
-        return worker_pb2.PrefillResponse(first_token_id=s.first_token, num_chunks=ack.num_chunks,
-                                          num_bytes=ack.num_bytes, prefill_seconds=s.finished_at - s.created_at,
-                                          tail_seconds=time.perf_counter() - s.finished_at)
+        yield worker_pb2.PrefillEvent(done=worker_pb2.PrefillResponse(
+            first_token_id=s.first_token, num_chunks=ack.num_chunks, num_bytes=ack.num_bytes,
+            prefill_seconds=s.finished_at - s.created_at, tail_seconds=time.perf_counter() - s.finished_at))
 
     async def _check_ticket(self, text: str, req_id: str, context) -> Ticket:
         """The K/V go only where a decode worker reserved blocks for this very request."""
@@ -160,7 +186,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if isinstance(item, Exception):
             r.sender.fail(str(item))
         elif item.new_token_ids:
-            r.sender.finish(item.new_token_ids[0], item.logprobs[0] if item.logprobs else None)
+            tok, logprobs = item.new_token_ids[0], item.logprobs[0] if item.logprobs else None
+            r.sender.finish(tok, logprobs)
+            if not r.first.done():
+                r.first.set_result((tok, logprobs))
 
     async def _push(self, r: PrefillRequest, address: str):
         started = time.perf_counter()

@@ -87,12 +87,12 @@ class OpenAIApp:
         except RequestFailed as e:
             self.router.metrics.count(e.code.name.lower())
             status = 401 if e.code == grpc.StatusCode.UNAUTHENTICATED else _HTTP_STATUS.get(e.code, 503)
-            return _error(status, str(e))
+            return error_response(status, str(e), None, "invalid_api_key" if status == 401 else None)
 
     async def prometheus_targets(self, _request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery: `pdserve serve`'s processes (404 for a standalone router)."""
         if self.router.prometheus_targets is None:
-            return _error(404, "no targets: this router does not run under `pdserve serve`")
+            return error_response(404, "no targets: this router does not run under `pdserve serve`")
         return web.json_response(self.router.prometheus_targets())
 
     async def health(self, _request: web.Request) -> web.Response:

@@ -210,11 +210,13 @@ class Router:
             if attempt == 0:
                 trace.state = RequestState.ADMITTED
             self.metrics.admitted(trace, attempt, len(req.prompt_token_ids))
+            first = None
             if self.pool.is_disaggregated:
-                prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline, metadata))
+                first = asyncio.get_running_loop().create_future()
+                prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline, metadata, first))
                 prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
                 trace.state = RequestState.PREFILLING
-            async for ids, reason, logprobs in self._events(call, decode, prefill_task, flight):
+            async for ids, reason, logprobs in self._events(call, decode, prefill_task, flight, first):
                 self.metrics.received(trace, len(ids))
                 yield stream.delta(ids, reason, logprobs)
                 if stream.finished:
@@ -302,7 +304,10 @@ class Router:
         return call, w, event.admitted.ticket
 
     async def _prefill(self, work: worker_pb2.WorkRequest, decode: Worker, ticket: str,
-                       deadline: float, metadata=()) -> worker_pb2.PrefillResponse:
+                       deadline: float, metadata=(), first: asyncio.Future | None = None
+                       ) -> worker_pb2.PrefillResponse:
+        """The prefill worker's account once the decode side has the K/V. `first` gets the first
+        token's `FirstToken` as soon as the prefill worker sampled it (None if it never says)."""
         prompt = list(work.prompt_token_ids)
         candidates = self.pool.prefill_candidates(decode, prompt)
         if not candidates:
@@ -310,9 +315,18 @@ class Router:
         w = candidates[0]
         w.num_queued_prompt_tokens += len(prompt)
         w.num_in_flight += 1
+        call = w.stub.PrefillStream(worker_pb2.PrefillRequest(request=work, ticket=ticket),
+                                    timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
+        resp = None
         try:
-            resp = await w.stub.Prefill(worker_pb2.PrefillRequest(request=work, ticket=ticket),
-                                        timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
+            while (event := await call.read()) is not grpc.aio.EOF:
+                if event.WhichOneof("event") == "first_token":
+                    if first is not None and not first.done():
+                        first.set_result(event.first_token)
+                elif event.WhichOneof("event") == "done":
+                    resp = event.done
+            if resp is None:
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"prefill on {w.address} ended without its outcome")
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_unavailable(w)
@@ -320,23 +334,49 @@ class Router:
                 w.info = decode.info = None
             raise RequestFailed(e.code(), f"prefill on {w.address} failed: {e.details()}") from None
         finally:
+            call.cancel()  # a no-op once it ended; stops the prefill when we are cancelled
+            if first is not None and not first.done():
+                first.set_result(None)
             w.num_queued_prompt_tokens -= len(prompt)
             w.num_in_flight -= 1
         w.prefixes.insert(prompt, w.info.block_size if w.info else 16)
         return resp
 
-    async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight):
+    async def _events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight,
+                      first: asyncio.Future | None = None):
         """(token ids, finish reason, log-probs) of each delta on the decode stream; a failed prefill ends it
-        with the prefill's failure, and the router's own abort with its reason."""
+        with the prefill's failure, and the router's own abort with its reason. With `first`, the
+        prefill worker's first token goes out as soon as it comes, unless it ends the request (the
+        decode worker then says how), and the decode stream's copy of it is skipped."""
         failure: list[RequestFailed] = []
         if prefill_task is not None:
             prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure))
+        early = None
         try:
             # read(), not `async for`: admission already read() the first event, and grpc.aio
             # forbids mixing the two on one call
-            while (event := await call.read()) is not grpc.aio.EOF:
+            read = asyncio.ensure_future(call.read())
+            read.add_done_callback(_retrieve)
+            if first is not None:
+                await asyncio.wait({read, first}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done() and first.done() and first.result() is not None \
+                        and not first.result().ends_request:
+                    early = first.result()
+                    logprobs = [early.logprobs] if early.HasField("logprobs") else []
+                    yield [early.token_id], gen_pb2.FINISH_REASON_UNSPECIFIED, logprobs
+            event = await read
+            while event is not grpc.aio.EOF:
                 if event.WhichOneof("event") == "tokens":
-                    yield list(event.tokens.token_ids), event.tokens.finish_reason, event.tokens.logprobs
+                    ids, logprobs = list(event.tokens.token_ids), list(event.tokens.logprobs)
+                    if early is not None and ids:  # the first token, which went out already
+                        if ids[0] != early.token_id:
+                            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} "
+                                                f"began with token {ids[0]}, the prefill worker sampled "
+                                                f"{early.token_id}")
+                        ids, logprobs, early = ids[1:], logprobs[1:], None
+                    if ids or event.tokens.finish_reason:
+                        yield ids, event.tokens.finish_reason, logprobs
+                event = await call.read()
         except grpc.aio.AioRpcError as e:
             if failure:
                 raise failure[0] from None
@@ -361,6 +401,12 @@ def log_request(req: RouterRequest, trace: RequestTrace, status: str, completion
         client_request_id=req.client_request_id, status=status, prompt_tokens=len(req.prompt_token_ids),
         completion_tokens=completion_tokens, ttft_s=ttft, e2e_s=round(now - trace.arrival_s, 6),
         failovers=failovers)})
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """A read the caller may never await (it went away): its error is not worth a warning."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve import __version__
 from pdserve.cluster.cli import build_parser, main
-from pdserve.serving.logs import JsonFormatter, TextFormatter, fields, request_context, setup_logging
+from pdserve.serving.logs import fields, request_context, setup_logging
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 SERVERS = ("router", "prefill-worker", "decode-worker", "serve")

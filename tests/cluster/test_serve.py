@@ -12,7 +12,7 @@ import urllib.request
 import psutil
 import pytest
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import SamplingParams
 from pdserve.v1 import generation_pb2 as gen
 from serve_system import serve_config, start_system, stream_all, tokens
 

@@ -2,7 +2,6 @@
 many concurrent streams."""
 from __future__ import annotations
 
-import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from procs import generate_all, joined

@@ -286,6 +286,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/PrefillStream',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/GetInfo',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
@@ -304,6 +309,14 @@ class PrefillWorkerServicer:
     def Prefill(self, request, context):
         """Prefill, sample the first token and push the KV where the ticket says; returns once the
         decode worker has verified the transfer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """The same, streamed: FirstToken as soon as it is sampled (before the transfer ends), then
+        the PrefillResponse. What the router calls.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -328,6 +341,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -367,6 +385,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/PrefillStream',
+            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,
