@@ -13,6 +13,7 @@ from inprocess import InProcessSystem
 from pdserve.engine import LLM, SamplingParams
 from pdserve.router.request import RequestFailed
 from pdserve.serving.kv_transfer import KVData, KVTrailer
+from pdserve.v1 import generation_pb2 as gen
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass"]
 
@@ -267,3 +268,60 @@ def test_drain_lets_requests_in_flight_finish(text_checkpoint):
 
     msgs, refusal = run(scenario())
     assert len(joined(msgs)) == 30 and refusal.code == grpc.StatusCode.UNAVAILABLE
+
+
+class GatedTransport(InterceptingTransport):
+    """Holds every stream after its header until `gate` is set: the K/V are 'still in transit'."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.held = 0
+
+    async def intercept(self, header, messages):
+        self.held += 1
+
+        async def rest():
+            await self.gate.wait()
+            async for m in messages:
+                yield m
+
+        return rest()
+
+
+def test_the_first_token_reaches_the_client_before_the_transfer_ends(text_checkpoint):
+    """The prefill worker's first token goes out while its K/V are held in transit; the stream
+    then continues without repeating it, equal to the offline engine's. A first token that ends
+    the request (max_tokens 1) waits for the decode worker, which says how it ended."""
+    prompt = PROMPTS[0]
+    want = LLM(text_checkpoint).generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+
+    async def scenario():
+        system = InProcessSystem(text_checkpoint)
+        system.transport = gated = GatedTransport(system.inproc)
+        async with system:
+            req = system.router.validator.parse(gen_request(prompt, 6))
+            stream = system.router.generate(req)
+            first = await asyncio.wait_for(anext(stream), 30)
+            assert gated.held == 1 and not gated.gate.is_set()  # the transfer has not ended
+            gated.gate.set()
+            rest = [m async for m in stream]
+            gated.gate.clear()
+            single = system.router.generate(system.router.validator.parse(gen_request(prompt, 1)))
+            with pytest.raises(asyncio.TimeoutError):  # nothing before the decode worker's verdict
+                await asyncio.wait_for(asyncio.shield(pending := asyncio.ensure_future(anext(single))), 1.0)
+            gated.gate.set()
+            only = [await pending] + [m async for m in single]
+            await system.wait_all_free()
+            return first, rest, only
+
+    first, rest, only = run(scenario())
+    assert list(first.token_ids) == want.token_ids[:1] and not first.finish_reason
+    assert joined([first, *rest]) == want.token_ids
+    assert "".join(m.text for m in [first, *rest]) == want.text
+    assert len(only) == 1 and list(only[0].token_ids) == want.token_ids[:1] and only[0].finish_reason == gen.LENGTH
+
+
+def gen_request(prompt: str, max_tokens: int):
+    return gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(
+        temperature=0, ignore_eos=True, max_tokens=max_tokens))
