@@ -304,6 +304,20 @@ def test_seeded_requests_reproducible_with_speculation(target, useless_draft):
     assert alone == again == batch
 
 
+@pytest.mark.parametrize("draft", ["target", "useless"])
+def test_coupled_seeded_sampling_equals_plain_decoding(target, useless_draft, draft):
+    """With the coupled verifier, a seeded sampled stream is the plain (unspeculated) stream token
+    for token, at adaptive depth and in a batch: what lets a failover continue a stream on a
+    worker that speculates differently, and a prefill worker's first token match."""
+    params = [SamplingParams(temperature=t, top_p=0.95, seed=40 + i, max_tokens=24, ignore_eos=True)
+              for i, t in enumerate((0.7, 1.0, 1.3))]
+    plain = [o.token_ids for o in LLM(target).generate(PROMPTS[:3], params)]
+    spec = LLM(target, draft_model=target if draft == "target" else useless_draft, num_speculative_tokens=4,
+               spec_adaptive=True, spec_verifier="coupled")
+    assert [o.token_ids for o in spec.generate(PROMPTS[:3], params)] == plain
+    assert spec.engine.speculator.stats.num_draft_tokens > 0  # it did speculate
+
+
 def make_depth(max_k=4, a_t=0.05, b_t=0.001, a_d=0.002, b_d=0.0002):
     t, d = LinearCost(a_t, b_t), LinearCost(a_d, b_d)
     return AdaptiveDepth(max_k, True, t, d)
