@@ -270,13 +270,18 @@ def copy_runs(src_runs, dst_slots: np.ndarray, src: tuple[np.ndarray, np.ndarray
     """Copy K then V of the tokens from the sender's slots (`src_runs`) into ours (`dst_slots`),
     piece by piece where both are consecutive, and return the CRC-32C of what landed in our
     cache (read back while it is still in the CPU's cache). One copy, one checksum pass."""
-    pieces = _pieces(src_runs, slot_runs(dst_slots))
+    rows = max(1, _HOT_BYTES // max(1, dst[0][0].nbytes))  # a piece small enough to re-read from the CPU cache
+    pieces = [(s + i, d + i, min(rows, n - i)) for s, d, n in _pieces(src_runs, slot_runs(dst_slots))
+              for i in range(0, n, rows)]
     crc = 0
     for s_cache, d_cache in zip(src, dst):
         for s, d, n in pieces:
             d_cache[d:d + n] = s_cache[s:s + n]
             crc = crc32c(d_cache[d:d + n], crc)
     return crc
+
+
+_HOT_BYTES = 256 << 10
 
 
 def _pieces(src_runs, dst_runs) -> list[tuple[int, int, int]]:
