@@ -104,14 +104,16 @@ def _worker(args: argparse.Namespace, make_service) -> int:
 def _decode_worker(args: argparse.Namespace) -> int:
     from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
-    config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout)
+    config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout,
+                                kv_shm=not args.no_kv_shm)
     return _worker(args, lambda: DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
 
 
 def _prefill_worker(args: argparse.Namespace) -> int:
     from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
-    config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes)
+    config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes,
+                                 kv_shm=not args.no_kv_shm)
     return _worker(args, lambda: PrefillWorkerServicer(config, security=cluster_security(args, "prefill worker")))
 
 
@@ -293,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("prefill-worker", help="serve the prefill pool's worker (gRPC); with --draft-model it "
                          "fills the draft's KV cache too (prefill workers never speculate)")
     add_worker_args(pre, 50071)
-    pre.add_argument("--max-chunk-bytes", type=int, default=1 << 20, help="KV bytes per PushKV message at most")
+    pre.add_argument("--max-chunk-bytes", type=int, default=4 << 20, help="KV bytes per PushKV message at most")
     pre.set_defaults(func=_prefill_worker)
 
     rt = sub.add_parser("router", help="serve the public Generation API (gRPC) and the OpenAI API (HTTP)")

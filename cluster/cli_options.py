@@ -110,6 +110,9 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    p.add_argument("--no-kv-shm", action="store_true", help="never move K/V through shared memory, even between "
+                   "workers on one node (default: a prefill worker's KV cache lives in /dev/shm and a decode worker "
+                   "whose probe it can open copies from it; any other pair uses gRPC)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,

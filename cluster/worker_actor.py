@@ -33,6 +33,7 @@ class WorkerSpec:
     drain_timeout_s: float
     security: object  # serving.auth.ClusterSecurity: the cluster's secret and TLS files
     telemetry: Telemetry = Telemetry()
+    kv_shm: bool = True  # K/V through shared memory with same-node peers
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +116,14 @@ class WorkerActor:
         if s.role == "prefill":
             from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
-            return PrefillWorkerServicer(PrefillServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s),
+            return PrefillWorkerServicer(PrefillServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
+                                                             kv_shm=s.kv_shm),
                                          security=s.security)
         from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
         return DecodeWorkerServicer(DecodeServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
-                                                       stream_timeout_s=s.stream_timeout_s), security=s.security)
+                                                       stream_timeout_s=s.stream_timeout_s, kv_shm=s.kv_shm),
+                                    security=s.security)
 
     def _on_ready(self, addresses) -> None:
         self.member = Member(self.spec.worker_id, self.spec.role, addresses.grpc, addresses.metrics or "",

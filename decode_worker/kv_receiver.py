@@ -1,23 +1,29 @@
 """`KVReceiver`: checks one pushed K/V stream and writes it into a reserved sequence's blocks.
 
 A stream is a header, data chunks, then a trailer (`pdserve.serving.kv_transfer`). Each chunk
-must carry the next sequence number and a matching crc32; the header must describe this
+must carry the next sequence number and a matching CRC-32C; the header must describe this
 worker's KV groups and the reservation's prompt; the trailer's chunk count must equal what
 arrived, and every token of every layer of every group must have been written. Anything else
 is a `TransferError`; the caller then fails the request, which frees its blocks. Runs on the
 asyncio loop only; it writes only into the slots of a HELD sequence, which no step reads.
+
+A chunk carries its bytes, or (a same-node pair, the header naming the sender's shared-memory
+segments) names the sender's slots: those are copied straight into the reserved slots and the
+checksum is computed on the copy, so bytes the sender changed or freed meanwhile fail the
+transfer instead of entering the cache.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, slot_ids, write_kv
+from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
+from pdserve.serving.kv_transfer.checksum import crc32c
+from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_runs, parse_runs
 
 
 @dataclass(slots=True)
@@ -28,6 +34,8 @@ class TransferProgress:
     num_bytes: int = 0
     covered: np.ndarray | None = None  # [layers over all groups, num_tokens] bool; None before the header
     layer_offsets: list[int] = field(default_factory=list)  # first row of each group in `covered`
+    shm: list[PeerGroup] | None = None  # the sender's segments, per group, when it sends over shared memory
+    shm_num_slots: int = 0
 
 
 class KVReceiver:
@@ -37,6 +45,8 @@ class KVReceiver:
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.peers = PeerSegments()
+        self.accepts_shm = all(cache[0][0].device.type == "cpu" for _, cache in groups)
 
     def open(self, p: TransferProgress, seq: Sequence, header: KVHeader) -> None:
         if p.covered is not None:
@@ -51,8 +61,25 @@ class KVReceiver:
         if header.groups != mine:
             raise TransferError(TransferFailure.MISMATCH, f"KV groups {list(header.groups)} differ from this "
                                 f"worker's {list(mine)}")
+        if header.shm is not None:
+            self._open_shm(p, header)
         p.layer_offsets = list(np.cumsum([0] + [g.num_layers for g in mine]))
         p.covered = np.zeros((p.layer_offsets[-1], header.num_tokens), dtype=bool)
+
+    def _open_shm(self, p: TransferProgress, header: KVHeader) -> None:
+        if not self.accepts_shm:
+            raise TransferError(TransferFailure.MISMATCH, "this decode worker's KV cache is not in host memory; "
+                                "it takes K/V over shared memory only into a CPU cache")
+        if len(header.shm.segments) != len(self.groups):
+            raise TransferError(TransferFailure.MISMATCH, f"the header names {len(header.shm.segments)} shared-memory "
+                                f"segments for {len(self.groups)} KV groups")
+        p.shm, p.shm_num_slots = [], header.shm.num_slots
+        for name, (layout, cache) in zip(header.shm.segments, self.groups):
+            k = raw_layer(cache, 0)[0]
+            try:
+                p.shm.append(self.peers.open(name, layout.num_layers, header.shm.num_slots, k.shape[1:], k.dtype))
+            except (OSError, ValueError) as e:
+                raise TransferError(TransferFailure.MISMATCH, f"cannot map the sender's KV segment {name}: {e}") from None
 
     def receive(self, p: TransferProgress, seq: Sequence, d: KVData) -> None:
         if p.covered is None:
@@ -60,8 +87,6 @@ class KVReceiver:
         if d.seq != p.num_chunks:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} arrived where chunk {p.num_chunks} "
                                 "was expected (a chunk was lost or reordered)")
-        if zlib.crc32(d.data) != d.crc32:
-            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its crc32 checksum")
         if not 0 <= d.group < len(self.groups) or not 0 <= d.layer < self.groups[d.group][0].num_layers:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} names group {d.group} layer {d.layer}, "
                                 "which does not exist")
@@ -70,13 +95,34 @@ class KVReceiver:
                                 f"{d.token_start + d.num_tokens}) outside the prompt's {p.covered.shape[1]}")
         layout, cache = self.groups[d.group]
         expected = 2 * d.num_tokens * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
-        if len(d.data) != expected:
-            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} has {len(d.data)} bytes; {d.num_tokens} "
-                                f"tokens of K and V take {expected}")
-        write_kv(cache, d.layer, slot_ids(seq, self.block_size, d.token_start, d.num_tokens), d.data)
+        slots = slot_ids(seq, self.block_size, d.token_start, d.num_tokens)
+        if d.src_runs:
+            self._copy_shm(p, d, cache, slots)
+        else:
+            if len(d.data) != expected:
+                raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} has {len(d.data)} bytes; {d.num_tokens} "
+                                    f"tokens of K and V take {expected}")
+            if crc32c(d.data) != d.crc32c:
+                raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
+            write_kv(cache, d.layer, slots, d.data)
         p.covered[p.layer_offsets[d.group] + d.layer, d.token_start:d.token_start + d.num_tokens] = True
         p.num_chunks += 1
-        p.num_bytes += len(d.data)
+        p.num_bytes += expected
+
+    def _copy_shm(self, p: TransferProgress, d: KVData, cache: KVCache, slots) -> None:
+        """The chunk's tokens from the sender's segment into our slots, checked after the copy
+        (a bad copy lands only in the slots of this reservation, which then is freed)."""
+        if p.shm is None:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} names shared-memory slots, but the header "
+                                "named no segments")
+        try:
+            runs = parse_runs(d.src_runs, p.shm_num_slots, d.num_tokens)
+        except ValueError as e:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq}: {e}") from None
+        crc = copy_runs(runs, slots.numpy(), p.shm[d.group].layers[d.layer], raw_layer(cache, d.layer))
+        if crc != d.crc32c:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum after the "
+                                "copy from shared memory")
 
     def finish(self, p: TransferProgress, t: KVTrailer) -> None:
         if p.covered is None:

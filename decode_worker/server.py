@@ -36,7 +36,8 @@ from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
-from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, serve_push_kv
+from pdserve.serving.kv_transfer import shm
+from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, add_decode_worker_servicer, serve_push_kv
 from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
 from pdserve.serving.tickets import TicketError, issue, verify
 from pdserve.serving.tracing import RequestSpans, extract, metadata_value
@@ -50,6 +51,7 @@ log = logging.getLogger("pdserve.decode")
 class DecodeServerConfig:
     kv_transfer_timeout_s: float = 30.0  # reservation until the transfer is verified
     stream_timeout_s: float = 120.0  # longest wait for the next token delta
+    kv_shm: bool = True  # advertise a shared-memory probe: same-node prefill workers then push K/V through /dev/shm
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
@@ -92,10 +94,14 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         self.transfers: dict[str, DecodeRequest] = {}  # ticket nonce -> reserved request; asyncio loop only
         self.num_reservations_expired = 0  # reserved, then no verified transfer within the timeout
         self.live: set[DecodeRequest] = set()  # every request with an open stream; asyncio loop only
+        self.probe: shm.Probe | None = None  # made once the cache is known to be in host memory
 
     def add_to(self, server: AioServer) -> None:
-        server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self,
-                   worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
+        server.add(add_decode_worker_servicer, self, worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
 
     def server_options(self) -> list[tuple]:
         return KV_TRANSFER_OPTIONS  # it receives the bulk KV pushes
@@ -105,6 +111,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         e = loop.engine
         groups = list(zip(kv_group_layouts(e), (kv for _, kv in kv_cache_groups(e))))
         self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size)
+        if self.config.kv_shm and self.receiver.accepts_shm and shm.is_available():
+            shm.clean_stale_segments()
+            self.probe = shm.Probe()
+            self.info.shm_probe, self.info.shm_probe_nonce = self.probe.name, self.probe.nonce
 
     @property
     def num_live_requests(self) -> int:

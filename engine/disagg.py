@@ -167,6 +167,14 @@ def write_kv(cache: KVCache, layer: int, slots: torch.Tensor, data: bytes | memo
     _flat(v_cache).index_copy_(0, slots.to(v_cache.device), kv[1])
 
 
+def raw_layer(cache: KVCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of one layer of a CPU cache as writable numpy views of their raw bytes,
+    [num_blocks * block_size, num_kv_heads, head_dim] (slot-indexed)."""
+    k_cache, v_cache = cache[layer]
+    assert k_cache.device.type == "cpu", "raw views exist only of a CPU cache"
+    return _raw(_flat(k_cache)), _raw(_flat(v_cache))
+
+
 def _flat(cache: torch.Tensor) -> torch.Tensor:  # [num_blocks * block_size, num_kv_heads, head_dim]
     return cache.view(-1, *cache.shape[2:])
 

@@ -20,7 +20,7 @@ from pdserve.engine.disagg import KVHook, prefill_chunk
 from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model.config import load_model_config
-from pdserve.engine.model_runner import BatchEntry, ModelRunner, kv_bytes_per_block
+from pdserve.engine.model_runner import BatchEntry, KVAllocator, ModelRunner, kv_bytes_per_block
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.penalties import penalize
 from pdserve.engine.sampler import Sampler
@@ -44,8 +44,10 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None):
+        """kv_allocator: where the KV caches (target, then draft) live, when not in ordinary memory."""
         self.config = config
+        self._kv_allocator = kv_allocator
         self.model_config = cfg = load_model_config(config.model)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
@@ -59,7 +61,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
-                                  num_blocks, config.block_size, self.capture, config.max_num_seqs)
+                                  num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = self._build_speculator()
@@ -92,7 +94,8 @@ class LLMEngine:
             return None
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
-                           self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs)
+                           self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
+                           self._kv_allocator)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method

@@ -38,23 +38,33 @@ class BatchEntry:
             self.start = self.seq.num_computed_tokens
 
 
+# (num_layers, [num_blocks, block_size, num_kv_heads, head_dim], dtype, device) -> per layer (K, V),
+# zero-filled; or None to decline (the runner then allocates as usual). A prefill worker passes
+# one that places the cache in shared memory (serving/kv_transfer/shm.py).
+KVAllocator = Callable[[int, tuple, torch.dtype, torch.device], "list[tuple[torch.Tensor, torch.Tensor]] | None"]
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64):
+                 device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64,
+                 kv_allocator: KVAllocator | None = None):
         """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
-        max_batch: the most sequences a step holds (CUDA graphs capture up to it)."""
+        max_batch: the most sequences a step holds (CUDA graphs capture up to it);
+        kv_allocator: where the KV cache lives when not in ordinary memory (see `KVAllocator`)."""
         self.cfg, self.device, self.block_size = cfg, device, block_size
         self.model = build_model(cfg, model_dir, ops, dtype, device)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # zeros, not empty: padded attention rows read stale slots, which must be finite
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = kv_allocator and kv_allocator(cfg.num_layers, shape, dtype, device)
+        if not self.kv_caches:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(cfg.num_layers)
+            ]
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile")

@@ -1,9 +1,10 @@
 """`KVSender`: one request's K/V as a message stream, fed by the engine thread and drained by
 the KV transport on the asyncio loop.
 
-The engine thread calls `send` with each layer's K/V as soon as the layer finishes, and
-`finish` with the first token; each becomes `KVData` messages (split to stay under
-`max_chunk_bytes`, numbered, crc32-checked), queued in order behind the header:
+The engine thread calls `send` with each layer's K/V as soon as the layer finishes (or, when
+the KV cache lives in shared memory, `send_slots` with the slots that hold them), and `finish`
+with the first token; each becomes `KVData` messages (split to stay under `max_chunk_bytes`,
+numbered, CRC-32C-checked), queued in order behind the header:
 
     header ─► data 0 ─► data 1 ─► ... ─► trailer(num_chunks, first_token)
 
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 
 import numpy as np
 
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
+from pdserve.serving.kv_transfer.checksum import crc32c
+from pdserve.serving.kv_transfer.shm import runs_crc32c, slot_runs
 
 _END = object()
 
@@ -40,17 +42,37 @@ class KVSender:
     # ---- engine thread -------------------------------------------------------------------
     def send(self, group: int, layer: int, token_start: int,
              kv: np.ndarray) -> None:  # kv: [2, num_tokens, num_kv_heads, head_dim], K then V, contiguous
-        if self.first_layer_at is None:
-            self.first_layer_at = time.perf_counter()
+        """K/V bytes (`engine.disagg.read_kv`'s array, owned by this sender from now on)."""
+        self._began()
         num_tokens = kv.shape[1]
         per_token = 2 * kv[0, 0].nbytes
         step = max(1, self._max_chunk_bytes // per_token)
         for s in range(0, num_tokens, step):
-            data = kv[:, s:s + step].tobytes()  # the one copy into the message's bytes
-            self._put(KVData(self.num_chunks, group, layer, token_start + s, min(step, num_tokens - s), data,
-                             zlib.crc32(data)))
-            self.num_chunks += 1
-            self.num_bytes += len(data)
+            # the whole layer fits in one chunk: its array's own bytes, no copy here (the
+            # transport's framing makes the one copy into the message); else a contiguous piece
+            part = kv if step >= num_tokens else np.ascontiguousarray(kv[:, s:s + step])
+            data = memoryview(part).cast("B")
+            self._data(group, layer, token_start + s, min(step, num_tokens - s), data, crc32c(part))
+
+    def send_slots(self, group: int, layer: int, token_start: int, slots: np.ndarray,
+                   k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+        """K/V that stay in the shared-memory cache: the chunk names `slots` (their bytes are
+        checksummed here, so the decode side can verify its copy). The caches are raw
+        [num_slots, num_kv_heads, head_dim] views of one layer."""
+        self._began()
+        runs = slot_runs(slots)
+        crc = runs_crc32c(runs, k_cache, v_cache)
+        self._data(group, layer, token_start, len(slots), b"", crc, tuple(x for run in runs for x in run),
+                   num_bytes=2 * len(slots) * k_cache[0].nbytes)
+
+    def _began(self) -> None:
+        if self.first_layer_at is None:
+            self.first_layer_at = time.perf_counter()
+
+    def _data(self, group, layer, token_start, num_tokens, data, crc, src_runs=(), num_bytes=None) -> None:
+        self._put(KVData(self.num_chunks, group, layer, token_start, num_tokens, data, crc, src_runs))
+        self.num_chunks += 1
+        self.num_bytes += len(data) if num_bytes is None else num_bytes
 
     def finish(self, first_token: int, logprobs: list[tuple[int, float]] | None = None) -> None:
         self.first_token = first_token

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, read_kv
+from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, raw_layer, read_kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_worker.kv_sender import KVSender
 from pdserve.serving.auth import ClusterSecurity
@@ -24,7 +24,9 @@ from pdserve.serving.convert import logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
+from pdserve.serving.kv_transfer import shm
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
+from pdserve.serving.kv_transfer.shm_transport import ShmTransport
 from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
 from pdserve.serving.tickets import Ticket, TicketError, verify
 from pdserve.serving.tracing import RequestSpans, extract, metadata_value
@@ -37,7 +39,8 @@ log = logging.getLogger("pdserve.prefill")
 @dataclass(frozen=True, slots=True)
 class PrefillServerConfig:
     kv_transfer_timeout_s: float = 30.0  # the whole push, prefill included
-    max_chunk_bytes: int = 1 << 20
+    max_chunk_bytes: int = 4 << 20  # per data chunk over gRPC: fewer, larger messages move bytes faster
+    kv_shm: bool = True  # KV cache in shared memory; same-node decode workers copy from it (shm.py)
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
@@ -69,10 +72,25 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                  security: ClusterSecurity = ClusterSecurity()):
         super().__init__(metrics, security)
         self.config = config
+        self.arena: shm.KVArena | None = None  # our KV cache, when it lives in shared memory
+        if transport is None and config.kv_shm and shm.is_available():
+            shm.clean_stale_segments()
+            self.arena = self.kv_allocator = shm.KVArena()
+            transport = ShmTransport(self.arena, GrpcTransport(security), self._raw_layer)
         self.transport = transport or GrpcTransport(security)
         self.requests: dict[str, PrefillRequest] = {}  # asyncio loop only
         self._senders: dict[str, KVSender] = {}  # engine thread only
         self._groups = []
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+
+    def _raw_layer(self, group: int, layer: int):
+        return raw_layer(self._groups[group], layer)
+
+    def extra_stats(self) -> dict:
+        return dict(kv_transfer_shm_total=getattr(self.transport, "num_shm_pushes", 0))
 
     def add_to(self, server: AioServer) -> None:
         server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self,
@@ -84,10 +102,16 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         loop.engine.kv_hook = self._send_layer
 
     def _send_layer(self, group: int, layer: int, chunks) -> None:
-        """The engine's KV hook (engine thread): this layer's K/V of each chunk to its sender."""
+        """The engine's KV hook (engine thread): this layer's K/V of each chunk to its sender:
+        the slots that hold them when the cache is in shared memory, else a copy of their bytes."""
+        in_shm = self.arena is not None and bool(self.arena.segments)
         for c in chunks:
             sender = self._senders.get(c.seq.req_id)
-            if sender is not None:
+            if sender is None:
+                continue
+            if in_shm:
+                sender.send_slots(group, layer, c.token_start, c.slots.numpy(), *self._raw_layer(group, layer))
+            else:
                 sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
 
     @property

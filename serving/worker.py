@@ -52,6 +52,11 @@ class WorkerService:
         self.kv_transfer_failures_total = 0
         self.num_requests_total = 0  # taken: queued for prefill, or admitted for decode
         self.is_draining = False  # stopping: new requests are refused, live ones finish
+        self.kv_allocator = None  # where the engine puts its KV cache, when not in ordinary memory
+
+    def close(self) -> None:
+        """Give back what outlives the process unless given back (shared-memory segments);
+        called once the server stopped, whatever ended it."""
 
     def add_to(self, server: AioServer) -> None:
         """Register this servicer (and its health name) with a server."""
@@ -120,7 +125,7 @@ class WorkerService:
         return {}
 
 
-def load_engine(config: EngineConfig, role: str, warmup: bool):
+def load_engine(config: EngineConfig, role: str, warmup: bool, kv_allocator=None):
     """Load the weights, allocate the KV cache and (unless told not to) run one tiny request
     through, so the first client's request pays no first-use cost (kernel compilation on a GPU,
     allocator growth); each step reported as it happens."""
@@ -130,7 +135,7 @@ def load_engine(config: EngineConfig, role: str, warmup: bool):
     draft = f" and draft {config.draft_model}" if config.draft_model else ""
     progress(f"{role} worker: loading {config.model}{draft} and allocating the KV cache")
     started = time.perf_counter()
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, kv_allocator)
     bm = engine.block_manager
     kv_bytes = sum(t.numel() * t.element_size() for t in _kv_tensors(engine))
     progress(f"{role} worker: loaded in {time.perf_counter() - started:.1f} s on {engine.device}: KV cache "
@@ -179,7 +184,7 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
         if metrics_port is not None:
             metrics, bound = await start_metrics_server(service.metrics.registry, host, metrics_port)
             metrics_address = f"{host}:{bound}"
-        engine = await asyncio.to_thread(load_engine, engine_config, service.role, warmup)
+        engine = await asyncio.to_thread(load_engine, engine_config, service.role, warmup, service.kv_allocator)
         if until.done():  # stopped while loading: never serve, never say ready
             progress(f"{service.role} worker: stopped while loading")
             return
@@ -199,3 +204,4 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
             await metrics.cleanup()
         if service.loop is not None:
             service.loop.stop()
+        service.close()

@@ -13,6 +13,13 @@ an unreachable peer). Backends:
 - `InProcessTransport` (here): endpoints registered by address in one process; no copies, no
   serialization. For in-process tests of the router and both workers together.
 - `GrpcTransport` (`grpc_transport.py`): the `DecodeWorker.PushKV` client stream.
+- `ShmTransport` (`shm_transport.py`): the same stream, but for a decode worker on the same node
+  (it can open that worker's probe, `shm.py`) the data chunks name slots of the prefill
+  worker's KV cache in shared memory instead of carrying bytes; for any other peer it fills in
+  the bytes and the stream goes as plain gRPC. Chosen per pair, once.
+
+Every data chunk carries a CRC-32C (`checksum.py`) of its bytes, verified on arrival (over shared
+memory: after the decode side's copy into its cache).
 
 Messages are plain values; protobuf exists only inside the gRPC backend.
 """
@@ -27,25 +34,36 @@ from pdserve.engine.disagg import KVGroupLayout
 
 
 @dataclass(frozen=True, slots=True)
+class KVShm:
+    """The sender's KV cache in shared memory (`shm.KVArena`): one segment per group."""
+
+    segments: tuple[str, ...]
+    num_slots: int  # the sender's num_blocks * block_size
+
+
+@dataclass(frozen=True, slots=True)
 class KVHeader:
     ticket: str  # the reservation's transfer ticket (serving/tickets.py)
     num_tokens: int  # the prompt's tokens, all of which the data chunks cover
     dtype: str  # "float32", "bfloat16", "float16"
     groups: tuple[KVGroupLayout, ...]  # every KV cache of the sender, in order (target, draft)
+    shm: KVShm | None = None  # set when the data chunks name slots in shared memory
 
 
 @dataclass(frozen=True, slots=True)
 class KVData:
     """K then V of tokens [token_start, token_start + num_tokens) of one layer, each laid out
-    [num_tokens, num_kv_heads, head_dim] row-major in the header's dtype."""
+    [num_tokens, num_kv_heads, head_dim] row-major in the header's dtype: in `data`, or, over
+    shared memory, in the sender's slots that `src_runs` names (then `data` is empty)."""
 
     seq: int  # 0, 1, 2, … in stream order: a gap means a lost chunk
     group: int  # index into KVHeader.groups
     layer: int
     token_start: int
     num_tokens: int
-    data: bytes
-    crc32: int  # zlib.crc32 of data
+    data: bytes | memoryview
+    crc32c: int  # CRC-32C of the chunk's bytes (K of every token, then V)
+    src_runs: tuple[int, ...] = ()  # shared memory: (first slot, number of slots) pairs in token order
 
 
 @dataclass(frozen=True, slots=True)

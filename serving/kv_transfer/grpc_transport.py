@@ -4,6 +4,12 @@
 `serve_push_kv` is the decode side, turning the PushKV call into a message stream for the
 worker's `KVEndpoint` and its verdict into a status code. The conversions to and from protobuf
 live here and nowhere else.
+
+Bulk bytes skip protobuf's own copies: a data chunk is framed by hand (`encode_chunk`: the small
+fields through protobuf, then the data field's tag and length, then the bytes, joined once into
+the message gRPC sends) and parsed by hand on arrival (`decode_chunk`: the data field becomes a
+memoryview of the received message, checksummed and written into the cache without a copy).
+The wire format is exactly protobuf's `KVChunk`, so any protobuf client may still push.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import asyncio
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.serving.convert import logprobs_message, parse_logprobs
 from pdserve.serving.grpc_server import CHANNEL_OPTIONS, KV_TRANSFER_OPTIONS
@@ -18,8 +25,8 @@ from pdserve.serving.logs import REQUEST_ID_KEY, request_id
 from pdserve.serving.tracing import metadata_value, outgoing_metadata
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVTrailer, TransferError,
-                                         TransferFailure)
+from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVShm, KVTrailer,
+                                         TransferError, TransferFailure)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 STATUS_OF = {
@@ -38,12 +45,15 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
     if isinstance(msg, KVData):
         return worker_pb2.KVChunk(data=worker_pb2.KVData(
             seq=msg.seq, group=msg.group, layer=msg.layer, token_start=msg.token_start, num_tokens=msg.num_tokens,
-            data=msg.data, crc32=msg.crc32))
+            data=bytes(msg.data), crc32c=msg.crc32c, src_runs=msg.src_runs))
     if isinstance(msg, KVHeader):
-        return worker_pb2.KVChunk(header=worker_pb2.KVHeader(
+        header = worker_pb2.KVHeader(
             ticket=msg.ticket, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
                 worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-                                         head_dim=g.head_dim) for g in msg.groups]))
+                                         head_dim=g.head_dim) for g in msg.groups])
+        if msg.shm is not None:
+            header.shm.CopyFrom(worker_pb2.KVShm(segments=msg.shm.segments, num_slots=msg.shm.num_slots))
+        return worker_pb2.KVChunk(header=header)
     trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id)
     if msg.first_token_logprobs is not None:
         trailer.first_token_logprobs.CopyFrom(logprobs_message(list(msg.first_token_logprobs)))
@@ -54,11 +64,12 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
     part = chunk.WhichOneof("part")
     if part == "data":
         d = chunk.data
-        return KVData(d.seq, d.group, d.layer, d.token_start, d.num_tokens, d.data, d.crc32)
+        return KVData(d.seq, d.group, d.layer, d.token_start, d.num_tokens, d.data, d.crc32c, tuple(d.src_runs))
     if part == "header":
         h = chunk.header
+        shm = KVShm(tuple(h.shm.segments), h.shm.num_slots) if h.HasField("shm") else None
         return KVHeader(h.ticket, h.num_tokens, h.dtype, tuple(
-            KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups))
+            KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups), shm)
     if part == "trailer":
         t = chunk.trailer
         logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
@@ -67,25 +78,136 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
     raise TransferError(TransferFailure.CORRUPT, "a KV chunk carries no header, data or trailer")
 
 
+# ---- the bulk path's framing ---------------------------------------------------------------------
+_DATA_PART = 0x12  # KVChunk field 2 (data), length-delimited
+_DATA_FIELD = 0x32  # KVData field 6 (data), length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_chunk(msg: KVMessage) -> bytes:
+    """A message's `KVChunk` wire bytes; a data chunk's bytes are copied once, into the result."""
+    if not isinstance(msg, KVData) or not len(msg.data):
+        return to_proto(msg).SerializeToString()
+    meta = worker_pb2.KVData(seq=msg.seq, group=msg.group, layer=msg.layer, token_start=msg.token_start,
+                             num_tokens=msg.num_tokens, crc32c=msg.crc32c).SerializeToString()
+    n = len(msg.data)
+    field_head = bytes([_DATA_FIELD]) + _varint(n)
+    inner_len = len(meta) + len(field_head) + n
+    return b"".join((bytes([_DATA_PART]), _varint(inner_len), meta, field_head, msg.data))
+
+
+def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("a varint runs past the message")
+        b = buf[i]
+        n |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not b & 0x80:
+            return n, i
+
+
+def decode_chunk(raw: bytes) -> KVMessage:
+    """A received `KVChunk`: data chunks parsed here with their bytes as a memoryview of `raw`
+    (no copy), headers and trailers through protobuf.
+    A chunk that does not parse becomes the TransferError to raise in its place (a deserializer
+    that raised would end the call with INTERNAL, not DATA_LOSS)."""
+    buf = memoryview(raw)
+    try:
+        if not len(buf) or buf[0] != _DATA_PART:
+            return from_proto(worker_pb2.KVChunk.FromString(raw))
+        size, i = _read_varint(buf, 1)
+        if i + size != len(buf):
+            raise ValueError("a KV chunk's data part does not fill the message")
+        return _decode_data(buf, i)
+    except TransferError as e:
+        return e
+    except (ValueError, DecodeError) as e:
+        return TransferError(TransferFailure.CORRUPT, f"a KV chunk does not parse: {e}")
+
+
+def _decode_data(buf: memoryview, i: int) -> KVData:
+    ints = dict.fromkeys((1, 2, 3, 4, 5, 7), 0)
+    data, runs = buf[0:0], []
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _read_varint(buf, i)
+            if number == 8:
+                runs.append(value)
+            else:
+                ints[number] = value
+        elif wire == 2:
+            n, i = _read_varint(buf, i)
+            if i + n > len(buf):
+                raise ValueError("a field runs past the message")
+            if number == 6:
+                data = buf[i:i + n]
+            elif number == 8:  # packed src_runs
+                j = i
+                while j < i + n:
+                    value, j = _read_varint(buf, j)
+                    runs.append(value)
+            i += n
+        elif wire == 5:
+            i += 4
+        elif wire == 1:
+            i += 8
+        else:
+            raise ValueError(f"wire type {wire} in field {number}")
+    return KVData(ints[1], ints[2], ints[3], ints[4], ints[5], data, ints[7], tuple(runs))
+
+
+def add_decode_worker_servicer(servicer, server) -> None:
+    """`add_DecodeWorkerServicer_to_server`, with PushKV's chunks framed by `decode_chunk` (the
+    handler then receives `KVMessage`s) instead of protobuf's parser."""
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, _FastPushKV(server))
+
+
+class _FastPushKV:
+    """Stands in for the server while the generated code registers its handlers."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # rebuilt from the patched table below
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        push = handlers["PushKV"]
+        handlers = handlers | {"PushKV": grpc.stream_unary_rpc_method_handler(
+            push.stream_unary, request_deserializer=decode_chunk, response_serializer=push.response_serializer)}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+
+
 class GrpcTransport:
     def __init__(self, security: ClusterSecurity = ClusterSecurity(), channel_options: list[tuple] = ()):
-        self._security = security
+        self.security = security
         self._options = [*CHANNEL_OPTIONS, *KV_TRANSFER_OPTIONS, *channel_options]
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+    def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = self._security.channel(address, self._options)
-        return worker_pb2_grpc.DecodeWorkerStub(self._channels[address])
+            self._channels[address] = self.security.channel(address, self._options)
+        return self._channels[address]
 
     async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
-        async def chunks():
-            async for msg in messages:
-                yield to_proto(msg)
-
+        push_kv = self.channel(address).stream_unary(
+            "/pdserve.v1.DecodeWorker/PushKV", request_serializer=encode_chunk,
+            response_deserializer=worker_pb2.PushKVResponse.FromString)
         # the cluster's credentials, and the request's id and trace context for the decode side's logs
-        call = self._stub(address).PushKV(chunks(), timeout=timeout_s,
-                                          metadata=(*self._security.metadata, *outgoing_metadata()))
+        call = push_kv(messages, timeout=timeout_s, metadata=(*self.security.metadata, *outgoing_metadata()))
         try:
             ack = await call
         except grpc.aio.AioRpcError as e:
@@ -100,11 +222,13 @@ class GrpcTransport:
 
 
 async def serve_push_kv(endpoint: KVEndpoint, request_iterator, context) -> worker_pb2.PushKVResponse:
-    """The body of a decode worker's PushKV handler."""
+    """The body of a decode worker's PushKV handler (registered by `add_decode_worker_servicer`)."""
 
     async def messages():
-        async for chunk in request_iterator:
-            yield from_proto(chunk)
+        async for msg in request_iterator:  # decode_chunk made them KVMessages
+            if isinstance(msg, TransferError):
+                raise msg
+            yield msg
 
     request_id.set(metadata_value(context.invocation_metadata(), REQUEST_ID_KEY))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import zlib
+import google_crc32c
 
 import grpc
 import pytest
@@ -81,7 +81,7 @@ def kv_chunks(cluster, ticket: str, num_tokens=len(PROMPT), first_token=5):
         for layer in range(group.num_layers):
             data = torch.randn(2, num_tokens, group.num_kv_heads, group.head_dim).numpy().tobytes()
             yield wk.KVChunk(data=wk.KVData(seq=seq, group=g, layer=layer, token_start=0, num_tokens=num_tokens,
-                                            data=data, crc32=zlib.crc32(data)))
+                                            data=data, crc32c=google_crc32c.value(data)))
             seq += 1
     yield wk.KVChunk(trailer=wk.KVTrailer(num_chunks=seq, first_token_id=first_token))
 

@@ -74,6 +74,7 @@ class InProcessSystem:
             await server.stop(grace=0.5)
         for service in (*self.prefills, *self.decodes):
             service.loop.stop()
+            service.close()
         await self.prefill.transport.close()
 
     async def generate(self, prompt: str | list[int], max_tokens: int = 8, **params) -> list[gen.GenerateResponse]:

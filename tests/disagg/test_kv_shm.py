@@ -1,0 +1,178 @@
+"""The shared-memory KV path with real worker processes on loopback.
+
+Each process gets a /dev/shm of its own choosing ($PDSERVE_SHM_DIR, a temporary folder), the
+way containers on one node may or may not share one:
+
+    P (dir A) ──shm──► D (dir A)     same /dev/shm: the probe opens, K/V go through shared memory
+    P (dir A) ──gRPC─► DX (dir B)    another /dev/shm: the probe cannot be opened, plain gRPC
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import grpc
+import numpy as np
+import pytest
+
+from pdserve.cluster.local import LocalProcess
+from pdserve.engine.disagg import raw_layer, read_kv, write_kv
+from pdserve.serving.kv_transfer.checksum import crc32c
+from pdserve.serving.kv_transfer.shm import KVArena, Segment, copy_runs, runs_crc32c, slot_runs
+from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import worker_pb2 as wk
+from procs import CLUSTER_TOKEN, Cluster, wait_ready
+
+PROMPT = list(range(40, 90))
+
+
+def _start(c: Cluster, name: str, command: str, shm_dir, *args: str) -> LocalProcess:
+    extra = ["--model", str(c.model)] if command != "router" else ["--model", str(c.model)]
+    proc = LocalProcess(name, command, [*extra, *args], c.logs / f"{name}.log",
+                        env={"PDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, "PDSERVE_SHM_DIR": str(shm_dir)})
+    c.procs[name] = proc
+    return proc.start()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tmp_path_factory.mktemp("shm-a"), tmp_path_factory.mktemp("shm-b")
+
+
+@pytest.fixture(scope="module")
+def pair(serving_model, tmp_path_factory, dirs):
+    a, b = dirs
+    c = Cluster(serving_model, tmp_path_factory.mktemp("shm-logs"))
+    worker = ["--num-threads", "1", "--num-kv-blocks", "64", "--kv-transfer-timeout", "20", "--no-warmup"]
+    try:
+        wait_ready(_start(c, "P", "prefill-worker", a, *worker), _start(c, "D", "decode-worker", a, *worker),
+                   _start(c, "DX", "decode-worker", b, *worker))
+        wait_ready(_start(c, "R", "router", a, "--prefill", c.address("P"), "--decode", c.address("D")),
+                   _start(c, "RX", "router", a, "--prefill", c.address("P"), "--decode", c.address("DX")))
+        yield c
+    finally:
+        c.stop()
+
+
+def _generate(c: Cluster, router: str) -> list[int]:
+    msgs = list(c.generation(router).Generate(gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=PROMPT), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True)), timeout=60))
+    return [t for m in msgs for t in m.token_ids]
+
+
+def test_same_node_pair_uses_shm_and_the_other_falls_back_to_grpc(pair, dirs):
+    shm_before = pair.stats("P").kv_transfer_shm_total
+    via_shm = _generate(pair, "R")
+    assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
+    via_grpc = _generate(pair, "RX")  # DX's probe lives in another folder: P cannot open it
+    assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
+    assert via_shm == via_grpc and len(via_shm) == 12  # the same cache contents decode the same tokens
+    assert pair.stats("DX").kv_transfer_bytes_total > 0
+    pair.wait_all_free(("P", "D", "DX"))
+    names = sorted(os.listdir(dirs[0]))
+    assert any(n.startswith("pdserve-kv-") for n in names) and any(n.startswith("pdserve-probe-") for n in names)
+
+
+def _reserve(c: Cluster, req_id: str):
+    stream = c.decode_stub("D").Decode(wk.WorkRequest(req_id=req_id, prompt_token_ids=PROMPT, sampling_params=
+                                                      gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
+                                       timeout=60)
+    event = next(stream)
+    assert event.WhichOneof("event") == "admitted"
+    return stream, event.admitted.ticket
+
+
+def _shm_push(c: Cluster, ticket: str, segments: list[Segment], arrays, num_slots: int, corrupt: bool):
+    """A push naming slots [100, 100 + len(PROMPT)) of our own segments, as a prefill worker would."""
+    info = c.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5)
+    yield wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=len(PROMPT), dtype=info.dtype, groups=info.kv_groups,
+                                        shm=wk.KVShm(segments=[s.name for s in segments], num_slots=num_slots)))
+    runs = slot_runs(np.arange(100, 100 + len(PROMPT)))
+    seq = 0
+    for g, group in enumerate(info.kv_groups):
+        for layer in range(group.num_layers):
+            crc = runs_crc32c(runs, *arrays[g][layer]) ^ (seq == 1 and corrupt)
+            yield wk.KVChunk(data=wk.KVData(seq=seq, group=g, layer=layer, token_start=0, num_tokens=len(PROMPT),
+                                            crc32c=crc, src_runs=[x for r in runs for x in r]))
+            seq += 1
+    yield wk.KVChunk(trailer=wk.KVTrailer(num_chunks=seq, first_token_id=5))
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_hand_made_shm_push(pair, dirs, monkeypatch, corrupt):
+    """A wrong checksum over shared memory is DATA_LOSS and frees the reservation; a right one decodes."""
+    monkeypatch.setenv("PDSERVE_SHM_DIR", str(dirs[0]))
+    info = pair.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5)
+    arena = KVArena()
+    try:
+        import torch
+
+        dtype = getattr(torch, info.dtype)
+        num_slots = 64 * info.block_size
+        arrays = []
+        for group in info.kv_groups:
+            shape = (64, info.block_size, group.num_kv_heads, group.head_dim)
+            layers = arena(group.num_layers, shape, dtype, torch.device("cpu"))
+            for k, v in layers:
+                k.normal_(), v.normal_()
+            arrays.append([raw_layer(layers, i) for i in range(group.num_layers)])
+        stream, ticket = _reserve(pair, f"shm-hand-{corrupt}")
+        chunks = list(_shm_push(pair, ticket, arena.segments, arrays, num_slots, corrupt))
+        if corrupt:
+            with pytest.raises(grpc.RpcError) as e:
+                pair.decode_stub("D").PushKV(iter(chunks), timeout=30)
+            assert e.value.code() == grpc.StatusCode.DATA_LOSS and "CRC-32C" in e.value.details()
+            with pytest.raises(grpc.RpcError):
+                list(stream)
+        else:
+            assert pair.decode_stub("D").PushKV(iter(chunks), timeout=30).num_chunks == len(chunks) - 2
+            assert [t for e in stream for t in e.tokens.token_ids][0] == 5
+        pair.wait_all_free(("P", "D"))
+    finally:
+        arena.close()
+
+
+def test_no_segment_left_after_stop_and_stale_ones_cleaned_after_kill_9(serving_model, tmp_path_factory):
+    d = tmp_path_factory.mktemp("shm-kill")
+    c = Cluster(serving_model, tmp_path_factory.mktemp("shm-kill-logs"))
+    worker = ["--num-threads", "1", "--num-kv-blocks", "16", "--no-warmup"]
+    try:
+        wait_ready(_start(c, "P", "prefill-worker", d, *worker), _start(c, "D", "decode-worker", d, *worker))
+        assert len(os.listdir(d)) >= 2  # P's KV segment(s), D's probe
+        c.procs["D"].stop()  # SIGTERM: its probe goes
+        assert all(n.startswith("pdserve-kv-") for n in os.listdir(d))
+        c.procs["P"].popen.send_signal(signal.SIGKILL)  # no chance to unlink: its segments stay ...
+        c.procs["P"].popen.wait(timeout=10)
+        assert any(n.startswith("pdserve-kv-") for n in os.listdir(d))
+        wait_ready(_start(c, "D2", "decode-worker", d, *worker))  # ... until the next worker starts there
+        assert [n for n in os.listdir(d) if n.startswith("pdserve-kv-")] == []
+    finally:
+        c.stop()
+    assert os.listdir(d) == []
+
+
+def test_shm_copy_writes_what_the_bytes_path_writes():
+    """The two ways K/V reach a decode cache give the same bytes and the same checksum."""
+    import torch
+
+    arena = KVArena()
+    try:
+        shape = (8, 4, 2, 16)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        src = arena(2, shape, torch.float32, torch.device("cpu"))
+        for k, v in src:
+            k.normal_(), v.normal_()
+        src_slots = torch.tensor([4, 5, 6, 7, 20, 21, 2, 3, 30])  # blocks 1 and 5 and pieces of others
+        dst_slots = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 16])
+        via_bytes = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(2)]
+        via_shm = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(2)]
+        for layer in range(2):
+            data = read_kv(src, layer, src_slots)
+            write_kv(via_bytes, layer, dst_slots, data.tobytes())
+            runs = slot_runs(src_slots.numpy())
+            crc = copy_runs(runs, dst_slots.numpy(), raw_layer(src, layer), raw_layer(via_shm, layer))
+            assert crc == crc32c(data) == runs_crc32c(runs, *raw_layer(src, layer))
+        for (kb, vb), (ks, vs) in zip(via_bytes, via_shm):
+            assert torch.equal(kb, ks) and torch.equal(vb, vs)
+    finally:
+        arena.close()
