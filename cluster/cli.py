@@ -98,7 +98,7 @@ def _worker(args: argparse.Namespace, make_service) -> int:
     return _serve(args.command, lambda until, ready: serve_worker(
         service, engine_config, args.host, args.port, args.metrics_port, until,
         lambda a: ready({"grpc": a.grpc, "metrics": a.metrics}), drain_timeout_s=args.drain_timeout,
-        advertise=args.advertise_address, warmup=not args.no_warmup))
+        advertise=args.advertise_address, warmup=not args.no_warmup, model_name=args.served_model_name))
 
 
 def _decode_worker(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ where a container would rather set variables than flags. A flag always wins over
 |---|---|---|
 | `PDSERVE_MODEL` | `--model` | generate, prefill-worker, decode-worker, router, serve |
 | `PDSERVE_DRAFT_MODEL` | `--draft-model` | generate, prefill-worker, decode-worker, serve |
-| `PDSERVE_SERVED_MODEL_NAME` | `--served-model-name` | router, serve |
+| `PDSERVE_SERVED_MODEL_NAME` | `--served-model-name` | prefill-worker, decode-worker, router, serve |
 | `PDSERVE_HOST` | `--host` | prefill-worker, decode-worker, router, serve |
 | `PDSERVE_GRPC_PORT` | `--port` (`--grpc-port` of serve) | prefill-worker, decode-worker, router, serve |
 | `PDSERVE_HTTP_PORT` | `--http-port` | router, serve |
@@ -102,6 +102,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_engine_args(p)
+    add(p, "--served-model-name", help="the model's name in metrics, as the router's (default: the checkpoint "
+        "directory's name)")
     add_server_args(p, default_port)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized by memory)")

@@ -141,7 +141,7 @@ class Controller:
         worker_id = f"{role}-{next(self._numbers[role])}"
         c = self.config
         spec = WorkerSpec(worker_id, role, c.engine_options(role), num_threads, c.kv_transfer_timeout,
-                          c.stream_timeout, c.router.drain_timeout, self.security, self.telemetry, c.kv_shm)
+                          c.stream_timeout, c.router.drain_timeout, self.security, self.telemetry, c.kv_shm, c.name)
         pool = c.prefill if role == "prefill" else c.decode
         actor = ray.remote(WorkerActor).options(
             name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.cpus, num_gpus=pool.gpus,

@@ -34,6 +34,7 @@ class WorkerSpec:
     security: object  # serving.auth.ClusterSecurity: the cluster's secret and TLS files
     telemetry: Telemetry = Telemetry()
     kv_shm: bool = True  # K/V through shared memory with same-node peers
+    model_name: str | None = None  # in metrics: the served model name, as the router's
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +110,7 @@ class WorkerActor:
         self._stop = asyncio.Event()
         host = ray.util.get_node_ip_address()
         await serve_worker(self._service(), EngineConfig(**self.spec.engine_options), host, 0, 0, self._stop.wait(),
-                           self._on_ready, drain_timeout_s=self.spec.drain_timeout_s)
+                           self._on_ready, drain_timeout_s=self.spec.drain_timeout_s, model_name=self.spec.model_name)
 
     def _service(self):
         s = self.spec

@@ -165,7 +165,8 @@ class BoundAddresses:
 async def serve_worker(service: WorkerService, engine_config: EngineConfig, host: str, port: int,
                        metrics_port: int | None, until: Awaitable,
                        on_ready: Callable[[BoundAddresses], None] = lambda a: None, drain_timeout_s: float = 30.0,
-                       grace_s: float = 1.0, advertise: str | None = None, warmup: bool = True) -> None:
+                       grace_s: float = 1.0, advertise: str | None = None, warmup: bool = True,
+                       model_name: str | None = None) -> None:
     """A worker's whole life, until `until` completes (a signal, or its owner's stop); then it
     drains: NOT_SERVING at once, new requests refused, live ones given `drain_timeout_s`.
     `advertise`: the address other processes reach it at (default: the one it bound). Loading and
@@ -189,7 +190,7 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
             progress(f"{service.role} worker: stopped while loading")
             return
         loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
-        service.attach(loop, Path(engine_config.model).name)
+        service.attach(loop, model_name or Path(engine_config.model).name)  # the router's name for it
         loop.start()
         await server.set_serving(True)
         log.info("serving role=%s address=%s model=%s num_blocks=%d", service.role, server.address,
