@@ -60,10 +60,14 @@ class KVSender:
         checksummed here, so the decode side can verify its copy). The caches are raw
         [num_slots, num_kv_heads, head_dim] views of one layer."""
         self._began()
-        runs = slot_runs(slots)
-        crc = runs_crc32c(runs, k_cache, v_cache)
-        self._data(group, layer, token_start, len(slots), b"", crc, tuple(x for run in runs for x in run),
-                   num_bytes=2 * len(slots) * k_cache[0].nbytes)
+        per_token = 2 * k_cache[0].nbytes
+        step = max(1, self._max_chunk_bytes // per_token)  # a peer off this node gets these as bytes chunks
+        for s in range(0, len(slots), step):
+            part = slots[s:s + step]
+            runs = slot_runs(part)
+            crc = runs_crc32c(runs, k_cache, v_cache)
+            self._data(group, layer, token_start + s, len(part), b"", crc, tuple(x for run in runs for x in run),
+                       num_bytes=len(part) * per_token)
 
     def _began(self) -> None:
         if self.first_layer_at is None:
