@@ -120,10 +120,20 @@ async def request(stub, i: int, cancel: bool, rng: random.Random, max_tokens: in
 
 
 def kill_one(system: dict, k: int) -> dict:
+    """kill -9 of a live worker of the role whose turn it is (the registry may still list one
+    killed before that has not registered again: it is skipped, and the list asked again)."""
     role = ("decode", "prefill")[k % 2]
-    victim = next(w for w in workers(system) if w["role"] == role)
-    os.kill(victim["pid"], signal.SIGKILL)
-    return {"at": time.monotonic(), "worker": victim["worker_id"], "pid": victim["pid"]}
+    deadline = time.monotonic() + 120
+    while True:
+        for victim in (w for w in workers(system) if w["role"] == role):
+            try:
+                os.kill(victim["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return {"at": time.monotonic(), "worker": victim["worker_id"], "pid": victim["pid"]}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no live {role} worker to kill for 120 s")
+        time.sleep(1)
 
 
 def held_blocks(system: dict) -> dict:

@@ -42,6 +42,10 @@ def test_client_latencies_agree_with_the_routers_histograms(cluster, via):
     assert summary.num_ok == num and counts == {"ttft": num, "e2e": num}, (summary.failures, counts)
     assert sum(len(r.delta_tokens) for r in result.runs[0].records) >= num
     client = {"ttft": summary.ttft.mean, "e2e": summary.e2e.mean}
+    # the client's clock encloses the router's (its own connection, serialization and event loop
+    # come on top: more over HTTP, whose client costs more per request, on a loaded 2-core host)
+    slack = 0.010 if via == "grpc" else 0.150
     for k in HISTOGRAMS:
-        assert client[k] == pytest.approx(router[k], rel=0.2, abs=0.010), (k, client, router)
+        assert client[k] >= router[k] - 0.002, (k, client, router)
+        assert client[k] == pytest.approx(router[k], rel=0.2, abs=slack), (k, client, router)
     assert summary.slo_attainment == 1.0
