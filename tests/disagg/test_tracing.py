@@ -133,7 +133,9 @@ def test_a_grpc_clients_traceparent_is_honoured(traced):
     with Client(cluster.address("R"), timeout=60, metadata={"traceparent": f"00-{trace_id}-{client_span}-01"}) as c:
         assert len(c.complete("import os", max_tokens=3, ignore_eos=True).token_ids) == 3
     deadline = time.monotonic() + 30
-    while len({s["service"] for s in collector.of_trace(trace_id)}) < 3:
+    # every process's spans, the router's root among them (it ends, and is exported, last)
+    while len({s["service"] for s in collector.of_trace(trace_id)}) < 3 or \
+            not any(s["name"] == "pdserve.request" for s in collector.of_trace(trace_id)):
         assert time.monotonic() < deadline, f"spans so far: {collector.of_trace(trace_id)}"
         time.sleep(0.2)
     (root,) = [s for s in collector.of_trace(trace_id) if s["name"] == "pdserve.request"]
