@@ -145,7 +145,11 @@ def held_blocks(system: dict) -> dict:
         for w in workers(system):
             stub = (worker_pb2_grpc.DecodeWorkerStub if w["role"] == "decode" else worker_pb2_grpc.PrefillWorkerStub)
             with grpc.insecure_channel(w["address"]) as channel:
-                s = stub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10, metadata=md)
+                try:
+                    s = stub(channel).GetStats(worker_pb2.StatsRequest(), timeout=10, metadata=md)
+                except grpc.RpcError as e:  # a worker killed last is still restarting: ask again
+                    held[w["worker_id"]] = f"not answering yet ({e.code().name})"
+                    continue
             held[w["worker_id"]] = s.num_blocks - s.num_free_blocks + s.num_reserved + s.num_running + s.num_waiting
         if not any(held.values()):
             break
@@ -182,7 +186,7 @@ def report(args, outcome: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     cancelled = outcome["ends"].get("cancelled by its client", 0)
     print(f"| {args.requests} | {cancelled} | {len(outcome['kills'])} | {lost} | "
-          f"{sum(outcome['blocks_held_at_idle'].values())} | {rss_slope:+.1f} MiB/h | {fd_slope:+.1f} /h |")
+          f"{sum(v if isinstance(v, int) else 10**9 for v in outcome['blocks_held_at_idle'].values())} | {rss_slope:+.1f} MiB/h | {fd_slope:+.1f} /h |")
     print("\n| how requests ended | count |\n|---|---|")
     for end, n in sorted(outcome["ends"].items()):
         print(f"| {end} | {n} |")

@@ -155,6 +155,8 @@ class RouterMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens sent to clients")
         self.failovers = counter("request_failovers", "Times a request was re-admitted on other workers after a "
                                  "worker failed mid-request")
+        self.prefill_fallbacks = counter("request_prefill_fallbacks", "Requests a decode worker prefilled itself "
+                                         "because no prefill worker was healthy")
 
     @staticmethod
     def arrived() -> RequestTrace:

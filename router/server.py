@@ -198,7 +198,7 @@ class Router:
                     *outgoing_metadata(work.req_id, spans.start("attempt", attempt=attempt)))
         spans.start("admission")
         try:
-            call, decode, ticket = await self._admit(work, attempt > 0, deadline, metadata)
+            call, decode, ticket, colocated = await self._admit(work, attempt > 0, deadline, metadata)
         except BaseException:
             spans.end("attempt")
             raise
@@ -211,7 +211,11 @@ class Router:
                 trace.state = RequestState.ADMITTED
             self.metrics.admitted(trace, attempt, len(req.prompt_token_ids))
             first = None
-            if self.pool.is_disaggregated:
+            if colocated and self.pool.is_disaggregated:
+                self.metrics.prefill_fallbacks.inc()
+                log.warning("no healthy prefill worker: %s prefills the request itself", decode.address,
+                            extra={"req_id": req.req_id})
+            if not colocated:
                 first = asyncio.get_running_loop().create_future()
                 prefill_task = asyncio.create_task(self._prefill(work, decode, ticket, deadline, metadata, first))
                 prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
@@ -248,23 +252,25 @@ class Router:
         return work_request_message(f"{req.req_id}.{attempt}", req.prompt_token_ids + stream.sent_ids, params)
 
     async def _admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float, metadata=()):
-        """A decode worker's reservation: (call, worker, transfer ticket). Waits in the admission queue
+        """A decode worker's reservation: (call, worker, transfer ticket, whether it prefills the
+        request itself: colocated, or no prefill worker is healthy). Waits in the admission queue
         while every worker is full; when a pool has no usable worker, UNAVAILABLE at once (or,
         during a failover, after `failover_wait_s` for one to come back)."""
         queue_deadline = min(deadline, time.monotonic() + self.policy.queue_timeout_s)
         while True:
             candidates = await self._candidates(is_failover)
+            colocated = not self.pool.is_disaggregated or self.pool.prefill_down()
             for w in candidates:
                 w.num_in_flight += 1  # before the answer: a burst spreads over the workers
                 try:
-                    admitted = await self._reserve(w, work, deadline, metadata)
+                    admitted = await self._reserve(w, work, deadline, metadata, colocated)
                 except BaseException:
                     w.num_in_flight -= 1
                     raise
                 if admitted is not None:
                     if len(self.admission):
                         self.admission.wake_one()  # there may be room for the next one too
-                    return (*admitted,)
+                    return (*admitted, colocated)
                 w.num_in_flight -= 1
             remaining = queue_deadline - time.monotonic()
             if remaining <= 0:
@@ -284,9 +290,10 @@ class Router:
             await asyncio.sleep(0.1)
         return self.pool.decode_candidates()
 
-    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=()):
+    async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=(),
+                       colocated: bool = False):
         """(call, worker, transfer ticket), or None when this worker cannot take it."""
-        rpc = w.stub.Decode if self.pool.is_disaggregated else w.stub.PrefillAndDecode
+        rpc = w.stub.PrefillAndDecode if colocated else w.stub.Decode
         call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         try:
             event = await call.read()

@@ -92,6 +92,7 @@ class WorkerPool:
     def __init__(self, is_disaggregated: bool, security: ClusterSecurity = ClusterSecurity(),
                  check_timeout_s: float = 2.0):
         self.is_disaggregated = is_disaggregated
+        self.prefill_fallback = True  # see prefill_down
         self.security = security  # every call to a worker carries the cluster's credentials
         self.check_timeout_s = check_timeout_s
         self.workers: dict[str, Worker] = {}
@@ -214,9 +215,15 @@ class WorkerPool:
     def decode_candidates(self) -> list[Worker]:
         """Healthy decode workers that can be used now, least loaded first."""
         ws = [w for w in self.of_role("decode") if w.healthy and w.info is not None]
-        if self.is_disaggregated:
+        if self.is_disaggregated and not self.prefill_down():
             ws = [w for w in ws if any(p.healthy and self.paired(p, w) for p in self.of_role("prefill"))]
         return sorted(ws, key=lambda w: (w.load, -w.stats.num_free_blocks))
+
+    def prefill_down(self) -> bool:
+        """Disaggregated, and not one prefill worker is healthy (all dead or restarting): the decode
+        workers then prefill for themselves, colocated, until one is back. Healthy prefill workers
+        that pair with no decode worker are a configuration error, never papered over this way."""
+        return self.is_disaggregated and self.prefill_fallback and not any(p.healthy for p in self.of_role("prefill"))
 
     def prefill_candidates(self, decode: Worker, prompt_ids: list[int]) -> list[Worker]:
         """Healthy prefill workers that pair with `decode`, cheapest first: the prompt tokens

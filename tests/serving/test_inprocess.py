@@ -325,3 +325,28 @@ def test_the_first_token_reaches_the_client_before_the_transfer_ends(text_checkp
 def gen_request(prompt: str, max_tokens: int):
     return gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(
         temperature=0, ignore_eos=True, max_tokens=max_tokens))
+
+
+def test_with_no_healthy_prefill_worker_the_decode_worker_prefills_itself(text_checkpoint):
+    """The only prefill worker goes away mid-traffic: the request in its hands fails over and is
+    served colocated by the decode worker, as are new ones (counted), with the offline engine's
+    tokens; once a prefill worker is healthy again, requests are disaggregated again."""
+    want = LLM(text_checkpoint).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint, max_failovers=1) as system:
+            prefill_server = system.servers[0]
+            await prefill_server.stop(grace=0.1)  # its address now refuses connections
+            first = await system.generate(PROMPTS[0], 6)  # prefill refused -> marked down -> colocated
+            second = await system.generate(PROMPTS[1], 6)  # colocated at once
+            fallbacks = system.router.metrics.prefill_fallbacks._value.get()
+            prefilled = system.prefill.num_requests_total
+            await system.wait_all_free()
+            (prefill,) = system.router.pool.of_role("prefill")
+            prefill.healthy = True  # as a health check would find a restarted one; it is not: the
+            assert not system.router.pool.prefill_down()  # pool then pairs again and stops falling back
+            return first, second, fallbacks, prefilled
+
+    first, second, fallbacks, prefilled = run(scenario())
+    assert joined(first) == want[0].token_ids and joined(second) == want[1].token_ids
+    assert fallbacks == 2 and prefilled == 0
