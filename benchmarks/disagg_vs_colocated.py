@@ -59,8 +59,8 @@ ARMS = (Arm("disagg", True, False), Arm("colocated", False, False),
         Arm("disagg+spec", True, True), Arm("colocated+spec", False, True))
 
 
-def start_arm(run: Launcher, arm: Arm) -> str:
-    """The arm's processes; its router's gRPC address."""
+def start_arm(run: Launcher, arm: Arm):
+    """The arm's processes; its router (its address once ready)."""
     tag = arm.name.replace("+", "_")
     if arm.is_disaggregated:
         prefill = run.worker("prefill-worker", f"{tag}-P", WORKER + (["--draft-model", DRAFT] if arm.speculate else []), [0])
@@ -69,7 +69,7 @@ def start_arm(run: Launcher, arm: Arm) -> str:
     else:
         decode = [run.worker("decode-worker", f"{tag}-D{c}", WORKER + (SPEC if arm.speculate else []), [c]) for c in (0, 1)]
         prefills = []
-    return run.router(f"{tag}-R", MODEL, prefills, decode, extra=["--queue-timeout", "120"]).address
+    return run.router(f"{tag}-R", MODEL, prefills, decode, extra=["--queue-timeout", "120"])
 
 
 def workload() -> WorkloadConfig:
@@ -118,8 +118,9 @@ def main() -> None:
     if args.quick:
         args.repeats, args.num_requests, args.search_steps = 1, 12, 1
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
-        addresses = {arm.name: start_arm(run, arm) for arm in ARMS}
+        routers = {arm.name: start_arm(run, arm) for arm in ARMS}
         run.wait_ready()
+        addresses = {name: r.address for name, r in routers.items()}
         result = measure(addresses, args)
     report(result, args)
 

@@ -30,7 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launcher import PDSERVE, Launcher
+from launcher import Launcher
+
+from pdserve.cluster.local import PDSERVE
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench
 from pdserve.loadgen.costs import CostProfile
@@ -54,7 +56,7 @@ def workload() -> WorkloadConfig:
                           LengthDistribution.parse("uniform:16,64"), tokenizer=MODEL)
 
 
-def start(run: Launcher, name: str, shape: Shape) -> str:
+def start(run: Launcher, name: str, shape: Shape):
     tag = name.replace(" ", "_").replace(":", "").replace("+", "")
     spec = SPEC if shape.speculate else []
     if shape.is_colocated:
@@ -63,7 +65,7 @@ def start(run: Launcher, name: str, shape: Shape) -> str:
         prefill = [run.worker("prefill-worker", f"{tag}-P", WORKER + (["--draft-model", DRAFT] if shape.speculate
                                                                        else []), [0])]
         decode = [run.worker("decode-worker", f"{tag}-D", WORKER + spec, [1])]
-    return run.router(f"{tag}-R", MODEL, prefill, decode, extra=["--queue-timeout", "120"]).address
+    return run.router(f"{tag}-R", MODEL, prefill, decode, extra=["--queue-timeout", "120"])
 
 
 def get_profile(args) -> CostProfile:
@@ -119,8 +121,9 @@ def main() -> None:
         args.repeats, args.num_requests, args.load_fractions, args.search_steps = 1, 12, "0.6", 1
     profile = get_profile(args)
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
-        addresses = {name: start(run, name, shape) for name, shape in CONFIGS.items()}
+        routers = {name: start(run, name, shape) for name, shape in CONFIGS.items()}
         run.wait_ready()
+        addresses = {name: r.address for name, r in routers.items()}
         calibration = None
         if not args.no_calibrate:
             profile, calibration = calibrate(profile, addresses["1P:1D"], 4 if args.quick else 10)
