@@ -87,5 +87,23 @@ def build_model(cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     load_weights(model, model_dir)
+    if device.type == "cpu" and dtype == torch.float32:
+        _column_major_linears(model)
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
+
+
+def _column_major_linears(model: CausalLM) -> None:
+    """Lay every projection's weight out column-major, [out, in] with strides (1, out): float32
+    on the CPU only.
+
+    `F.linear(x, W)` multiplies by W transposed; with W column-major that transpose is a plain
+    row-major [in, out] matrix, and the CPU BLAS streams it about 20% faster in float32 when x
+    has few rows (a decode step), and no slower for large prefill batches. In bfloat16 and
+    float16 the same layout is about 5x slower, so half types keep the row-major layout. A tied
+    `lm_head` keeps the embedding's row-major layout, which the row lookup needs.
+    """
+    tied = model.cfg.tie_word_embeddings
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head"):
+            module.weight = torch.nn.Parameter(module.weight.data.t().contiguous().t(), requires_grad=False)
