@@ -186,7 +186,9 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int) -> d
 
 def markdown(result: dict, command: str) -> str:
     sp = lambda d: Spread(d["min"], d["median"], d["max"], tuple(d["values"]))  # noqa: E731
-    lines = [f"Command: `{command}`. Batch-1 greedy decode step of `{result['model']}` (one request, "
+    model = Path(result["model"])
+    model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
+    lines = [f"Command: `{command}`. Batch-1 greedy decode step of `{model}` (one request, "
              f"{result['new_tokens']} new tokens minus one, one torch thread), each variant in its own process, "
              f"{result['repeats']} repeats taken in turn; min / median / max, speedups per repeat against the first "
              f"variant. Load average (1 min) at the start and end: {result['machine']['load_avg_1m_start']:.2f}, "
