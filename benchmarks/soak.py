@@ -16,6 +16,7 @@ import collections
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def workers(system: dict) -> list[dict]:
 
 async def soak(system: dict, args) -> dict:
     rng = random.Random(args.seed)
-    ends = collections.Counter()
+    ends, details = collections.Counter(), collections.Counter()
     samples, kills = [], []
     router = psutil.Process(system["proc"].popen.pid)
     sem = asyncio.Semaphore(args.concurrency)
@@ -87,7 +88,7 @@ async def soak(system: dict, args) -> dict:
 
         async def one(i: int) -> None:
             async with sem:
-                ends[await request(stub, i, rng.random() < args.cancel_share, rng, args.max_tokens)] += 1
+                ends[await request(stub, i, rng.random() < args.cancel_share, rng, args.max_tokens, details)] += 1
                 bar.update(1)
                 samples.append((time.monotonic(), router.memory_info().rss, router.num_fds()))
                 if (i + 1) % args.kill_every == 0 and i + 1 < args.requests:
@@ -95,10 +96,11 @@ async def soak(system: dict, args) -> dict:
 
         await asyncio.gather(*(one(i) for i in range(args.requests)))
     bar.close()
-    return {"ends": dict(ends), "kills": kills, "router_samples": samples}
+    return {"ends": dict(ends), "status_details": dict(details.most_common(10)), "kills": kills, "router_samples": samples}
 
 
-async def request(stub, i: int, cancel: bool, rng: random.Random, max_tokens: int) -> str:
+async def request(stub, i: int, cancel: bool, rng: random.Random, max_tokens: int,
+                  details: collections.Counter) -> str:
     req = gen.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], sampling_params=gen.SamplingParams(
         temperature=rng.choice([0.0, 0.8]), max_tokens=max_tokens, seed=i, ignore_eos=True))
     call = stub.Generate(req, timeout=300)
@@ -114,9 +116,16 @@ async def request(stub, i: int, cancel: bool, rng: random.Random, max_tokens: in
                 return "finished" if n == max_tokens else f"finished short ({n} tokens)"
         return "LOST: stream ended without finishing"
     except grpc.aio.AioRpcError as e:
+        details[f"{e.code().name}: {_shape_of(e.details() or '')}"] += 1
         return f"status {e.code().name}"
     except asyncio.CancelledError:
         return "cancelled by its client"
+
+
+def _shape_of(details: str) -> str:
+    """A status's details with addresses, ids and numbers blanked, so alike failures count together."""
+    details = re.sub(r"\b[0-9a-f]{16,}\b", "<id>", details)
+    return re.sub(r"\d+(\.\d+)*", "<n>", details)[:300]
 
 
 def kill_one(system: dict, k: int) -> dict:
@@ -175,7 +184,8 @@ def report(args, outcome: dict) -> None:
     fd_slope = slope([(t, f) for t, _, f in warm])
     lost = sum(n for end, n in outcome["ends"].items() if end.startswith("LOST"))
     out = {"command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]), "args": vars(args), "ends": outcome["ends"],
-           "lost": lost, "kills": outcome["kills"], "blocks_held_at_idle": outcome["blocks_held_at_idle"],
+           "status_details": outcome["status_details"], "lost": lost, "kills": outcome["kills"],
+           "blocks_held_at_idle": outcome["blocks_held_at_idle"],
            "router_rss_mib_per_hour": rss_slope, "router_fds_per_hour": fd_slope,
            "router_rss_mib": [s[0][1] / 2**20, s[-1][1] / 2**20], "router_fds": [s[0][2], s[-1][2]]}
     (RESULTS / "soak.json").write_text(json.dumps(out, indent=1) + "\n")
@@ -190,6 +200,10 @@ def report(args, outcome: dict) -> None:
     print("\n| how requests ended | count |\n|---|---|")
     for end, n in sorted(outcome["ends"].items()):
         print(f"| {end} | {n} |")
+    if outcome["status_details"]:
+        print("\n| status details (numbers blanked), most common first | count |\n|---|---|")
+        for what, n in outcome["status_details"].items():
+            print(f"| {what.replace('|', '/')} | {n} |")
 
 
 def _plot(outcome: dict) -> None:
