@@ -55,7 +55,10 @@ class InputBuffers:
         if num_tokens > self._num_tokens or num_seqs > self._num_seqs:
             self._grow(num_tokens, num_seqs)
 
+    @torch.inference_mode(False)
     def _grow(self, num_tokens: int, num_seqs: int) -> None:
+        """Ordinary tensors, even when a step outgrows the buffers under inference mode: a compiled
+        forward guards on the kind, and would otherwise compile again mid-request."""
         self.generation += 1
         self._num_tokens, self._num_seqs = max(num_tokens, self._num_tokens), max(num_seqs, self._num_seqs)
         pin = self.device.type == "cuda"

@@ -32,11 +32,12 @@ def test_compiled_forward_gives_the_eager_tokens(target):
     assert capture is not None and capture.compile_seconds > 0  # compiled at start-up, not in a request
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)):
-        for prompts in (PROMPTS[:1], PROMPTS):
+        for prompts in (PROMPTS[:1], PROMPTS, PROMPTS * 7):  # 21 sequences: the input buffers grow
             want = [o.token_ids for o in eager.generate(prompts, params)]
             assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     assert not capture.is_broken and compiled.engine.speculator.stats.num_drafts > 0
-    # one graph for every batch size and length: nothing recompiled after the warm-up
+    # one graph for every batch size and length, and for buffers grown mid-request: nothing
+    # recompiled after the warm-up
     assert len(_debug_get_cache_entry_list(CausalLM.forward.__code__)) == graphs >= 1
 
 
