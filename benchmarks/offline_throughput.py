@@ -140,11 +140,18 @@ def build_checkpoint(spec: ModelSpec, cache_dir: Path) -> Path:
     return path
 
 
-def make_workload(cfg: BenchConfig, vocab_size: int) -> list[Request]:
-    rng = random.Random(cfg.seed)
-    return [Request([rng.randrange(3, vocab_size) for _ in range(rng.randint(cfg.min_prompt_len, cfg.max_prompt_len))],
-                    rng.randint(cfg.min_max_tokens, cfg.max_max_tokens))
+def make_workload(cfg: BenchConfig, vocab_size: int, repeat: int = 0) -> list[Request]:
+    """The mixed batch: the same prompt lengths and max_tokens in every repeat, fresh prompt tokens
+    in each, so no repeat finds the previous one's prompts in pdserve's prefix cache."""
+    shape, tokens = random.Random(cfg.seed), random.Random(f"{cfg.seed}/mixed/{repeat}")
+    return [Request([tokens.randrange(3, vocab_size) for _ in range(shape.randint(cfg.min_prompt_len, cfg.max_prompt_len))],
+                    shape.randint(cfg.min_max_tokens, cfg.max_max_tokens))
             for _ in range(cfg.num_prompts)]
+
+
+def random_prompt(length: int, vocab_size: int, seed: str) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(length)]
 
 
 # ---- the two systems -----------------------------------------------------------------------
@@ -220,17 +227,20 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, bandwidth_gbps: float, bar: t
     runners = [PdserveRunner(path, cfg.engine_options), HFRunner(path, cfg.hf_batch_size)]
     num_params = sum(p.numel() for p in runners[1].model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in runners[1].model.parameters())
-    rng = random.Random(cfg.seed + 1)
-    b1_prompt = [rng.randrange(3, spec.vocab_size) for _ in range(cfg.b1_prompt_len)]
-    b1_full, b1_first = [Request(b1_prompt, cfg.b1_new_tokens)], [Request(b1_prompt, 1)]
-    mixed = make_workload(cfg, spec.vocab_size)
+    # every timed run has prompts of its own: pdserve's prefix cache (on by default) must not
+    # skip a prefill that transformers does, nor the 1-token run's prefill the full run's
+    warm = make_workload(cfg, spec.vocab_size, repeat=-1)
     for runner in runners:  # warm-up: first-call allocations, thread pools, lazy imports
-        runner.generate([Request(b1_prompt[:16], 4)])
-        runner.generate(mixed[:2])
+        runner.generate([Request(random_prompt(16, spec.vocab_size, "warm"), 4)])
+        runner.generate(warm[:2])
 
     times = {r.name: {"b1_full": [], "b1_first": [], "mixed": []} for r in runners}
     outputs: dict[str, dict[str, list[list[int]]]] = {r.name: {} for r in runners}
     for rep in range(cfg.repeats):
+        b1_first = [Request(random_prompt(cfg.b1_prompt_len, spec.vocab_size, f"{cfg.seed}/b1_first/{rep}"), 1)]
+        b1_full = [Request(random_prompt(cfg.b1_prompt_len, spec.vocab_size, f"{cfg.seed}/b1_full/{rep}"),
+                           cfg.b1_new_tokens)]
+        mixed = make_workload(cfg, spec.vocab_size, rep)
         for kind, requests in (("b1_first", b1_first), ("b1_full", b1_full), ("mixed", mixed)):
             for runner in (runners if rep % 2 == 0 else runners[::-1]):  # who goes first alternates
                 seconds, tokens = timed(runner, requests)
@@ -257,7 +267,7 @@ def bench_model(spec: ModelSpec, cfg: BenchConfig, bandwidth_gbps: float, bar: t
         "goals": [g.as_dict() for g in goals],
         "greedy_agreement": {kind: _agreement(outputs["pdserve"][kind], outputs["transformers"][kind])
                              for kind in ("b1_full", "mixed")},
-        "mixed_workload": workload_summary(mixed, cfg.hf_batch_size),
+        "mixed_workload": workload_summary(warm, cfg.hf_batch_size),
     }
 
 
