@@ -83,8 +83,10 @@ class Scheduler:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Prompt (and recompute) tokens still to run: the prefill work queued here."""
-        return sum(s.num_uncomputed_tokens for s in (*self.waiting, *self.running))
+        """Prompt (and recompute) tokens still to run: the prefill work queued here. Read from the
+        server's thread too (worker stats), possibly mid-step, when a verified sequence counts its
+        draft tokens as computed before verification cuts it back: those count as none queued."""
+        return sum(max(s.num_uncomputed_tokens, 0) for s in (*self.waiting, *self.running))
 
     @property
     def num_seqs(self) -> int:

@@ -43,6 +43,21 @@ def test_chunked_prefill_shares_steps_with_decodes():
     assert b.num_output_tokens == 1
 
 
+def test_queued_prompt_tokens_never_negative_mid_verification():
+    """Worker stats read this from another thread, maybe while a speculative step has counted its
+    draft tokens as computed and not yet cut back (a negative count failed every GetStats, and
+    the router took the worker for unhealthy)."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(32, 4))
+    a, b = seq(0, 3), seq(1, 20)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, sched.schedule())
+    # a's last token and four draft tokens went through the target: counted before the rollback
+    a.num_computed_tokens = a.num_tokens + 4
+    assert a.num_uncomputed_tokens == -4 and b.num_uncomputed_tokens == 1
+    assert sched.num_uncomputed_tokens == 1  # b's, and none of a's
+
+
 def test_max_num_seqs_and_fcfs():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), BlockManager(32, 4))
     seqs = [seq(i, 4) for i in range(3)]
