@@ -144,6 +144,7 @@ class WorkerPool:
         """One health check; a worker that is (again) SERVING, or a new process at the same
         address, is asked what it runs (and re-checked against the pairing rules)."""
         md, timeout = self.security.metadata, self.check_timeout_s
+        why = "it reports NOT_SERVING"
         try:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -153,7 +154,7 @@ class WorkerPool:
                     w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=timeout, metadata=md)
                 w.stats, w.boot_id = stats, stats.boot_id
         except grpc.aio.AioRpcError as e:
-            serving = False
+            serving, why = False, f"{e.code().name}: {e.details()}"
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 w.num_slow_checks += 1
                 if w.healthy and w.num_slow_checks < MAX_SLOW_CHECKS:
@@ -165,7 +166,7 @@ class WorkerPool:
         if serving != w.healthy and not w.is_removed:
             level = logging.INFO if serving else logging.WARNING
             log.log(level, "worker %s %s at %s is now %s", w.role, w.worker_id, w.address,
-                    "healthy" if serving else "UNHEALTHY")
+                    "healthy" if serving else f"UNHEALTHY ({why})")
         w.healthy = serving and not w.is_removed
 
     def mark_unavailable(self, w: Worker) -> None:
