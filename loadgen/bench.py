@@ -9,12 +9,19 @@ request rates, summarize each, find the goodput, and write JSON (+ a PNG) of eve
 Each rate gets the same requests (the workload is drawn from the seed, not the rate) and the
 same arrival draws scaled to the rate, so rates differ only in load. With `search`, rates are
 bisected between `search.low` and `search.high` after the listed ones.
+
+Same requests, but never the same prompts: a server's prefix cache would otherwise serve every
+run after the first from the previous one's K/V. Each run's prompts get a head of their own (the
+first 4 token ids, or the first 8 characters of a text prompt, redrawn from a key unique to the
+run and to this invocation), which changes every block a prefix cache keys, and no length.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import random
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +31,7 @@ from pdserve.loadgen.goodput import Bisection, Goodput, from_sweep
 from pdserve.loadgen.records import RequestRecord
 from pdserve.loadgen.runner import run_requests
 from pdserve.loadgen.stats import SLO, RunSummary, summarize
-from pdserve.loadgen.workload import WorkloadConfig, build_workload
+from pdserve.loadgen.workload import RequestSpec, WorkloadConfig, build_workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,18 +150,19 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
 async def run_bench_async(config: BenchConfig, progress: bool = True) -> BenchResult:
     backend = make_backend(config)
     result = BenchResult(config)
+    invocation = secrets.token_hex(8)
     try:
         await backend.check()
         await warm_up(backend, config)
         for rate in config.rates:
-            result.runs.append(await measure_rate(backend, config, rate, progress))
+            result.runs.append(await measure_rate(backend, config, rate, progress, f"{invocation}/{len(result.runs)}"))
         if config.slo.is_set and config.rates:
             swept, interpolated = from_sweep([(s.rate, s.slo_attainment) for s in result.summaries()])
             result.goodput.update(swept=swept, interpolated=interpolated)
         if config.search is not None:
             search = Bisection(config.search.low, config.search.high, config.search.steps)
             while (rate := search.next_rate()) is not None:
-                run = await measure_rate(backend, config, rate, progress)
+                run = await measure_rate(backend, config, rate, progress, f"{invocation}/{len(result.runs)}")
                 result.runs.append(run)
                 search.record(rate, run.summary.slo_attainment)
             result.goodput["bisection"] = search.result()
@@ -176,9 +184,10 @@ async def warm_up(backend, config: BenchConfig) -> None:
         await run_requests(backend, specs, [0.0] * len(specs), max_concurrency=1)
 
 
-async def measure_rate(backend, config: BenchConfig, rate: float, progress: bool) -> RateRun:
+async def measure_rate(backend, config: BenchConfig, rate: float, progress: bool, run_key: str = "") -> RateRun:
+    """One run at `rate`; `run_key`, unique to the run, gives its prompts their own heads."""
     times = config.process(rate).times(config.num_requests, config.seed, config.duration_s)
-    specs = build_workload(config.workload, len(times), config.seed)
+    specs = own_prompts(build_workload(config.workload, len(times), config.seed), run_key, config.workload.vocab_size)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -190,6 +199,28 @@ async def measure_rate(backend, config: BenchConfig, rate: float, progress: bool
         if bar is not None:
             bar.close()
     return RateRun(summarize(records, rate, config.slo), records)
+
+
+HEAD_TOKENS, HEAD_CHARS = 4, 8
+
+
+def own_prompts(specs: list[RequestSpec], run_key: str, vocab_size: int) -> list[RequestSpec]:
+    """The workload with each prompt's head redrawn from (run_key, its index): token ids from
+    3 up to `vocab_size` (clear of the usual special ids), text as lowercase letters. The lengths,
+    and so what a simulator is given, do not change."""
+    out = []
+    for i, spec in enumerate(specs):
+        rng = random.Random(f"{run_key}/{i}")
+        if isinstance(spec.prompt, tuple):
+            n = min(HEAD_TOKENS, len(spec.prompt))
+            low = 3 if vocab_size > 3 else 0
+            head = tuple(rng.randrange(low, vocab_size) for _ in range(n))
+            prompt = head + spec.prompt[n:]
+        else:
+            n = min(HEAD_CHARS, len(spec.prompt))
+            prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n)) + spec.prompt[n:]
+        out.append(RequestSpec(prompt, spec.max_tokens, spec.num_prompt_tokens))
+    return out
 
 
 def format_table(summaries: list[RunSummary]) -> str:

@@ -83,3 +83,23 @@ def test_jsonl_workload(tmp_path):
         build_workload(cfg, 1, seed=0)
     with pytest.raises(ValueError, match="not a file"):
         WorkloadConfig(WorkloadKind.JSONL, dataset=str(tmp_path / "missing.jsonl"))
+
+
+def test_each_run_gets_prompts_of_its_own_of_the_same_lengths():
+    """`pdserve bench` sends every rate the same requests; their heads differ per run, so a
+    server's prefix cache cannot serve one run from another's K/V (tokens and text alike)."""
+    from pdserve.loadgen.bench import HEAD_TOKENS, own_prompts
+
+    cfg = WorkloadConfig(WorkloadKind.RANDOM, LengthDistribution.parse("uniform:2,40"),
+                         LengthDistribution.parse("fixed:7"), vocab_size=50)
+    base = build_workload(cfg, 30, seed=1)
+    a, b = own_prompts(base, "x/0", 50), own_prompts(base, "x/1", 50)
+    assert a == own_prompts(base, "x/0", 50)  # the same key: the same prompts
+    for s, x, y in zip(base, a, b):
+        assert len(x.prompt) == len(y.prompt) == len(s.prompt) and x.max_tokens == s.max_tokens
+        n = min(HEAD_TOKENS, len(s.prompt))
+        assert x.prompt[n:] == s.prompt[n:] and all(3 <= t < 50 for t in x.prompt[:n])
+    assert sum(x.prompt != y.prompt for x, y in zip(a, b)) >= 29  # 4 ids of 47: a tie is ~2e-7
+    text = [type(base[0])("def fibonacci(n):\n    return n", 5)]
+    t0, t1 = own_prompts(text, "x/0", 50)[0].prompt, own_prompts(text, "x/1", 50)[0].prompt
+    assert len(t0) == len(t1) == len(text[0].prompt) and t0 != t1 and t0[8:] == text[0].prompt[8:]
