@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +187,7 @@ def report(result: dict, args) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     u = result["unloaded"]
-    cmd = "python benchmarks/disagg_vs_colocated.py" + (" --quick" if args.quick else f" --repeats {args.repeats}")
+    cmd = " ".join(["python", "benchmarks/disagg_vs_colocated.py", *sys.argv[1:]])  # exactly as run
     print(f"\n`{cmd}` ({args.repeats} interleaved repeat(s); median (min–max))\n")
     print("| arm | unloaded TTFT p50 / p90 (ms) | unloaded TPOT p50 / p90 (ms) | SLO TTFT / TPOT (ms) | goodput (req/s) |")
     print("|---|---|---|---|---|")

@@ -182,7 +182,7 @@ def _err(pred: float, meas: float) -> str:
 
 
 def report(result: dict, args) -> None:
-    cmd = "python benchmarks/planner_validation.py" + (" --quick" if args.quick else f" --repeats {args.repeats}")
+    cmd = " ".join(["python", "benchmarks/planner_validation.py", *sys.argv[1:]])  # exactly as run
     print(f"\n`{cmd}`: predicted by the simulator from the profile / measured with pdserve bench "
           f"(median over repeats; error = (predicted - measured) / measured)\n")
     print("| config | rate (req/s) | TTFT p50 (ms) pred / meas | err | TPOT p50 (ms) pred / meas | err | "
