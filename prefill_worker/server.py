@@ -211,9 +211,9 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             r.sender.fail(str(item))
         elif item.new_token_ids:
             tok, logprobs = item.new_token_ids[0], item.logprobs[0] if item.logprobs else None
-            r.sender.finish(tok, logprobs)
-            if not r.first.done():
+            if not r.first.done():  # first, so the token's event is written before the last K/V
                 r.first.set_result((tok, logprobs))
+            r.sender.finish(tok, logprobs)
 
     async def _push(self, r: PrefillRequest, address: str):
         started = time.perf_counter()
