@@ -7,7 +7,9 @@ cluster (`add` / `remove` as workers register, restart elsewhere, or are drained
 connection refused), or a call that finds it UNAVAILABLE, takes it out of selection until a later
 check passes. A check that only times out counts as failed once `MAX_SLOW_CHECKS` do in a row:
 a worker too busy to answer within the check's timeout (a CPU-starved host) is not a dead one,
-and taking it out would fail requests it can serve. A worker that comes back
+and taking it out would fail requests it can serve. Nor does a GetStats that fails inside a worker
+whose health check says SERVING (`STATS_BUGS`): it keeps serving on the last load it reported.
+A worker that comes back
 is asked again what it runs, since it may have restarted with another configuration. A prefill
 and a decode worker are used together only if their KV-relevant descriptions agree (`PAIRING_FIELDS`).
 """
@@ -30,6 +32,9 @@ log = logging.getLogger("pdserve.router")
 
 # Health checks in a row that may time out before a healthy worker is taken out of selection.
 MAX_SLOW_CHECKS = 3
+# GetStats errors raised inside a worker that answered (not a connection or a deadline): they do
+# not take a worker that says SERVING out of selection.
+STATS_BUGS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 # What must agree between a prefill and a decode worker for the KV of one to serve the other.
 PAIRING_FIELDS = ("model_identity", "dtype", "block_size", "kv_layout", "kv_groups", "draft_identity")
 # Router -> worker channels: notice a silent peer within ~15 s, and retry a lost connection at
@@ -59,6 +64,7 @@ class Worker:
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     healthy: bool = False
     num_slow_checks: int = 0  # health checks in a row that timed out
+    stats_failing: bool = False  # SERVING, but its GetStats fails (kept in service on stale stats)
     boot_id: str = ""  # of the process last seen at this address: a new one may run another configuration
     is_removed: bool = False
     num_in_flight: int = 0  # requests this router sent here that have not ended
@@ -149,7 +155,16 @@ class WorkerPool:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
-                stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout, metadata=md)
+                try:
+                    stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout, metadata=md)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in STATS_BUGS and w.healthy and w.info is not None:
+                        self._stats_failing(w, e)
+                        return
+                    raise
+                if w.stats_failing:
+                    log.info("worker %s %s at %s answers GetStats again", w.role, w.worker_id, w.address)
+                    w.stats_failing = False
                 if w.info is None or not w.healthy or stats.boot_id != w.boot_id:
                     w.info = await w.stub.GetInfo(worker_pb2.InfoRequest(), timeout=timeout, metadata=md)
                 w.stats, w.boot_id = stats, stats.boot_id
@@ -168,6 +183,17 @@ class WorkerPool:
             log.log(level, "worker %s %s at %s is now %s", w.role, w.worker_id, w.address,
                     "healthy" if serving else f"UNHEALTHY ({why})")
         w.healthy = serving and not w.is_removed
+
+    @staticmethod
+    def _stats_failing(w: Worker, e: grpc.aio.AioRpcError) -> None:
+        """SERVING, but GetStats failed inside the worker: a fault in its statistics, not in what
+        it serves. It stays in selection on the last load it reported (taking it out turned one
+        stats bug into refused requests: BENCHMARKS.md, soak)."""
+        w.num_slow_checks = 0
+        if not w.stats_failing:
+            log.warning("worker %s %s at %s: GetStats failed (%s: %s); kept in service, its health check "
+                        "says SERVING", w.role, w.worker_id, w.address, e.code().name, e.details())
+        w.stats_failing = True
 
     def mark_unavailable(self, w: Worker) -> None:
         """A call found the worker unreachable: no traffic until a health check passes."""

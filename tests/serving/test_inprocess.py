@@ -350,3 +350,26 @@ def test_with_no_healthy_prefill_worker_the_decode_worker_prefills_itself(text_c
     first, second, fallbacks, prefilled = run(scenario())
     assert joined(first) == want[0].token_ids and joined(second) == want[1].token_ids
     assert fallbacks == 2 and prefilled == 0
+
+
+def test_a_worker_whose_stats_fail_stays_in_service(text_checkpoint):
+    """A decode worker that says SERVING but whose GetStats raises inside (here a counter out of
+    its field's range, the kind of bug the soak found) keeps serving, and its stats count again
+    once they answer. (A worker that cannot be reached is still taken out: test_worker_health.)"""
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            pool = system.router.pool
+            (w,) = pool.of_role("decode")
+            system.decode.kv_transfer_bytes_total = -1  # uint64 field: GetStats now fails with UNKNOWN
+            await pool.check(w)
+            kept = (w.healthy, w.stats_failing)
+            served = joined(await system.generate("def fibonacci(n):", 6))
+            system.decode.kv_transfer_bytes_total = 0
+            await pool.check(w)
+            recovered = (w.healthy, w.stats_failing)
+            return kept, served, recovered
+
+    kept, served, recovered = run(scenario())
+    assert kept == (True, True)
+    assert len(served) == 6
+    assert recovered == (True, False)
