@@ -11,7 +11,8 @@ One request at a time (`pdserve bench --max-concurrency 1`), so the arms never c
 is the prompt's prefill plus each arm's own hops. In the disaggregated arm those are the
 reservation on the decode worker, the prefill call, and the first token's way back: the
 prefill worker answers it as soon as it samples it, while its K/V are still on their way to
-the decode worker. Repeats alternate the arms' order; each repeat's ratio is
+the decode worker. Within a repeat the arms take turns every `--block` requests, on the same
+prompts, so noise from the rest of this shared machine lands on both. Each repeat's ratio is
 median TTFT disagg / median TTFT colocated. Goal: every repeat <= 1.10.
 
 Writes benchmarks/results/ttft_low_load.json and .png and the "TTFT at low load" section of
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -44,21 +46,64 @@ def workload() -> WorkloadConfig:
                           LengthDistribution.parse(OUTPUT_LEN), tokenizer=MODEL)
 
 
-def start(run: Launcher) -> dict[str, str]:
+def start(run: Launcher) -> dict:
     prefill = run.worker("prefill-worker", "disagg-P", WORKER, [0])
     decode = run.worker("decode-worker", "disagg-D", WORKER, [1])
     colocated = run.worker("decode-worker", "colocated-D", WORKER, [0])
     routers = {"disagg": run.router("disagg-R", MODEL, [prefill], [decode]),
                "colocated": run.router("colocated-R", MODEL, [], [colocated])}
     run.wait_ready()
-    return {arm: r.address for arm, r in routers.items()}
+    return routers
 
 
-def ttft(address: str, num: int, seed: int) -> dict:
+STAGES = ("queue", "prefill", "transfer", "delivery")
+
+
+def stage_means(metrics_address: str) -> dict[str, float]:
+    """The router's TTFT by stage (`time_to_first_token_stage_seconds`), mean seconds per request
+    over every request it served (warm-ups included)."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    sums, counts = {}, {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("time_to_first_token_stage_seconds_sum"):
+                sums[s.labels["stage"]] = s.value
+            elif s.name.endswith("time_to_first_token_stage_seconds_count"):
+                counts[s.labels["stage"]] = s.value
+    return {stage: sums[stage] / counts[stage] if counts.get(stage) else 0.0 for stage in STAGES}
+
+
+def ttft(address: str, num: int, seed: int, num_warmup: int) -> list[tuple[float, float | None]]:
+    """(TTFT, TPOT) seconds of `num` requests sent one at a time."""
     cfg = BenchConfig(target=address, workload=workload(), rates=(float("inf"),), num_requests=num,
-                      max_concurrency=1, seed=seed, num_warmup=2)
-    (s,) = run_bench(cfg, progress=False).summaries()
-    return {"ttft_p50_s": s.ttft.p50, "ttft_p90_s": s.ttft.p90, "tpot_p50_s": s.tpot.p50}
+                      max_concurrency=1, seed=seed, num_warmup=num_warmup)
+    (run,) = run_bench(cfg, progress=False).runs
+    failed = [r.error for r in run.records if not r.is_ok]
+    assert not failed, f"requests failed: {failed[:3]}"
+    return [(r.ttft_s, r.tpot_s) for r in run.records]
+
+
+def one_repeat(addresses: dict[str, str], r: int, num_requests: int, block: int) -> dict:
+    """Blocks of `block` requests, the arms alternating block by block (the same prompts in both
+    arms of a block, new ones each block)."""
+    samples = {arm: [] for arm in addresses}
+    for b in range(-(-num_requests // block)):
+        order = ["disagg", "colocated"] if (r + b) % 2 == 0 else ["colocated", "disagg"]
+        n = min(block, num_requests - b * block)
+        for arm in order:
+            samples[arm] += ttft(addresses[arm], n, seed=1000 * r + b, num_warmup=2 if b == 0 else 0)
+    out = {}
+    for arm, xs in samples.items():
+        ttfts = sorted(t for t, _ in xs)
+        tpots = [t for _, t in xs if t is not None]
+        out[arm] = {"ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
+                    "tpot_p50_s": statistics.median(tpots), "ttft_s": [t for t, _ in xs]}
+    return out
 
 
 def main() -> None:
@@ -66,35 +111,36 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="2 repeats of 4 requests: checks the script works")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-requests", type=int, default=20, help="per arm and repeat")
+    p.add_argument("--block", type=int, default=5, help="requests per arm before the other arm's turn")
     p.add_argument("--out", default=str(RESULTS / "ttft_low_load"))
     args = p.parse_args()
     if args.quick:
-        args.repeats, args.num_requests = 2, 4
+        args.repeats, args.num_requests, args.block = 2, 4, 2
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
-        arms = start(run)
+        routers = start(run)
+        addresses = {arm: router.address for arm, router in routers.items()}
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
-            order = ["disagg", "colocated"] if r % 2 == 0 else ["colocated", "disagg"]
-            # the same prompts in both arms of a repeat (the seed picks them), new ones each repeat
-            runs.append({arm: ttft(arms[arm], args.num_requests, seed=r) for arm in order})
+            runs.append(one_repeat(addresses, r, args.num_requests, args.block))
+        stages = {arm: stage_means(router.metrics_address) for arm, router in routers.items()}
     ratio = Spread.of(rep["disagg"]["ttft_p50_s"] / rep["colocated"]["ttft_p50_s"] for rep in runs)
     goal = Goal("disaggregated TTFT / colocated TTFT at low load (median per repeat)", ratio, 1.10, is_floor=False)
-    result = {"repeats": runs, "goal": goal.as_dict(), "machine": machine(),
+    result = {"repeats": runs, "stages_mean_s": stages, "goal": goal.as_dict(), "machine": machine(),
               "workload": {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}, "config": vars(args)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(runs, out.with_suffix(".png"))
-    body = markdown(runs, goal, args)
+    body = markdown(runs, stages, goal, args)
     print(body)
     if not args.quick:
         update_section(REPO / "BENCHMARKS.md", "TTFT at low load (`benchmarks/ttft_low_load.py`)", body)
 
 
-def markdown(runs: list[dict], goal: Goal, args) -> str:
+def markdown(runs: list[dict], stages: dict, goal: Goal, args) -> str:
     ms = lambda arm, key: Spread.of(rep[arm][key] * 1e3 for rep in runs)  # noqa: E731
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/ttft_low_load.py --repeats "
-             f"{args.repeats} --num-requests {args.num_requests}`, through `pdserve bench` "
+             f"{args.repeats} --num-requests {args.num_requests} --block {args.block}`, through `pdserve bench` "
              f"(`--max-concurrency 1`), prompts {PROMPT_LEN} tokens of code, {OUTPUT_LEN} output tokens, "
              "demo target, one torch thread per worker, workers pinned (disagg: prefill core 0, decode core 1; "
              "colocated: one worker on core 0), default worker settings otherwise. Output: "
@@ -105,9 +151,24 @@ def markdown(runs: list[dict], goal: Goal, args) -> str:
         lines.append(f"| {arm} | {ms(arm, 'ttft_p50_s').fmt(1)} | {ms(arm, 'ttft_p90_s').fmt(1)} | "
                      f"{ms(arm, 'tpot_p50_s').fmt(2)} |")
     lines += ["", *GOAL_HEADER, goal.row(), "",
+              "Where the time goes: the routers' TTFT by stage (`pdserve:time_to_first_token_stage_seconds`, "
+              "mean per request over the whole run, warm-ups included). *queue*: arrival until the decode "
+              "worker reserved blocks (disaggregated: the reservation call); *prefill*: disaggregated, the "
+              "prefill worker's own account from receiving the request to sampling the first token; "
+              "colocated, the reservation until the first token reached the router; *transfer*: the rest "
+              "until the router had the first token; *delivery*: detokenizing it and sending it on.", "",
+              "| arm | " + " | ".join(f"{stage} (ms)" for stage in STAGES) + " | sum (ms) |",
+              "|---" * (len(STAGES) + 2) + "|"]
+    for arm in ("disagg", "colocated"):
+        means = stages[arm]
+        lines.append(f"| {arm} | " + " | ".join(f"{means[stage] * 1e3:.1f}" for stage in STAGES)
+                     + f" | {sum(means.values()) * 1e3:.1f} |")
+    diff = {stage: stages["disagg"][stage] - stages["colocated"][stage] for stage in STAGES}
+    worst = max(diff, key=diff.get)
+    lines += ["", f"Mean TTFT, disaggregated minus colocated: {sum(diff.values()) * 1e3:+.1f} ms, of which "
+              f"{diff[worst] * 1e3:+.1f} ms in the {worst} stage. "
               "The first token leaves the prefill worker as soon as it is sampled (`PrefillStream`), so "
-              "the K/V transfer and the decode worker's activation are off the TTFT path; what remains "
-              "over colocated is the reservation call on the decode worker before the prefill call."]
+              "the K/V transfer and the decode worker's activation are off the TTFT path."]
     return "\n".join(lines)
 
 
