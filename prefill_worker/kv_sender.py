@@ -9,11 +9,12 @@ numbered, CRC-32C-checked), queued in order behind the header:
     header ─► data 0 ─► data 1 ─► ... ─► trailer(num_chunks, first_token)
 
 Handing a message to the asyncio loop wakes it, and on a prefill worker that has one core the
-loop then takes that core (and the GIL) from the forward pass: on this project's 2-core machine,
-about 1 ms per wake-up, 7-10 ms of a 60 ms short-prompt prefill when every layer woke it. So
-the engine thread collects messages and hands them over in batches of at least
-`max_chunk_bytes` (a long prompt still streams layer by layer, a short one goes in one batch),
-and `finish`, on the loop, sends what is left after the first token is on its way.
+loop then takes that core (and the GIL) from the forward pass. On this project's 2-core machine,
+a short prompt's layer hooks took 7-10 ms of its 40-75 ms prefill when every layer woke the
+loop, and 3-4 ms with batches (the TTFT gained less: `ttft_low_load.py` found no difference
+beyond its noise). So the engine thread collects messages and hands them over in batches of at
+least `max_chunk_bytes` (a long prompt still streams layer by layer, a short one goes in one
+batch), and `finish`, on the loop, sends what is left after the first token is on its way.
 
 `fail` ends the stream early; the decode side then reports a truncated transfer and frees its
 blocks.
