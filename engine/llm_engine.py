@@ -111,7 +111,7 @@ class LLMEngine:
             proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost, verifier.draft_stream,
                                      keep_probs=verifier.needs_draft_probs)
         depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
-        return Speculator(proposer, depth, verifier)
+        return Speculator(proposer, depth, verifier, catches_up=draft_cost is not None)
 
     def _check_draft_matches(self) -> None:
         draft, target = self.draft_config, self.model_config
@@ -248,6 +248,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        self._shape = None
         sched = self._schedule()
         if sched.is_empty:
             return []
@@ -263,7 +264,7 @@ class LLMEngine:
     def _prepare(self, sched: SchedulerOutput) -> tuple[list[BatchEntry], dict[int, Proposal]]:
         batch = [BatchEntry(s.seq, s.num_new_tokens, int(s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens))
                  for s in sched.scheduled]
-        self._shape = StepShape.of(batch, self.draft_runner is not None)  # before proposals grow the entries
+        self._shape = StepShape.of(batch)  # before proposals grow the entries
         return batch, self._propose(batch)
 
     def _run(self, batch: list[BatchEntry]):

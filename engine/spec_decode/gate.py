@@ -2,23 +2,40 @@
 
 The depth model (`depth.py`) picks each sequence's k from predicted costs; this gate checks the
 prediction against what happens. For each batch-size bucket (1, 2–3, 4–7, 8–15, …) it keeps a
-decayed sum of wall seconds and of emitted tokens over recent steady pure-decode steps, with and
+decayed sum of wall seconds and of emitted tokens over recent pure-decode steps, with and
 without speculation, and lets a step speculate only while that is the cheaper mode per token.
 Each mode first runs a short burst to be measured; afterwards the losing mode runs one burst
-every PERIOD steps, so a change in acceptance or load is noticed. This is what keeps speculation from being slower than plain decoding at batch sizes
-where verification is not free (a compute-bound CPU, large batches), whatever the model says.
+after a waiting period, so a change in acceptance or load is noticed. The period starts at
+PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
+starts again at PERIOD when the winner changes. Exploring is not free: a draft model that sat
+out the plain steps must catch up on every token they emitted before its first proposal (about
+a twentieth of the plain steps' time on the demo pair at batch 32), so a gate that kept
+exploring every 64 steps cost as much as it saved where the two modes are close. This is what
+keeps speculation from being slower than plain decoding at batch sizes where verification is
+not free (a compute-bound CPU, large batches), whatever the model says.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Bucket:
+    steps: int = 0  # allow() calls so far
+    speculate: bool = True  # the winner at the last decision
+    period: int = 0  # steps between exploring bursts now
+    next_burst: int = 0  # the step at which the next exploring burst starts
 
 
 class SpeculationGate:
     BURST = 4  # steps a mode runs when it is measured
-    PERIOD = 64  # every PERIOD steps, the losing mode runs for one BURST
+    PERIOD = 64  # steps before the losing mode's first exploring burst
+    MAX_PERIOD = 1024  # the period doubles up to this while the winner stays the same
     DECAY = 0.9  # per observation, for the decayed sums of seconds and tokens
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculated) -> [seconds, tokens]
-        self._steps: dict[int, int] = {}
+        self._buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -26,19 +43,27 @@ class SpeculationGate:
 
     def allow(self, batch_size: int) -> bool:
         """Whether this step may speculate: a burst of each mode first, then the cheaper one,
-        with a burst of the other every PERIOD steps."""
-        b = self.bucket(batch_size)
-        self._steps[b] = n = self._steps.get(b, 0) + 1
+        with a burst of the other after each period."""
+        st = self._buckets.setdefault(self.bucket(batch_size), _Bucket())
+        st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
         spec, plain = self.seconds_per_token(batch_size, True), self.seconds_per_token(batch_size, False)
         if spec is None or plain is None:
             return spec is None
-        exploring = n % self.PERIOD < self.BURST
-        return (spec <= plain) != exploring
+        winner = spec <= plain
+        if winner != st.speculate or st.period == 0:  # the first decision, or the winner changed
+            st.speculate, st.period, st.next_burst = winner, self.PERIOD, n + self.PERIOD
+        if n < st.next_burst:
+            return winner
+        if n < st.next_burst + self.BURST:  # exploring
+            return not winner
+        st.period = min(2 * st.period, self.MAX_PERIOD)  # the burst left the same winner
+        st.next_burst = n + st.period
+        return winner
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
-        """A steady pure-decode step's wall time and the tokens it emitted."""
+        """A pure-decode step's wall time and the tokens it emitted."""
         sums = self._sums.setdefault((self.bucket(batch_size), speculated), [0.0, 0.0])
         sums[0] = sums[0] * self.DECAY + seconds
         sums[1] = sums[1] * self.DECAY + num_tokens

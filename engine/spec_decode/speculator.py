@@ -52,33 +52,38 @@ class StepShape:
 
     batch_size: int
     is_decode_only: bool  # every entry decodes one token: comparable with other such steps
-    # a draft catching up on many tokens (a fresh prompt, or after plain steps) makes a step
-    # unrepresentative of steady speculation
-    is_steady: bool
 
     @classmethod
-    def of(cls, batch: list, has_draft: bool) -> StepShape:
-        is_decode_only = all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch)
-        is_steady = not has_draft or all(e.seq.num_tokens - e.seq.num_draft_computed_tokens <= 2
-                                         for e in batch if e.num_new_tokens > 1)
-        return cls(len(batch), is_decode_only, is_steady)
+    def of(cls, batch: list) -> StepShape:
+        return cls(len(batch), all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch))
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, depth: AdaptiveDepth, verifier):
-        """verifier: a `verifier.CoupledVerifier` or `verifier.RejectionVerifier`."""
+    def __init__(self, proposer: Proposer, depth: AdaptiveDepth, verifier, catches_up: bool):
+        """verifier: a `verifier.CoupledVerifier` or `verifier.RejectionVerifier`. catches_up:
+        the proposer must first see the tokens plain steps emitted (a draft model)."""
         self.proposer, self.depth, self.verifier = proposer, depth, verifier
+        self.catches_up = catches_up
         self.stats = SpecDecodeStats()
         self.gate = SpeculationGate()
         self._speculated = False  # whether this step proposed any draft token
+        self._speculated_before = False  # whether the step before did
 
-    def observe_step(self, shape: StepShape, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
-        """After each engine step: the target's forward (tokens, seconds) feeds the cost model
-        (prefill chunks too: they spread the fit over n); a steady pure-decode step's wall time
-        and emitted tokens feed the gate, which compares like with like."""
+    def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
+        """After each engine step (shape None: nothing was scheduled): the target's forward
+        (tokens, seconds) feeds the cost model (prefill chunks too: they spread the fit over n);
+        a pure-decode step's wall time and emitted tokens feed the gate, which compares like with
+        like. The first speculative step after plain ones is left out: its draft catches up on
+        every token the plain steps emitted, a cost of switching modes that the gate's own
+        exploring causes (its period pays for it), not of speculating. Later catch-ups (a fresh
+        prompt, a sequence whose depth was 0) are part of speculating and count."""
+        if shape is None:
+            return
         self.depth.target_cost.observe(*target_pass)
-        if shape.is_decode_only and shape.is_steady:
+        switching = self.catches_up and self._speculated and not self._speculated_before
+        if shape.is_decode_only and not switching:
             self.gate.observe(shape.batch_size, self._speculated, seconds, sum(len(o.new_token_ids) for o in outputs))
+        self._speculated_before = self._speculated
 
     def allow(self, batch_size: int) -> bool:
         """Whether this step speculates at all: always at fixed depth; with adaptive depth, while

@@ -390,23 +390,93 @@ def test_draft_must_share_the_vocabulary(target, checkpoint):
 
 
 # ---- the gate -----------------------------------------------------------------------------------
-def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores():
-    from pdserve.engine.spec_decode.gate import SpeculationGate
+def _bursts(decisions: list[bool], mode: bool) -> list[tuple[int, int]]:
+    """(start index, length) of each run of `mode` in decisions."""
+    runs, start = [], None
+    for i, d in enumerate(decisions + [not mode]):
+        if d == mode and start is None:
+            start = i
+        elif d != mode and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
 
-    gate = SpeculationGate()
-    burst = SpeculationGate.BURST
-    first = [gate.allow(32) for _ in range(2 * burst)]
-    assert first == [True] * burst + [False] * burst  # a burst of each mode to measure them
-    for _ in range(burst):
+
+def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often():
+    from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
+
+    gate = Gate()
+    first = [gate.allow(32) for _ in range(2 * Gate.BURST)]
+    assert first == [True] * Gate.BURST + [False] * Gate.BURST  # a burst of each mode to measure them
+    for _ in range(Gate.BURST):
         gate.observe(32, True, seconds=0.30, num_tokens=40)  # 7.5 ms per token
         gate.observe(32, False, seconds=0.10, num_tokens=32)  # 3.1 ms per token: plain wins here
-    decisions = [gate.allow(32) for _ in range(4 * SpeculationGate.PERIOD)]
-    assert decisions.count(True) == 4 * burst  # only one exploring burst per period speculates
-    for _ in range(2 * burst):
+    decisions = [gate.allow(32) for _ in range(4 * Gate.MAX_PERIOD)]
+    bursts = _bursts(decisions, True)
+    assert all(length == Gate.BURST for _, length in bursts)  # only exploring bursts speculate
+    gaps = [b[0] - a[0] - Gate.BURST for a, b in zip(bursts, bursts[1:])]
+    assert bursts[0][0] == Gate.PERIOD
+    # each burst that leaves plain winning doubles the wait for the next, up to MAX_PERIOD
+    assert gaps[:4] == [2 * Gate.PERIOD, 4 * Gate.PERIOD, 8 * Gate.PERIOD, 16 * Gate.PERIOD]
+    assert max(gaps) == Gate.MAX_PERIOD and gaps[-1] == Gate.MAX_PERIOD
+
+    # the winner changes: speculation now measures cheaper, and the wait starts again at PERIOD
+    for _ in range(30):
+        gate.observe(32, True, seconds=0.05, num_tokens=40)
+    after = [gate.allow(32) for _ in range(3 * Gate.PERIOD)]
+    assert after[0] is True
+    plain_bursts = _bursts(after, False)
+    assert plain_bursts and plain_bursts[0] == (Gate.PERIOD, Gate.BURST)
+
+    # batch 1 keeps its own record
+    for _ in range(2 * Gate.BURST):
         gate.allow(1)
-    gate.observe(1, True, seconds=0.02, num_tokens=4)  # batch 1 keeps its own record: 5 ms per token
+    gate.observe(1, True, seconds=0.02, num_tokens=4)  # 5 ms per token
     gate.observe(1, False, seconds=0.01, num_tokens=1)  # 10 ms per token
-    assert [gate.allow(1) for _ in range(SpeculationGate.PERIOD)].count(False) == burst
+    assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
+
+
+def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(target, useless_draft):
+    """The first speculative step after plain ones pays for the draft catching up on every token
+    they emitted: the gate must not count it as the cost of speculating. Later speculative
+    steps count, and so do plain ones, and so do steps where a sequence that sat out the last
+    speculative step (depth 0) catches up: that is part of speculating."""
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
+    spec = llm.engine.speculator
+    verdicts = iter(([False] * 5 + [True] * 6) * 100)
+    spec.gate.allow = lambda batch_size: next(verdicts)
+    calls: dict[str, int] = {}
+
+    def choose(seq, batch_size, limit):  # no timings; the second request sits out every other step
+        calls[seq.req_id] = n = calls.get(seq.req_id, 0) + 1
+        return 0 if seq.req_id == second and n % 2 else max(0, min(3, limit))
+
+    spec.depth.choose = choose
+    observed, real_observe = [], spec.gate.observe
+    spec.gate.observe = lambda *args: observed.append(args[1]) or real_observe(*args)
+    steps, real_step = [], llm.engine.step
+
+    def step():
+        before = len(observed)
+        out = real_step()
+        steps.append((spec._speculated, llm.engine._shape.is_decode_only, len(observed) > before))
+        return out
+
+    llm.engine.step = step
+    llm.engine.add_request("first", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    second = "second"
+    llm.engine.add_request(second, list(range(50, 70)), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    decode = [(i, s, seen) for i, (s, d, seen) in enumerate(steps) if d and i > 0]
+    switching = [seen for i, s, seen in decode if s and not steps[i - 1][0]]
+    speculating = [seen for i, s, seen in decode if s and steps[i - 1][0]]
+    plain = [seen for i, s, seen in decode if not s]
+    assert switching and not any(switching)
+    assert speculating and all(speculating)
+    assert plain and all(plain)
+    assert spec.gate.seconds_per_token(2, True) is not None and spec.gate.seconds_per_token(2, False) is not None
+    assert_all_free(llm)
 
 
 def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, baseline):
