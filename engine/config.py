@@ -38,7 +38,7 @@ class EngineConfig:
     speculative_method: str | None = None  # "draft" or "ngram"; inferred from draft_model
     ngram_max: int = 4
     ngram_min: int = 1
-    spec_adaptive: bool = True  # per-sequence depth from acceptance and step costs; False: always k
+    spec_adaptive: bool = True  # depth per step, for the batch, from acceptance and step costs; False: always k
     # how a sampled request's draft tokens are verified: "coupled" (the target's own (seed,
     # position) draws, kept while the drafts match them: the same tokens with or without
     # speculation, at any depth) or "rejection" (min(1, p/q) acceptance; accepts more, but the

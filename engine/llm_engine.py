@@ -259,6 +259,9 @@ class LLMEngine:
     def _schedule(self) -> SchedulerOutput:
         batch_size = len(self.scheduler.running)
         self._speculate = self.speculator is not None and self.speculator.allow(batch_size)
+        if self._speculate:
+            self.speculator.plan([s for s in self.scheduler.running if s.num_uncomputed_tokens == 1],
+                                 self.max_model_len)
         return self.scheduler.schedule(self._lookahead)
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[list[BatchEntry], dict[int, Proposal]]:
@@ -285,7 +288,7 @@ class LLMEngine:
     def _lookahead(self, seq: Sequence) -> int:
         if not self._speculate:
             return 0
-        return self.speculator.choose_k(seq, len(self.scheduler.running), self.max_model_len)
+        return self.speculator.choose_k(seq)
 
     def _propose(self, batch: list[BatchEntry]) -> dict[int, Proposal]:
         """Draft tokens for the decoding entries given lookahead slots; entries grow to verify them."""

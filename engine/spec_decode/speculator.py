@@ -1,10 +1,10 @@
 """`Speculator`: the engine's one handle on speculative decoding.
 
-Per step, for each decoding sequence: `choose_k` (the scheduler reserves KV slots for k
-lookahead tokens), `propose` (draft tokens and, for the rejection sampler, their q), then after
-the target's forward `verify` (the whole batch at once, by the configured verifier) and
-`rollback` (cut both caches back to what was accepted; the blocks past it are freed by the
-engine).
+Per step: `allow` (the gate: whether this step speculates), `plan` (each decoding sequence's
+depth k; the scheduler reserves KV slots for k lookahead tokens by `choose_k`), `propose` (draft
+tokens and, for the rejection sampler, their q), then after the target's forward `verify` (the
+whole batch at once, by the configured verifier) and `rollback` (cut both caches back to what
+was accepted; the blocks past it are freed by the engine).
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ class Speculator:
         self.gate = SpeculationGate()
         self._speculated = False  # whether this step proposed any draft token
         self._speculated_before = False  # whether the step before did
+        self._ks: dict[str, int] = {}  # this step's depth per request, from `plan`
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): the target's forward
@@ -91,9 +92,14 @@ class Speculator:
         self._speculated = False
         return not self.depth.adaptive or self.gate.allow(batch_size)
 
-    def choose_k(self, seq: Sequence, batch_size: int, max_model_len: int) -> int:
-        room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
-        return self.depth.choose(seq, batch_size, room)
+    def plan(self, seqs: list[Sequence], max_model_len: int) -> None:
+        """The step's depths for the sequences about to decode (`choose_k` then answers the
+        scheduler): fixed, or picked for the batch by the depth model."""
+        rooms = [min(s.params.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens) - 1 for s in seqs]
+        self._ks = dict(zip((s.req_id for s in seqs), self.depth.plan(seqs, rooms)))
+
+    def choose_k(self, seq: Sequence) -> int:
+        return self._ks.get(seq.req_id, 0)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         proposals = self.proposer.propose(seqs, ks)

@@ -333,21 +333,39 @@ def test_depth_follows_acceptance():
     for _ in range(20):
         depth.record("good", 4, 4)
         depth.record("bad", 4, 0)
-    assert depth.choose(good, 1, 10) == 4
-    assert depth.choose(bad, 1, 10) == 0
-    assert depth.choose(good, 1, 2) == 2  # never past the room left
+    assert depth.plan([good], [10]) == [4]
+    assert depth.plan([bad], [10]) == [0]
+    assert depth.plan([good], [2]) == [2]  # never past the room left
+    # together: the draft's passes are paid for the good one, so the bad one verifies at most
+    # the position still worth its marginal cost (α ≈ 0.2: one)
+    k_good, k_bad = depth.plan([good, bad], [10, 10])
+    assert k_good >= 3 and k_bad <= 1
+
+
+def test_depth_is_chosen_for_the_batch():
+    """Sequences alike get one depth: the passes' fixed cost is shared, so a batch of mixed
+    depths pays for the deepest draft chain and the widest verification at once."""
+    depth = make_depth(a_t=0.02, b_t=0.0005, a_d=0.004, b_d=0.0001)
+    seqs = [seq_(f"r{i}") for i in range(8)]
+    for i in range(8):
+        for _ in range(20):
+            depth.record(f"r{i}", 4, 2 + i % 2)  # α about 0.7 to 0.8
+    ks = depth.plan(seqs, [10] * 8)
+    assert len(set(ks)) == 1 and ks[0] >= 1
+    assert depth.plan(seqs, [1] + [10] * 7)[0] == 1  # the room left still caps one sequence
 
 
 def test_depth_drops_to_zero_when_verification_is_not_free():
     depth = make_depth(a_t=0.001, b_t=0.01)  # compute-bound target: cost grows with tokens verified
-    s = seq_()
+    seqs = [seq_(f"r{i}") for i in range(32)]
     for _ in range(20):
-        depth.record("r", 4, 3)
-    assert depth.choose(s, 32, 10) == 0
+        for s in seqs:
+            depth.record(s.req_id, 4, 3)
+    assert depth.plan(seqs, [10] * 32) == [0] * 32
     cheap = make_depth(a_t=0.05, b_t=0.0001)  # memory-bound target: verifying k + 1 is nearly free
     for _ in range(20):
-        cheap.record("r", 4, 3)
-    assert cheap.choose(s, 1, 10) >= 3
+        cheap.record("r0", 4, 3)
+    assert cheap.plan(seqs[:1], [10])[0] >= 3
 
 
 def test_depth_drifts_back_so_a_sequence_retries():
@@ -355,8 +373,8 @@ def test_depth_drifts_back_so_a_sequence_retries():
     s = seq_()
     for _ in range(10):
         depth.record("r", 4, 0)
-    assert depth.choose(s, 1, 10) == 0
-    ks = [depth.choose(s, 1, 10) for _ in range(200)]
+    assert depth.plan([s], [10]) == [0]
+    ks = [depth.plan([s], [10])[0] for _ in range(200)]
     assert ks[0] == 0 and max(ks) >= 1  # it speculates again once its estimate drifts up
 
 
@@ -447,11 +465,14 @@ def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(targ
     spec.gate.allow = lambda batch_size: next(verdicts)
     calls: dict[str, int] = {}
 
-    def choose(seq, batch_size, limit):  # no timings; the second request sits out every other step
-        calls[seq.req_id] = n = calls.get(seq.req_id, 0) + 1
-        return 0 if seq.req_id == second and n % 2 else max(0, min(3, limit))
+    def plan(seqs, rooms):  # no timings; the second request sits out every other step
+        ks = []
+        for seq, room in zip(seqs, rooms):
+            calls[seq.req_id] = n = calls.get(seq.req_id, 0) + 1
+            ks.append(0 if seq.req_id == second and n % 2 else max(0, min(3, room)))
+        return ks
 
-    spec.depth.choose = choose
+    spec.depth.plan = plan
     observed, real_observe = [], spec.gate.observe
     spec.gate.observe = lambda *args: observed.append(args[1]) or real_observe(*args)
     steps, real_step = [], llm.engine.step
@@ -486,7 +507,7 @@ def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, 
     verdicts = iter([True, False] * 1000)
     allowed = []
     llm.engine.speculator.gate.allow = lambda batch_size: allowed.append(next(verdicts)) or allowed[-1]
-    llm.engine.speculator.depth.choose = lambda seq, batch_size, limit: max(0, min(3, limit))  # no timings
+    llm.engine.speculator.depth.plan = lambda seqs, rooms: [max(0, min(3, r)) for r in rooms]  # no timings
     drafts_before = []
     orig_propose = llm.engine.speculator.propose
 
