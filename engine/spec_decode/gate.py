@@ -32,6 +32,7 @@ class SpeculationGate:
     PERIOD = 64  # steps before the losing mode's first exploring burst
     MAX_PERIOD = 1024  # the period doubles up to this while the winner stays the same
     DECAY = 0.9  # per observation, for the decayed sums of seconds and tokens
+    CLIP = 3.0  # an observed step counts at most this many times its mode's seconds per token
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculated) -> [seconds, tokens]
@@ -63,8 +64,14 @@ class SpeculationGate:
         return winner
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
-        """A pure-decode step's wall time and the tokens it emitted."""
+        """A pure-decode step's wall time and the tokens it emitted. A step slower than CLIP
+        times its mode's running seconds per token counts as that (a stall of the host, a
+        collection pass, another process on the core): unclipped, one such step could make the
+        winning mode look the loser, and with the waits doubling, for hundreds of steps; a real
+        change still shows within a few steps."""
         sums = self._sums.setdefault((self.bucket(batch_size), speculated), [0.0, 0.0])
+        if sums[1] > 0:
+            seconds = min(seconds, self.CLIP * sums[0] / sums[1] * max(num_tokens, 1))
         sums[0] = sums[0] * self.DECAY + seconds
         sums[1] = sums[1] * self.DECAY + num_tokens
 

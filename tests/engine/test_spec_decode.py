@@ -454,6 +454,23 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
 
 
+def test_gate_is_not_turned_by_one_stalled_step_but_follows_a_real_change():
+    from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
+
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(1)
+    for _ in range(10):
+        gate.observe(1, True, seconds=0.015, num_tokens=5)  # 3 ms per token
+        gate.observe(1, False, seconds=0.009, num_tokens=1)  # 9 ms per token
+    gate.observe(1, True, seconds=2.0, num_tokens=5)  # the host stalled for two seconds
+    assert gate.seconds_per_token(1, True) < gate.seconds_per_token(1, False)
+    assert all(gate.allow(1) for _ in range(Gate.PERIOD - 1))
+    for _ in range(25):  # acceptance collapsed: speculating now costs 15 ms per token
+        gate.observe(1, True, seconds=0.015, num_tokens=1)
+    assert gate.seconds_per_token(1, True) > gate.seconds_per_token(1, False)
+
+
 def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(target, useless_draft):
     """The first speculative step after plain ones pays for the draft catching up on every token
     they emitted: the gate must not count it as the cost of speculating. Later speculative
