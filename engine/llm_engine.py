@@ -257,8 +257,7 @@ class LLMEngine:
         return self._postprocess(batch, logits, proposals)
 
     def _schedule(self) -> SchedulerOutput:
-        batch_size = len(self.scheduler.running)
-        self._speculate = self.speculator is not None and self.speculator.allow(batch_size)
+        self._speculate = self.speculator is not None and self.speculator.allow(self.scheduler.running)
         if self._speculate:
             self.speculator.plan([s for s in self.scheduler.running if s.num_uncomputed_tokens == 1],
                                  self.max_model_len)

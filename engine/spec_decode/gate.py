@@ -1,13 +1,17 @@
 """`SpeculationGate`: speculate only where it measurably pays, per batch size.
 
 The depth model (`depth.py`) picks each sequence's k from predicted costs; this gate checks the
-prediction against what happens. For each batch-size bucket (1, 2–3, 4–7, 8–15, …) it keeps a
-decayed sum of wall seconds and of emitted tokens over recent pure-decode steps, with and
-without speculation, and lets a step speculate only while that is the cheaper mode per token.
+prediction against what happens. For each regime — a batch-size bucket (1, 2–3, 4–7, 8–15, …),
+and whether any request in the batch samples (acceptance differs most between greedy and sampled
+requests: on the demo pair α ≈ 1.0 greedy against 0.5 at temperature 1, and one record for both
+carried the sampled batches' verdict over to greedy ones) — it keeps a decayed sum of wall
+seconds and of emitted tokens over recent pure-decode steps, with and without speculation, and
+lets a step speculate only while that is the cheaper mode per token.
 Each mode first runs a short burst to be measured; afterwards the losing mode runs one burst
 after a waiting period, so a change in acceptance or load is noticed. The period starts at
 PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
-starts again at PERIOD when the winner changes. Exploring is not free: a draft model that sat
+starts again at PERIOD when the winner changes, and when most of the batch's requests are new
+since the period started (`renew`: acceptance belongs to requests). Exploring is not free: a draft model that sat
 out the plain steps must catch up on every token they emitted before its first proposal (about
 a twentieth of the plain steps' time on the demo pair at batch 32), so a gate that kept
 exploring every 64 steps cost as much as it saved where the two modes are close. This is what
@@ -35,21 +39,22 @@ class SpeculationGate:
     CLIP = 3.0  # an observed step counts at most this many times its mode's seconds per token
 
     def __init__(self) -> None:
-        self._sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, speculated) -> [seconds, tokens]
-        self._buckets: dict[int, _Bucket] = {}
+        self._sums: dict[tuple[int, bool, bool], list[float]] = {}  # (*regime, speculated) -> [seconds, tokens]
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}
 
     @staticmethod
-    def bucket(batch_size: int) -> int:
-        return max(batch_size, 1).bit_length()
+    def regime(batch_size: int, sampled: bool) -> tuple[int, bool]:
+        return max(batch_size, 1).bit_length(), sampled
 
-    def allow(self, batch_size: int) -> bool:
+    def allow(self, batch_size: int, sampled: bool = False) -> bool:
         """Whether this step may speculate: a burst of each mode first, then the cheaper one,
         with a burst of the other after each period."""
-        st = self._buckets.setdefault(self.bucket(batch_size), _Bucket())
+        st = self._buckets.setdefault(self.regime(batch_size, sampled), _Bucket())
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
-        spec, plain = self.seconds_per_token(batch_size, True), self.seconds_per_token(batch_size, False)
+        spec = self.seconds_per_token(batch_size, True, sampled)
+        plain = self.seconds_per_token(batch_size, False, sampled)
         if spec is None or plain is None:
             return spec is None
         winner = spec <= plain
@@ -63,18 +68,25 @@ class SpeculationGate:
         st.next_burst = n + st.period
         return winner
 
-    def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int) -> None:
+    def renew(self, batch_size: int, sampled: bool = False) -> None:
+        """Most of the batch is new requests: the losing mode is measured again within PERIOD."""
+        st = self._buckets.get(self.regime(batch_size, sampled))
+        if st is not None and st.period:
+            st.period = self.PERIOD
+            st.next_burst = min(st.next_burst, st.steps + self.PERIOD)
+
+    def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int, sampled: bool = False) -> None:
         """A pure-decode step's wall time and the tokens it emitted. A step slower than CLIP
         times its mode's running seconds per token counts as that (a stall of the host, a
         collection pass, another process on the core): unclipped, one such step could make the
         winning mode look the loser, and with the waits doubling, for hundreds of steps; a real
         change still shows within a few steps."""
-        sums = self._sums.setdefault((self.bucket(batch_size), speculated), [0.0, 0.0])
+        sums = self._sums.setdefault((*self.regime(batch_size, sampled), speculated), [0.0, 0.0])
         if sums[1] > 0:
             seconds = min(seconds, self.CLIP * sums[0] / sums[1] * max(num_tokens, 1))
         sums[0] = sums[0] * self.DECAY + seconds
         sums[1] = sums[1] * self.DECAY + num_tokens
 
-    def seconds_per_token(self, batch_size: int, speculated: bool) -> float | None:
-        sums = self._sums.get((self.bucket(batch_size), speculated))
+    def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
+        sums = self._sums.get((*self.regime(batch_size, sampled), speculated))
         return sums[0] / sums[1] if sums and sums[1] > 0 else None

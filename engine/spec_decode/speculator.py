@@ -69,6 +69,8 @@ class Speculator:
         self._speculated = False  # whether this step proposed any draft token
         self._speculated_before = False  # whether the step before did
         self._ks: dict[str, int] = {}  # this step's depth per request, from `plan`
+        self._regime = (0, False)  # the gate's: this step's batch size, and whether any request samples
+        self._cohort: set[str] = set()  # the requests running when the gate was last renewed
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): the target's forward
@@ -83,14 +85,23 @@ class Speculator:
         self.depth.target_cost.observe(*target_pass)
         switching = self.catches_up and self._speculated and not self._speculated_before
         if shape.is_decode_only and not switching:
-            self.gate.observe(shape.batch_size, self._speculated, seconds, sum(len(o.new_token_ids) for o in outputs))
+            self.gate.observe(self._regime[0], self._speculated, seconds, sum(len(o.new_token_ids) for o in outputs),
+                              self._regime[1])
         self._speculated_before = self._speculated
 
-    def allow(self, batch_size: int) -> bool:
+    def allow(self, running: list[Sequence]) -> bool:
         """Whether this step speculates at all: always at fixed depth; with adaptive depth, while
-        the gate measures it paying at this batch size."""
+        the gate measures it paying for a batch like this one (its size, and whether any request
+        samples). When most of the batch is new since the gate last heard so, it is told to
+        measure again soon."""
         self._speculated = False
-        return not self.depth.adaptive or self.gate.allow(batch_size)
+        if not self.depth.adaptive:
+            return True
+        self._regime = (len(running), any(not s.params.is_greedy for s in running))
+        if sum(1 for s in running if s.req_id not in self._cohort) * 2 > len(running):
+            self.gate.renew(*self._regime)
+            self._cohort = {s.req_id for s in running}
+        return self.gate.allow(*self._regime)
 
     def plan(self, seqs: list[Sequence], max_model_len: int) -> None:
         """The step's depths for the sequences about to decode (`choose_k` then answers the

@@ -2,6 +2,8 @@
 hand-made cases, rollback and adaptive depth."""
 from __future__ import annotations
 
+import copy
+
 import itertools
 import math
 
@@ -454,6 +456,33 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
 
 
+def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests():
+    from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
+
+    gate = Gate()
+    for sampled in (False, True):
+        for _ in range(2 * Gate.BURST):
+            gate.allow(1, sampled)
+    for _ in range(10):
+        gate.observe(1, True, seconds=0.010, num_tokens=5, sampled=False)  # greedy: 2 ms per token
+        gate.observe(1, False, seconds=0.003, num_tokens=1, sampled=False)  # 3 ms
+        gate.observe(1, True, seconds=0.010, num_tokens=2, sampled=True)  # sampled: 5 ms per token
+        gate.observe(1, False, seconds=0.003, num_tokens=1, sampled=True)  # 3 ms
+    assert [gate.allow(1, False) for _ in range(Gate.PERIOD)].count(True) == Gate.PERIOD
+    assert [gate.allow(1, True) for _ in range(Gate.PERIOD)].count(True) == 0
+
+    # sampled batches stay plain, and the waits between exploring bursts grow long
+    for _ in range(3 * Gate.MAX_PERIOD):
+        gate.allow(1, True)
+    in_burst = False
+    while (speculates := gate.allow(1, True)) or not in_burst:  # to the end of an exploring burst
+        in_burst = in_burst or speculates
+    renewed = copy.deepcopy(gate)
+    renewed.renew(1, True)  # most requests are new: measured again within PERIOD
+    assert True not in [gate.allow(1, True) for _ in range(Gate.PERIOD + 1)]
+    assert True in [renewed.allow(1, True) for _ in range(Gate.PERIOD + 1)]
+
+
 def test_gate_is_not_turned_by_one_stalled_step_but_follows_a_real_change():
     from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
 
@@ -479,7 +508,7 @@ def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(targ
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
     spec = llm.engine.speculator
     verdicts = iter(([False] * 5 + [True] * 6) * 100)
-    spec.gate.allow = lambda batch_size: next(verdicts)
+    spec.gate.allow = lambda batch_size, sampled: next(verdicts)
     calls: dict[str, int] = {}
 
     def plan(seqs, rooms):  # no timings; the second request sits out every other step
@@ -523,7 +552,7 @@ def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, 
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
     verdicts = iter([True, False] * 1000)
     allowed = []
-    llm.engine.speculator.gate.allow = lambda batch_size: allowed.append(next(verdicts)) or allowed[-1]
+    llm.engine.speculator.gate.allow = lambda batch_size, sampled: allowed.append(next(verdicts)) or allowed[-1]
     llm.engine.speculator.depth.plan = lambda seqs, rooms: [max(0, min(3, r)) for r in rooms]  # no timings
     drafts_before = []
     orig_propose = llm.engine.speculator.propose
