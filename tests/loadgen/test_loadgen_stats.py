@@ -97,10 +97,13 @@ def test_goodput_by_bisection():
     def step(rate):  # attainment falls below 90% past 5.3 req/s
         return 1.0 if rate <= 5.3 else 0.4
 
-    g, points = bisect(step, 1.0, 17.0, steps=4)
-    # 1 ok, 17 fail, 9 fail, 5 ok, 7 fail, 6 fail
-    assert [r for r, _ in points] == [1.0, 17.0, 9.0, 5.0, 7.0, 6.0]
-    assert (g.rate, g.passing_rate, g.failing_rate, g.method) == (5.0, 5.0, 6.0, GoodputMethod.BISECTION)
+    g, points = bisect(step, 1.0, 16.0, steps=4)
+    # geometric midpoints: 1 ok, 16 fail, 4 ok, 8 fail, √32 ≈ 5.66 fail, √(4·√32) ≈ 4.76 ok
+    expected = [1.0, 16.0, 4.0, 8.0, math.sqrt(32), math.sqrt(4 * math.sqrt(32))]
+    assert [r for r, _ in points] == pytest.approx(expected)
+    assert (g.rate, g.failing_rate, g.method) == (pytest.approx(expected[5]), pytest.approx(expected[4]),
+                                                   GoodputMethod.BISECTION)
+    assert g.passing_rate == g.rate
     assert bisect(step, 8.0, 17.0, 4)[0].rate is None
     assert bisect(step, 1.0, 5.0, 4)[0].is_lower_bound
     with pytest.raises(ValueError, match="low < high"):
