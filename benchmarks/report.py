@@ -69,8 +69,24 @@ GOAL_HEADER = ["| goal | min / median / max | target | verdict |", "|---|---|---
 
 def machine() -> dict:
     return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "cpu": cpu_name(),
             "load_avg_1m": os.getloadavg()[0]}
+
+
+def cpu_name() -> str:
+    """The CPU's model name and last-level cache size, as Linux reports them ("" elsewhere): the
+    figures of a small model depend on whether its weights fit in that cache."""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return ""
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"))
+    if not caches:
+        return model
+    size, level = (caches[-1] / "size").read_text().strip(), (caches[-1] / "level").read_text().strip()
+    if size.endswith("K") and size[:-1].isdigit() and int(size[:-1]) % 1024 == 0:
+        size = f"{int(size[:-1]) // 1024} MiB"
+    return f"{model}, {size} L{level}"
 
 
 def measure_read_bandwidth(num_mb: int = 256, repeats: int = 5) -> float:

@@ -330,7 +330,8 @@ def markdown(result: dict) -> str:
         f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
         f"over them, speedups against plain decoding in the same repeat). Tuned options: "
         f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "
-        f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({m['cpu_count']} CPUs).", "",
+        f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({m['cpu_count']} CPUs"
+        f"{', ' + m['cpu'] if m.get('cpu') else ''}).", "",
         markdown_table(rows), "",
         "Newcomer (README's `LLM(\"models/demo\", draft_model=\"models/demo-draft\", num_speculative_tokens=4)` and "
         f"plain `LLM(\"models/demo\")`, default options, default torch threads ({result['default_threads']}); "
