@@ -335,7 +335,8 @@ def markdown(result: dict) -> str:
     gb = lambda n: _spread(p["gbps"][n]).fmt(2, " GB/s")  # noqa: E731
     lines = [f"Command: `{result['command']}` (JSON: `benchmarks/results/kv_transfer.json`, plot: "
              "`benchmarks/results/kv_transfer.png`). Load average at the start: "
-             f"{result['machine']['load_avg_1m']:.1f} on {result['machine']['cpu_count']} CPUs.", "",
+             f"{result['machine']['load_avg_1m']:.1f} on {result['machine']['cpu_count']} CPUs"
+             f"{', ' + result['machine']['cpu'] if result['machine'].get('cpu') else ''}.", "",
              f"One request's K/V: a {p['prompt_tokens']}-token prompt, {p['layers']} layers, "
              f"{p['kv_bytes'] / 2**20:.0f} MiB, pushed into a real decode worker's KV cache; "
              f"{len(p['seconds']['grpc']['values'])} interleaved repeats.", "",

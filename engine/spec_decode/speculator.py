@@ -50,12 +50,11 @@ class SpecDecodeStats:
 class StepShape:
     """What the gate needs to know of a step, taken before proposals grow its entries."""
 
-    batch_size: int
     is_decode_only: bool  # every entry decodes one token: comparable with other such steps
 
     @classmethod
     def of(cls, batch: list) -> StepShape:
-        return cls(len(batch), all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch))
+        return cls(all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch))
 
 
 class Speculator:
@@ -84,7 +83,7 @@ class Speculator:
             return
         self.depth.target_cost.observe(*target_pass)
         switching = self.catches_up and self._speculated and not self._speculated_before
-        if shape.is_decode_only and not switching:
+        if self.depth.adaptive and shape.is_decode_only and not switching:
             self.gate.observe(self._regime[0], self._speculated, seconds, sum(len(o.new_token_ids) for o in outputs),
                               self._regime[1])
         self._speculated_before = self._speculated
