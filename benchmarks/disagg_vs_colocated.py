@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import Launcher
+from report import machine
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench
 from pdserve.loadgen.lengths import LengthDistribution
@@ -180,6 +181,7 @@ def report(result: dict, args) -> None:
         ("disagg", "colocated"), ("disagg+spec", "colocated+spec"))}
     result["verdict"] = verdict(result)
     result["config"] = {k: v for k, v in vars(args).items()}
+    result["machine"] = machine()
     result["workload"] = {"prompt_len": workload().prompt_len.spec, "output_len": workload().output_len.spec,
                           "kind": "code (stdlib cuts, demo tokenizer)"}
     out = Path(args.out)
@@ -188,7 +190,9 @@ def report(result: dict, args) -> None:
     plot(result, out.with_suffix(".png"))
     u = result["unloaded"]
     cmd = " ".join(["python", "benchmarks/disagg_vs_colocated.py", *sys.argv[1:]])  # exactly as run
-    print(f"\n`{cmd}` ({args.repeats} interleaved repeat(s); median (min–max))\n")
+    host = result["machine"]
+    print(f"\n`{cmd}` ({args.repeats} interleaved repeat(s); median (min–max); {host['cpu_count']} CPUs"
+          f"{', ' + host['cpu'] if host.get('cpu') else ''})\n")
     print("| arm | unloaded TTFT p50 / p90 (ms) | unloaded TPOT p50 / p90 (ms) | SLO TTFT / TPOT (ms) | goodput (req/s) |")
     print("|---|---|---|---|---|")
     for arm in ARMS:
