@@ -412,7 +412,7 @@ def markdown(result: dict, command: str) -> str:
         "any timed run.", "",
         f"Files: `benchmarks/results/offline_throughput.json`, `benchmarks/results/offline_throughput.png`. "
         f"Load average (1 min) at the start and end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} "
-        f"({m['cpu_count']} CPUs).",
+        f"({m['cpu_count']} CPUs{', ' + m['cpu'] if m.get('cpu') else ''}).",
     ])
 
 
