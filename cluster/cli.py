@@ -164,7 +164,8 @@ SERVE_OVERRIDES = {
 }
 
 
-def _serve_system(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace):
+    """`pdserve serve`'s configuration: the config file (or the defaults) under the flags."""
     from pdserve.cluster.config import load
 
     overrides = {field: getattr(args, flag) for flag, field in SERVE_OVERRIDES.items() if field}
@@ -172,7 +173,13 @@ def _serve_system(args: argparse.Namespace) -> int:
         overrides.update({"prefill.gpus": args.gpus_per_worker, "decode.gpus": args.gpus_per_worker})
     if args.no_speculation:
         overrides["num_speculative_tokens"] = 0
-    config = load(args.config, overrides)
+    if args.no_kv_shm:
+        overrides["kv_shm"] = False
+    return load(args.config, overrides)
+
+
+def _serve_system(args: argparse.Namespace) -> int:
+    config = serve_config(args)
     r = config.router
     check_ports_free(r.host, [p for p in (r.grpc_port, r.http_port) if p])
     from pdserve.cluster import serve as system
@@ -378,6 +385,8 @@ def _add_serve_parser(sub) -> None:
             sv.add_argument(flag, type=kind, default=None, help=what + " (default: the config's)")
     sv.add_argument("--api-key", action="append", default=None, help="an API key clients must present (repeatable)")
     sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
+    sv.add_argument("--no-kv-shm", action="store_true", help="never move K/V through shared memory, even between "
+                    "a prefill and a decode worker on one node (default: the config's kv_shm)")
     sv.set_defaults(func=_serve_system)
 
 

@@ -53,6 +53,18 @@ def test_environment_sets_what_flags_do_not(monkeypatch):
     assert (args.config, args.grpc_port, args.model) == ("/etc/pdserve.yaml", 7001, "/models/m")
 
 
+def test_serve_flags_override_the_config(tmp_path):
+    from pdserve.cluster.cli import serve_config
+
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("kv_shm: true\ndecode:\n  workers: 3\n")
+    default = serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+    assert default.kv_shm is True and default.decode.workers == 3
+    flagged = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--no-kv-shm",
+                                                      "--decode-workers", "2", "--no-speculation"]))
+    assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
+
+
 def test_speculation_flags_are_never_silent(text_checkpoint, capsys):
     assert main(["generate", "--model", str(text_checkpoint), "-k", "3", "--prompt", "x"]) == 2
     assert "needs a proposer" in capsys.readouterr().err
