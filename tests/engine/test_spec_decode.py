@@ -1,8 +1,7 @@
 """Speculative decoding: greedy equality, losslessness in distribution, the rejection sampler's
-hand-made cases, rollback and adaptive depth."""
+hand-made cases, rollback, proposers, and the engine obeying the gate (the depth model and the
+gate themselves: test_spec_adaptive.py)."""
 from __future__ import annotations
-
-import copy
 
 import itertools
 import math
@@ -13,8 +12,6 @@ from scipy import stats
 
 from tinymodels import hf_model
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.coupled import emit_matching, verify_coupled_batch, verify_coupled_one
 from pdserve.engine.spec_decode.rejection_sampler import verify_batch, verify_greedy, verify_one
@@ -273,7 +270,7 @@ def test_coupled_emits_the_target_draws_while_drafts_match():
     assert verify_coupled_one(p, [0, 0], noise) == [1]
 
 
-# ---- rollback, depth, proposers -------------------------------------------------------------
+# ---- rollback, proposers -----------------------------------------------------------------
 def test_no_blocks_leak_over_many_steps_with_random_acceptance(target, useless_draft):
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False, num_kv_blocks=40)
     eng = llm.engine
@@ -320,74 +317,6 @@ def test_coupled_seeded_sampling_equals_plain_decoding(target, useless_draft, dr
     assert spec.engine.speculator.stats.num_draft_tokens > 0  # it did speculate
 
 
-def make_depth(max_k=4, a_t=0.05, b_t=0.001, a_d=0.002, b_d=0.0002):
-    t, d = LinearCost(a_t, b_t), LinearCost(a_d, b_d)
-    return AdaptiveDepth(max_k, True, t, d)
-
-
-def seq_(req_id="r"):
-    return Sequence(req_id, [1, 2, 3], SamplingParams(), seed=0)
-
-
-def test_depth_follows_acceptance():
-    depth = make_depth(a_d=0.02)  # a draft step costs 40% of a target step
-    good, bad = seq_("good"), seq_("bad")
-    for _ in range(20):
-        depth.record("good", 4, 4)
-        depth.record("bad", 4, 0)
-    assert depth.plan([good], [10]) == [4]
-    assert depth.plan([bad], [10]) == [0]
-    assert depth.plan([good], [2]) == [2]  # never past the room left
-    # together: the draft's passes are paid for the good one, so the bad one verifies at most
-    # the position still worth its marginal cost (α ≈ 0.2: one)
-    k_good, k_bad = depth.plan([good, bad], [10, 10])
-    assert k_good >= 3 and k_bad <= 1
-
-
-def test_depth_is_chosen_for_the_batch():
-    """Sequences alike get one depth: the passes' fixed cost is shared, so a batch of mixed
-    depths pays for the deepest draft chain and the widest verification at once."""
-    depth = make_depth(a_t=0.02, b_t=0.0005, a_d=0.004, b_d=0.0001)
-    seqs = [seq_(f"r{i}") for i in range(8)]
-    for i in range(8):
-        for _ in range(20):
-            depth.record(f"r{i}", 4, 2 + i % 2)  # α about 0.7 to 0.8
-    ks = depth.plan(seqs, [10] * 8)
-    assert len(set(ks)) == 1 and ks[0] >= 1
-    assert depth.plan(seqs, [1] + [10] * 7)[0] == 1  # the room left still caps one sequence
-
-
-def test_depth_drops_to_zero_when_verification_is_not_free():
-    depth = make_depth(a_t=0.001, b_t=0.01)  # compute-bound target: cost grows with tokens verified
-    seqs = [seq_(f"r{i}") for i in range(32)]
-    for _ in range(20):
-        for s in seqs:
-            depth.record(s.req_id, 4, 3)
-    assert depth.plan(seqs, [10] * 32) == [0] * 32
-    cheap = make_depth(a_t=0.05, b_t=0.0001)  # memory-bound target: verifying k + 1 is nearly free
-    for _ in range(20):
-        cheap.record("r0", 4, 3)
-    assert cheap.plan(seqs[:1], [10])[0] >= 3
-
-
-def test_depth_drifts_back_so_a_sequence_retries():
-    depth = make_depth(a_d=0.02)
-    s = seq_()
-    for _ in range(10):
-        depth.record("r", 4, 0)
-    assert depth.plan([s], [10]) == [0]
-    ks = [depth.plan([s], [10])[0] for _ in range(200)]
-    assert ks[0] == 0 and max(ks) >= 1  # it speculates again once its estimate drifts up
-
-
-def test_linear_cost_learns_a_line():
-    cost = LinearCost(1.0, 1.0)
-    for _ in range(200):
-        for n in (1, 8, 32):
-            cost.observe(n, 0.01 + 0.002 * n)
-    assert cost.a == pytest.approx(0.01, rel=0.05) and cost.b == pytest.approx(0.002, rel=0.05)
-
-
 def test_ngram_proposes_what_followed_the_latest_match():
     ng = NgramProposer(1, 3)
     assert ng.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]
@@ -409,97 +338,7 @@ def test_draft_must_share_the_vocabulary(target, checkpoint):
         LLM(target, draft_model=other, num_speculative_tokens=2)
 
 
-# ---- the gate -----------------------------------------------------------------------------------
-def _bursts(decisions: list[bool], mode: bool) -> list[tuple[int, int]]:
-    """(start index, length) of each run of `mode` in decisions."""
-    runs, start = [], None
-    for i, d in enumerate(decisions + [not mode]):
-        if d == mode and start is None:
-            start = i
-        elif d != mode and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs
-
-
-def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often():
-    from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
-
-    gate = Gate()
-    first = [gate.allow(32) for _ in range(2 * Gate.BURST)]
-    assert first == [True] * Gate.BURST + [False] * Gate.BURST  # a burst of each mode to measure them
-    for _ in range(Gate.BURST):
-        gate.observe(32, True, seconds=0.30, num_tokens=40)  # 7.5 ms per token
-        gate.observe(32, False, seconds=0.10, num_tokens=32)  # 3.1 ms per token: plain wins here
-    decisions = [gate.allow(32) for _ in range(4 * Gate.MAX_PERIOD)]
-    bursts = _bursts(decisions, True)
-    assert all(length == Gate.BURST for _, length in bursts)  # only exploring bursts speculate
-    gaps = [b[0] - a[0] - Gate.BURST for a, b in zip(bursts, bursts[1:])]
-    assert bursts[0][0] == Gate.PERIOD
-    # each burst that leaves plain winning doubles the wait for the next, up to MAX_PERIOD
-    assert gaps[:4] == [2 * Gate.PERIOD, 4 * Gate.PERIOD, 8 * Gate.PERIOD, 16 * Gate.PERIOD]
-    assert max(gaps) == Gate.MAX_PERIOD and gaps[-1] == Gate.MAX_PERIOD
-
-    # the winner changes: speculation now measures cheaper, and the wait starts again at PERIOD
-    for _ in range(30):
-        gate.observe(32, True, seconds=0.05, num_tokens=40)
-    after = [gate.allow(32) for _ in range(3 * Gate.PERIOD)]
-    assert after[0] is True
-    plain_bursts = _bursts(after, False)
-    assert plain_bursts and plain_bursts[0] == (Gate.PERIOD, Gate.BURST)
-
-    # batch 1 keeps its own record
-    for _ in range(2 * Gate.BURST):
-        gate.allow(1)
-    gate.observe(1, True, seconds=0.02, num_tokens=4)  # 5 ms per token
-    gate.observe(1, False, seconds=0.01, num_tokens=1)  # 10 ms per token
-    assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
-
-
-def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests():
-    from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
-
-    gate = Gate()
-    for sampled in (False, True):
-        for _ in range(2 * Gate.BURST):
-            gate.allow(1, sampled)
-    for _ in range(10):
-        gate.observe(1, True, seconds=0.010, num_tokens=5, sampled=False)  # greedy: 2 ms per token
-        gate.observe(1, False, seconds=0.003, num_tokens=1, sampled=False)  # 3 ms
-        gate.observe(1, True, seconds=0.010, num_tokens=2, sampled=True)  # sampled: 5 ms per token
-        gate.observe(1, False, seconds=0.003, num_tokens=1, sampled=True)  # 3 ms
-    assert [gate.allow(1, False) for _ in range(Gate.PERIOD)].count(True) == Gate.PERIOD
-    assert [gate.allow(1, True) for _ in range(Gate.PERIOD)].count(True) == 0
-
-    # sampled batches stay plain, and the waits between exploring bursts grow long
-    for _ in range(3 * Gate.MAX_PERIOD):
-        gate.allow(1, True)
-    in_burst = False
-    while (speculates := gate.allow(1, True)) or not in_burst:  # to the end of an exploring burst
-        in_burst = in_burst or speculates
-    renewed = copy.deepcopy(gate)
-    renewed.renew(1, True)  # most requests are new: measured again within PERIOD
-    assert True not in [gate.allow(1, True) for _ in range(Gate.PERIOD + 1)]
-    assert True in [renewed.allow(1, True) for _ in range(Gate.PERIOD + 1)]
-
-
-def test_gate_is_not_turned_by_one_stalled_step_but_follows_a_real_change():
-    from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
-
-    gate = Gate()
-    for _ in range(2 * Gate.BURST):
-        gate.allow(1)
-    for _ in range(10):
-        gate.observe(1, True, seconds=0.015, num_tokens=5)  # 3 ms per token
-        gate.observe(1, False, seconds=0.009, num_tokens=1)  # 9 ms per token
-    gate.observe(1, True, seconds=2.0, num_tokens=5)  # the host stalled for two seconds
-    assert gate.seconds_per_token(1, True) < gate.seconds_per_token(1, False)
-    assert all(gate.allow(1) for _ in range(Gate.PERIOD - 1))
-    for _ in range(25):  # acceptance collapsed: speculating now costs 15 ms per token
-        gate.observe(1, True, seconds=0.015, num_tokens=1)
-    assert gate.seconds_per_token(1, True) > gate.seconds_per_token(1, False)
-
-
+# ---- the gate, in the engine (its own logic: test_spec_adaptive.py) -----------------------------------------------------------------------------------
 def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(target, useless_draft):
     """The first speculative step after plain ones pays for the draft catching up on every token
     they emitted: the gate must not count it as the cost of speculating. Later speculative
