@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import Launcher
-from report import machine
+from report import host, machine
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench
 from pdserve.loadgen.lengths import LengthDistribution
@@ -190,9 +190,7 @@ def report(result: dict, args) -> None:
     plot(result, out.with_suffix(".png"))
     u = result["unloaded"]
     cmd = " ".join(["python", "benchmarks/disagg_vs_colocated.py", *sys.argv[1:]])  # exactly as run
-    host = result["machine"]
-    print(f"\n`{cmd}` ({args.repeats} interleaved repeat(s); median (min–max); {host['cpu_count']} CPUs"
-          f"{', ' + host['cpu'] if host.get('cpu') else ''})\n")
+    print(f"\n`{cmd}` ({args.repeats} interleaved repeat(s); median (min–max); {host(result['machine'])})\n")
     print("| arm | unloaded TTFT p50 / p90 (ms) | unloaded TPOT p50 / p90 (ms) | SLO TTFT / TPOT (ms) | goodput (req/s) |")
     print("|---|---|---|---|---|")
     for arm in ARMS:

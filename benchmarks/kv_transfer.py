@@ -41,7 +41,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import GOAL_HEADER, Goal, Spread, machine, update_section  # noqa: E402
+from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # noqa: E402
 
 from pdserve.engine.disagg import read_kv, write_kv  # noqa: E402
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer  # noqa: E402
@@ -335,8 +335,7 @@ def markdown(result: dict) -> str:
     gb = lambda n: _spread(p["gbps"][n]).fmt(2, " GB/s")  # noqa: E731
     lines = [f"Command: `{result['command']}` (JSON: `benchmarks/results/kv_transfer.json`, plot: "
              "`benchmarks/results/kv_transfer.png`). Load average at the start: "
-             f"{result['machine']['load_avg_1m']:.1f} on {result['machine']['cpu_count']} CPUs"
-             f"{', ' + result['machine']['cpu'] if result['machine'].get('cpu') else ''}.", "",
+             f"{result['machine']['load_avg_1m']:.1f} on {host(result['machine'])}.", "",
              f"One request's K/V: a {p['prompt_tokens']}-token prompt, {p['layers']} layers, "
              f"{p['kv_bytes'] / 2**20:.0f} MiB, pushed into a real decode worker's KV cache; "
              f"{len(p['seconds']['grpc']['values'])} interleaved repeats.", "",

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import GOAL_HEADER, Goal, Spread, machine, measure_read_bandwidth, update_section  # noqa: E402
+from report import GOAL_HEADER, Goal, Spread, host, machine, measure_read_bandwidth, update_section  # noqa: E402
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 CACHE_DIR = ROOT / "benchmarks" / ".cache"
@@ -412,7 +412,7 @@ def markdown(result: dict, command: str) -> str:
         "any timed run.", "",
         f"Files: `benchmarks/results/offline_throughput.json`, `benchmarks/results/offline_throughput.png`. "
         f"Load average (1 min) at the start and end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} "
-        f"({m['cpu_count']} CPUs{', ' + m['cpu'] if m.get('cpu') else ''}).",
+        f"({host(m)}).",
     ])
 
 

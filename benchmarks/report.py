@@ -73,6 +73,11 @@ def machine() -> dict:
             "load_avg_1m": os.getloadavg()[0]}
 
 
+def host(m: dict) -> str:
+    """A `machine()` record as benchmark headers print it: "2 CPUs, <model>, <size> L3"."""
+    return f"{m['cpu_count']} CPUs" + (f", {m['cpu']}" if m.get("cpu") else "")
+
+
 def cpu_name() -> str:
     """The CPU's model name and last-level cache size, as Linux reports them ("" elsewhere): the
     figures of a small model depend on whether its weights fit in that cache."""

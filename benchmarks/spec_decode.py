@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from report import GOAL_HEADER, Goal, Spread, machine, update_section  # noqa: E402
+from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MARKDOWN = REPO / "BENCHMARKS.md"
@@ -330,8 +330,7 @@ def markdown(result: dict) -> str:
         f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
         f"over them, speedups against plain decoding in the same repeat). Tuned options: "
         f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "
-        f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({m['cpu_count']} CPUs"
-        f"{', ' + m['cpu'] if m.get('cpu') else ''}).", "",
+        f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({host(m)}).", "",
         markdown_table(rows), "",
         "Newcomer (README's `LLM(\"models/demo\", draft_model=\"models/demo-draft\", num_speculative_tokens=4)` and "
         f"plain `LLM(\"models/demo\")`, default options, default torch threads ({result['default_threads']}); "

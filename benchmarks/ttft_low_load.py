@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from launcher import Launcher
-from report import GOAL_HEADER, Goal, Spread, machine, update_section
+from report import GOAL_HEADER, Goal, Spread, host, machine, update_section
 from tqdm import tqdm
 
 from pdserve.loadgen.bench import BenchConfig, run_bench
@@ -131,13 +131,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(runs, out.with_suffix(".png"))
-    body = markdown(runs, stages, goal, args, result["machine"])
+    body = markdown(runs, stages, goal, args, host(result["machine"]))
     print(body)
     if not args.quick:
         update_section(REPO / "BENCHMARKS.md", "TTFT at low load (`benchmarks/ttft_low_load.py`)", body)
 
 
-def markdown(runs: list[dict], stages: dict, goal: Goal, args, host: dict) -> str:
+def markdown(runs: list[dict], stages: dict, goal: Goal, args, host_line: str) -> str:
     ms = lambda arm, key: Spread.of(rep[arm][key] * 1e3 for rep in runs)  # noqa: E731
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/ttft_low_load.py --repeats "
              f"{args.repeats} --num-requests {args.num_requests} --block {args.block}`, through `pdserve bench` "
@@ -145,7 +145,7 @@ def markdown(runs: list[dict], stages: dict, goal: Goal, args, host: dict) -> st
              "demo target, one torch thread per worker, workers pinned (disagg: prefill core 0, decode core 1; "
              "colocated: one worker on core 0), default worker settings otherwise. Output: "
              "`benchmarks/results/ttft_low_load.json`, `.png`. "
-             f"Machine: {host['cpu_count']} CPUs{', ' + host['cpu'] if host.get('cpu') else ''}.", "",
+             f"Machine: {host_line}.", "",
              "| arm | TTFT p50 (ms), min / median / max over repeats | TTFT p90 (ms) | TPOT p50 (ms) |",
              "|---|---|---|---|"]
     for arm in ("disagg", "colocated"):

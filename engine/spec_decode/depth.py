@@ -15,9 +15,9 @@ one batch and cost more than either fixed depth: at batch 32, temperature 1 on t
 0.91x plain where fixed k = 2 gave 1.08x). `plan` tries each depth k for the whole batch,
 trims each sequence to the positions worth their own marginal cost (position j of sequence i
 stays while α_i^j, its chance of adding a token, times the step's seconds per token covers the
-slopes of both cost lines), and keeps the k whose trimmed depths maximise ΣE / cost. k = 0 (plain decoding) wins when verification
-stops being nearly free, as at large batches. A sequence that stops speculating drifts back to
-the prior, so it tries again.
+slopes of both cost lines), and keeps the k whose trimmed depths maximise ΣE / cost. k = 0
+(plain decoding) wins when verification stops being nearly free, as at large batches. A
+sequence that stops speculating drifts back to the prior, so it tries again.
 """
 from __future__ import annotations
 

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
-class _Bucket:
+class _Schedule:
+    """When a regime measures its losing mode next."""
+
     steps: int = 0  # allow() calls so far
     speculate: bool = True  # the winner at the last decision
     period: int = 0  # steps between exploring bursts now
@@ -40,7 +42,7 @@ class SpeculationGate:
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool, bool], list[float]] = {}  # (*regime, speculated) -> [seconds, tokens]
-        self._buckets: dict[tuple[int, bool], _Bucket] = {}
+        self._schedules: dict[tuple[int, bool], _Schedule] = {}
 
     @staticmethod
     def regime(batch_size: int, sampled: bool) -> tuple[int, bool]:
@@ -49,7 +51,7 @@ class SpeculationGate:
     def allow(self, batch_size: int, sampled: bool = False) -> bool:
         """Whether this step may speculate: a burst of each mode first, then the cheaper one,
         with a burst of the other after each period."""
-        st = self._buckets.setdefault(self.regime(batch_size, sampled), _Bucket())
+        st = self._schedules.setdefault(self.regime(batch_size, sampled), _Schedule())
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
@@ -70,7 +72,7 @@ class SpeculationGate:
 
     def renew(self, batch_size: int, sampled: bool = False) -> None:
         """Most of the batch is new requests: the losing mode is measured again within PERIOD."""
-        st = self._buckets.get(self.regime(batch_size, sampled))
+        st = self._schedules.get(self.regime(batch_size, sampled))
         if st is not None and st.period:
             st.period = self.PERIOD
             st.next_burst = min(st.next_burst, st.steps + self.PERIOD)
