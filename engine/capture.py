@@ -74,10 +74,14 @@ def _mark_sizes_unbacked(step: StepInputs) -> None:
     """Every size that varies between steps: sizes the tracer may not specialise on (1 included)."""
     mark = torch._dynamo.decorators.mark_unbacked
     plan = step.meta.plan
+    for dim in (0, 1):  # [num_seqs, num_blocks]
+        mark(plan.block_ids, dim)
+    if plan.query_starts is not None:  # a native plan: no mask or indices
+        for t in (step.input_ids, step.positions, step.meta.slot_mapping, plan.context_lens, plan.query_starts):
+            mark(t, 0)
+        return
     for t in (step.input_ids, step.positions, step.meta.slot_mapping, plan.pad_index, plan.unpad_index,
               plan.groups_tensor):
         mark(t, 0)
-    for dim in (0, 1):  # [num_seqs, num_blocks]
-        mark(plan.block_ids, dim)
     for dim in (0, 2, 3):  # [num_seqs, 1, max_query_len, length]
         mark(plan.mask, dim)

@@ -11,6 +11,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import DTYPES
 from pdserve.engine.spec_decode.verifier import SPEC_VERIFIERS
 from pdserve.kernels import BACKENDS
+from pdserve.kernels.native import CPU_ATTENTIONS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 
@@ -25,6 +26,9 @@ class EngineConfig:
     # the forward pass as one captured graph: "auto" (CUDA graphs on CUDA, off on the CPU), "off",
     # "compile" (torch.compile; tens of seconds per model at start-up), "cuda_graphs"
     graph_capture: str = "auto"
+    # the CPU's attention for decode and verification steps: "auto" (the native op where it builds,
+    # `kernels/native.py`: ~10 s once per machine), "native" (an error where it cannot), "torch"
+    cpu_attention: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 << 20
@@ -52,6 +56,8 @@ class EngineConfig:
         _check(self.kernel_backend in BACKENDS, "kernel_backend", self.kernel_backend, f"must be one of {BACKENDS}")
         _check(self.graph_capture in GRAPH_CAPTURES, "graph_capture", self.graph_capture,
                f"must be one of {GRAPH_CAPTURES}")
+        _check(self.cpu_attention in CPU_ATTENTIONS, "cpu_attention", self.cpu_attention,
+               f"must be one of {CPU_ATTENTIONS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "must be >= 1")

@@ -33,7 +33,7 @@ from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Proposal, Speculator, StepShape
 from pdserve.engine.spec_decode.verifier import build_verifier
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kernels import select_ops
+from pdserve.kernels import native, select_ops
 
 
 @dataclass(slots=True)
@@ -53,6 +53,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
         self.capture = resolve_capture(config.graph_capture, self.device, self.ops.name)
+        self.native_attention = native.resolve(config.cpu_attention, self.device, self.ops.name)
         # a draft is loaded whenever one is named (a prefill worker fills its cache without speculating)
         has_draft = config.draft_model and config.speculative_method != "ngram"
         self.draft_config = load_model_config(config.draft_model) if has_draft else None
@@ -61,7 +62,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
-                                  num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator)
+                                  num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator,
+                                  self.native_attention)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = self._build_speculator()
@@ -95,7 +97,7 @@ class LLMEngine:
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
                            self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
-                           self._kv_allocator)
+                           self._kv_allocator, self.native_attention)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method

@@ -51,10 +51,12 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64,
-                 kv_allocator: KVAllocator | None = None):
+                 kv_allocator: KVAllocator | None = None, native_attention: bool = False):
         """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
         max_batch: the most sequences a step holds (CUDA graphs capture up to it);
-        kv_allocator: where the KV cache lives when not in ordinary memory (see `KVAllocator`)."""
+        kv_allocator: where the KV cache lives when not in ordinary memory (see `KVAllocator`);
+        native_attention: planned steps attend through `paged_attention_cpu` (`kernels/native.py`,
+        loaded by the caller)."""
         self.cfg, self.device, self.block_size = cfg, device, block_size
         self.model = build_model(cfg, model_dir, ops, dtype, device)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -67,7 +69,7 @@ class ModelRunner:
             ]
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
-                                   uniform_plans=capture == "compile")
+                                   uniform_plans=capture == "compile", native_plans=native_attention)
         self.capture = self._build_capture(capture, max_batch)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
 

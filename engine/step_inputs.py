@@ -42,10 +42,11 @@ class StepInputs:
 
 class InputBuffers:
     def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device, plan_on_host: bool,
-                 uniform_plans: bool = False):
+                 uniform_plans: bool = False, native_plans: bool = False):
         self.block_size, self.max_blocks, self.device = block_size, max_blocks_per_seq, device
         self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
+        self.native_plans = native_plans  # plans for `paged_attention_cpu` (kernels/native.py)
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
         self._grow(256, 16)
@@ -138,7 +139,8 @@ class InputBuffers:
         )
         if self.plan_on_host and max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
             meta.plan = plan_gather(tables, [e.start + e.num_new_tokens for e in entries],
-                                    [e.num_new_tokens for e in entries], self.block_size, self.uniform_plans)
+                                    [e.num_new_tokens for e in entries], self.block_size, self.uniform_plans,
+                                    self.native_plans)
         return meta
 
     def _out(self, name: str, n: int) -> torch.Tensor:

@@ -47,6 +47,9 @@ class GatherPlan:
     # the dense calls: (first sequence, end sequence, keys), covering the sequences in order
     groups: list[tuple[int, int, int]]
     groups_tensor: torch.Tensor | None = None  # [num_groups, 3] int64, the same, in uniform plans
+    # native plans (`kernels/native.py` attends by these instead of the mask and indices above)
+    context_lens: torch.Tensor | None = None  # [num_seqs] int64
+    query_starts: torch.Tensor | None = None  # [num_seqs + 1] int64: sequence s's queries are rows [qs[s], qs[s+1])
 
 
 GROUP_GROWTH = 1.5  # a run of sequences ends where a context exceeds 1.5x its first one's ...
@@ -70,6 +73,7 @@ def plan_gather(
     query_lens: list[int],  # [num_seqs], each >= 1; the queries are the last tokens of each context
     block_size: int,
     uniform: bool = False,  # mask and pad/unpad indices even where not needed: one traced graph (`write_and_attend`)
+    native: bool = False,  # only the block ids, lengths and query starts (`paged_attention_cpu`)
 ) -> GatherPlan:
     """Worked out on the host with numpy (a plan is a dozen small arrays: numpy builds them in a
     fraction of what as many torch ops cost), then handed over as tensors on the tables' device."""
@@ -79,6 +83,12 @@ def plan_gather(
     tables = block_tables[:, :num_blocks].cpu().numpy()
     as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     block_ids = as_tensor(np.maximum(tables, 0).astype(np.int64))
+    if native:
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        return GatherPlan(block_ids, num_seqs, max_q, length, None, None, None, [],
+                          context_lens=as_tensor(np.asarray(context_lens, dtype=np.int64)),
+                          query_starts=as_tensor(starts))
     mask = None
     if uniform and num_seqs == 1 and max_q == 1:  # all visible: only its shape is read
         mask = _all_true(length, device)

@@ -58,6 +58,11 @@ class Attention(nn.Module):
             (self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         k_cache, v_cache = kv_cache
+        if meta.plan is not None and meta.plan.query_starts is not None:  # the native op (kernels/native.py)
+            p = meta.plan
+            out = torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
+                                                        p.context_lens, p.query_starts, self.scale)
+            return self.o_proj(out.reshape(num_tokens, -1))
         if meta.plan is not None and torch.compiler.is_compiling():  # one opaque op for the tracer
             p = meta.plan
             out = torch.ops.pdserve.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,

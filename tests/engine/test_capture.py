@@ -20,8 +20,10 @@ def target(checkpoint):
 
 
 @pytest.mark.slow
-def test_compiled_forward_gives_the_eager_tokens(target):
-    options = dict(speculative_method="ngram", num_speculative_tokens=3, spec_adaptive=False)
+@pytest.mark.parametrize("cpu_attention", ["native", "torch"])  # paged_attention_cpu, or write_and_attend
+def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
+    options = dict(speculative_method="ngram", num_speculative_tokens=3, spec_adaptive=False,
+                   cpu_attention=cpu_attention)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from pdserve.engine.model.llama import CausalLM
@@ -44,6 +46,21 @@ def test_compiled_forward_gives_the_eager_tokens(target):
 def test_graph_capture_option_is_validated():
     with pytest.raises(ValueError, match="graph_capture"):
         EngineConfig(model="m", graph_capture="sometimes")
+    with pytest.raises(ValueError, match="cpu_attention"):
+        EngineConfig(model="m", cpu_attention="fast")
+
+
+def test_native_attention_gives_the_torch_tokens(target):
+    """The native attention (`kernels/native.py`) against the torch path, eagerly: greedy and
+    seeded sampling, plain decoding and speculative verification of ragged depths."""
+    options = dict(speculative_method="ngram", num_speculative_tokens=3)
+    native, torch_path = LLM(target, cpu_attention="native", **options), LLM(target, cpu_attention="torch", **options)
+    assert native.engine.runner.inputs.native_plans and not torch_path.engine.runner.inputs.native_plans
+    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                   SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)):
+        want = [o.token_ids for o in torch_path.generate(PROMPTS * 3, params)]
+        assert [o.token_ids for o in native.generate(PROMPTS * 3, params)] == want
+    assert native.engine.speculator.stats.num_drafts > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")

@@ -1,0 +1,248 @@
+// pdserve::paged_attention_cpu: a step's K/V write and its attention over the paged cache, as one
+// native call per layer, for short queries (decode, speculative verification, a draft's passes).
+//
+// The torch path (`gathered_attention.py`) does the same in about twenty ATen ops per layer,
+// whose fixed costs are most of a small model's batch-1 step on a CPU. Here each sequence's
+// queries read its keys and values in place, block by block, with no gather copy.
+//
+// Layout: the flat batch holds each sequence's queries contiguously, sequence s at rows
+// [query_starts[s], query_starts[s + 1]); its last query sits at position context_lens[s] - 1,
+// and query i of n at position context_lens[s] - n + i sees keys 0 ..= that position.
+// Math in float32 whatever the tensors' dtype; the output has q's dtype.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename T>
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
+  // src [T, Hkv, D] with (Hkv, D) contiguous; cache [num_blocks, block_size, Hkv, D] contiguous
+  const int64_t row = cache.size(2) * cache.size(3);
+  const int64_t num_slots = cache.size(0) * cache.size(1);
+  const T* s = src.data_ptr<T>();
+  T* c = cache.data_ptr<T>();
+  const int64_t stride = src.stride(0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "paged_attention_cpu: slot ", slots[t], " out of range");
+    std::copy(s + t * stride, s + t * stride + row, c + slots[t] * row);
+  }
+}
+
+// exp(x) for x <= 0 in plain float ops the compiler vectorizes (std::exp is a scalar call):
+// 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7);
+// anything below -87 gives 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// HD: head_dim known at compile time (0: read from `head_dim`), so the per-key loops unroll.
+template <typename T, int HD>
+void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_ids, const int64_t* context_lens, const int64_t* query_starts,
+            int64_t num_seqs, double scale, at::Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = HD ? HD : q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_stride = q.stride(0), kv_row = num_kv_heads * head_dim, block_stride = block_size * kv_row;
+  const int64_t ids_stride = block_ids.stride(0), max_blocks = block_ids.size(1);
+  const int64_t num_cache_blocks = k_cache.size(0);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+
+  for (int64_t s = 0; s < num_seqs; ++s) {  // checked once, before any thread reads
+    const int64_t nq = query_starts[s + 1] - query_starts[s], ctx = context_lens[s];
+    TORCH_CHECK(nq >= 0 && ctx >= nq && (ctx + block_size - 1) / block_size <= max_blocks,
+                "paged_attention_cpu: context ", ctx, " of sequence ", s, " does not fit its queries or blocks");
+    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
+      const int64_t block = ids[s * ids_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_cache_blocks, "paged_attention_cpu: block ", block, " out of range");
+    }
+  }
+
+  // one work item: a sequence's queries against one kv head (its `group` query heads together)
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc, kv;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t first = query_starts[s], nq = query_starts[s + 1] - first, ctx = context_lens[s];
+      if (nq == 0) continue;
+      const int64_t rows = nq * group;  // row r: query r / group, head kvh * group + r % group
+      const int64_t* table = ids + s * ids_stride;
+      qf.resize(rows * head_dim);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = qp + (first + r / group) * q_stride + (kvh * group + r % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = static_cast<float>(src[d]) * sc;
+      }
+      // float32 caches are read in place; others converted once, head by head, into `kv`
+      const float* keys = nullptr;
+      const float* values = nullptr;
+      int64_t key_stride = head_dim;  // between consecutive keys, in `keys`/`values` (within a block)
+      auto convert = [&](const T* base, int64_t offset) {
+        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+          const T* blk = base + table[j0 / block_size] * block_stride + kvh * head_dim;
+          const int64_t n = std::min(block_size, ctx - j0);
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t d = 0; d < head_dim; ++d)
+              kv[offset + (j0 + j) * head_dim + d] = static_cast<float>(blk[j * kv_row + d]);
+        }
+      };
+      if constexpr (!std::is_same_v<T, float>) {
+        kv.resize(2 * ctx * head_dim);
+        convert(kp, 0);
+        convert(vp, ctx * head_dim);
+      }
+      auto key_at = [&](int64_t j) -> const float* {
+        if constexpr (std::is_same_v<T, float>)
+          return kp + table[j / block_size] * block_stride + (j % block_size) * kv_row + kvh * head_dim;
+        else
+          return kv.data() + j * head_dim;
+      };
+      auto value_at = [&](int64_t j) -> const float* {
+        if constexpr (std::is_same_v<T, float>)
+          return vp + table[j / block_size] * block_stride + (j % block_size) * kv_row + kvh * head_dim;
+        else
+          return kv.data() + (ctx + j) * head_dim;
+      };
+      (void)keys; (void)values; (void)key_stride;
+      scores.resize(rows * ctx);
+      // keys and values lie block by block: within a block at a fixed stride (no division per key)
+      const int64_t kv_stride = std::is_same_v<T, float> ? kv_row : head_dim;
+      for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // every row against every key
+        const float* blk = key_at(j0);
+        const int64_t n = std::min(block_size, ctx - j0);
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const float* key = blk + jj * kv_stride;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* qr = qf.data() + r * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * key[d];
+            scores[r * ctx + j0 + jj] = dot;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees
+        float* row = scores.data() + r * ctx;
+        const int64_t visible = ctx - nq + r / group + 1;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < visible; ++j) m = std::max(m, row[j]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < visible; ++j) {
+          const float e = exp_nonpositive(row[j] - m);
+          row[j] = e;
+          sum += e;
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
+#pragma omp simd
+        for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
+      }
+      acc.assign(rows * head_dim, 0.f);
+      for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // out: the rows' weights times the values
+        const float* blk = value_at(j0);
+        const int64_t n = std::min(block_size, ctx - j0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* w = scores.data() + r * ctx + j0;
+          float* a = acc.data() + r * head_dim;
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const float* val = blk + jj * kv_stride;
+            const float wj = w[jj];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += wj * val[d];
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* dst = op + (first + r / group) * num_heads * head_dim + (kvh * group + r % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attend_any(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_ids,
+                const int64_t* context_lens, const int64_t* query_starts, int64_t num_seqs, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: return attend<T, 32>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    case 64: return attend<T, 64>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    case 128: return attend<T, 128>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    default: return attend<T, 0>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+  }
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_ids,
+                               const at::Tensor& context_lens, const at::Tensor& query_starts, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "paged_attention_cpu: q/k/v are [tokens, heads, head_dim], the caches [blocks, block_size, heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_cpu: the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
+                  v.scalar_type() == k_cache.scalar_type(),
+              "paged_attention_cpu: q, k, v and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "paged_attention_cpu: head_dim or head counts do not match the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_ids.scalar_type() == at::kLong &&
+                  context_lens.scalar_type() == at::kLong && query_starts.scalar_type() == at::kLong,
+              "paged_attention_cpu: indices are int64");
+  const int64_t num_tokens = q.size(0), num_seqs = context_lens.size(0);
+  TORCH_CHECK(slot_mapping.size(0) == num_tokens && k.size(0) == num_tokens && v.size(0) == num_tokens &&
+                  query_starts.size(0) == num_seqs + 1 && block_ids.size(0) == num_seqs,
+              "paged_attention_cpu: sizes of the step's tensors disagree");
+  auto rows_contiguous = [](const at::Tensor& t) {  // a token stride is fine; heads and dims packed
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const at::Tensor qc = rows_contiguous(q), kc = rows_contiguous(k), vc = rows_contiguous(v);
+  const at::Tensor slots = slot_mapping.contiguous(), lens = context_lens.contiguous(),
+                   starts = query_starts.contiguous();
+  const at::Tensor ids = block_ids.stride(1) == 1 ? block_ids : block_ids.contiguous();
+  TORCH_CHECK(starts.data_ptr<int64_t>()[num_seqs] == num_tokens, "paged_attention_cpu: query_starts must end at the token count");
+  at::Tensor out = at::empty({num_tokens, q.size(1), q.size(2)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
+    write_rows<scalar_t>(kc, k_cache, slots.data_ptr<int64_t>(), num_tokens);
+    write_rows<scalar_t>(vc, v_cache, slots.data_ptr<int64_t>(), num_tokens);
+    attend_any<scalar_t>(qc, k_cache, v_cache, ids, lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), num_seqs,
+                     scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_ids, Tensor context_lens, Tensor query_starts, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }

@@ -1,0 +1,96 @@
+"""Native CPU attention: `cpu/paged_attention.cpp`, built once per machine, loaded as a torch op.
+
+`torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_ids,
+context_lens, query_starts, scale)` writes a step's K/V into the paged cache and attends over it
+in one call per layer. It replaces `gathered_attention`'s twenty-odd ATen ops, whose fixed costs
+are most of what a small model's batch-1 step spends on attention on a CPU (see the C++ file).
+
+The source is compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
+same compiler `torch.compile` uses on the CPU), for this CPU (`-march=native`), into torch's
+extensions cache (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`): about 10 s the
+first time on a 2-core machine, a few milliseconds after. Concurrent processes wait on the
+cache's lock rather than build twice. Where it cannot be built, `load()` says why once and
+returns False, and the engine keeps the torch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+CPU_ATTENTIONS = ("auto", "native", "torch")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "error": str, once tried
+
+
+def _build_name() -> str:
+    """One build per source, torch version and CPU (the code is compiled for this CPU's features)."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(FLAGS).encode())
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    h.update(flags.encode())
+    return f"pdserve_native_{h.hexdigest()[:16]}"
+
+
+def load() -> bool:
+    """Build (or find) and load the native op; True when `paged_attention_cpu` is usable."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                _build_and_load()
+                _state["ok"] = True
+            except Exception as e:  # no compiler, no ninja, a compile error: the torch path stays
+                _state["ok"], _state["error"] = False, f"{type(e).__name__}: {e}"
+                log.warning("native CPU attention unavailable, using the torch path: %s", _state["error"])
+        return bool(_state["ok"])
+
+
+def error() -> str | None:
+    """Why `load()` failed, if it did."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    # the `ninja` wheel installs its binary beside this interpreter, which need not be on PATH
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    name = _build_name()
+    log.info("loading native CPU attention %s (built on first use, ~10 s)", name)
+    cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False)
+    torch.library.register_fake("pdserve::paged_attention_cpu", _fake)
+
+
+def _fake(q, k, v, k_cache, v_cache, slot_mapping, block_ids, context_lens, query_starts, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def resolve(name: str, device: torch.device, kernels: str) -> bool:
+    """Whether an engine uses the native attention: "auto" on the CPU with the torch kernels when
+    it builds; "native" insists (ValueError saying why when it cannot); "torch" never."""
+    if name not in CPU_ATTENTIONS:
+        raise ValueError(f"cpu_attention must be one of {CPU_ATTENTIONS}, got {name!r}")
+    if name == "torch" or device.type != "cpu" or kernels != "torch":
+        if name == "native":
+            raise ValueError("cpu_attention='native' needs the CPU and the torch kernels")
+        return False
+    ok = load()
+    if name == "native" and not ok:
+        raise ValueError(f"cpu_attention='native' could not be built: {error()}")
+    return ok

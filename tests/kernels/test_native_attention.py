@@ -1,0 +1,121 @@
+"""The native CPU attention (`kernels/cpu/paged_attention.cpp`) against dense causal attention,
+its K/V write against the reference write, and its refusals of malformed steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_kv_cases import dense_causal_attention, make_paged_kv
+
+from pdserve.kernels import native
+from pdserve.kernels.gathered_attention import gathered_attention, plan_gather
+from pdserve.kernels.kv_write import write_kv_ref
+
+BLOCK_SIZE = 16
+CASES = {  # (context_lens, query_lens)
+    "decode-one": ([33], [1]),
+    "decode-ragged": ([1, 16, 17, 40], [1, 1, 1, 1]),
+    "verify": ([20, 37, 9], [5, 5, 5]),
+    "verify-ragged": ([20, 37, 9, 3], [5, 1, 3, 2]),  # adaptive depth: each sequence its own query count
+    "long": ([700, 5], [2, 5]),  # many blocks; a context that is all queries
+}
+
+
+def test_native_attention_builds():
+    """Where torch.compile works (a C++ compiler), this builds too: a failure here is a real one."""
+    assert native.load(), native.error()
+
+
+def _step(context_lens, query_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """A step's new K/V (the last query_lens positions of each context) not yet in the cache,
+    the cache holding the rest, and the slots the new rows go to."""
+    k_dense, v_dense, k_cache, v_cache, tables = make_paged_kv(context_lens, num_kv_heads, head_dim, BLOCK_SIZE,
+                                                               dtype, "cpu", seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    k_new = torch.cat([k[len(k) - n:] for k, n in zip(k_dense, query_lens)])
+    v_new = torch.cat([v[len(v) - n:] for v, n in zip(v_dense, query_lens)])
+    slots = torch.tensor([int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                          for s, (c, n) in enumerate(zip(context_lens, query_lens)) for p in range(c - n, c)])
+    for cache in (k_cache, v_cache):  # the new rows are not in the cache yet
+        cache.view(-1, num_kv_heads, head_dim)[slots] = 7.0
+    return q, k_new, v_new, k_dense, v_dense, k_cache, v_cache, tables, slots
+
+
+def _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens, scale=0.2):
+    plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
+    return torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, slots, plan.block_ids,
+                                                  plan.context_lens, plan.query_starts, scale)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 32), (8, 2, 64), (6, 3, 24)])
+def test_native_matches_dense_attention(case, num_heads, num_kv_heads, head_dim):
+    context_lens, query_lens = CASES[case]
+    q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, num_heads,
+                                                                        num_kv_heads, head_dim, torch.float32)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_ref(k, v, expected_k, expected_v, slots)
+    out = _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    start = 0
+    for s, n in enumerate(query_lens):
+        expected = dense_causal_attention(q[start:start + n], k_dense[s], v_dense[s], 0.2)
+        torch.testing.assert_close(out[start:start + n].double(), expected, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_matches_gathered_attention(dtype):
+    """Strided q/k/v (slices of one fused projection, as the model passes them), both dtypes."""
+    context_lens, query_lens = CASES["verify-ragged"]
+    q, k, v, _, _, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 8, 2, 32, dtype, seed=3)
+    qkv = torch.cat([q, k, v], dim=1)  # [tokens, 8 + 2 + 2, 32]
+    q_s, k_s, v_s = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
+    assert not q_s.is_contiguous()
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv_ref(k, v, ref_k, ref_v, slots)
+    expected = gathered_attention(q, ref_k, ref_v, plan_gather(tables, context_lens, query_lens, BLOCK_SIZE), 0.2)
+    out = _native(q_s, k_s, v_s, k_cache, v_cache, tables, slots, context_lens, query_lens)
+    assert out.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def test_native_runs_under_torch_compile():
+    """One graph for every step: sizes marked unbacked, the op opaque to the tracer."""
+    context_lens, query_lens = CASES["verify-ragged"]
+    q, k, v, _, _, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 4, 2, 32, torch.float32)
+    plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
+    fn = torch.compile(lambda *a: torch.ops.pdserve.paged_attention_cpu(*a, 0.2) * 2, fullgraph=True)
+    args = (q, k, v, k_cache.clone(), v_cache.clone(), slots, plan.block_ids, plan.context_lens, plan.query_starts)
+    for t, dim in ((q, 0), (k, 0), (v, 0), (slots, 0), (plan.block_ids, 0), (plan.context_lens, 0),
+                   (plan.query_starts, 0)):
+        torch._dynamo.decorators.mark_unbacked(t, dim)
+    torch.testing.assert_close(fn(*args), 2 * _native(q, k, v, k_cache, v_cache, tables, slots, context_lens,
+                                                      query_lens))
+
+
+def test_native_refuses_malformed_steps():
+    context_lens, query_lens = CASES["verify"]
+    q, k, v, _, _, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 2, 2, 32, torch.float32)
+    plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
+    op = torch.ops.pdserve.paged_attention_cpu
+    base = [q, k, v, k_cache, v_cache, slots, plan.block_ids, plan.context_lens, plan.query_starts, 0.2]
+
+    def call(i, value):
+        args = list(base)
+        args[i] = value
+        return op(*args)
+
+    with pytest.raises(RuntimeError, match="slot"):
+        call(5, slots + 10 ** 6)
+    with pytest.raises(RuntimeError, match="block"):
+        call(6, plan.block_ids + 10 ** 6)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        call(7, plan.context_lens + 10 ** 4)  # more context than the block table holds
+    with pytest.raises(RuntimeError, match="query_starts"):
+        call(8, plan.query_starts - 1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        call(0, q.double())
+    with pytest.raises(RuntimeError, match="int64"):
+        call(5, slots.int())
