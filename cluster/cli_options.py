@@ -71,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--cpu-attention", default="auto", choices=["auto", "native", "torch"],
+                   help="decode attention on the CPU: the native op where it builds (auto), insist on it, or torch")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     add(p, "--draft-model", help="draft checkpoint for speculative decoding")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,

@@ -77,6 +77,14 @@ def test_speculation_flags_are_never_silent(text_checkpoint, capsys):
     assert engine_options(ngram)["num_speculative_tokens"] == 2
 
 
+def test_cpu_attention_flag_reaches_the_engine_options():
+    from pdserve.cluster.cli import engine_options
+
+    assert engine_options(build_parser().parse_args(["decode-worker", "--model", "m"]))["cpu_attention"] == "auto"
+    forced = build_parser().parse_args(["decode-worker", "--model", "m", "--cpu-attention", "torch"])
+    assert engine_options(forced)["cpu_attention"] == "torch"
+
+
 @pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "router"])
 def test_a_taken_port_is_one_line_before_loading(command, text_checkpoint, capsys):
     with socket.socket() as s:
