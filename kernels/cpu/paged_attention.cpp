@@ -44,7 +44,9 @@ void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, 
 // anything below -87 gives 0.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // round to nearest (x <= 0): truncating x * log2(e) - 0.5 toward zero; a conversion the
+  // vectorizer keeps in vector registers, where std::nearbyint is a scalar call
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
   const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
   float p = 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -87,71 +89,59 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     }
   }
 
-  // one work item: a sequence's queries against one kv head (its `group` query heads together)
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One work item per sequence: its blocks are read front to back, every head of a key row at
+  // once (a block is block_size * kv_row contiguous values), so the hardware prefetcher sees
+  // long runs instead of one head's 128 bytes per row. Row r = h * nq + i: head h, query i.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, acc, kv;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+    for (int64_t s = begin; s < end; ++s) {
       const int64_t first = query_starts[s], nq = query_starts[s + 1] - first, ctx = context_lens[s];
       if (nq == 0) continue;
-      const int64_t rows = nq * group;  // row r: query r / group, head kvh * group + r % group
+      const int64_t rows = num_heads * nq;
       const int64_t* table = ids + s * ids_stride;
       qf.resize(rows * head_dim);
-      for (int64_t r = 0; r < rows; ++r) {
-        const T* src = qp + (first + r / group) * q_stride + (kvh * group + r % group) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[r * head_dim + d] = static_cast<float>(src[d]) * sc;
-      }
-      // float32 caches are read in place; others converted once, head by head, into `kv`
-      const float* keys = nullptr;
-      const float* values = nullptr;
-      int64_t key_stride = head_dim;  // between consecutive keys, in `keys`/`values` (within a block)
-      auto convert = [&](const T* base, int64_t offset) {
-        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-          const T* blk = base + table[j0 / block_size] * block_stride + kvh * head_dim;
-          const int64_t n = std::min(block_size, ctx - j0);
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t d = 0; d < head_dim; ++d)
-              kv[offset + (j0 + j) * head_dim + d] = static_cast<float>(blk[j * kv_row + d]);
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t i = 0; i < nq; ++i) {
+          const T* src = qp + (first + i) * q_stride + h * head_dim;
+          float* dst = qf.data() + (h * nq + i) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * sc;
         }
-      };
+      // float32 caches are read in place; others are converted once into `kv`, laid out as a
+      // cache block would be: [keys, then values][ctx][num_kv_heads][head_dim]
       if constexpr (!std::is_same_v<T, float>) {
-        kv.resize(2 * ctx * head_dim);
-        convert(kp, 0);
-        convert(vp, ctx * head_dim);
+        kv.resize(2 * ctx * kv_row);
+        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+          const int64_t n = std::min(block_size, ctx - j0) * kv_row, offset = table[j0 / block_size] * block_stride;
+          for (int64_t x = 0; x < n; ++x) kv[j0 * kv_row + x] = static_cast<float>(kp[offset + x]);
+          for (int64_t x = 0; x < n; ++x) kv[(ctx + j0) * kv_row + x] = static_cast<float>(vp[offset + x]);
+        }
       }
-      auto key_at = [&](int64_t j) -> const float* {
+      auto rows_at = [&](bool values, int64_t j0) -> const float* {  // key/value row j0 (a block's first)
         if constexpr (std::is_same_v<T, float>)
-          return kp + table[j / block_size] * block_stride + (j % block_size) * kv_row + kvh * head_dim;
+          return (values ? vp : kp) + table[j0 / block_size] * block_stride;
         else
-          return kv.data() + j * head_dim;
+          return kv.data() + ((values ? ctx : 0) + j0) * kv_row;
       };
-      auto value_at = [&](int64_t j) -> const float* {
-        if constexpr (std::is_same_v<T, float>)
-          return vp + table[j / block_size] * block_stride + (j % block_size) * kv_row + kvh * head_dim;
-        else
-          return kv.data() + (ctx + j) * head_dim;
-      };
-      (void)keys; (void)values; (void)key_stride;
       scores.resize(rows * ctx);
-      // keys and values lie block by block: within a block at a fixed stride (no division per key)
-      const int64_t kv_stride = std::is_same_v<T, float> ? kv_row : head_dim;
       for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // every row against every key
-        const float* blk = key_at(j0);
+        const float* blk = rows_at(false, j0);
         const int64_t n = std::min(block_size, ctx - j0);
         for (int64_t jj = 0; jj < n; ++jj) {
-          const float* key = blk + jj * kv_stride;
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* qr = qf.data() + r * head_dim;
-            float dot = 0.f;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* key = blk + jj * kv_row + (h / group) * head_dim;
+            for (int64_t i = 0; i < nq; ++i) {
+              const float* qr = qf.data() + (h * nq + i) * head_dim;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * key[d];
-            scores[r * ctx + j0 + jj] = dot;
+              for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * key[d];
+              scores[(h * nq + i) * ctx + j0 + jj] = dot;
+            }
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees
+      for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees (zero beyond)
         float* row = scores.data() + r * ctx;
-        const int64_t visible = ctx - nq + r / group + 1;
+        const int64_t visible = ctx - nq + r % nq + 1;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < visible; ++j) m = std::max(m, row[j]);
@@ -165,28 +155,30 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float inv = 1.f / sum;
 #pragma omp simd
         for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
-#pragma omp simd
         for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
       }
       acc.assign(rows * head_dim, 0.f);
-      for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // out: the rows' weights times the values
-        const float* blk = value_at(j0);
+      for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // out: every row's weights times the values
+        const float* blk = rows_at(true, j0);
         const int64_t n = std::min(block_size, ctx - j0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* w = scores.data() + r * ctx + j0;
-          float* a = acc.data() + r * head_dim;
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const float* val = blk + jj * kv_stride;
-            const float wj = w[jj];
+        for (int64_t jj = 0; jj < n; ++jj) {
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* val = blk + jj * kv_row + (h / group) * head_dim;
+            for (int64_t i = 0; i < nq; ++i) {
+              const float w = scores[(h * nq + i) * ctx + j0 + jj];
+              float* a = acc.data() + (h * nq + i) * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += wj * val[d];
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += w * val[d];
+            }
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        T* dst = op + (first + r / group) * num_heads * head_dim + (kvh * group + r % group) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[r * head_dim + d]);
-      }
+      for (int64_t h = 0; h < num_heads; ++h)
+        for (int64_t i = 0; i < nq; ++i) {
+          T* dst = op + (first + i) * num_heads * head_dim + h * head_dim;
+          const float* a = acc.data() + (h * nq + i) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(a[d]);
+        }
     }
   });
 }
