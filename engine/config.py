@@ -27,7 +27,7 @@ class EngineConfig:
     # "compile" (torch.compile; tens of seconds per model at start-up), "cuda_graphs"
     graph_capture: str = "auto"
     # the CPU's attention for decode and verification steps: "auto" (the native op where it builds,
-    # `kernels/native.py`: ~10 s once per machine), "native" (an error where it cannot), "torch"
+    # `kernels/native.py`: 10–20 s once per machine), "native" (an error where it cannot), "torch"
     cpu_attention: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes

@@ -7,18 +7,21 @@ are most of what a small model's batch-1 step spends on attention on a CPU (see 
 
 The source is compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
 same compiler `torch.compile` uses on the CPU), for this CPU (`-march=native`), into torch's
-extensions cache (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`): about 10 s the
-first time on a 2-core machine, a few milliseconds after. Concurrent processes wait on the
-cache's lock rather than build twice. Where it cannot be built, `load()` says why once and
-returns False, and the engine keeps the torch path.
+extensions cache (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`): 10–20 s the
+first time on a 2-core machine. Once built, a process loads the library directly (milliseconds,
+no lock); while one process builds, the others wait on the cache's lock, and a lock left by a
+process that died mid-build is removed after STALE_LOCK_S. Where it cannot be built, `load()`
+says why once and returns False, and the engine keeps the torch path.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +39,7 @@ _state: dict[str, object] = {}  # "ok": bool, "error": str, once tried
 def _build_name() -> str:
     """One build per source, torch version and CPU (the code is compiled for this CPU's features)."""
     h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(torch.__version__.encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     h.update(" ".join(FLAGS).encode())
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
@@ -64,16 +67,30 @@ def error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
+STALE_LOCK_S = 300.0  # a build lock older than this was left by a process that died building
+
+
 def _build_and_load() -> None:
     from torch.utils import cpp_extension
 
-    # the `ninja` wheel installs its binary beside this interpreter, which need not be on PATH
-    bin_dir = os.path.dirname(sys.executable)
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     name = _build_name()
-    log.info("loading native CPU attention %s (built on first use, ~10 s)", name)
-    cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False)
+    build_dir = Path(cpp_extension.get_default_build_root()) / name
+    library = build_dir / f"{name}.so"
+    try:  # built already: load it without the loader's lock and ninja run
+        torch.ops.load_library(str(library))
+    except OSError:  # not built yet, or being written by another process: build (or wait for it)
+        # the `ninja` wheel installs its binary beside this interpreter, which need not be on PATH
+        bin_dir = os.path.dirname(sys.executable)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        lock = build_dir / "lock"  # torch's loader waits on this file without a timeout
+        with contextlib.suppress(OSError):
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                lock.unlink()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        log.info("building native CPU attention %s (once per machine, 10-20 s)", name)
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False,
+                           build_directory=str(build_dir))
     torch.library.register_fake("pdserve::paged_attention_cpu", _fake)
 
 
