@@ -203,8 +203,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
                   v.scalar_type() == k_cache.scalar_type(),
               "paged_attention_cpu: q, k, v and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention_cpu: the K and V caches differ in shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 && k.size(1) == k_cache.size(2) &&
+                  k.size(2) == k_cache.size(3) && v.size(1) == k_cache.size(2) && v.size(2) == k_cache.size(3),
               "paged_attention_cpu: head_dim or head counts do not match the cache");
+  TORCH_CHECK(block_ids.dim() == 2 && context_lens.dim() == 1 && query_starts.dim() == 1 && slot_mapping.dim() == 1,
+              "paged_attention_cpu: block_ids is [seqs, blocks]; slot_mapping, context_lens and query_starts are 1-D");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_ids.scalar_type() == at::kLong &&
                   context_lens.scalar_type() == at::kLong && query_starts.scalar_type() == at::kLong,
               "paged_attention_cpu: indices are int64");
@@ -219,7 +223,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   const at::Tensor slots = slot_mapping.contiguous(), lens = context_lens.contiguous(),
                    starts = query_starts.contiguous();
   const at::Tensor ids = block_ids.stride(1) == 1 ? block_ids : block_ids.contiguous();
-  TORCH_CHECK(starts.data_ptr<int64_t>()[num_seqs] == num_tokens, "paged_attention_cpu: query_starts must end at the token count");
+  TORCH_CHECK(starts.data_ptr<int64_t>()[0] == 0 && starts.data_ptr<int64_t>()[num_seqs] == num_tokens,
+              "paged_attention_cpu: query_starts must run from 0 to the token count");
   at::Tensor out = at::empty({num_tokens, q.size(1), q.size(2)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
     write_rows<scalar_t>(kc, k_cache, slots.data_ptr<int64_t>(), num_tokens);

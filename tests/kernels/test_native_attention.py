@@ -115,6 +115,14 @@ def test_native_refuses_malformed_steps():
         call(7, plan.context_lens + 10 ** 4)  # more context than the block table holds
     with pytest.raises(RuntimeError, match="query_starts"):
         call(8, plan.query_starts - 1)
+    with pytest.raises(RuntimeError, match="query_starts"):  # rows before the first would be read
+        call(8, torch.cat([plan.query_starts[:1] - 5, plan.query_starts[1:]]))
+    with pytest.raises(RuntimeError, match="does not fit"):  # a sequence with fewer than no queries
+        call(8, plan.query_starts[[0, 2, 1, 3]])
+    with pytest.raises(RuntimeError, match="head counts"):  # fewer K heads than the cache rows hold
+        call(1, k[:, :1])
+    with pytest.raises(RuntimeError, match="differ in shape"):
+        call(4, v_cache[:-1])
     with pytest.raises(RuntimeError, match="dtype"):
         call(0, q.double())
     with pytest.raises(RuntimeError, match="int64"):
