@@ -126,7 +126,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // every row against every key
         const float* blk = rows_at(false, j0);
         const int64_t n = std::min(block_size, ctx - j0);
+        // the next block (keys, or the first values) starts coming in while this one is used
+        const float* next = j0 + block_size < ctx ? rows_at(false, j0 + block_size) : rows_at(true, 0);
+        const int64_t next_n = j0 + block_size < ctx ? std::min(block_size, ctx - j0 - block_size) : std::min(block_size, ctx);
         for (int64_t jj = 0; jj < n; ++jj) {
+          if (jj < next_n)
+            for (int64_t x = 0; x < kv_row; x += 16) __builtin_prefetch(next + jj * kv_row + x);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* key = blk + jj * kv_row + (h / group) * head_dim;
             for (int64_t i = 0; i < nq; ++i) {
@@ -161,7 +166,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // out: every row's weights times the values
         const float* blk = rows_at(true, j0);
         const int64_t n = std::min(block_size, ctx - j0);
+        const float* next = j0 + block_size < ctx ? rows_at(true, j0 + block_size) : nullptr;
+        const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
         for (int64_t jj = 0; jj < n; ++jj) {
+          if (jj < next_n)
+            for (int64_t x = 0; x < kv_row; x += 16) __builtin_prefetch(next + jj * kv_row + x);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* val = blk + jj * kv_row + (h / group) * head_dim;
             for (int64_t i = 0; i < nq; ++i) {

@@ -55,3 +55,13 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         scores = torch.einsum("hd,thd->ht", q[i].double(), k[:visible]) * scale
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(-1), v[:visible])
     return out
+
+
+def assert_matches_dense(out: torch.Tensor, q: torch.Tensor, k_dense, v_dense, query_lens: list[int], scale: float,
+                         tol: float = 1e-5) -> None:
+    """`out` holds each sequence's queries in turn; each against `dense_causal_attention`."""
+    start = 0
+    for s, n in enumerate(query_lens):
+        expected = dense_causal_attention(q[start:start + n], k_dense[s], v_dense[s], scale)
+        torch.testing.assert_close(out[start:start + n].double(), expected, atol=tol, rtol=tol)
+        start += n

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_kv_cases import dense_causal_attention, make_paged_kv
+from paged_kv_cases import assert_matches_dense, make_paged_kv
 
 from pdserve.kernels.extend_attention import extend_attention_ref
 from pdserve.kernels.gathered_attention import gathered_attention, plan_gather
@@ -38,11 +38,7 @@ def test_gathered_matches_dense_attention(case, num_heads, num_kv_heads):
     assert [g[:2] for g in plan.groups] == list(zip([g[0] for g in plan.groups], [g[0] for g in plan.groups[1:]] +
                                                     [len(context_lens)]))  # contiguous runs covering all
     out = gathered_attention(q, k_cache, v_cache, plan, 0.2)
-    start = 0
-    for s, n in enumerate(query_lens):
-        expected = dense_causal_attention(q[start:start + n], k_dense[s], v_dense[s], 0.2)
-        torch.testing.assert_close(out[start:start + n].double(), expected, atol=1e-5, rtol=1e-5)
-        start += n
+    assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_kv_cases import dense_causal_attention, make_paged_kv
+from paged_kv_cases import assert_matches_dense, make_paged_kv
 
 from pdserve.kernels import native
 from pdserve.kernels.gathered_attention import gathered_attention, plan_gather
@@ -57,11 +57,7 @@ def test_native_matches_dense_attention(case, num_heads, num_kv_heads, head_dim)
     write_kv_ref(k, v, expected_k, expected_v, slots)
     out = _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    start = 0
-    for s, n in enumerate(query_lens):
-        expected = dense_causal_attention(q[start:start + n], k_dense[s], v_dense[s], 0.2)
-        torch.testing.assert_close(out[start:start + n].double(), expected, atol=1e-5, rtol=1e-5)
-        start += n
+    assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
