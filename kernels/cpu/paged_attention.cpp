@@ -122,6 +122,11 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         else
           return kv.data() + ((values ? ctx : 0) + j0) * kv_row;
       };
+      // asks for row jj of the block at `next` (n rows) while the current block's row jj is used
+      auto prefetch_row = [&](const float* next, int64_t n, int64_t jj) {
+        if (jj < n)
+          for (int64_t x = 0; x < kv_row; x += 64 / sizeof(float)) __builtin_prefetch(next + jj * kv_row + x);
+      };
       scores.resize(rows * ctx);
       for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // every row against every key
         const float* blk = rows_at(false, j0);
@@ -130,8 +135,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float* next = j0 + block_size < ctx ? rows_at(false, j0 + block_size) : rows_at(true, 0);
         const int64_t next_n = j0 + block_size < ctx ? std::min(block_size, ctx - j0 - block_size) : std::min(block_size, ctx);
         for (int64_t jj = 0; jj < n; ++jj) {
-          if (jj < next_n)
-            for (int64_t x = 0; x < kv_row; x += 16) __builtin_prefetch(next + jj * kv_row + x);
+          prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* key = blk + jj * kv_row + (h / group) * head_dim;
             for (int64_t i = 0; i < nq; ++i) {
@@ -169,8 +173,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float* next = j0 + block_size < ctx ? rows_at(true, j0 + block_size) : nullptr;
         const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
         for (int64_t jj = 0; jj < n; ++jj) {
-          if (jj < next_n)
-            for (int64_t x = 0; x < kv_row; x += 16) __builtin_prefetch(next + jj * kv_row + x);
+          prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* val = blk + jj * kv_row + (h / group) * head_dim;
             for (int64_t i = 0; i < nq; ++i) {
