@@ -107,8 +107,14 @@ def measure_read_bandwidth(num_mb: int = 256, repeats: int = 5) -> float:
     return buf.nbytes / best / 1e9
 
 
+# In a section a script writes, this line and what follows it to the section's end are notes
+# written by hand (what changed, what the figures mean): kept, after the new body, on every rewrite.
+NOTES_MARK = "<!-- notes below are written by hand: kept when the script rewrites this section -->"
+
+
 def update_section(path: Path, title: str, body: str) -> None:
-    """Replace (or append) the `## title` section of a Markdown file with `body`."""
+    """Replace (or append) the `## title` section of a Markdown file with `body`, keeping the
+    section's hand-written notes (`NOTES_MARK` onwards) below it."""
     heading = f"## {title}"
     section = f"{heading}\n\n{body.rstrip()}\n"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -117,5 +123,8 @@ def update_section(path: Path, title: str, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + len(heading))
+        old = text[start:end] if end >= 0 else text[start:]
+        if NOTES_MARK in old:
+            section += "\n" + old[old.index(NOTES_MARK):].rstrip("\n") + "\n"
         text = text[:start] + section + (text[end:] if end >= 0 else "")
     path.write_text(text)
