@@ -99,10 +99,9 @@ def _fake(q, k, v, k_cache, v_cache, slot_mapping, block_ids, context_lens, quer
 
 
 def resolve(name: str, device: torch.device, kernels: str) -> bool:
-    """Whether an engine uses the native attention: "auto" on the CPU with the torch kernels when
-    it builds; "native" insists (ValueError saying why when it cannot); "torch" never."""
-    if name not in CPU_ATTENTIONS:
-        raise ValueError(f"cpu_attention must be one of {CPU_ATTENTIONS}, got {name!r}")
+    """Whether an engine uses the native attention (`name` validated by `EngineConfig`): "auto" on
+    the CPU with the torch kernels when it builds; "native" insists (ValueError saying why when it
+    cannot); "torch" never."""
     if name == "torch" or device.type != "cpu" or kernels != "torch":
         if name == "native":
             raise ValueError("cpu_attention='native' needs the CPU and the torch kernels")

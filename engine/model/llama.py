@@ -57,22 +57,17 @@ class Attention(nn.Module):
         q, k = self.ops.apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], *rope).split(
             (self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        k_cache, v_cache = kv_cache
-        if meta.plan is not None and meta.plan.query_starts is not None:  # the native op (kernels/native.py)
-            p = meta.plan
+        k_cache, v_cache, p = *kv_cache, meta.plan
+        if p is not None and p.query_starts is not None:  # the native op, eager or traced (kernels/native.py)
             out = torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
                                                         p.context_lens, p.query_starts, self.scale)
-            return self.o_proj(out.reshape(num_tokens, -1))
-        if meta.plan is not None and torch.compiler.is_compiling():  # one opaque op for the tracer
-            p = meta.plan
+        elif p is not None and torch.compiler.is_compiling():  # one opaque op for the tracer
             out = torch.ops.pdserve.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
                                                      p.mask, p.pad_index, p.unpad_index, p.groups_tensor, self.scale)
-            return self.o_proj(out.reshape(num_tokens, -1))
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.plan is not None:
-            out = gathered_attention(q, k_cache, v_cache, meta.plan, self.scale)
         else:
-            out = self._split_attention(q, k_cache, v_cache, meta)
+            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = (gathered_attention(q, k_cache, v_cache, p, self.scale) if p is not None
+                   else self._split_attention(q, k_cache, v_cache, meta))
         return self.o_proj(out.reshape(num_tokens, -1))
 
     def _split_attention(self, q, k_cache, v_cache, meta: AttentionMetadata):

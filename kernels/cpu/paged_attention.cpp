@@ -23,9 +23,6 @@
 namespace {
 
 template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
-
-template <typename T>
 void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
   // src [T, Hkv, D] with (Hkv, D) contiguous; cache [num_blocks, block_size, Hkv, D] contiguous
   const int64_t row = cache.size(2) * cache.size(3);
