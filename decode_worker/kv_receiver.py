@@ -22,7 +22,7 @@ import torch
 from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
-from pdserve.serving.kv_transfer.checksum import crc32c
+from pdserve.serving.kv_transfer import checksum
 from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_runs, parse_runs
 
 
@@ -46,7 +46,8 @@ class KVReceiver:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.peers = PeerSegments()
-        self.accepts_shm = all(cache[0][0].device.type == "cpu" for _, cache in groups)
+        self.accepts_shm = all(cache[0][0].device.type == "cpu" for _, cache in groups)  # a host cache
+        checksum.prepare(groups[0][1][0][0].device)
 
     def open(self, p: TransferProgress, seq: Sequence, header: KVHeader) -> None:
         if p.covered is not None:
@@ -102,12 +103,23 @@ class KVReceiver:
             if len(d.data) != expected:
                 raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} has {len(d.data)} bytes; {d.num_tokens} "
                                     f"tokens of K and V take {expected}")
-            if crc32c(d.data) != d.crc32c:
-                raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
-            write_kv(cache, d.layer, slots, d.data)
+            if self.accepts_shm:  # one pass: copied into our slots and checked (as from shared memory)
+                self._copy_bytes(d, cache, slots)
+            else:
+                if checksum.crc32c(d.data) != d.crc32c:
+                    raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
+                write_kv(cache, d.layer, slots, d.data)
         p.covered[p.layer_offsets[d.group] + d.layer, d.token_start:d.token_start + d.num_tokens] = True
         p.num_chunks += 1
         p.num_bytes += expected
+
+    def _copy_bytes(self, d: KVData, cache: KVCache, slots) -> None:
+        """A bytes chunk into our host cache, checked on the copy: a bad chunk lands only in the
+        slots of this reservation, which then is freed."""
+        dst = raw_layer(cache, d.layer)
+        kv = np.frombuffer(d.data, dtype=dst[0].dtype).reshape(2, d.num_tokens, *dst[0].shape[1:])
+        if copy_runs([(0, d.num_tokens)], slots.numpy(), (kv[0], kv[1]), dst) != d.crc32c:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
 
     def _copy_shm(self, p: TransferProgress, d: KVData, cache: KVCache, slots) -> None:
         """The chunk's tokens from the sender's segment into our slots, checked after the copy

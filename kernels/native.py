@@ -1,11 +1,14 @@
-"""Native CPU attention: `cpu/paged_attention.cpp`, built once per machine, loaded as a torch op.
+"""Native CPU ops: the C++ files in `cpu/`, built once per machine into one library of torch ops.
 
-`torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_ids,
-context_lens, query_starts, scale)` writes a step's K/V into the paged cache and attends over it
-in one call per layer. It replaces `gathered_attention`'s twenty-odd ATen ops, whose fixed costs
-are most of what a small model's batch-1 step spends on attention on a CPU (see the C++ file).
+- `torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_ids,
+  context_lens, query_starts, scale)` (`cpu/paged_attention.cpp`) writes a step's K/V into the
+  paged cache and attends over it in one call per layer. It replaces `gathered_attention`'s
+  twenty-odd ATen ops, whose fixed costs are most of what a small model's batch-1 step spends on
+  attention on a CPU.
+- `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
+  copies with their CRC-32C in the same pass (used through `serving.kv_transfer.checksum`).
 
-The source is compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
+The sources are compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
 same compiler `torch.compile` uses on the CPU), for this CPU (`-march=native`), into torch's
 extensions cache (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`): 10–20 s the
 first time on a 2-core machine. Once built, a process loads the library directly (milliseconds,
@@ -28,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
+SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "kv_copy.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 CPU_ATTENTIONS = ("auto", "native", "torch")
 
@@ -37,8 +40,8 @@ _state: dict[str, object] = {}  # "ok": bool, "error": str, once tried
 
 
 def _build_name() -> str:
-    """One build per source, torch version and CPU (the code is compiled for this CPU's features)."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """One build per sources, torch version and CPU (the code is compiled for this CPU's features)."""
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     h.update(" ".join(FLAGS).encode())
     try:
@@ -50,7 +53,7 @@ def _build_name() -> str:
 
 
 def load() -> bool:
-    """Build (or find) and load the native op; True when `paged_attention_cpu` is usable."""
+    """Build (or find) and load the native ops; True when they are usable."""
     with _lock:
         if "ok" not in _state:
             try:
@@ -58,8 +61,13 @@ def load() -> bool:
                 _state["ok"] = True
             except Exception as e:  # no compiler, no ninja, a compile error: the torch path stays
                 _state["ok"], _state["error"] = False, f"{type(e).__name__}: {e}"
-                log.warning("native CPU attention unavailable, using the torch path: %s", _state["error"])
+                log.warning("native CPU ops unavailable, using the torch and numpy paths: %s", _state["error"])
         return bool(_state["ok"])
+
+
+def loaded() -> bool:
+    """Whether the native ops are loaded in this process already (never builds)."""
+    return bool(_state.get("ok"))
 
 
 def error() -> str | None:
@@ -88,8 +96,8 @@ def _build_and_load() -> None:
             if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
                 lock.unlink()
         build_dir.mkdir(parents=True, exist_ok=True)
-        log.info("building native CPU attention %s (once per machine, 10-20 s)", name)
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, verbose=False,
+        log.info("building native CPU ops %s (once per machine, 10-20 s)", name)
+        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=FLAGS, is_python_module=False, verbose=False,
                            build_directory=str(build_dir))
     torch.library.register_fake("pdserve::paged_attention_cpu", _fake)
 

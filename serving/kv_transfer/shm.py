@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.serving.kv_transfer.checksum import crc32c
+from pdserve.serving.kv_transfer.checksum import copy_rows, rows_crc32c
 
 log = logging.getLogger("pdserve.kv_shm")
 
@@ -245,11 +245,7 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
 def runs_crc32c(runs, k_cache: np.ndarray, v_cache: np.ndarray) -> int:
     """CRC-32C of the runs' K bytes in order, then their V bytes: the checksum of the same
     tokens sent as bytes (`KVData.data`'s layout). Caches: [num_slots, ...] contiguous."""
-    crc = 0
-    for cache in (k_cache, v_cache):
-        for start, n in runs:
-            crc = crc32c(cache[start:start + n], crc)
-    return crc
+    return rows_crc32c(k_cache, v_cache, runs)
 
 
 def parse_runs(flat: tuple[int, ...] | list[int], num_slots: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -269,19 +265,8 @@ def copy_runs(src_runs, dst_slots: np.ndarray, src: tuple[np.ndarray, np.ndarray
               dst: tuple[np.ndarray, np.ndarray]) -> int:
     """Copy K then V of the tokens from the sender's slots (`src_runs`) into ours (`dst_slots`),
     piece by piece where both are consecutive, and return the CRC-32C of what landed in our
-    cache (read back while it is still in the CPU's cache). One copy, one checksum pass."""
-    rows = max(1, _HOT_BYTES // max(1, dst[0][0].nbytes))  # a piece small enough to re-read from the CPU cache
-    pieces = [(s + i, d + i, min(rows, n - i)) for s, d, n in _pieces(src_runs, slot_runs(dst_slots))
-              for i in range(0, n, rows)]
-    crc = 0
-    for s_cache, d_cache in zip(src, dst):
-        for s, d, n in pieces:
-            d_cache[d:d + n] = s_cache[s:s + n]
-            crc = crc32c(d_cache[d:d + n], crc)
-    return crc
-
-
-_HOT_BYTES = 256 << 10
+    cache: one pass over the bytes (`checksum.copy_rows`)."""
+    return copy_rows(src, dst, _pieces(src_runs, slot_runs(dst_slots)))
 
 
 def _pieces(src_runs, dst_runs) -> list[tuple[int, int, int]]:

@@ -1,0 +1,294 @@
+// pdserve::copy_rows_crc32c, rows_crc32c and crc32c: the KV transfer's bulk copies with the
+// CRC-32C of the bytes computed in the same pass over them, and its checksums alone.
+//
+// A transfer moves each layer's K and V as rows (one token's [num_kv_heads, head_dim]) between a
+// KV cache's slots and a contiguous buffer, or between two caches (the shared-memory path), and
+// checksums them: K rows in order, then V rows. Copying first and checksumming after reads the
+// bytes twice, and one CRC-32C chain (the crc32 instruction has a latency of 3 cycles for 8
+// bytes) runs slower than a copy. Here every 8-byte word is loaded once, stored, and fed to one
+// of three independent CRC chains, over three lanes of each stretch of the buffer; the three
+// registers are then joined by "shifting" the first over the second lane's length of zero bytes
+// (a linear map of the 32-bit register, applied through four 256-entry tables built at load)
+// and xoring in the next. Where AVX2 is there, a long copy stores with streaming 32-byte stores,
+// which skip reading the destination's lines first: on this project's Xeon that copy-and-checksum
+// ran at about 1.3x the speed of glibc's memcpy of the same 64 MiB.
+//
+// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) as iSCSI and google-crc32c define it:
+// the register starts at ~crc and the result is ~register, so crc(a + b) = extend(crc(a), b).
+// x86 SSE4.2 and ARMv8 CRC instructions when compiled for them, a byte table otherwise.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__SSE4_2__)
+#include <nmmintrin.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#elif defined(__ARM_FEATURE_CRC32)
+#include <arm_acle.h>
+#endif
+
+namespace {
+
+constexpr uint32_t kPoly = 0x82F63B78u;
+
+const std::array<uint32_t, 256>& byte_table() {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = c & 1 ? (c >> 1) ^ kPoly : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  return table;
+}
+
+// The raw register update (no inversion) by one byte and by one little-endian 8-byte word.
+inline uint32_t step1(uint32_t c, uint8_t b) {
+#if defined(__SSE4_2__)
+  return _mm_crc32_u8(c, b);
+#elif defined(__ARM_FEATURE_CRC32)
+  return __crc32cb(c, b);
+#else
+  return byte_table()[(c ^ b) & 0xFF] ^ (c >> 8);
+#endif
+}
+
+inline uint32_t step8(uint32_t c, uint64_t w) {
+#if defined(__SSE4_2__)
+  return static_cast<uint32_t>(_mm_crc32_u64(c, w));
+#elif defined(__ARM_FEATURE_CRC32)
+  return __crc32cd(c, w);
+#else
+  for (int k = 0; k < 8; ++k) c = step1(c, static_cast<uint8_t>(w >> (8 * k)));
+  return c;
+#endif
+}
+
+// The register after `Bytes` zero bytes, as a table lookup per byte of the register (the map is
+// linear over GF(2), so it is the xor of its images of the register's set bits).
+struct Shift {
+  uint32_t t[4][256];
+  inline uint32_t operator()(uint32_t c) const {
+    return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^ t[3][c >> 24];
+  }
+};
+
+template <size_t Bytes>
+const Shift& zeros_shift() {
+  static const Shift shift = [] {
+    uint32_t image[32];
+    for (int bit = 0; bit < 32; ++bit) {
+      uint32_t c = 1u << bit;
+      for (size_t i = 0; i < Bytes; i += 8) c = step8(c, 0);
+      image[bit] = c;
+    }
+    Shift s{};
+    for (int k = 0; k < 4; ++k)
+      for (uint32_t v = 0; v < 256; ++v) {
+        uint32_t r = 0;
+        for (int bit = 0; bit < 8; ++bit)
+          if (v >> bit & 1) r ^= image[8 * k + bit];
+        s.t[k][v] = r;
+      }
+    return s;
+  }();
+  return shift;
+}
+
+inline uint64_t load8(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  return w;
+}
+
+// Rounds of three `Lane`-byte lanes while at least one round is left; returns the bytes used.
+template <size_t Lane, bool Copy>
+size_t three_lanes(const uint8_t* src, uint8_t* dst, size_t n, uint32_t& c) {
+  const Shift& shift = zeros_shift<Lane>();
+  size_t done = 0;
+  for (; n - done >= 3 * Lane; done += 3 * Lane) {
+    const uint8_t* s = src + done;
+    uint32_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < Lane; i += 8) {
+      const uint64_t a = load8(s + i), b = load8(s + Lane + i), d = load8(s + 2 * Lane + i);
+      if constexpr (Copy) {
+        std::memcpy(dst + done + i, &a, 8);
+        std::memcpy(dst + done + Lane + i, &b, 8);
+        std::memcpy(dst + done + 2 * Lane + i, &d, 8);
+      }
+      c = step8(c, a);
+      c1 = step8(c1, b);
+      c2 = step8(c2, d);
+    }
+    c = shift(c) ^ c1;
+    c = shift(c) ^ c2;
+  }
+  return done;
+}
+
+#if defined(__AVX2__)
+// The same rounds for a copy with streaming (non-temporal) 32-byte stores, `dst` 32-byte aligned:
+// written lines go to memory without first being read into the cache, which a plain copy of a
+// large buffer pays for. Each lane's words are checksummed from the lines just loaded.
+template <size_t Lane>
+size_t three_lanes_streaming(const uint8_t* src, uint8_t* dst, size_t n, uint32_t& c) {
+  static_assert(Lane % 32 == 0);
+  const Shift& shift = zeros_shift<Lane>();
+  size_t done = 0;
+  for (; n - done >= 3 * Lane; done += 3 * Lane) {
+    const uint8_t* s = src + done;
+    uint8_t* d = dst + done;
+    uint32_t c1 = 0, c2 = 0;
+    for (size_t i = 0; i < Lane; i += 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + Lane + i),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + Lane + i)));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 2 * Lane + i),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * Lane + i)));
+      for (size_t k = 0; k < 32; k += 8) {
+        c = step8(c, load8(s + i + k));
+        c1 = step8(c1, load8(s + Lane + i + k));
+        c2 = step8(c2, load8(s + 2 * Lane + i + k));
+      }
+    }
+    c = shift(c) ^ c1;
+    c = shift(c) ^ c2;
+  }
+  return done;
+}
+#endif
+
+// The raw register after the `n` bytes from `done` on, copying them to `dst` when Copy.
+template <bool Copy>
+uint32_t finish(const uint8_t* src, uint8_t* dst, size_t done, size_t n, uint32_t c) {
+  done += three_lanes<256, Copy>(src + done, Copy ? dst + done : nullptr, n - done, c);
+  for (; n - done >= 8; done += 8) {
+    const uint64_t w = load8(src + done);
+    if constexpr (Copy) std::memcpy(dst + done, &w, 8);
+    c = step8(c, w);
+  }
+  for (; done < n; ++done) {
+    if constexpr (Copy) dst[done] = src[done];
+    c = step1(c, src[done]);
+  }
+  return c;
+}
+
+// The raw register after `n` bytes of `src`, continuing from `c`.
+uint32_t checksum(const uint8_t* src, size_t n, uint32_t c) {
+  const size_t done = three_lanes<4096, false>(src, nullptr, n, c);
+  return finish<false>(src, nullptr, done, n, c);
+}
+
+// `n` bytes copied from `src` to `dst`, and the raw register after them, continuing from `c`.
+uint32_t copy_checksum(const uint8_t* src, uint8_t* dst, size_t n, uint32_t c) {
+  size_t done = 0;
+#if defined(__AVX2__)
+  constexpr size_t kLane = 4096;
+  if (n >= 3 * kLane + 32) {
+    done = (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32;  // up to dst's first 32-byte boundary
+    for (size_t i = 0; i < done; ++i) {
+      dst[i] = src[i];
+      c = step1(c, src[i]);
+    }
+    done += three_lanes_streaming<kLane>(src + done, dst + done, n - done, c);
+    _mm_sfence();  // the streamed stores are visible before anything that follows
+  }
+#endif
+  done += three_lanes<4096, true>(src + done, dst + done, n - done, c);
+  return finish<true>(src, dst, done, n, c);
+}
+
+int64_t row_bytes(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be on the CPU");
+  TORCH_CHECK(t.dim() >= 1, what, " must have a row dimension");
+  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+  return t.size(0) ? static_cast<int64_t>(t.nbytes()) / t.size(0) : 0;
+}
+
+at::Tensor index_rows(const at::Tensor& t, int64_t width, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kLong, what, " must be int64");
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == width, what, " must have shape [n, ", width, "]");
+  return t.contiguous();
+}
+
+uint32_t initial(int64_t crc) {
+  TORCH_CHECK(crc >= 0 && crc <= 0xFFFFFFFFLL, "crc must be a 32-bit unsigned value, got ", crc);
+  return ~static_cast<uint32_t>(crc);
+}
+
+// K rows then V rows of `pieces` ([n, 3]: source row, destination row, rows) copied from src to
+// dst; returns the CRC-32C of the copied bytes, in that order, continuing from `crc`. Every piece
+// is checked against both sides before a byte moves.
+int64_t copy_rows_crc32c(const at::Tensor& src_k, const at::Tensor& src_v, at::Tensor& dst_k, at::Tensor& dst_v,
+                         const at::Tensor& pieces, int64_t crc) {
+  const int64_t row = row_bytes(src_k, "src_k");
+  TORCH_CHECK(row_bytes(src_v, "src_v") == row && row_bytes(dst_k, "dst_k") == row &&
+                  row_bytes(dst_v, "dst_v") == row,
+              "copy_rows_crc32c: rows of ", row, " bytes in src_k, but src_v, dst_k and dst_v have ",
+              row_bytes(src_v, "src_v"), ", ", row_bytes(dst_k, "dst_k"), " and ", row_bytes(dst_v, "dst_v"));
+  TORCH_CHECK(src_k.size(0) == src_v.size(0) && dst_k.size(0) == dst_v.size(0),
+              "copy_rows_crc32c: K and V must have the same number of rows on each side");
+  const at::Tensor p = index_rows(pieces, 3, "pieces");
+  const int64_t* q = p.data_ptr<int64_t>();
+  const int64_t src_rows = src_k.size(0), dst_rows = dst_k.size(0);
+  for (int64_t i = 0; i < p.size(0); ++i) {
+    const int64_t s = q[3 * i], d = q[3 * i + 1], n = q[3 * i + 2];
+    TORCH_CHECK(n >= 0 && s >= 0 && d >= 0 && s <= src_rows - n && d <= dst_rows - n, "copy_rows_crc32c: piece ", i,
+                " (source row ", s, ", destination row ", d, ", ", n, " rows) is outside the ", src_rows,
+                " source and ", dst_rows, " destination rows");
+  }
+  uint32_t c = initial(crc);
+  for (const auto& [src, dst] : {std::pair{&src_k, &dst_k}, std::pair{&src_v, &dst_v}}) {
+    const auto* from = static_cast<const uint8_t*>(src->data_ptr());
+    auto* to = static_cast<uint8_t*>(dst->data_ptr());
+    for (int64_t i = 0; i < p.size(0); ++i)
+      c = copy_checksum(from + q[3 * i] * row, to + q[3 * i + 1] * row, q[3 * i + 2] * row, c);
+  }
+  return ~c;
+}
+
+// The CRC-32C of K rows then V rows of `runs` ([n, 2]: first row, rows), continuing from `crc`.
+int64_t rows_crc32c(const at::Tensor& k, const at::Tensor& v, const at::Tensor& runs, int64_t crc) {
+  const int64_t row = row_bytes(k, "k");
+  TORCH_CHECK(row_bytes(v, "v") == row && k.size(0) == v.size(0), "rows_crc32c: k and v must have the same shape");
+  const at::Tensor r = index_rows(runs, 2, "runs");
+  const int64_t* q = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.size(0); ++i)
+    TORCH_CHECK(q[2 * i + 1] >= 0 && q[2 * i] >= 0 && q[2 * i] <= k.size(0) - q[2 * i + 1], "rows_crc32c: run ", i,
+                " (row ", q[2 * i], ", ", q[2 * i + 1], " rows) is outside the ", k.size(0), " rows");
+  uint32_t c = initial(crc);
+  for (const at::Tensor* t : {&k, &v}) {
+    const auto* base = static_cast<const uint8_t*>(t->data_ptr());
+    for (int64_t i = 0; i < r.size(0); ++i) c = checksum(base + q[2 * i] * row, q[2 * i + 1] * row, c);
+  }
+  return ~c;
+}
+
+// The CRC-32C of all of a contiguous tensor's bytes, continuing from `crc`.
+int64_t crc32c(const at::Tensor& data, int64_t crc) {
+  TORCH_CHECK(data.device().is_cpu() && data.is_contiguous(), "crc32c: data must be a contiguous CPU tensor");
+  return ~checksum(static_cast<const uint8_t*>(data.data_ptr()), data.nbytes(), initial(crc));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("copy_rows_crc32c(Tensor src_k, Tensor src_v, Tensor(a!) dst_k, Tensor(b!) dst_v, Tensor pieces, "
+        "int crc) -> int");
+  m.def("rows_crc32c(Tensor k, Tensor v, Tensor runs, int crc) -> int");
+  m.def("crc32c(Tensor data, int crc) -> int");
+}
+
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+  m.impl("copy_rows_crc32c", &copy_rows_crc32c);
+  m.impl("rows_crc32c", &rows_crc32c);
+  m.impl("crc32c", &crc32c);
+}
