@@ -38,11 +38,13 @@ def extend_attention_ref(
         else:
             q_pos = torch.arange(length - (end - start), length, device=q.device)
             mask, causal = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None], False  # [n, L]
+        # 4-D ([1, heads, tokens, dim]): on the CPU only then does torch pick its fused (flash)
+        # kernel; 3-D inputs take the unfused math path, 3x slower at 166 tokens, 12x at 2048
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
