@@ -4,12 +4,12 @@ At batch 1 a decode step of a small model is mostly per-op overhead (FACTS.md: ~
 stream the weights once), so running the whole forward as one captured graph is where most of
 what is left goes. Two captures, one interface (`covers`, `__call__`, `warm_up`):
 
-- **compile** (CPU): `torch.compile` (Inductor) of the model's forward for every step whose
-  attention runs by a `GatherPlan` (decode, speculative verification, a draft's passes), whatever
-  its batch size or lengths: the K/V write and the attention are one opaque op
-  (`write_and_attend`), and every size the step varies in is marked unbacked, so one graph serves
-  them all and nothing recompiles as contexts grow. Prefill chunks and steps that stream K/V layer
-  by layer run eagerly.
+- **compile** (CPU): `torch.compile` (Inductor) of the model's forward, whatever a step's batch
+  size or lengths: the K/V write and the attention are one opaque op (`write_and_attend` for steps
+  planned by a `GatherPlan`: decode, speculative verification, a draft's passes;
+  `write_and_split_attend` for steps with prefill chunks), and every size a step varies in is
+  marked unbacked, so two graphs serve every step and nothing recompiles as contexts grow. Steps
+  that stream K/V layer by layer (a prefill worker's) run eagerly.
 - **cuda_graphs** (CUDA): one CUDA graph per batch-size bucket of decode-only steps, replayed from
   static input buffers (`cuda_graphs.py`).
 
@@ -45,17 +45,22 @@ def resolve_capture(name: str, device: torch.device, kernels: str) -> str:
 class CompiledForward:
     """`torch.compile` of `model.forward` for steps planned by a uniform `GatherPlan`."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list):
-        self.model, self.kv_caches = model, kv_caches
+    def __init__(self, model: torch.nn.Module, kv_caches: list, prefill: bool = True):
+        """prefill: also steps without a plan (their op runs the torch references: CPU only)."""
+        self.model, self.kv_caches, self.prefill = model, kv_caches, prefill
         self._compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
         self.is_broken = False  # compiling failed once (no C++ compiler, say): eager from then on
         self.compile_seconds = 0.0
+        # steps run through each graph: planned, and with prefill chunks (alone, or beside decode tokens)
+        self.num_steps = {"planned": 0, "prefill": 0, "mixed": 0}
 
     def covers(self, step: StepInputs, has_layer_callback: bool) -> bool:
-        return not self.is_broken and not has_layer_callback and step.meta.plan is not None
+        return not self.is_broken and not has_layer_callback and (step.meta.plan is not None or self.prefill)
 
     def __call__(self, step: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
         _mark_sizes_unbacked(step)
+        meta = step.meta
+        self.num_steps["planned" if meta.plan is not None else "mixed" if meta.num_decode_tokens else "prefill"] += 1
         try:
             return self._compiled(step.input_ids, step.positions, self.kv_caches, step.meta)
         except Exception as e:  # compilation failed: say so once and stay eager
@@ -63,17 +68,28 @@ class CompiledForward:
             log.warning("graph capture (compile) failed, running eagerly: %r", e)
             return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
 
-    def warm_up(self, step: StepInputs) -> None:
-        """Compile now (on a dummy one-token step) rather than in the first request's step."""
+    def warm_up(self, *steps: StepInputs) -> None:
+        """Compile now (on dummy steps: one token, and a prefill chunk) rather than in the first
+        requests' steps."""
         start = time.perf_counter()
-        self(step)
+        for step in steps:
+            if self.covers(step, False):
+                self(step)
         self.compile_seconds = time.perf_counter() - start
 
 
 def _mark_sizes_unbacked(step: StepInputs) -> None:
     """Every size that varies between steps: sizes the tracer may not specialise on (1 included)."""
     mark = torch._dynamo.decorators.mark_unbacked
-    plan = step.meta.plan
+    meta, plan = step.meta, step.meta.plan
+    if plan is None:  # `write_and_split_attend`'s tensors
+        for t in (step.input_ids, step.positions, meta.slot_mapping, meta.decode_context_lens,
+                  meta.extend_cu_seqlens_q, meta.extend_context_lens):
+            mark(t, 0)
+        for t in (meta.decode_block_tables, meta.extend_block_tables):
+            for dim in (0, 1):
+                mark(t, dim)
+        return
     for dim in (0, 1):  # [num_seqs, num_blocks]
         mark(plan.block_ids, dim)
     if plan.query_starts is not None:  # a native plan: no mask or indices

@@ -18,7 +18,7 @@ from pdserve.engine.model.loader import build_model
 from pdserve.engine.capture import CompiledForward
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.step_inputs import InputBuffers
+from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, InputBuffers
 from pdserve.kernels import KernelOps
 
 
@@ -70,20 +70,23 @@ class ModelRunner:
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile", native_plans=native_attention)
-        self.capture = self._build_capture(capture, max_batch)
+        self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
 
-    def _build_capture(self, kind: str, max_batch: int):
+    def _build_capture(self, kind: str, max_batch: int, ops: KernelOps):
         if kind == "off":
             return None
         if kind == "compile":
-            capture = CompiledForward(self.model, self.kv_caches)
+            capture = CompiledForward(self.model, self.kv_caches, prefill=self.device.type == "cpu" and ops.name == "torch")
         else:
             from pdserve.engine.cuda_graphs import CudaGraphForward  # CUDA only
 
             capture = CudaGraphForward(self.model, self.kv_caches, self.inputs, max_batch)
         with torch.inference_mode():
-            capture.warm_up(self.inputs.build([_dummy_entry()]))
+            if kind == "compile":
+                capture.warm_up(self.inputs.build([_dummy_entry()]), self.inputs.build([_dummy_prefill(self.block_size)]))
+            else:
+                capture.warm_up(self.inputs.build([_dummy_entry()]))
         return capture
 
     @torch.inference_mode()
@@ -101,6 +104,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         self.last_pass = (len(step.input_ids), time.perf_counter() - start)
         return logits
+
+
+def _dummy_prefill(block_size: int) -> BatchEntry:
+    """A prefill chunk too long for a gather plan, in blocks 0 and 1, for warming the compiled
+    prefill graph up: no sequence owns those blocks yet, and each writes its slots before reading."""
+    n = MAX_GATHERED_QUERY_LEN + 1
+    seq = Sequence("warm-up-prefill", [0] * n, SamplingParams(), seed=0, block_table=list(range(-(-n // block_size))))
+    return BatchEntry(seq, n, 1, start=0)
 
 
 def _dummy_entry() -> BatchEntry:

@@ -156,3 +156,45 @@ def extend_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
     )
     return out
+
+
+# --- one opaque op for a compiled step with long chunks (prefill) -------------------------
+#
+# `torch.compile` cannot trace the per-sequence loop above (it reads the chunk lengths on the
+# host). A step whose chunks are too long for a gather plan (`AttentionMetadata.plan` is None)
+# therefore reaches the tracer as this op, the K/V write and both attentions in one call, with
+# every size read off its tensors' dims: one graph serves every prefill step, and Inductor fuses
+# the rest of the layer (norms, rotary, SwiGLU, residual adds) around it.
+
+_LIB = torch.library.Library("pdserve", "FRAGMENT")
+_LIB.define("write_and_split_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+            "Tensor slot_mapping, Tensor decode_block_tables, Tensor decode_context_lens, "
+            "Tensor extend_block_tables, Tensor extend_cu_seqlens_q, Tensor extend_context_lens, float scale) -> Tensor")
+
+
+def write_and_split_attend(q, k, v, k_cache, v_cache, slot_mapping, decode_block_tables, decode_context_lens,
+                           extend_block_tables, extend_cu_seqlens_q, extend_context_lens, scale: float) -> torch.Tensor:
+    """`write_kv_ref`, then the step's decode tokens (one per sequence, first in the batch) through
+    `paged_decode_attention_ref` and the rest through `extend_attention_ref`: what
+    `Attention._split_attention` does eagerly. `torch.ops.pdserve.write_and_split_attend`."""
+    from pdserve.kernels.kv_write import write_kv_ref
+    from pdserve.kernels.paged_attention import paged_decode_attention_ref
+
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    nd, num_tokens = decode_context_lens.shape[0], q.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if nd:
+        out[:nd] = paged_decode_attention_ref(q[:nd], k_cache, v_cache, decode_block_tables, decode_context_lens, scale)
+    if nd < num_tokens:
+        out[nd:] = extend_attention_ref(q[nd:], k_cache, v_cache, extend_block_tables, extend_cu_seqlens_q,
+                                        extend_context_lens, scale)
+    return out
+
+
+def _write_and_split_attend_fake(q, k, v, k_cache, v_cache, slot_mapping, decode_block_tables, decode_context_lens,
+                                 extend_block_tables, extend_cu_seqlens_q, extend_context_lens, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+_LIB.impl("write_and_split_attend", write_and_split_attend, "CPU")
+torch.library.register_fake("pdserve::write_and_split_attend", _write_and_split_attend_fake, lib=_LIB)

@@ -61,9 +61,14 @@ class Attention(nn.Module):
         if p is not None and p.query_starts is not None:  # the native op, eager or traced (kernels/native.py)
             out = torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
                                                         p.context_lens, p.query_starts, self.scale)
-        elif p is not None and torch.compiler.is_compiling():  # one opaque op for the tracer
-            out = torch.ops.pdserve.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
-                                                     p.mask, p.pad_index, p.unpad_index, p.groups_tensor, self.scale)
+        elif torch.compiler.is_compiling():  # one opaque op for the tracer
+            out = (torch.ops.pdserve.write_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, p.block_ids,
+                                                      p.mask, p.pad_index, p.unpad_index, p.groups_tensor, self.scale)
+                   if p is not None else
+                   torch.ops.pdserve.write_and_split_attend(
+                       q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables,
+                       meta.decode_context_lens, meta.extend_block_tables, meta.extend_cu_seqlens_q,
+                       meta.extend_context_lens, self.scale))
         else:
             self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = (gathered_attention(q, k_cache, v_cache, p, self.scale) if p is not None

@@ -1,8 +1,8 @@
 """Graph capture (`engine/capture.py`): a captured forward computes what the eager one does.
 
-The CPU capture compiles the model once (tens of seconds); one engine covers batch 1 and a
-batch of several sequences, decode steps and speculative verification, greedy and seeded
-sampling, all through the single graph it traces."""
+The CPU capture compiles the model at start-up (tens of seconds); one engine covers batch 1 and a
+batch of several sequences, prefill chunks, decode steps and speculative verification, greedy and
+seeded sampling, through the two graphs it traces (planned steps, and steps with prefill chunks)."""
 from __future__ import annotations
 
 import pytest
@@ -38,9 +38,25 @@ def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
             want = [o.token_ids for o in eager.generate(prompts, params)]
             assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     assert not capture.is_broken and compiled.engine.speculator.stats.num_drafts > 0
+    assert capture.num_steps["prefill"] > 1 and capture.num_steps["planned"] > 1  # both graphs ran (37-token prompts)
     # one graph for every batch size and length, and for buffers grown mid-request: nothing
     # recompiled after the warm-up
     assert len(_debug_get_cache_entry_list(CausalLM.forward.__code__)) == graphs >= 1
+
+
+@pytest.mark.slow
+def test_compiled_prefill_steps_mix_chunks_and_decode_tokens(target):
+    """With a small token budget, prompts arrive in chunks beside other sequences' decode tokens:
+    those steps run through the compiled prefill graph (`write_and_split_attend`) and give the
+    eager tokens."""
+    options = dict(max_num_batched_tokens=64)
+    eager, compiled = LLM(target, **options), LLM(target, graph_capture="compile", **options)
+    prompts = [[5, 6, 7] * 30, list(range(3, 40)), [11, 12, 13] * 10] * 3
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == want
+    steps = compiled.engine.runner.capture.num_steps
+    assert steps["mixed"] > 0 and steps["prefill"] > 0, steps
 
 
 def test_graph_capture_option_is_validated():
