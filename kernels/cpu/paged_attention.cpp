@@ -20,6 +20,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
+
 namespace {
 
 template <typename T>
@@ -58,6 +63,37 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#ifdef PDSERVE_AVX2
+// Eight keys' dot products with one query row (float32, HD a multiple of 8): eight accumulators
+// of one FMA chain each, summed across lanes together at the end (three shuffle-add levels for
+// all eight, where one reduction per key took about as long as the key's FMAs).
+template <int HD>
+inline void dot8(const float* q, const float* keys, int64_t key_stride, float* out) {
+  __m256 a[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+  for (int d = 0; d < HD; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys + k * key_stride + d), a[k]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+
+// acc (HD floats) += sum over the n rows of w[j] * values[j * stride]: the accumulator in
+// registers for a whole block.
+template <int HD>
+inline void axpy_rows(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
+  __m256 a[HD / 8];
+  for (int d = 0; d < HD / 8; ++d) a[d] = _mm256_loadu_ps(acc + 8 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_broadcast_ss(w + j);
+    for (int d = 0; d < HD / 8; ++d) a[d] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(values + j * stride + 8 * d), a[d]);
+  }
+  for (int d = 0; d < HD / 8; ++d) _mm256_storeu_ps(acc + 8 * d, a[d]);
+}
+#endif
+
 // HD: head_dim known at compile time (0: read from `head_dim`), so the per-key loops unroll.
 template <typename T, int HD>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -75,6 +111,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t* ids = block_ids.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
+  // the AVX2 loops: head_dim a multiple of 8 known at compile time (keys and values are float32
+  // by then: read in place, or converted into `kv`)
+  [[maybe_unused]] constexpr bool kVector = HD > 0 && HD % 8 == 0;
 
   for (int64_t s = 0; s < num_seqs; ++s) {  // checked once, before any thread reads
     const int64_t nq = query_starts[s + 1] - query_starts[s], ctx = context_lens[s];
@@ -131,7 +170,19 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         // the next block (keys, or the first values) starts coming in while this one is used
         const float* next = j0 + block_size < ctx ? rows_at(false, j0 + block_size) : rows_at(true, 0);
         const int64_t next_n = j0 + block_size < ctx ? std::min(block_size, ctx - j0 - block_size) : std::min(block_size, ctx);
-        for (int64_t jj = 0; jj < n; ++jj) {
+        int64_t jj = 0;
+#ifdef PDSERVE_AVX2
+        if constexpr (kVector) {  // eight keys at a time, every row of every head
+          for (; jj + 8 <= n; jj += 8) {
+            for (int64_t x = 0; x < 8; ++x) prefetch_row(next, next_n, jj + x);
+            for (int64_t h = 0; h < num_heads; ++h)
+              for (int64_t i = 0; i < nq; ++i)
+                dot8<HD>(qf.data() + (h * nq + i) * HD, blk + jj * kv_row + (h / group) * HD, kv_row,
+                         scores.data() + (h * nq + i) * ctx + j0 + jj);
+          }
+        }
+#endif
+        for (; jj < n; ++jj) {
           prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* key = blk + jj * kv_row + (h / group) * head_dim;
@@ -169,6 +220,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t n = std::min(block_size, ctx - j0);
         const float* next = j0 + block_size < ctx ? rows_at(true, j0 + block_size) : nullptr;
         const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
+#ifdef PDSERVE_AVX2
+        if constexpr (kVector) {  // a block's values into each row's accumulator, held in registers
+          for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
+          for (int64_t h = 0; h < num_heads; ++h)
+            for (int64_t i = 0; i < nq; ++i)
+              axpy_rows<HD>(scores.data() + (h * nq + i) * ctx + j0, blk + (h / group) * HD, kv_row, n,
+                            acc.data() + (h * nq + i) * HD);
+          continue;
+        }
+#endif
         for (int64_t jj = 0; jj < n; ++jj) {
           prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h) {
