@@ -50,8 +50,8 @@ from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # n
 
 from pdserve.engine.disagg import read_kv, write_kv  # noqa: E402
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer  # noqa: E402
-from pdserve.serving.kv_transfer import checksum  # noqa: E402
-from pdserve.serving.kv_transfer.checksum import crc32c  # noqa: E402
+from pdserve.engine import kv_copy  # noqa: E402
+from pdserve.engine.kv_copy import crc32c  # noqa: E402
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport  # noqa: E402
 from pdserve.serving.kv_transfer.shm import KVArena, PeerSegments, copy_runs, runs_crc32c, slot_runs  # noqa: E402
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport  # noqa: E402
@@ -177,7 +177,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
     assert len(grpc_push.info.kv_groups) == 1, "the benchmark model has no draft"
     shape = (num_blocks, BLOCK_SIZE, g.num_kv_heads, g.head_dim)
     dtype = getattr(torch, grpc_push.info.dtype)
-    checksum.prepare(torch.device("cpu"))  # the native copies, as the workers load them
+    kv_copy.prepare(torch.device("cpu"))  # the native copies, as the workers load them
     arena = KVArena()
     src = arena(g.num_layers, shape, dtype, torch.device("cpu"))  # the prefill side's cache, in /dev/shm
     for k, v in src:

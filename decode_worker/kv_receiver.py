@@ -22,7 +22,7 @@ import torch
 from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
-from pdserve.serving.kv_transfer import checksum
+from pdserve.engine import kv_copy
 from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_runs, parse_runs
 
 
@@ -47,7 +47,7 @@ class KVReceiver:
         self.vocab_size = vocab_size
         self.peers = PeerSegments()
         self.accepts_shm = all(cache[0][0].device.type == "cpu" for _, cache in groups)  # a host cache
-        checksum.prepare(groups[0][1][0][0].device)
+        kv_copy.prepare(groups[0][1][0][0].device)
 
     def open(self, p: TransferProgress, seq: Sequence, header: KVHeader) -> None:
         if p.covered is not None:
@@ -106,7 +106,7 @@ class KVReceiver:
             if self.accepts_shm:  # one pass: copied into our slots and checked (as from shared memory)
                 self._copy_bytes(d, cache, slots)
             else:
-                if checksum.crc32c(d.data) != d.crc32c:
+                if kv_copy.crc32c(d.data) != d.crc32c:
                     raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
                 write_kv(cache, d.layer, slots, d.data)
         p.covered[p.layer_offsets[d.group] + d.layer, d.token_start:d.token_start + d.num_tokens] = True

@@ -6,7 +6,7 @@
   twenty-odd ATen ops, whose fixed costs are most of what a small model's batch-1 step spends on
   attention on a CPU.
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
-  copies with their CRC-32C in the same pass (used through `serving.kv_transfer.checksum`).
+  copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 
 The sources are compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
 same compiler `torch.compile` uses on the CPU), for this CPU (`-march=native`), into torch's

@@ -24,7 +24,8 @@ from pdserve.serving.convert import logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
-from pdserve.serving.kv_transfer import checksum, shm
+from pdserve.engine import kv_copy
+from pdserve.serving.kv_transfer import shm
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport
 from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
@@ -99,7 +100,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
     def attach(self, loop: EngineLoop, model_name: str) -> None:
         super().attach(loop, model_name)
         self._groups = [cache for _, cache in kv_cache_groups(loop.engine)]
-        checksum.prepare(self._groups[0][0][0].device)
+        kv_copy.prepare(self._groups[0][0][0].device)
         loop.engine.kv_hook = self._send_layer
 
     def _send_layer(self, group: int, layer: int, chunks) -> None:

@@ -18,7 +18,7 @@ an unreachable peer). Backends:
   worker's KV cache in shared memory instead of carrying bytes; for any other peer it fills in
   the bytes and the stream goes as plain gRPC. Chosen per pair, once.
 
-Every data chunk carries a CRC-32C (`checksum.py`) of its bytes, verified on arrival (over shared
+Every data chunk carries a CRC-32C (`engine/kv_copy.py`) of its bytes, verified on arrival (over shared
 memory: after the decode side's copy into its cache).
 
 Messages are plain values; protobuf exists only inside the gRPC backend.

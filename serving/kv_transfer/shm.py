@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.serving.kv_transfer.checksum import copy_rows, rows_crc32c
+from pdserve.engine.kv_copy import copy_rows, rows_crc32c
 
 log = logging.getLogger("pdserve.kv_shm")
 
@@ -265,7 +265,7 @@ def copy_runs(src_runs, dst_slots: np.ndarray, src: tuple[np.ndarray, np.ndarray
               dst: tuple[np.ndarray, np.ndarray]) -> int:
     """Copy K then V of the tokens from the sender's slots (`src_runs`) into ours (`dst_slots`),
     piece by piece where both are consecutive, and return the CRC-32C of what landed in our
-    cache: one pass over the bytes (`checksum.copy_rows`)."""
+    cache: one pass over the bytes (`engine.kv_copy.copy_rows`)."""
     return copy_rows(src, dst, _pieces(src_runs, slot_runs(dst_slots)))
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.cluster.local import LocalProcess
 from pdserve.engine.disagg import raw_layer, read_kv, write_kv
-from pdserve.serving.kv_transfer.checksum import crc32c
+from pdserve.engine.kv_copy import crc32c
 from pdserve.serving.kv_transfer.shm import KVArena, Segment, copy_runs, runs_crc32c, slot_runs
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2 as wk

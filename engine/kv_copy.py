@@ -1,4 +1,5 @@
-"""CRC-32C (Castagnoli), the KV transfer's per-chunk checksum, and the copies that carry it.
+"""CRC-32C (Castagnoli), the KV transfer's per-chunk checksum, and the copies that carry it: the
+byte-level half of the engine's interface for disaggregated serving (`disagg.py` is the rest).
 
 - `crc32c(buf, crc)`: the checksum of any contiguous buffer (bytes, numpy array, memoryview, mmap).
 - `copy_rows(src, dst, pieces)`: K rows then V rows copied between two raw KV layers (a cache's
@@ -7,8 +8,8 @@
 - `rows_crc32c(k, v, runs)`: the checksum of K rows then V rows where they lie.
 
 Where the native ops are loaded (`pdserve.kernels.native`; a worker with a CPU KV cache loads
-them at start, `prepare`), these run in C++ at about the speed of a plain copy: each word is copied and
-checksummed in one pass, on three interleaved CRC chains (`kernels/cpu/kv_copy.cpp`). Otherwise
+them at start, `prepare`), these run in C++ at about the speed of a plain copy: each word is
+copied and checksummed in one pass, on three interleaved CRC chains (`kernels/cpu/kv_copy.cpp`). Otherwise
 they fall back to numpy copies and google-crc32c's C library (`libcrc32c`, whose
 `crc32c_extend(crc, ptr, n)` reads any address; its Python entry points take only `bytes`), and
 to `google_crc32c.value(bytes(buf))` where that library cannot be found: the same results, slower.

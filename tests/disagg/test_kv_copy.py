@@ -1,4 +1,4 @@
-"""The KV transfer's checksums and checked copies (`serving.kv_transfer.checksum`): the native
+"""The KV transfer's checksums and checked copies (`engine.kv_copy`): the native
 one-pass copy-and-CRC (`kernels/cpu/kv_copy.cpp`) and the numpy/google-crc32c fallback give
 google-crc32c's CRC-32C and numpy's copy, for every length and alignment, and refuse pieces
 outside either side before copying a byte."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pdserve.kernels import native
-from pdserve.serving.kv_transfer import checksum
+from pdserve.engine import kv_copy
 
 # lengths around the three-lane rounds (3 x 256 and 3 x 4096 bytes) and the streaming-store path
 LENGTHS = [0, 1, 7, 8, 9, 767, 768, 769, 3 * 4096 - 1, 3 * 4096 + 31, 3 * 4096 + 32, 5 * 12288 + 77, 200_003]
@@ -38,10 +38,10 @@ def test_crc32c_of_any_length_and_offset(path, n):
     buf = rng.integers(0, 256, n + 16, dtype=np.uint8)
     for offset in (0, 3, 8):
         part = buf[offset:offset + n]
-        assert checksum.crc32c(part) == _expected(part)
-        assert checksum.crc32c(part, 0x1234ABCD) == _expected(part, crc=0x1234ABCD)
-        assert checksum.crc32c(part.tobytes()) == _expected(part)
-        assert checksum.crc32c(memoryview(part.tobytes())) == _expected(part)
+        assert kv_copy.crc32c(part) == _expected(part)
+        assert kv_copy.crc32c(part, 0x1234ABCD) == _expected(part, crc=0x1234ABCD)
+        assert kv_copy.crc32c(part.tobytes()) == _expected(part)
+        assert kv_copy.crc32c(memoryview(part.tobytes())) == _expected(part)
 
 
 @pytest.mark.parametrize("row_bytes", [4, 96, 1024, 4100])
@@ -52,13 +52,13 @@ def test_copy_rows_copies_and_checksums_k_then_v(path, row_bytes):
     dst = tuple(np.zeros((rows + 40, row_bytes), dtype=np.uint8) for _ in range(2))
     before = tuple(d.copy() for d in dst)
     pieces = [(5, 100, 17), (0, 3, 1), (22, 200, 120), (150, 30, 0), (299, 0, 1)]
-    crc = checksum.copy_rows(src, dst, pieces)
+    crc = kv_copy.copy_rows(src, dst, pieces)
     for s, d, b in zip(src, dst, before):
         for i, j, n in pieces:
             b[j:j + n] = s[i:i + n]
         np.testing.assert_array_equal(d, b)  # the pieces, and nothing else
     assert crc == _expected(*[src[0][i:i + n] for i, _, n in pieces], *[src[1][i:i + n] for i, _, n in pieces])
-    assert checksum.rows_crc32c(*src, [(i, n) for i, _, n in pieces]) == crc
+    assert kv_copy.rows_crc32c(*src, [(i, n) for i, _, n in pieces]) == crc
 
 
 def test_copy_rows_from_read_only_bytes_into_a_strided_cache_view(path):
@@ -70,7 +70,7 @@ def test_copy_rows_from_read_only_bytes_into_a_strided_cache_view(path):
     cache = np.zeros((4, 128, 8, 16), dtype=np.int32)  # [layer, slot, heads, dim]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        crc = checksum.copy_rows((kv[0], kv[1]), (cache[1], cache[2]), [(0, 64, 64)])
+        crc = kv_copy.copy_rows((kv[0], kv[1]), (cache[1], cache[2]), [(0, 64, 64)])
     assert crc == google_crc32c.value(data)
     np.testing.assert_array_equal(cache[1, 64:], kv[0])
     np.testing.assert_array_equal(cache[2, 64:], kv[1])
@@ -83,14 +83,14 @@ def test_copy_rows_refuses_pieces_outside_either_side(path, piece):
     dst = (np.zeros((6, 8), np.uint8), np.zeros((6, 8), np.uint8))
     ok = (0, 0, 2)
     with pytest.raises(ValueError, match="outside"):
-        checksum.copy_rows(src, dst, [ok, piece])
+        kv_copy.copy_rows(src, dst, [ok, piece])
     assert not dst[0].any() and not dst[1].any()  # checked before a byte moved
 
 
 def test_rows_crc32c_refuses_runs_outside_the_rows(path):
     k = v = np.ones((10, 8), np.uint8)
     with pytest.raises(ValueError, match="outside"):
-        checksum.rows_crc32c(k, v, [(8, 3)])
+        kv_copy.rows_crc32c(k, v, [(8, 3)])
 
 
 def test_native_copy_refuses_rows_of_different_sizes():
@@ -98,4 +98,4 @@ def test_native_copy_refuses_rows_of_different_sizes():
     src = (np.ones((10, 8), np.uint8), np.ones((10, 8), np.uint8))
     dst = (np.zeros((10, 16), np.uint8), np.zeros((10, 16), np.uint8))
     with pytest.raises(ValueError, match="rows of 8 bytes"):
-        checksum.copy_rows(src, dst, [(0, 0, 1)])
+        kv_copy.copy_rows(src, dst, [(0, 0, 1)])
