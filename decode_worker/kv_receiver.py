@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
-from pdserve.engine import kv_copy
 from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_runs, parse_runs
 
 

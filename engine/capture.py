@@ -43,7 +43,8 @@ def resolve_capture(name: str, device: torch.device, kernels: str) -> str:
 
 
 class CompiledForward:
-    """`torch.compile` of `model.forward` for steps planned by a uniform `GatherPlan`."""
+    """`torch.compile` of `model.forward` for steps planned by a uniform `GatherPlan`, and (with
+    `prefill`) for steps with prefill chunks: one graph each."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, prefill: bool = True):
         """prefill: also steps without a plan (their op runs the torch references: CPU only)."""

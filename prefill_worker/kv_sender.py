@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
 from pdserve.engine.kv_copy import crc32c
+from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
 from pdserve.serving.kv_transfer.shm import runs_crc32c, slot_runs
 
 _END = object()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, raw_layer, read_kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_worker.kv_sender import KVSender
@@ -24,7 +25,6 @@ from pdserve.serving.convert import logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
-from pdserve.engine import kv_copy
 from pdserve.serving.kv_transfer import shm
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport
