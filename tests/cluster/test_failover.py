@@ -69,7 +69,12 @@ def test_kill_9_of_a_decode_worker_mid_stream_loses_no_token(system, expected):
     victim = system.workers("decode")[0]
 
     def kill():
-        assert stats(victim["address"]).num_running > 0  # it holds streams now
+        # every stream has its first token, which the prefill worker sends as soon as it samples
+        # it: the victim may still be receiving K/V. Kill it once it decodes (holds streams).
+        deadline = time.monotonic() + 60
+        while stats(victim["address"]).num_running == 0:
+            assert time.monotonic() < deadline, "the decode worker never started decoding"
+            time.sleep(0.02)
         os.kill(victim["pid"], signal.SIGKILL)
 
     got = asyncio.run(stream_all(system.grpc_address, requests(), on_first=kill))
