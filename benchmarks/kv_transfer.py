@@ -51,9 +51,9 @@ from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # n
 from pdserve.engine.disagg import read_kv, write_kv  # noqa: E402
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer  # noqa: E402
 from pdserve.engine import kv_copy  # noqa: E402
-from pdserve.engine.kv_copy import crc32c  # noqa: E402
+from pdserve.engine.kv_copy import crc32c, rows_crc32c  # noqa: E402
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport  # noqa: E402
-from pdserve.serving.kv_transfer.shm import KVArena, PeerSegments, copy_runs, runs_crc32c, slot_runs  # noqa: E402
+from pdserve.serving.kv_transfer.shm import KVArena, PeerSegments, copy_runs, slot_runs  # noqa: E402
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport  # noqa: E402
 from pdserve.engine.disagg import KVGroupLayout, raw_layer  # noqa: E402
 from pdserve.v1 import generation_pb2 as gen  # noqa: E402
@@ -158,7 +158,7 @@ def shm_messages(cache, slots) -> list:
     """What `KVSender.send_slots` queues: per layer, the slots and their CRC-32C."""
     runs = slot_runs(slots.numpy())
     flat = tuple(x for r in runs for x in r)
-    out = [KVData(layer, 0, layer, 0, len(slots), b"", runs_crc32c(runs, *raw_layer(cache, layer)), flat)
+    out = [KVData(layer, 0, layer, 0, len(slots), b"", rows_crc32c(*raw_layer(cache, layer), runs), flat)
            for layer in range(len(cache))]
     return out + [KVTrailer(len(out), 1)]
 

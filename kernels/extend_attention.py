@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels._triton import tl, triton
-from pdserve.kernels.paged_attention import dot_precision, check_paged_inputs, gather_kv, load_kv_tile
+from pdserve.kernels.kv_write import write_kv_ref
+from pdserve.kernels.paged_attention import (check_paged_inputs, dot_precision, gather_kv, load_kv_tile,
+                                             paged_decode_attention_ref)
 
 
 def extend_attention_ref(
@@ -177,9 +179,6 @@ def write_and_split_attend(q, k, v, k_cache, v_cache, slot_mapping, decode_block
     """`write_kv_ref`, then the step's decode tokens (one per sequence, first in the batch) through
     `paged_decode_attention_ref` and the rest through `extend_attention_ref`: what
     `Attention._split_attention` does eagerly. `torch.ops.pdserve.write_and_split_attend`."""
-    from pdserve.kernels.kv_write import write_kv_ref
-    from pdserve.kernels.paged_attention import paged_decode_attention_ref
-
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     nd, num_tokens = decode_context_lens.shape[0], q.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

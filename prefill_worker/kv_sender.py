@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from pdserve.engine.kv_copy import crc32c
+from pdserve.engine.kv_copy import crc32c, rows_crc32c
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
-from pdserve.serving.kv_transfer.shm import runs_crc32c, slot_runs
+from pdserve.serving.kv_transfer.shm import slot_runs
 
 _END = object()
 
@@ -76,7 +76,7 @@ class KVSender:
         for s in range(0, len(slots), step):
             part = slots[s:s + step]
             runs = slot_runs(part)
-            crc = runs_crc32c(runs, k_cache, v_cache)
+            crc = rows_crc32c(k_cache, v_cache, runs)  # the same tokens' checksum as bytes (K, then V)
             self._data(group, layer, token_start + s, len(part), b"", crc, tuple(x for run in runs for x in run),
                        num_bytes=len(part) * per_token)
 

@@ -34,6 +34,7 @@
 
 namespace {
 
+#if !defined(__SSE4_2__) && !defined(__ARM_FEATURE_CRC32)
 constexpr uint32_t kPoly = 0x82F63B78u;
 
 const std::array<uint32_t, 256>& byte_table() {
@@ -48,6 +49,7 @@ const std::array<uint32_t, 256>& byte_table() {
   }();
   return table;
 }
+#endif
 
 // The raw register update (no inversion) by one byte and by one little-endian 8-byte word.
 inline uint32_t step1(uint32_t c, uint8_t b) {

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.kv_copy import copy_rows, rows_crc32c
+from pdserve.engine.kv_copy import copy_rows
 
 log = logging.getLogger("pdserve.kv_shm")
 
@@ -240,12 +240,6 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(slots)]))
     return [(int(slots[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
-def runs_crc32c(runs, k_cache: np.ndarray, v_cache: np.ndarray) -> int:
-    """CRC-32C of the runs' K bytes in order, then their V bytes: the checksum of the same
-    tokens sent as bytes (`KVData.data`'s layout). Caches: [num_slots, ...] contiguous."""
-    return rows_crc32c(k_cache, v_cache, runs)
 
 
 def parse_runs(flat: tuple[int, ...] | list[int], num_slots: int, num_tokens: int) -> list[tuple[int, int]]:

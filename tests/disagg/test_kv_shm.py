@@ -17,8 +17,8 @@ import pytest
 
 from pdserve.cluster.local import LocalProcess
 from pdserve.engine.disagg import raw_layer, read_kv, write_kv
-from pdserve.engine.kv_copy import crc32c
-from pdserve.serving.kv_transfer.shm import KVArena, Segment, copy_runs, runs_crc32c, slot_runs
+from pdserve.engine.kv_copy import crc32c, rows_crc32c
+from pdserve.serving.kv_transfer.shm import KVArena, Segment, copy_runs, slot_runs
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2 as wk
 from procs import CLUSTER_TOKEN, Cluster, wait_ready
@@ -93,7 +93,7 @@ def _shm_push(c: Cluster, ticket: str, segments: list[Segment], arrays, num_slot
     seq = 0
     for g, group in enumerate(info.kv_groups):
         for layer in range(group.num_layers):
-            crc = runs_crc32c(runs, *arrays[g][layer]) ^ (seq == 1 and corrupt)
+            crc = rows_crc32c(*arrays[g][layer], runs) ^ (seq == 1 and corrupt)
             yield wk.KVChunk(data=wk.KVData(seq=seq, group=g, layer=layer, token_start=0, num_tokens=len(PROMPT),
                                             crc32c=crc, src_runs=[x for r in runs for x in r]))
             seq += 1
@@ -172,7 +172,7 @@ def test_shm_copy_writes_what_the_bytes_path_writes():
             write_kv(via_bytes, layer, dst_slots, data.tobytes())
             runs = slot_runs(src_slots.numpy())
             crc = copy_runs(runs, dst_slots.numpy(), raw_layer(src, layer), raw_layer(via_shm, layer))
-            assert crc == crc32c(data) == runs_crc32c(runs, *raw_layer(src, layer))
+            assert crc == crc32c(data) == rows_crc32c(*raw_layer(src, layer), runs)
         for (kb, vb), (ks, vs) in zip(via_bytes, via_shm):
             assert torch.equal(kb, ks) and torch.equal(vb, vs)
     finally:
