@@ -1,20 +1,20 @@
 """`KVSender`: one request's K/V as a message stream, fed by the engine thread and drained by
 the KV transport on the asyncio loop.
 
-The engine thread calls `send` with each layer's K/V as soon as the layer finishes (or, when
-the KV cache lives in shared memory, `send_slots` with the slots that hold them), and `finish`
-with the first token; each becomes `KVData` messages (split to stay under `max_chunk_bytes`,
-numbered, CRC-32C-checked), queued in order behind the header:
+The engine thread calls `send` with each layer's K/V (or, when the KV cache lives in shared
+memory, `send_slots` with the slots that hold them), and `end_of_prompt` after the step that
+completed the prompt; the loop calls `finish` with the first token. Each layer becomes `KVData`
+messages (split to stay under `max_chunk_bytes`, numbered, CRC-32C-checked), queued in order
+behind the header; the trailer follows once both ends are done:
 
     header ─► data 0 ─► data 1 ─► ... ─► trailer(num_chunks, first_token)
 
 Handing a message to the asyncio loop wakes it, and on a prefill worker that has one core the
 loop then takes that core (and the GIL) from the forward pass. On this project's 2-core machine,
 a short prompt's layer hooks took 7-10 ms of its 40-75 ms prefill when every layer woke the
-loop, and 3-4 ms with batches (the TTFT gained less: `ttft_low_load.py` found no difference
-beyond its noise). So the engine thread collects messages and hands them over in batches of at
-least `max_chunk_bytes` (a long prompt still streams layer by layer, a short one goes in one
-batch), and `finish`, on the loop, sends what is left after the first token is on its way.
+loop, and 3-4 ms with batches. So the engine thread collects messages and hands them over in
+batches of at least `max_chunk_bytes` (a long prompt still streams layer by layer, a short one
+goes in one batch, with `end_of_prompt`).
 
 `fail` ends the stream early; the decode side then reports a truncated transfer and frees its
 blocks.
@@ -28,7 +28,7 @@ import numpy as np
 
 from pdserve.engine.kv_copy import crc32c, rows_crc32c
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
-from pdserve.serving.kv_transfer.shm import slot_runs
+from pdserve.serving.kv_transfer.shm import split_runs
 
 _END = object()
 
@@ -44,6 +44,9 @@ class KVSender:
         self._pending_bytes = 0
         self.num_handoffs = 0  # batches handed to the loop (wake-ups)
         self.first_token: int | None = None
+        self._first_logprobs = None
+        self._tail_handed = False  # loop: the engine thread handed over the prompt's last K/V
+        self._ended = False  # loop: the trailer (or a failure) ended the stream
         self.error: str | None = None
         self.created_at = time.perf_counter()
         self.first_layer_at: float | None = None  # when the first K/V were queued (prefill began)
@@ -54,7 +57,7 @@ class KVSender:
     def send(self, group: int, layer: int, token_start: int,
              kv: np.ndarray) -> None:  # kv: [2, num_tokens, num_kv_heads, head_dim], K then V, contiguous
         """K/V bytes (`engine.disagg.read_kv`'s array, owned by this sender from now on)."""
-        self._began()
+        self.began()
         num_tokens = kv.shape[1]
         per_token = 2 * kv[0, 0].nbytes
         step = max(1, self._max_chunk_bytes // per_token)
@@ -65,24 +68,32 @@ class KVSender:
             data = memoryview(part).cast("B")
             self._data(group, layer, token_start + s, min(step, num_tokens - s), data, crc32c(part))
 
-    def send_slots(self, group: int, layer: int, token_start: int, slots: np.ndarray,
+    def send_slots(self, group: int, layer: int, token_start: int, runs: list[tuple[int, int]],
                    k_cache: np.ndarray, v_cache: np.ndarray) -> None:
-        """K/V that stay in the shared-memory cache: the chunk names `slots` (their bytes are
-        checksummed here, so the decode side can verify its copy). The caches are raw
-        [num_slots, num_kv_heads, head_dim] views of one layer."""
-        self._began()
+        """K/V that stay in the shared-memory cache: the chunk names the slots that hold them, as
+        (first slot, number of slots) runs (`shm.slot_runs`); their bytes are checksummed here, so
+        the decode side can verify its copy. The caches are raw [num_slots, num_kv_heads, head_dim]
+        views of one layer."""
+        self.began()
         per_token = 2 * k_cache[0].nbytes
         step = max(1, self._max_chunk_bytes // per_token)  # a peer off this node gets these as bytes chunks
-        for s in range(0, len(slots), step):
-            part = slots[s:s + step]
-            runs = slot_runs(part)
-            crc = rows_crc32c(k_cache, v_cache, runs)  # the same tokens' checksum as bytes (K, then V)
-            self._data(group, layer, token_start + s, len(part), b"", crc, tuple(x for run in runs for x in run),
-                       num_bytes=len(part) * per_token)
+        for s, part in enumerate(split_runs(runs, step)):
+            num_tokens = sum(n for _, n in part)
+            crc = rows_crc32c(k_cache, v_cache, part)  # the same tokens' checksum as bytes (K, then V)
+            self._data(group, layer, token_start + s * step, num_tokens, b"", crc,
+                       tuple(x for run in part for x in run), num_bytes=num_tokens * per_token)
 
-    def _began(self) -> None:
+    def began(self) -> None:
+        """The prefill computed this request's first K/V (their messages may come later)."""
         if self.first_layer_at is None:
             self.first_layer_at = time.perf_counter()
+
+    def end_of_prompt(self) -> None:
+        """After the step that completed the prompt (its first token already posted to the loop):
+        what is left goes to the loop, and the trailer follows it once the loop has the token."""
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        self.num_handoffs += 1
+        self._aio.call_soon_threadsafe(self._put_tail, batch)
 
     def _data(self, group, layer, token_start, num_tokens, data, crc, src_runs=(), num_bytes=None) -> None:
         num_bytes = len(data) if num_bytes is None else num_bytes
@@ -100,22 +111,38 @@ class KVSender:
 
     # ---- asyncio loop --------------------------------------------------------------------
     def finish(self, first_token: int, logprobs: list[tuple[int, float]] | None = None) -> None:
-        """The first token, on the loop, once the engine delivered it: the step that sampled it
-        has run every layer hook of this request, so the engine thread holds no more of its
-        messages and the rest are ours to send."""
-        self.first_token = first_token
+        """The first token, on the loop, once the engine delivered it."""
+        self.first_token, self._first_logprobs = first_token, tuple(logprobs) if logprobs else None
         self.finished_at = time.perf_counter()
-        batch, self._pending, self._pending_bytes = self._pending, [], 0
-        trailer = KVTrailer(self.num_chunks, first_token, tuple(logprobs) if logprobs else None)
-        # on the loop's next turn: whoever awaits the first token runs ahead of the push's writes
-        self._aio.call_soon(self._put_all, [*batch, trailer, _END])
+        self._end_if_complete()
 
     def fail(self, reason: str) -> None:
         """On the loop: end the stream (messages not yet handed over are dropped)."""
         self.error = reason
-        self._queue.put_nowait(_END)
+        if not self._ended:
+            self._ended = True
+            self._queue.put_nowait(_END)
 
     def _put_all(self, items: list) -> None:
+        if self._ended:
+            return
+        for item in items:
+            self._queue.put_nowait(item)
+
+    def _put_tail(self, items: list) -> None:
+        self._put_all(items)
+        self._tail_handed = True
+        self._end_if_complete()
+
+    def _end_if_complete(self) -> None:
+        """The trailer, once the engine thread is done with this request (`end_of_prompt`; its
+        chunk count is final) and the first token is known, whichever came first."""
+        if self._ended or not self._tail_handed or self.first_token is None:
+            return
+        self._ended = True
+        self._put_all_now([KVTrailer(self.num_chunks, self.first_token, self._first_logprobs), _END])
+
+    def _put_all_now(self, items: list) -> None:
         for item in items:
             self._queue.put_nowait(item)
 

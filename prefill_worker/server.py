@@ -2,10 +2,11 @@
 
 `Prefill` checks the transfer ticket (a decode worker's signed reservation for this request:
 the K/V go to the address it names, nowhere else), queues the prompt (queued), the engine
-prefills it in chunks while its K/V stream to that decode worker, layer by layer as each layer
-lands (prefilling), samples the first token and sends the trailer (sending), and the call
-returns once the decode side has verified the transfer (done). Whatever happens — done, failed, cancelled — the request's blocks
-are then released. The states are `PrefillState`, derived from the request's progress.
+prefills it in chunks while its K/V stream to that decode worker (prefilling: layer by layer as
+each layer lands; from a shared-memory cache, step by step as each step ends), samples the first
+token and sends the trailer (sending), and the call returns once the decode side has verified
+the transfer (done). Whatever happens (done, failed, cancelled), the request's blocks are then
+released. The states are `PrefillState`, derived from the request's progress.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self.requests: dict[str, PrefillRequest] = {}  # asyncio loop only
         self._senders: dict[str, KVSender] = {}  # engine thread only
         self._groups = []
+        self._step_chunks = None  # engine thread: the running step's prefill chunks (kv hook)
+        self._step_layers: list[tuple[int, int]] = []  # engine thread: its (group, layer)s noted for `_after_step`
 
     def close(self) -> None:
         if self.arena is not None:
@@ -101,20 +104,48 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         super().attach(loop, model_name)
         self._groups = [cache for _, cache in kv_cache_groups(loop.engine)]
         kv_copy.prepare(self._groups[0][0][0].device)
-        loop.engine.kv_hook = self._send_layer
+        loop.engine.kv_hook = self._on_layer
+        loop.after_step = self._after_step
 
-    def _send_layer(self, group: int, layer: int, chunks) -> None:
-        """The engine's KV hook (engine thread): this layer's K/V of each chunk to its sender:
-        the slots that hold them when the cache is in shared memory, else a copy of their bytes."""
-        in_shm = self.arena is not None and bool(self.arena.segments)
+    def _on_layer(self, group: int, layer: int, chunks) -> None:
+        """The engine's KV hook (engine thread, inside the forward pass): this layer's K/V of each
+        chunk are in the cache. Off this node they are copied out now and stream layer by layer,
+        overlapping the wire with the prefill. In shared memory they stay where they are and only
+        their slots travel: the layer is noted, and `_after_step` describes and checksums the
+        step's layers once its first tokens are on their way; the decode side copies them at
+        memory speed, so streaming them during the forward would only take its core."""
+        self._step_chunks = chunks
+        if self.arena is not None and self.arena.segments:
+            self._step_layers.append((group, layer))
+            for c in chunks:
+                if (sender := self._senders.get(c.seq.req_id)) is not None:
+                    sender.began()
+            return
+        for c in chunks:
+            if (sender := self._senders.get(c.seq.req_id)) is not None:
+                sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
+
+    def _after_step(self, ok: bool) -> None:
+        """Engine thread, after a step's outputs are posted: the noted layers' slots go to their
+        senders, and a prompt the step completed has its last K/V handed over. After a failed
+        step nothing is sent (its requests were failed)."""
+        chunks, layers = self._step_chunks, self._step_layers
+        self._step_chunks, self._step_layers = None, []
+        if not ok or not chunks:
+            return
         for c in chunks:
             sender = self._senders.get(c.seq.req_id)
             if sender is None:
                 continue
-            if in_shm:
-                sender.send_slots(group, layer, c.token_start, c.slots.numpy(), *self._raw_layer(group, layer))
-            else:
-                sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
+            try:
+                runs = shm.slot_runs(c.slots.numpy()) if layers else []
+                for group, layer in layers:
+                    sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
+                if c.token_start + c.num_tokens >= c.seq.num_prompt_tokens:
+                    sender.end_of_prompt()
+            except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
+                log.exception("KV hand-over failed req_id=%s", c.seq.req_id)
+                self.loop.aio.call_soon_threadsafe(sender.fail, f"KV hand-over failed: {e!r}")
 
     @property
     def num_live_requests(self) -> int:

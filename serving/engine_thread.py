@@ -6,6 +6,10 @@ so a command waits at most one step, and commands run in the order they were iss
 step's outputs reach the requests' sinks on the asyncio loop in one hop, after everything
 posted before them. A step that raises fails the requests it was running (their sinks get the
 exception) instead of killing the worker. Both workers run exactly this loop.
+
+`after_step`, when set, runs on the engine thread after each step, once the step's outputs are
+posted: work that belongs to the step but need not delay its tokens (a prefill worker hands
+over the step's K/V there).
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # engine thread: after each step, with whether it succeeded (a failed step's requests are failed)
+        self.after_step: Callable[[bool], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -69,9 +75,19 @@ class EngineLoop:
             failed = self.engine.abort_unfinished()
             error = EngineStepFailed(f"engine step failed: {e!r}")
             self.aio.call_soon_threadsafe(self._deliver, [(req_id, error) for req_id in failed])
+            self._after_step(False)
             return
         if outputs:
             self.deliver_soon(outputs)
+        self._after_step(True)
+
+    def _after_step(self, ok: bool) -> None:
+        if self.after_step is None:
+            return
+        try:
+            self.after_step(ok)
+        except Exception:  # noqa: BLE001 - its requests fail on their own paths; the worker goes on
+            log.exception("after-step work failed")
 
     def _drain(self, block: bool) -> None:
         try:

@@ -242,6 +242,23 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return [(int(slots[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def split_runs(runs: list[tuple[int, int]], size: int) -> list[list[tuple[int, int]]]:
+    """Runs cut into consecutive parts of `size` slots each (the last one shorter), a run split
+    where a part ends."""
+    parts, part, room = [], [], size
+    for start, n in runs:
+        while n:
+            take = min(n, room)
+            part.append((start, take))
+            start, n, room = start + take, n - take, room - take
+            if not room:
+                parts.append(part)
+                part, room = [], size
+    if part:
+        parts.append(part)
+    return parts
+
+
 def parse_runs(flat: tuple[int, ...] | list[int], num_slots: int, num_tokens: int) -> list[tuple[int, int]]:
     """`KVData.src_runs` back into runs; ValueError unless they cover `num_tokens` slots of a
     `num_slots`-slot cache."""

@@ -45,8 +45,11 @@ def pair(serving_model, tmp_path_factory, dirs):
     c = Cluster(serving_model, tmp_path_factory.mktemp("shm-logs"))
     worker = ["--num-threads", "1", "--num-kv-blocks", "64", "--kv-transfer-timeout", "20", "--no-warmup"]
     try:
-        # small chunks: each layer's K/V of the prompt become several chunks on both paths
-        wait_ready(_start(c, "P", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024"), _start(c, "D", "decode-worker", a, *worker),
+        # small chunks: each layer's K/V of the prompt become several chunks on both paths; and
+        # a small step budget: the prompt's prefill takes several steps, each handing its K/V over
+        wait_ready(_start(c, "P", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024",
+                          "--max-num-batched-tokens", "16"),
+                   _start(c, "D", "decode-worker", a, *worker),
                    _start(c, "DX", "decode-worker", b, *worker))
         wait_ready(_start(c, "R", "router", a, "--prefill", c.address("P"), "--decode", c.address("D")),
                    _start(c, "RX", "router", a, "--prefill", c.address("P"), "--decode", c.address("DX")))
