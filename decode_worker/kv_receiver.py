@@ -23,7 +23,7 @@ from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
-from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_runs, parse_runs
+from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_pieces, copy_runs, parse_runs
 
 
 @dataclass(slots=True)
@@ -36,6 +36,9 @@ class TransferProgress:
     layer_offsets: list[int] = field(default_factory=list)  # first row of each group in `covered`
     shm: list[PeerGroup] | None = None  # the sender's segments, per group, when it sends over shared memory
     shm_num_slots: int = 0
+    # the latest chunk's token range: ((token_start, num_tokens, src_runs), our slots, copy pieces
+    # or None); the layers of one range share it
+    plan: tuple | None = None
 
 
 class KVReceiver:
@@ -48,6 +51,10 @@ class KVReceiver:
         self.peers = PeerSegments()
         self.accepts_shm = all(cache[0][0].device.type == "cpu" for _, cache in groups)  # a host cache
         kv_copy.prepare(groups[0][1][0][0].device)
+        # per group and layer, (K, V) of a host cache as raw views and as the copy op's tensors
+        self._views = [[raw_layer(cache, i) for i in range(len(cache))] for _, cache in groups] \
+            if self.accepts_shm else []
+        self._tensors = [[tuple(map(kv_copy.as_tensor, kv)) for kv in views] for views in self._views]
 
     def open(self, p: TransferProgress, seq: Sequence, header: KVHeader) -> None:
         if p.covered is not None:
@@ -96,15 +103,15 @@ class KVReceiver:
                                 f"{d.token_start + d.num_tokens}) outside the prompt's {p.covered.shape[1]}")
         layout, cache = self.groups[d.group]
         expected = 2 * d.num_tokens * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
-        slots = slot_ids(seq, self.block_size, d.token_start, d.num_tokens)
+        _, slots, pieces = self._plan(p, seq, d)
         if d.src_runs:
-            self._copy_shm(p, d, cache, slots)
+            self._copy_shm(p, d, pieces)
         else:
             if len(d.data) != expected:
                 raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} has {len(d.data)} bytes; {d.num_tokens} "
                                     f"tokens of K and V take {expected}")
             if self.accepts_shm:  # one pass: copied into our slots and checked (as from shared memory)
-                self._copy_bytes(d, cache, slots)
+                self._copy_bytes(d, slots)
             else:
                 if kv_copy.crc32c(d.data) != d.crc32c:
                     raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
@@ -113,25 +120,40 @@ class KVReceiver:
         p.num_chunks += 1
         p.num_bytes += expected
 
-    def _copy_bytes(self, d: KVData, cache: KVCache, slots) -> None:
+    def _plan(self, p: TransferProgress, seq: Sequence, d: KVData) -> tuple:
+        """The chunk's slots here and, from shared memory, its copy pieces: made for the first
+        layer of a token range and reused by the others."""
+        key = (d.token_start, d.num_tokens, d.src_runs)
+        if p.plan is None or p.plan[0] != key:
+            slots = slot_ids(seq, self.block_size, d.token_start, d.num_tokens)
+            pieces = None
+            if d.src_runs:
+                if p.shm is None:
+                    raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} names shared-memory slots, but the "
+                                        "header named no segments")
+                try:
+                    runs = parse_runs(d.src_runs, p.shm_num_slots, d.num_tokens)
+                except ValueError as e:
+                    raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq}: {e}") from None
+                pieces = kv_copy.pieces_tensor(copy_pieces(runs, slots.numpy()))
+            p.plan = (key, slots, pieces)
+        return p.plan
+
+    def _copy_bytes(self, d: KVData, slots) -> None:
         """A bytes chunk into our host cache, checked on the copy: a bad chunk lands only in the
         slots of this reservation, which then is freed."""
-        dst = raw_layer(cache, d.layer)
+        dst = self._views[d.group][d.layer]
         kv = np.frombuffer(d.data, dtype=dst[0].dtype).reshape(2, d.num_tokens, *dst[0].shape[1:])
-        if copy_runs([(0, d.num_tokens)], slots.numpy(), (kv[0], kv[1]), dst) != d.crc32c:
+        if copy_runs([(0, d.num_tokens)], slots.numpy(), (kv[0], kv[1]), self._tensors[d.group][d.layer]) != d.crc32c:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
 
-    def _copy_shm(self, p: TransferProgress, d: KVData, cache: KVCache, slots) -> None:
+    def _copy_shm(self, p: TransferProgress, d: KVData, pieces) -> None:
         """The chunk's tokens from the sender's segment into our slots, checked after the copy
         (a bad copy lands only in the slots of this reservation, which then is freed)."""
-        if p.shm is None:
-            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} names shared-memory slots, but the header "
-                                "named no segments")
         try:
-            runs = parse_runs(d.src_runs, p.shm_num_slots, d.num_tokens)
+            crc = kv_copy.copy_rows(p.shm[d.group].tensors[d.layer], self._tensors[d.group][d.layer], pieces)
         except ValueError as e:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq}: {e}") from None
-        crc = copy_runs(runs, slots.numpy(), p.shm[d.group].layers[d.layer], raw_layer(cache, d.layer))
         if crc != d.crc32c:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum after the "
                                 "copy from shared memory")

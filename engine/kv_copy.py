@@ -51,6 +51,16 @@ def prepare(device: torch.device) -> bool:
     return device.type == "cpu" and native.load()
 
 
+def as_tensor(arr: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """What the ops take: a tensor over the array's memory (made once, for arrays used often)."""
+    return arr if isinstance(arr, torch.Tensor) else _tensor(arr)
+
+
+def pieces_tensor(pieces) -> torch.Tensor:
+    """`copy_rows`' pieces as the ops take them (made once, for pieces used for several layers)."""
+    return pieces if isinstance(pieces, torch.Tensor) else _pieces_tensor(pieces, 3)
+
+
 def _tensor(arr: np.ndarray) -> torch.Tensor:
     """A tensor over the array's memory. Torch has no read-only tensors and warns when given a
     read-only array (a received message, a peer's segment), which the ops only read: such an
@@ -81,12 +91,16 @@ def copy_rows(src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.ndar
     """Copy K then V rows, each piece (source row, destination row, rows) from `src` to `dst`
     ((K, V) arrays whose first axis is the row, contiguous, rows of equal bytes), and return the
     CRC-32C of the copied bytes: K's pieces in order, then V's. ValueError for a piece outside
-    either side (nothing is copied then)."""
+    either side (nothing is copied then). The arrays may be given as `as_tensor`'s tensors and
+    the pieces as `pieces_tensor`'s, made once for many calls."""
     if native.loaded():
         try:
-            return torch.ops.pdserve.copy_rows_crc32c(*map(_tensor, (*src, *dst)), _pieces_tensor(pieces, 3), 0)
+            return torch.ops.pdserve.copy_rows_crc32c(*map(as_tensor, (*src, *dst)), pieces_tensor(pieces), 0)
         except RuntimeError as e:
             raise ValueError(str(e).splitlines()[0]) from None
+    src, dst = [tuple(a.numpy() if isinstance(a, torch.Tensor) else a for a in side) for side in (src, dst)]
+    if isinstance(pieces, torch.Tensor):
+        pieces = [tuple(x) for x in pieces.tolist()]
     _check_pieces(pieces, len(src[0]), len(dst[0]))
     crc = 0
     for s_arr, d_arr in zip(src, dst):

@@ -10,10 +10,17 @@ fields through protobuf, then the data field's tag and length, then the bytes, j
 the message gRPC sends) and parsed by hand on arrival (`decode_chunk`: the data field becomes a
 memoryview of the received message, checksummed and written into the cache without a copy).
 The wire format is exactly protobuf's `KVChunk`, so any protobuf client may still push.
+
+Small messages ready at once travel together: `GrpcTransport.push` sends what its source has
+queued as one `KVBatch` (up to `BATCH_BYTES`), since each gRPC message costs both ends about a
+tenth of a millisecond of Python on this project's 2-core machine: a shared-memory push of
+eight layers went from ten messages to three (header; the step's chunks and the trailer; the
+ack). Bulk chunks always go alone.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import AsyncIterator
 
 import grpc
@@ -61,6 +68,7 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
 
 
 def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
+    """One part; a batch is unpacked by `decode_chunk`, and a batch inside one is refused."""
     part = chunk.WhichOneof("part")
     if part == "data":
         d = chunk.data
@@ -75,12 +83,17 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
                     if t.HasField("first_token_logprobs") else None)
         return KVTrailer(t.num_chunks, t.first_token_id, logprobs)
+    if part == "batch":
+        raise TransferError(TransferFailure.CORRUPT, "a KV batch holds another batch")
     raise TransferError(TransferFailure.CORRUPT, "a KV chunk carries no header, data or trailer")
 
 
 # ---- the bulk path's framing ---------------------------------------------------------------------
 _DATA_PART = 0x12  # KVChunk field 2 (data), length-delimited
 _DATA_FIELD = 0x32  # KVData field 6 (data), length-delimited
+_BATCH_PART = 0x22  # KVChunk field 4 (batch), length-delimited
+_BATCH_ITEM = 0x0A  # KVBatch field 1 (parts), length-delimited
+BATCH_BYTES = 64 << 10  # a message this large or larger goes alone; a batch stays about this size
 
 
 def _varint(n: int) -> bytes:
@@ -104,6 +117,12 @@ def encode_chunk(msg: KVMessage) -> bytes:
     return b"".join((bytes([_DATA_PART]), _varint(inner_len), meta, field_head, msg.data))
 
 
+def encode_batch(encoded: list[bytes]) -> bytes:
+    """`KVChunk`s' wire bytes (from `encode_chunk`) as one `KVChunk` holding a `KVBatch`."""
+    items = b"".join(b"".join((bytes([_BATCH_ITEM]), _varint(len(e)), e)) for e in encoded)
+    return b"".join((bytes([_BATCH_PART]), _varint(len(items)), items))
+
+
 def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
     n = shift = 0
     while True:
@@ -116,23 +135,45 @@ def _read_varint(buf: memoryview, i: int) -> tuple[int, int]:
             return n, i
 
 
-def decode_chunk(raw: bytes) -> KVMessage:
+def decode_chunk(raw: bytes) -> KVMessage | list[KVMessage] | TransferError:
     """A received `KVChunk`: data chunks parsed here with their bytes as a memoryview of `raw`
-    (no copy), headers and trailers through protobuf.
+    (no copy), headers and trailers through protobuf, a batch as the list of its parts.
     A chunk that does not parse becomes the TransferError to raise in its place (a deserializer
     that raised would end the call with INTERNAL, not DATA_LOSS)."""
     buf = memoryview(raw)
     try:
-        if not len(buf) or buf[0] != _DATA_PART:
-            return from_proto(worker_pb2.KVChunk.FromString(raw))
-        size, i = _read_varint(buf, 1)
-        if i + size != len(buf):
-            raise ValueError("a KV chunk's data part does not fill the message")
-        return _decode_data(buf, i)
+        if len(buf) and buf[0] == _BATCH_PART:
+            return [_decode_part(part) for part in _batch_parts(buf)]
+        return _decode_part(buf)
     except TransferError as e:
         return e
     except (ValueError, DecodeError) as e:
         return TransferError(TransferFailure.CORRUPT, f"a KV chunk does not parse: {e}")
+
+
+def _decode_part(buf: memoryview) -> KVMessage:
+    if not len(buf) or buf[0] != _DATA_PART:
+        return from_proto(worker_pb2.KVChunk.FromString(buf))
+    size, i = _read_varint(buf, 1)
+    if i + size != len(buf):
+        raise ValueError("a KV chunk's data part does not fill the message")
+    return _decode_data(buf, i)
+
+
+def _batch_parts(buf: memoryview) -> list[memoryview]:
+    size, i = _read_varint(buf, 1)
+    if i + size != len(buf):
+        raise ValueError("a KV batch does not fill the message")
+    parts = []
+    while i < len(buf):
+        if buf[i] != _BATCH_ITEM:
+            raise ValueError(f"a KV batch holds field tag {buf[i]:#x}, not a part")
+        n, i = _read_varint(buf, i + 1)
+        if i + n > len(buf):
+            raise ValueError("a KV batch's part runs past the message")
+        parts.append(buf[i:i + n])
+        i += n
+    return parts
 
 
 def _decode_data(buf: memoryview, i: int) -> KVData:
@@ -204,10 +245,11 @@ class GrpcTransport:
 
     async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
         push_kv = self.channel(address).stream_unary(
-            "/pdserve.v1.DecodeWorker/PushKV", request_serializer=encode_chunk,
+            "/pdserve.v1.DecodeWorker/PushKV", request_serializer=bytes,
             response_deserializer=worker_pb2.PushKVResponse.FromString)
         # the cluster's credentials, and the request's id and trace context for the decode side's logs
-        call = push_kv(messages, timeout=timeout_s, metadata=(*self.security.metadata, *outgoing_metadata()))
+        call = push_kv(_batched(messages), timeout=timeout_s,
+                       metadata=(*self.security.metadata, *outgoing_metadata()))
         try:
             ack = await call
         except grpc.aio.AioRpcError as e:
@@ -221,14 +263,70 @@ class GrpcTransport:
         await asyncio.gather(*(ch.close() for ch in self._channels.values()), return_exceptions=True)
 
 
+_DONE = object()
+
+
+async def _batched(messages: AsyncIterator[KVMessage]):
+    """The messages' wire bytes, each gRPC message holding what `messages` had ready at once (a
+    `KVBatch` of up to `BATCH_BYTES`; a bulk chunk alone). A task reads `messages` as they come,
+    so waiting for the next one never holds back those already here; each is encoded only when
+    its turn to be sent comes (a bulk chunk's copy into its message then overlaps the sending of
+    the one before)."""
+    ready: collections.deque = collections.deque()  # messages, then _DONE or the source's exception
+    arrived = asyncio.Event()
+
+    async def pump() -> None:
+        try:
+            async for msg in messages:
+                ready.append(msg)
+                arrived.set()
+        except Exception as e:  # noqa: BLE001 - raised where the stream reads it
+            ready.append(e)
+        else:
+            ready.append(_DONE)
+        arrived.set()
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            while not ready:
+                arrived.clear()
+                await arrived.wait()
+            item = ready.popleft()
+            if item is _DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            batch, size = [item], _wire_size(item)
+            while ready and not isinstance(ready[0], Exception) and ready[0] is not _DONE \
+                    and size + _wire_size(ready[0]) <= BATCH_BYTES:
+                batch.append(ready.popleft())
+                size += _wire_size(batch[-1])
+            yield encode_chunk(item) if len(batch) == 1 else encode_batch([encode_chunk(m) for m in batch])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _wire_size(msg: KVMessage) -> int:
+    """About a message's encoded size: its bulk bytes, and a bound on the rest."""
+    if isinstance(msg, KVData):
+        return len(msg.data) + 64 + 6 * len(msg.src_runs)
+    return 1024
+
+
 async def serve_push_kv(endpoint: KVEndpoint, request_iterator, context) -> worker_pb2.PushKVResponse:
     """The body of a decode worker's PushKV handler (registered by `add_decode_worker_servicer`)."""
 
     async def messages():
-        async for msg in request_iterator:  # decode_chunk made them KVMessages
+        async for msg in request_iterator:  # decode_chunk made them KVMessages (a list: a batch)
             if isinstance(msg, TransferError):
                 raise msg
-            yield msg
+            if isinstance(msg, list):
+                for part in msg:
+                    yield part
+            else:
+                yield msg
 
     request_id.set(metadata_value(context.invocation_metadata(), REQUEST_ID_KEY))
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.kv_copy import copy_rows
+from pdserve.engine.kv_copy import as_tensor, copy_rows
 
 log = logging.getLogger("pdserve.kv_shm")
 
@@ -191,6 +191,7 @@ class PeerGroup:
 
     mapping: mmap.mmap
     layers: list[tuple[np.ndarray, np.ndarray]]
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]  # the same, as the copy op takes them (`as_tensor`)
 
 
 class PeerSegments:
@@ -219,7 +220,7 @@ class PeerSegments:
         flat = np.frombuffer(mapping, dtype=np.uint8)
         layers = [tuple(flat[(2 * i + j) * per_tensor:(2 * i + j + 1) * per_tensor].view(raw_dtype)
                         .reshape(num_slots, *row_shape) for j in (0, 1)) for i in range(num_layers)]
-        group = PeerGroup(mapping, layers)
+        group = PeerGroup(mapping, layers, [(as_tensor(k), as_tensor(v)) for k, v in layers])
         self._mapped[key] = group
         while len(self._mapped) > self.max_mapped:
             self._mapped.pop(next(iter(self._mapped)))
@@ -277,11 +278,12 @@ def copy_runs(src_runs, dst_slots: np.ndarray, src: tuple[np.ndarray, np.ndarray
     """Copy K then V of the tokens from the sender's slots (`src_runs`) into ours (`dst_slots`),
     piece by piece where both are consecutive, and return the CRC-32C of what landed in our
     cache: one pass over the bytes (`engine.kv_copy.copy_rows`)."""
-    return copy_rows(src, dst, _pieces(src_runs, slot_runs(dst_slots)))
+    return copy_rows(src, dst, copy_pieces(src_runs, dst_slots))
 
 
-def _pieces(src_runs, dst_runs) -> list[tuple[int, int, int]]:
+def copy_pieces(src_runs, dst_slots: np.ndarray) -> list[tuple[int, int, int]]:
     """(src slot, dst slot, n): the token ranges consecutive on both sides."""
+    dst_runs = slot_runs(dst_slots)
     out, i, j, si, dj = [], 0, 0, 0, 0  # si/dj: tokens already used of src run i / dst run j
     while i < len(src_runs) and j < len(dst_runs):
         (s, sn), (d, dn) = src_runs[i], dst_runs[j]

@@ -100,6 +100,29 @@ def test_hand_made_push_is_accepted_and_decoded(cluster):
     cluster.wait_all_free()
 
 
+def batched(chunks):
+    """The same parts in one message, a `KVBatch`, as a protobuf client may send them."""
+    yield wk.KVChunk(batch=wk.KVBatch(parts=list(chunks)))
+
+
+def test_hand_made_batched_push_is_accepted_and_decoded(cluster):
+    stream, ticket = reserve(cluster, "hand-batch")
+    ack = push(cluster, batched(kv_chunks(cluster, ticket)))
+    assert ack.num_chunks >= 2
+    assert [t for e in stream for t in e.tokens.token_ids][0] == 5
+    cluster.wait_all_free()
+
+
+def nested(chunks):
+    chunks = list(chunks)
+    yield chunks[0]
+    yield wk.KVChunk(batch=wk.KVBatch(parts=[wk.KVChunk(batch=wk.KVBatch(parts=chunks[1:]))]))
+
+
+def corrupt_in_a_batch(chunks):
+    return batched(corrupt(chunks))
+
+
 def corrupt(chunks):
     for c in chunks:
         if c.WhichOneof("part") == "data" and c.data.seq == 1:
@@ -126,7 +149,8 @@ def miscount(chunks):
 
 
 @pytest.mark.parametrize("fault, words", [(corrupt, "checksum"), (truncate, "truncated"),
-                                          (lose_one, "was expected"), (miscount, "truncated")])
+                                          (lose_one, "was expected"), (miscount, "truncated"),
+                                          (corrupt_in_a_batch, "checksum"), (nested, "batch holds another batch")])
 def test_bad_push_fails_the_request_and_frees_its_blocks(cluster, fault, words):
     req_id = f"hand-{fault.__name__}"
     before = cluster.stats("D").kv_transfer_failures_total

@@ -1,0 +1,95 @@
+"""The PushKV stream's framing, both ends: what `GrpcTransport` puts in each gRPC message
+(`_batched`: what is ready at once in one `KVBatch`, bulk chunks alone) and what the decode
+side's `decode_chunk` makes of it, checked against protobuf's own parser."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pdserve.engine.disagg import KVGroupLayout
+from pdserve.serving.kv_transfer import KVData, KVHeader, KVShm, KVTrailer, TransferError
+from pdserve.serving.kv_transfer.grpc_transport import BATCH_BYTES, _batched, decode_chunk, from_proto
+from pdserve.v1 import worker_pb2
+
+HEADER = KVHeader("ticket", 6, "float32", (KVGroupLayout("target", 2, 2, 8),), KVShm(("seg",), 64))
+
+
+def shm_chunk(seq: int) -> KVData:
+    return KVData(seq, 0, seq, 0, 6, b"", 1000 + seq, (10, 6))
+
+
+def bytes_chunk(seq: int, n: int) -> KVData:
+    return KVData(seq, 0, seq, 0, 6, np.arange(n, dtype=np.uint8).tobytes(), 7, ())
+
+
+def wire(bursts: list[list]) -> list[bytes]:
+    """The gRPC messages `_batched` makes of messages that arrive in bursts (a wait between)."""
+    async def source():
+        for burst in bursts:
+            await asyncio.sleep(0.01)
+            for msg in burst:
+                yield msg
+
+    async def go():
+        return [m async for m in _batched(source())]
+
+    return asyncio.run(go())
+
+
+def flat(raw_messages: list[bytes]) -> list:
+    out = []
+    for raw in raw_messages:
+        got = decode_chunk(raw)
+        assert not isinstance(got, TransferError), got
+        out += got if isinstance(got, list) else [got]
+    return out
+
+
+def test_what_is_ready_at_once_goes_in_one_message_and_decodes_as_sent():
+    trailer = KVTrailer(3, 42, ((42, -0.25),))
+    sent = [[HEADER], [shm_chunk(0), shm_chunk(1), shm_chunk(2), trailer]]
+    raw = wire(sent)
+    assert len(raw) == 2  # the header alone (it came first), then the rest as one batch
+    assert worker_pb2.KVChunk.FromString(raw[1]).WhichOneof("part") == "batch"
+    assert flat(raw) == [m for burst in sent for m in burst]
+    # protobuf's parser reads the same parts
+    parts = worker_pb2.KVChunk.FromString(raw[1]).batch.parts
+    assert [from_proto(p) for p in parts] == sent[1]
+
+
+def test_bulk_chunks_go_alone_and_their_bytes_arrive_whole():
+    big = bytes_chunk(0, BATCH_BYTES - 100)
+    small = bytes_chunk(1, 96)
+    raw = wire([[HEADER, big, small, KVTrailer(2, 1)]])
+    assert len(raw) == 3  # header; the big chunk alone; the small chunk with the trailer
+    got = flat(raw)
+    assert [type(m) for m in got] == [KVHeader, KVData, KVData, KVTrailer]
+    assert bytes(got[1].data) == bytes(big.data) and bytes(got[2].data) == bytes(small.data)
+    assert got[1].crc32c == 7 and got[2].seq == 1
+
+
+def test_a_source_that_fails_fails_the_stream_after_what_it_sent():
+    async def source():
+        yield HEADER
+        raise RuntimeError("engine gone")
+
+    async def go():
+        out = []
+        try:
+            async for m in _batched(source()):
+                out.append(m)
+        except RuntimeError as e:
+            return out, str(e)
+        return out, None
+
+    out, error = asyncio.run(go())
+    assert len(out) == 1 and error == "engine gone"
+
+
+def test_a_malformed_batch_is_a_transfer_error_not_a_crash():
+    good = worker_pb2.KVChunk(batch=worker_pb2.KVBatch(parts=[worker_pb2.KVChunk(
+        trailer=worker_pb2.KVTrailer(num_chunks=0, first_token_id=1))])).SerializeToString()
+    assert isinstance(decode_chunk(good), list)
+    for bad in (good[:-1], good[:2] + b"\x12" + good[3:], b"\x22\x05\x0a\x09abc"):
+        assert isinstance(decode_chunk(bad), TransferError)
