@@ -14,12 +14,18 @@ since the period started (`renew`: acceptance belongs to requests). Exploring is
 draft model that sat out the plain steps must catch up on every token they emitted before its
 first proposal, and the burst itself runs the losing mode. With a burst every 64 steps, a
 128-token run at batch 32, temperature 1 on the demo pair (where plain decoding wins) took 7%
-longer than plain decoding. This is what keeps speculation from being slower than plain
+longer than plain decoding. So the gate also learns what switching to speculation costs (the
+first speculative step's time beyond an ordinary one: the catch-up), and while plain decoding
+wins, bursts of speculation come no more often than keeps that cost under EXPLORE_SHARE of the
+plain steps between them (at batch 32 the demo draft's catch-up after a 128-token run took
+about 0.24 s, some 14 plain steps, so its bursts come at most every ~700 steps), and it turns to
+speculation only when speculation wins by enough to repay the switch within PERIOD steps. This is what keeps speculation from being slower than plain
 decoding at batch sizes where verification is not free (a compute-bound CPU, large batches),
 whatever the model says.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -39,10 +45,12 @@ class SpeculationGate:
     MAX_PERIOD = 1024  # the period doubles up to this while the winner stays the same
     DECAY = 0.9  # per observation, for the decayed sums of seconds and tokens
     CLIP = 3.0  # an observed step counts at most this many times its mode's seconds per token
+    EXPLORE_SHARE = 0.02  # switching to speculation to explore it costs at most this share of the plain steps between
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool, bool], list[float]] = {}  # (*regime, speculated) -> [seconds, tokens]
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
+        self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
 
     @staticmethod
     def regime(batch_size: int, sampled: bool) -> tuple[int, bool]:
@@ -59,23 +67,44 @@ class SpeculationGate:
         plain = self.seconds_per_token(batch_size, False, sampled)
         if spec is None or plain is None:
             return spec is None
-        winner = spec <= plain
+        # from plain decoding, speculation must win by enough to repay the switch within PERIOD steps
+        switch = 0.0 if st.speculate else self._switch.get(self.regime(batch_size, sampled), 0.0)
+        winner = spec + switch / (self.PERIOD * max(batch_size, 1)) <= plain
         if winner != st.speculate or st.period == 0:  # the first decision, or the winner changed
-            st.speculate, st.period, st.next_burst = winner, self.PERIOD, n + self.PERIOD
+            st.speculate, st.period = winner, self._first_period(batch_size, sampled, winner)
+            st.next_burst = n + st.period
         if n < st.next_burst:
             return winner
         if n < st.next_burst + self.BURST:  # exploring
             return not winner
-        st.period = min(2 * st.period, self.MAX_PERIOD)  # the burst left the same winner
+        # the burst left the same winner
+        st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, winner))
         st.next_burst = n + st.period
         return winner
 
+    def _first_period(self, batch_size: int, sampled: bool, speculating: bool) -> int:
+        """PERIOD, or while plain decoding wins, the steps of it that pay for one switch to
+        speculation at EXPLORE_SHARE."""
+        switch = self._switch.get(self.regime(batch_size, sampled))
+        plain = self.seconds_per_token(batch_size, False, sampled)
+        if speculating or not switch or not plain:
+            return self.PERIOD
+        return max(self.PERIOD, math.ceil(switch / (self.EXPLORE_SHARE * plain * max(batch_size, 1))))
+
     def renew(self, batch_size: int, sampled: bool = False) -> None:
-        """Most of the batch is new requests: the losing mode is measured again within PERIOD."""
+        """Most of the batch is new requests: the losing mode is measured again within PERIOD
+        (or the longer wait that a switch to speculation's cost asks for)."""
         st = self._schedules.get(self.regime(batch_size, sampled))
         if st is not None and st.period:
-            st.period = self.PERIOD
-            st.next_burst = min(st.next_burst, st.steps + self.PERIOD)
+            st.period = self._first_period(batch_size, sampled, st.speculate)
+            st.next_burst = min(st.next_burst, st.steps + st.period)
+
+    def observe_switch(self, batch_size: int, seconds: float, sampled: bool = False) -> None:
+        """The seconds a switch to speculation took beyond an ordinary speculative step (a draft
+        model catching up on the tokens the plain steps emitted); a running mean per regime."""
+        key = self.regime(batch_size, sampled)
+        old = self._switch.get(key)
+        self._switch[key] = max(seconds, 0.0) if old is None else 0.5 * (old + max(seconds, 0.0))
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int, sampled: bool = False) -> None:
         """A pure-decode step's wall time and the tokens it emitted. A step slower than CLIP

@@ -77,15 +77,20 @@ class Speculator:
         a pure-decode step's wall time and emitted tokens feed the gate, which compares like with
         like. The first speculative step after plain ones is left out: its draft catches up on
         every token the plain steps emitted, a cost of switching modes that the gate's own
-        exploring causes (its period pays for it), not of speculating. Later catch-ups (a fresh
+        exploring causes, not of speculating: the gate gets it apart (`observe_switch`) and spaces
+        its exploring by it. Later catch-ups (a fresh
         prompt, a sequence whose depth was 0) are part of speculating and count."""
         if shape is None:
             return
         self.depth.target_cost.observe(*target_pass)
         switching = self.catches_up and self._speculated and not self._speculated_before
-        if self.depth.adaptive and shape.is_decode_only and not switching:
-            self.gate.observe(self._regime[0], self._speculated, seconds, sum(len(o.new_token_ids) for o in outputs),
-                              self._regime[1])
+        if self.depth.adaptive and shape.is_decode_only:
+            num_tokens = sum(len(o.new_token_ids) for o in outputs)
+            if not switching:
+                self.gate.observe(self._regime[0], self._speculated, seconds, num_tokens, self._regime[1])
+            elif (per_token := self.gate.seconds_per_token(self._regime[0], True, self._regime[1])) is not None:
+                # what the switch cost: the gate spaces its exploring by it
+                self.gate.observe_switch(self._regime[0], seconds - per_token * num_tokens, self._regime[1])
         self._speculated_before = self._speculated
 
     def allow(self, running: list[Sequence]) -> bool:

@@ -5,6 +5,7 @@ test_spec_decode.py."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -166,3 +167,36 @@ def test_gate_is_not_turned_by_one_stalled_step_but_follows_a_real_change():
     for _ in range(25):  # acceptance collapsed: speculating now costs 15 ms per token
         gate.observe(1, True, seconds=0.015, num_tokens=1)
     assert gate.seconds_per_token(1, True) > gate.seconds_per_token(1, False)
+
+
+def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid():
+    """A draft that must catch up before speculating again makes each switch cost seconds: while
+    plain decoding wins, bursts of speculation come only as often as keeps that under
+    EXPLORE_SHARE of the plain time between, and a speculation only slightly cheaper than plain
+    decoding does not win the switch."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(32, True)
+    for _ in range(Gate.BURST):
+        gate.observe(32, True, seconds=0.040, num_tokens=64, sampled=True)  # 0.625 ms per token
+        gate.observe(32, False, seconds=0.016, num_tokens=32, sampled=True)  # 0.5 ms per token: plain wins
+    cheap = copy.deepcopy(gate)
+    gate.observe_switch(32, 0.24, sampled=True)  # a quarter second to catch the draft up
+    plain_step = 0.016
+    want = math.ceil(0.24 / (Gate.EXPLORE_SHARE * plain_step))  # 750 plain steps pay for one switch
+    decisions = [gate.allow(32, True) for _ in range(3 * want)]
+    bursts = _bursts(decisions, True)
+    assert bursts[0][0] >= want - 1 and all(b[0] - a[0] >= want for a, b in zip(bursts, bursts[1:]))
+    # without a switch cost (an n-gram proposer), the first burst comes after PERIOD
+    assert _bursts([cheap.allow(32, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
+
+    # speculation now measures 5% cheaper than plain: not enough to repay 0.24 s within PERIOD steps
+    for _ in range(40):
+        gate.observe(32, True, seconds=0.0152, num_tokens=32, sampled=True)
+        cheap.observe(32, True, seconds=0.0152, num_tokens=32, sampled=True)
+    assert not any(gate.allow(32, True) for _ in range(Gate.PERIOD))
+    assert all(cheap.allow(32, True) for _ in range(Gate.PERIOD))
+    # and 40% cheaper is
+    for _ in range(40):
+        gate.observe(32, True, seconds=0.0096, num_tokens=32, sampled=True)
+    assert all(gate.allow(32, True) for _ in range(Gate.PERIOD))
