@@ -248,8 +248,8 @@ class GrpcTransport:
             "/pdserve.v1.DecodeWorker/PushKV", request_serializer=bytes,
             response_deserializer=worker_pb2.PushKVResponse.FromString)
         # the cluster's credentials, and the request's id and trace context for the decode side's logs
-        call = push_kv(_batched(messages), timeout=timeout_s,
-                       metadata=(*self.security.metadata, *outgoing_metadata()))
+        batches = _Batches(messages)
+        call = push_kv(batches, timeout=timeout_s, metadata=(*self.security.metadata, *outgoing_metadata()))
         try:
             ack = await call
         except grpc.aio.AioRpcError as e:
@@ -257,6 +257,7 @@ class GrpcTransport:
             raise TransferError(failure, f"KV push to {address}: {e.code().name}: {e.details()}") from None
         finally:
             call.cancel()  # a no-op once it ended; stops the stream when we are cancelled
+            batches.close()
         return KVAck(ack.num_chunks, ack.num_bytes)
 
     async def close(self) -> None:
@@ -266,46 +267,54 @@ class GrpcTransport:
 _DONE = object()
 
 
-async def _batched(messages: AsyncIterator[KVMessage]):
-    """The messages' wire bytes, each gRPC message holding what `messages` had ready at once (a
-    `KVBatch` of up to `BATCH_BYTES`; a bulk chunk alone). A task reads `messages` as they come,
-    so waiting for the next one never holds back those already here; each is encoded only when
-    its turn to be sent comes (a bulk chunk's copy into its message then overlaps the sending of
-    the one before)."""
-    ready: collections.deque = collections.deque()  # messages, then _DONE or the source's exception
-    arrived = asyncio.Event()
+class _Batches:
+    """The messages' wire bytes, as gRPC's request iterator: each gRPC message holds what
+    `messages` had ready at once (a `KVBatch` of up to `BATCH_BYTES`; a bulk chunk alone). A task
+    reads `messages` as they come, so waiting for the next one never holds back those already
+    here; each is encoded only when its turn to be sent comes (a bulk chunk's copy into its
+    message then overlaps the sending of the one before). `close` ends it at once, whatever
+    `messages` does: gRPC does not close a request iterator when the call ends early."""
 
-    async def pump() -> None:
+    def __init__(self, messages: AsyncIterator[KVMessage]):
+        self._ready: collections.deque = collections.deque()  # messages, then _DONE or the source's exception
+        self._arrived = asyncio.Event()
+        self._task = asyncio.ensure_future(self._pump(messages))
+
+    async def _pump(self, messages: AsyncIterator[KVMessage]) -> None:
         try:
             async for msg in messages:
-                ready.append(msg)
-                arrived.set()
+                self._ready.append(msg)
+                self._arrived.set()
         except Exception as e:  # noqa: BLE001 - raised where the stream reads it
-            ready.append(e)
+            self._ready.append(e)
         else:
-            ready.append(_DONE)
-        arrived.set()
+            self._ready.append(_DONE)
+        self._arrived.set()
 
-    task = asyncio.ensure_future(pump())
-    try:
-        while True:
-            while not ready:
-                arrived.clear()
-                await arrived.wait()
-            item = ready.popleft()
-            if item is _DONE:
-                return
-            if isinstance(item, Exception):
-                raise item
-            batch, size = [item], _wire_size(item)
-            while ready and not isinstance(ready[0], Exception) and ready[0] is not _DONE \
-                    and size + _wire_size(ready[0]) <= BATCH_BYTES:
-                batch.append(ready.popleft())
-                size += _wire_size(batch[-1])
-            yield encode_chunk(item) if len(batch) == 1 else encode_batch([encode_chunk(m) for m in batch])
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    def __aiter__(self) -> "_Batches":
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._ready:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self._ready.popleft()
+        if item is _DONE:
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        batch, size = [item], _wire_size(item)
+        while self._ready and isinstance(self._ready[0], KVData | KVHeader | KVTrailer) \
+                and size + _wire_size(self._ready[0]) <= BATCH_BYTES:
+            batch.append(self._ready.popleft())
+            size += _wire_size(batch[-1])
+        return encode_chunk(item) if len(batch) == 1 else encode_batch([encode_chunk(m) for m in batch])
+
+    def close(self) -> None:
+        self._task.cancel()  # stops reading the source (its generator ends there)
+        self._ready.clear()
+        self._ready.append(_DONE)
+        self._arrived.set()
 
 
 def _wire_size(msg: KVMessage) -> int:

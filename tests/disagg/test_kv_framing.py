@@ -1,16 +1,19 @@
 """The PushKV stream's framing, both ends: what `GrpcTransport` puts in each gRPC message
-(`_batched`: what is ready at once in one `KVBatch`, bulk chunks alone) and what the decode
+(`_Batches`: what is ready at once in one `KVBatch`, bulk chunks alone) and what the decode
 side's `decode_chunk` makes of it, checked against protobuf's own parser."""
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
+import pytest
 
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVShm, KVTrailer, TransferError
-from pdserve.serving.kv_transfer.grpc_transport import BATCH_BYTES, _batched, decode_chunk, from_proto
-from pdserve.v1 import worker_pb2
+from pdserve.serving.kv_transfer.grpc_transport import (BATCH_BYTES, GrpcTransport, _Batches, add_decode_worker_servicer,
+                                                         decode_chunk, from_proto)
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 HEADER = KVHeader("ticket", 6, "float32", (KVGroupLayout("target", 2, 2, 8),), KVShm(("seg",), 64))
 
@@ -24,7 +27,7 @@ def bytes_chunk(seq: int, n: int) -> KVData:
 
 
 def wire(bursts: list[list]) -> list[bytes]:
-    """The gRPC messages `_batched` makes of messages that arrive in bursts (a wait between)."""
+    """The gRPC messages `_Batches` makes of messages that arrive in bursts (a wait between)."""
     async def source():
         for burst in bursts:
             await asyncio.sleep(0.01)
@@ -32,7 +35,7 @@ def wire(bursts: list[list]) -> list[bytes]:
                 yield msg
 
     async def go():
-        return [m async for m in _batched(source())]
+        return [m async for m in _Batches(source())]
 
     return asyncio.run(go())
 
@@ -77,7 +80,7 @@ def test_a_source_that_fails_fails_the_stream_after_what_it_sent():
     async def go():
         out = []
         try:
-            async for m in _batched(source()):
+            async for m in _Batches(source()):
                 out.append(m)
         except RuntimeError as e:
             return out, str(e)
@@ -93,3 +96,47 @@ def test_a_malformed_batch_is_a_transfer_error_not_a_crash():
     assert isinstance(decode_chunk(good), list)
     for bad in (good[:-1], good[:2] + b"\x12" + good[3:], b"\x22\x05\x0a\x09abc"):
         assert isinstance(decode_chunk(bad), TransferError)
+
+
+class DecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, refuses: bool):
+        self.refuses = refuses
+
+    async def PushKV(self, request_iterator, context):
+        async for _ in request_iterator:
+            if self.refuses:
+                await context.abort(grpc.StatusCode.DATA_LOSS, "refused")
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize("how", ["refused", "cancelled"])
+def test_a_push_that_ends_early_leaves_no_task_reading_its_source(how):
+    """gRPC does not close a request iterator when the call ends early; the transport does, so
+    a source that never ends (a prefill whose request went away) is not read forever."""
+    async def source():
+        yield HEADER
+        await asyncio.sleep(3600)
+        yield KVTrailer(0, 1)
+
+    async def go():
+        server = grpc.aio.server()
+        add_decode_worker_servicer(DecodeWorker(refuses=how == "refused"), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        transport = GrpcTransport()
+        try:
+            push = asyncio.ensure_future(transport.push(f"127.0.0.1:{port}", source(), 10))
+            if how == "cancelled":
+                await asyncio.sleep(0.2)
+                push.cancel()
+            done = await asyncio.gather(push, return_exceptions=True)
+            await asyncio.sleep(0.3)
+            left = [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+            return done[0], [name for name in left if "_Batches" in name or "consume_request" in name]
+        finally:
+            await transport.close()
+            await server.stop(0)
+
+    outcome, left = asyncio.run(go())
+    assert isinstance(outcome, TransferError if how == "refused" else asyncio.CancelledError)
+    assert left == []
