@@ -1,12 +1,16 @@
 """The prefill worker's gRPC service. Protobuf stops here: requests become engine values.
 
-`Prefill` checks the transfer ticket (a decode worker's signed reservation for this request:
+A prefill (`Prefill`; `PrefillStream` is the same call answering the first token as soon as it
+is sampled) checks the transfer ticket (a decode worker's signed reservation for this request:
 the K/V go to the address it names, nowhere else), queues the prompt (queued), the engine
 prefills it in chunks while its K/V stream to that decode worker (prefilling: layer by layer as
 each layer lands; from a shared-memory cache, step by step as each step ends), samples the first
 token and sends the trailer (sending), and the call returns once the decode side has verified
 the transfer (done). Whatever happens (done, failed, cancelled), the request's blocks are then
-released. The states are `PrefillState`, derived from the request's progress.
+released. The states are `PrefillState`, derived from the request's progress. On
+`PrefillStream`, a first token that ends the request (a stop token, max_tokens 1) says how, and
+its push is cancelled (unless it already ended): the router has all it needs, and the decode
+worker's reservation ends with the cancelled push or the router's cancelled Decode call.
 """
 from __future__ import annotations
 
@@ -22,10 +26,10 @@ from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_worker.kv_sender import KVSender
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.convert import logprobs_message, parse_work_request
+from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
-from pdserve.serving.kv_transfer import KVHeader, KVTransport, TransferError, TransferFailure
+from pdserve.serving.kv_transfer import KVAck, KVHeader, KVTransport, TransferError, TransferFailure
 from pdserve.serving.kv_transfer import shm
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport
@@ -189,14 +193,22 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.num_requests_total += 1
             push = asyncio.ensure_future(self._push(r, ticket.address))
+            ack = None
             if stream_first_token:
                 await asyncio.wait({push, r.first}, return_when=asyncio.FIRST_COMPLETED)
                 if r.first.done() and not push.done():
                     tok, logprobs = r.first.result()
-                    ends = engine.finish_reason_of(params, tok, 1, len(ids) + 1) is not None
+                    reason = engine.finish_reason_of(params, tok, 1, len(ids) + 1)
                     yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(
-                        token_id=tok, logprobs=logprobs_message(logprobs) if logprobs else None, ends_request=ends))
-            ack = await push
+                        token_id=tok, logprobs=logprobs_message(logprobs) if logprobs else None,
+                        ends_request=reason is not None,
+                        finish_reason=FINISH_REASONS[reason.value] if reason is not None else 0))
+                    if reason is not None:  # the request is over with this token: its K/V have no use
+                        push.cancel()
+                        (pushed,) = await asyncio.gather(push, return_exceptions=True)
+                        r.ended, ack = PrefillState.DONE, pushed if isinstance(pushed, KVAck) else KVAck(0, 0)
+            if ack is None:
+                ack = await push
         except TransferError as e:
             await context.abort(STATUS_OF[e.failure], str(e))
         finally:

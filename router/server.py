@@ -353,8 +353,9 @@ class Router:
                       first: asyncio.Future | None = None):
         """(token ids, finish reason, log-probs) of each delta on the decode stream; a failed prefill ends it
         with the prefill's failure, and the router's own abort with its reason. With `first`, the
-        prefill worker's first token goes out as soon as it comes, unless it ends the request (the
-        decode worker then says how), and the decode stream's copy of it is skipped."""
+        prefill worker's first token goes out as soon as it comes, and the decode stream's copy of
+        it is skipped; a first token that ends the request, with how it ends, is the whole answer
+        (the decode stream is left: the caller cancels it)."""
         failure: list[RequestFailed] = []
         if prefill_task is not None:
             prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure))
@@ -366,8 +367,10 @@ class Router:
             read.add_done_callback(_retrieve)
             if first is not None:
                 await asyncio.wait({read, first}, return_when=asyncio.FIRST_COMPLETED)
-                if not read.done() and first.done() and first.result() is not None \
-                        and not first.result().ends_request:
+                if (last := _final_first_token(first)) is not None:
+                    yield last
+                    return
+                if not read.done() and first.done() and first.result() is not None:
                     early = first.result()
                     logprobs = [early.logprobs] if early.HasField("logprobs") else []
                     yield [early.token_id], gen_pb2.FINISH_REASON_UNSPECIFIED, logprobs
@@ -385,6 +388,11 @@ class Router:
                         yield ids, event.tokens.finish_reason, logprobs
                 event = await call.read()
         except grpc.aio.AioRpcError as e:
+            # the prefill worker's first token ended the request, and its cancelled push ended the
+            # reservation before that token reached us: the token is still the answer
+            if early is None and first is not None and (last := _final_first_token(first)) is not None:
+                yield last
+                return
             if failure:
                 raise failure[0] from None
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -396,6 +404,17 @@ class Router:
             if flight.abort_reason is not None:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, flight.abort_reason) from None
             raise
+
+
+def _final_first_token(first: asyncio.Future) -> tuple | None:
+    """The prefill worker's first token as the request's last delta, when it ends the request
+    and says how (an older prefill worker leaves that to the decode worker)."""
+    if not first.done() or first.cancelled() or first.exception() is not None or first.result() is None:
+        return None
+    token = first.result()
+    if not token.ends_request or token.finish_reason == gen_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    return [token.token_id], token.finish_reason, [token.logprobs] if token.HasField("logprobs") else []
 
 
 def log_request(req: RouterRequest, trace: RequestTrace, status: str, completion_tokens: int, failovers: int) -> None:

@@ -93,6 +93,7 @@ _DATA_PART = 0x12  # KVChunk field 2 (data), length-delimited
 _DATA_FIELD = 0x32  # KVData field 6 (data), length-delimited
 _BATCH_PART = 0x22  # KVChunk field 4 (batch), length-delimited
 _BATCH_ITEM = 0x0A  # KVBatch field 1 (parts), length-delimited
+CANCEL_GRACE_S = 0.2  # how long a stream that ended early waits to learn whether its sender cancelled
 BATCH_BYTES = 64 << 10  # a message this large or larger goes alone; a batch stays about this size
 
 
@@ -311,10 +312,17 @@ class _Batches:
         return encode_chunk(item) if len(batch) == 1 else encode_batch([encode_chunk(m) for m in batch])
 
     def close(self) -> None:
-        self._task.cancel()  # stops reading the source (its generator ends there)
+        """Stop reading the source (its generator ends there); a stream still being read fails,
+        which makes gRPC cancel the call: ending it cleanly instead would half-close it, and the
+        decode side would see a transfer truncated, not a push cancelled."""
+        self._task.cancel()
         self._ready.clear()
-        self._ready.append(_DONE)
+        self._ready.append(_Closed("the KV push ended"))
         self._arrived.set()
+
+
+class _Closed(Exception):
+    pass
 
 
 def _wire_size(msg: KVMessage) -> int:
@@ -336,6 +344,11 @@ async def serve_push_kv(endpoint: KVEndpoint, request_iterator, context) -> work
                     yield part
             else:
                 yield msg
+        # the stream ended before its trailer. A sender that cancelled looks the same at first:
+        # gRPC ends the request iterator, then cancels this handler. Give that cancellation a
+        # moment (it raises here, and the transfer ends as cancelled, not failed); a stream still
+        # not cancelled after it was truncated
+        await asyncio.sleep(CANCEL_GRACE_S)
 
     request_id.set(metadata_value(context.invocation_metadata(), REQUEST_ID_KEY))
 

@@ -97,3 +97,21 @@ def test_200_concurrent_streams_all_complete(cluster):
         assert len(ids) == 4 and msgs[-1].finish_reason == gen.LENGTH, req.request_id
         assert msgs[-1].usage.completion_tokens == 4 and msgs[0].request_id == req.request_id
     cluster.wait_all_free()
+
+
+def test_a_first_token_that_ends_the_request_is_the_whole_answer_from_the_prefill_worker(cluster, offline):
+    """max_tokens 1, or a first token that is a stop token: the prefill worker says how the
+    request ends, the router answers at once, no K/V are pushed for it and nothing counts as a
+    failed transfer; both workers free everything."""
+    before = {name: cluster.stats(name) for name in ("P", "D")}
+    _check_equal(cluster, "R", offline, dict(max_tokens=1, ignore_eos=True))
+    firsts = [out.token_ids[0] for out in offline.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1,
+                                                                                   ignore_eos=True))]
+    for prompt, first in zip(PROMPTS[:3], firsts):
+        (msgs,) = generate_all(cluster, "R", [gen.GenerateRequest(request_id="stop-first", prompt=prompt,
+                                                                  sampling_params=greedy(8, stop_token_ids=[first]))])
+        assert joined(msgs)[0] == [first] and msgs[-1].finish_reason == gen.STOP
+    after = {name: cluster.stats(name) for name in ("P", "D")}
+    for name in ("P", "D"):
+        assert after[name].kv_transfer_failures_total == before[name].kv_transfer_failures_total, name
+    cluster.wait_all_free()

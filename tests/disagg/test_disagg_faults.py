@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import google_crc32c
 
 import grpc
@@ -303,3 +305,27 @@ def test_a_worker_back_with_another_configuration_is_not_paired_and_one_back_as_
         time.sleep(0.1)
     recovery = time.monotonic() - ready_at
     print(f"recovery after SERVING: {recovery:.2f} s")
+
+
+def test_a_push_its_sender_cancels_ends_the_request_as_cancelled_not_as_a_failed_transfer(cluster):
+    """gRPC ends a cancelled push's stream on the decode side before it cancels the handler; the
+    decode worker waits for that, so the transfer counts as cancelled, not truncated."""
+    before = cluster.stats("D").kv_transfer_failures_total
+    stream, ticket = reserve(cluster, "hand-cancelled")
+    chunks = list(kv_chunks(cluster, ticket))
+    started = threading.Event()
+
+    def first_then_wait():
+        yield from chunks[:2]
+        started.set()
+        time.sleep(30)  # the rest never comes: the sender cancels
+
+    future = cluster.decode_stub().PushKV.future(first_then_wait(), timeout=30)
+    assert started.wait(10)
+    time.sleep(0.3)  # the first chunks are in
+    future.cancel()
+    with pytest.raises(grpc.RpcError) as decode_err:
+        list(stream)
+    assert decode_err.value.code() == grpc.StatusCode.ABORTED and "cancelled" in decode_err.value.details()
+    assert cluster.stats("D").kv_transfer_failures_total == before
+    cluster.wait_all_free()
