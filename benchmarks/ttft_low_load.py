@@ -41,9 +41,9 @@ WORKER = ["--model", MODEL, "--num-kv-blocks", "512", "--max-num-seqs", "8"]
 PROMPT_LEN, OUTPUT_LEN = "uniform:256,768", "fixed:8"
 
 
-def workload() -> WorkloadConfig:
+def workload(output_len: str = OUTPUT_LEN) -> WorkloadConfig:
     return WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse(PROMPT_LEN),
-                          LengthDistribution.parse(OUTPUT_LEN), tokenizer=MODEL)
+                          LengthDistribution.parse(output_len), tokenizer=MODEL)
 
 
 def start(run: Launcher) -> dict:
@@ -78,9 +78,10 @@ def stage_means(metrics_address: str) -> dict[str, float]:
     return {stage: sums[stage] / counts[stage] if counts.get(stage) else 0.0 for stage in STAGES}
 
 
-def ttft(address: str, num: int, seed: int, num_warmup: int) -> list[tuple[float, float | None]]:
+def ttft(address: str, num: int, seed: int, num_warmup: int, output_len: str = OUTPUT_LEN
+         ) -> list[tuple[float, float | None]]:
     """(TTFT, TPOT) seconds of `num` requests sent one at a time."""
-    cfg = BenchConfig(target=address, workload=workload(), rates=(float("inf"),), num_requests=num,
+    cfg = BenchConfig(target=address, workload=workload(output_len), rates=(float("inf"),), num_requests=num,
                       max_concurrency=1, seed=seed, num_warmup=num_warmup)
     (run,) = run_bench(cfg, progress=False).runs
     failed = [r.error for r in run.records if not r.is_ok]
@@ -88,7 +89,7 @@ def ttft(address: str, num: int, seed: int, num_warmup: int) -> list[tuple[float
     return [(r.ttft_s, r.tpot_s) for r in run.records]
 
 
-def one_repeat(addresses: dict[str, str], r: int, num_requests: int, block: int) -> dict:
+def one_repeat(addresses: dict[str, str], r: int, num_requests: int, block: int, output_len: str = OUTPUT_LEN) -> dict:
     """Blocks of `block` requests, the arms alternating block by block (the same prompts in both
     arms of a block, new ones each block)."""
     samples = {arm: [] for arm in addresses}
@@ -96,11 +97,12 @@ def one_repeat(addresses: dict[str, str], r: int, num_requests: int, block: int)
         order = ["disagg", "colocated"] if (r + b) % 2 == 0 else ["colocated", "disagg"]
         n = min(block, num_requests - b * block)
         for arm in order:
-            samples[arm] += ttft(addresses[arm], n, seed=1000 * r + b, num_warmup=2 if b == 0 else 0)
+            samples[arm] += ttft(addresses[arm], n, seed=1000 * r + b, num_warmup=2 if b == 0 else 0,
+                                 output_len=output_len)
     out = {}
     for arm, xs in samples.items():
         ttfts = sorted(t for t, _ in xs)
-        tpots = [t for _, t in xs if t is not None]
+        tpots = [t for _, t in xs if t is not None] or [float("nan")]  # one-token answers have none
         out[arm] = {"ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
                     "tpot_p50_s": statistics.median(tpots), "ttft_s": [t for t, _ in xs]}
     return out
@@ -113,6 +115,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=20, help="per arm and repeat")
     p.add_argument("--block", type=int, default=5, help="requests per arm before the other arm's turn")
     p.add_argument("--out", default=str(RESULTS / "ttft_low_load"))
+    p.add_argument("--output-len", default=OUTPUT_LEN, help="output lengths (fixed:1: answers that end at the "
+                   "first token); only the default run rewrites BENCHMARKS.md")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.num_requests, args.block = 2, 4, 2
@@ -121,30 +125,36 @@ def main() -> None:
         routers = start(run)
         addresses = {arm: router.address for arm, router in routers.items()}
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
-            runs.append(one_repeat(addresses, r, args.num_requests, args.block))
+            runs.append(one_repeat(addresses, r, args.num_requests, args.block, args.output_len))
         stages = {arm: stage_means(router.metrics_address) for arm, router in routers.items()}
     ratio = Spread.of(rep["disagg"]["ttft_p50_s"] / rep["colocated"]["ttft_p50_s"] for rep in runs)
     goal = Goal("disaggregated TTFT / colocated TTFT at low load (median per repeat)", ratio, 1.10, is_floor=False)
     result = {"repeats": runs, "stages_mean_s": stages, "goal": goal.as_dict(), "machine": machine(),
-              "workload": {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}, "config": vars(args)}
+              "workload": {"prompt_len": PROMPT_LEN, "output_len": args.output_len}, "config": vars(args)}
     out = Path(args.out)
+    if args.output_len != OUTPUT_LEN and args.out == str(RESULTS / "ttft_low_load"):
+        out = RESULTS / f"ttft_low_load_{args.output_len.replace(':', '')}"  # the default run's files stay
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(runs, out.with_suffix(".png"))
-    body = markdown(runs, stages, goal, args, host(result["machine"]))
+    out_name = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)
+    body = markdown(runs, stages, goal, args, host(result["machine"]), out_name)
     print(body)
-    if not args.quick:
+    if not args.quick and args.output_len == OUTPUT_LEN:
         update_section(REPO / "BENCHMARKS.md", "TTFT at low load (`benchmarks/ttft_low_load.py`)", body)
 
 
-def markdown(runs: list[dict], stages: dict, goal: Goal, args, host_line: str) -> str:
+def markdown(runs: list[dict], stages: dict, goal: Goal, args, host_line: str,
+             out_name: str = "benchmarks/results/ttft_low_load") -> str:
     ms = lambda arm, key: Spread.of(rep[arm][key] * 1e3 for rep in runs)  # noqa: E731
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/ttft_low_load.py --repeats "
-             f"{args.repeats} --num-requests {args.num_requests} --block {args.block}`, through `pdserve bench` "
-             f"(`--max-concurrency 1`), prompts {PROMPT_LEN} tokens of code, {OUTPUT_LEN} output tokens, "
+             f"{args.repeats} --num-requests {args.num_requests} --block {args.block}"
+             + (f" --output-len {args.output_len}" if args.output_len != OUTPUT_LEN else "")
+             + f"`, through `pdserve bench` (`--max-concurrency 1`), prompts {PROMPT_LEN} tokens of code, "
+             f"{args.output_len} output tokens, "
              "demo target, one torch thread per worker, workers pinned (disagg: prefill core 0, decode core 1; "
              "colocated: one worker on core 0), default worker settings otherwise. Output: "
-             "`benchmarks/results/ttft_low_load.json`, `.png`. "
+             f"`{out_name}.json`, `.png`. "
              f"Machine: {host_line}.", "",
              "| arm | TTFT p50 (ms), min / median / max over repeats | TTFT p90 (ms) | TPOT p50 (ms) |",
              "|---|---|---|---|"]
