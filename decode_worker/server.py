@@ -274,6 +274,9 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended ({r.state.value})")
                 elif isinstance(msg, KVData):
                     self.receiver.receive(r.progress, r.seq, msg)
+                elif isinstance(msg, KVTrailer) and msg.abandoned:
+                    raise TransferError(TransferFailure.ABORTED, "the sender abandoned the transfer (its request "
+                                        "ended)")
                 elif isinstance(msg, KVTrailer):
                     self.receiver.finish(r.progress, msg)
                     r.spans.end("transfer")

@@ -17,7 +17,8 @@ batches of at least `max_chunk_bytes` (a long prompt still streams layer by laye
 goes in one batch, with `end_of_prompt`).
 
 `fail` ends the stream early; the decode side then reports a truncated transfer and frees its
-blocks.
+blocks. `abandon` ends it with a trailer that says the request ended: the decode side frees the
+blocks and counts no failure.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class KVSender:
         self._first_logprobs = None
         self._tail_handed = False  # loop: the engine thread handed over the prompt's last K/V
         self._ended = False  # loop: the trailer (or a failure) ended the stream
+        self.abandoned = False  # loop: `abandon` ended it
         self.error: str | None = None
         self.created_at = time.perf_counter()
         self.first_layer_at: float | None = None  # when the first K/V were queued (prefill began)
@@ -115,6 +117,14 @@ class KVSender:
         self.first_token, self._first_logprobs = first_token, tuple(logprobs) if logprobs else None
         self.finished_at = time.perf_counter()
         self._end_if_complete()
+
+    def abandon(self) -> None:
+        """On the loop: the request ended, so the transfer has no use: unless the trailer is out
+        already, end the stream with one that says so (the decode side then ends the reservation
+        as cancelled, where a stream that just stopped would count as a failed transfer)."""
+        if not self._ended:
+            self._ended = self.abandoned = True
+            self._put_all_now([KVTrailer(self.num_chunks, 0, abandoned=True), _END])
 
     def fail(self, reason: str) -> None:
         """On the loop: end the stream (messages not yet handed over are dropped)."""

@@ -9,8 +9,8 @@ token and sends the trailer (sending), and the call returns once the decode side
 the transfer (done). Whatever happens (done, failed, cancelled), the request's blocks are then
 released. The states are `PrefillState`, derived from the request's progress. On
 `PrefillStream`, a first token that ends the request (a stop token, max_tokens 1) says how, and
-its push is cancelled (unless it already ended): the router has all it needs, and the decode
-worker's reservation ends with the cancelled push or the router's cancelled Decode call.
+its push is abandoned (unless it already ended): the router has all it needs, and the decode
+worker's reservation ends with the abandoned push or the router's cancelled Decode call.
 """
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
 from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, raw_layer, read_kv
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sequence import FinishReason
 from pdserve.prefill_worker.kv_sender import KVSender
 from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
@@ -40,6 +42,7 @@ from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
+ABANDON_WAIT_S = 1.0  # a request that went away: how long its push may take to say so before it is cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ class PrefillRequest:
     sender: KVSender
     first: asyncio.Future  # (first token, its logprobs or None) once sampled
     ended: PrefillState | None = None  # DONE, FAILED or CANCELLED once it is over
+    # PrefillStream: whether a first token ends the request, and how (then its push is abandoned)
+    finish_reason_of: Callable[[int], FinishReason | None] | None = None
+    finish_reason: FinishReason | None = None  # the first token's, when it ends the request
 
     @property
     def state(self) -> PrefillState:
@@ -179,7 +185,9 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
         loop = asyncio.get_running_loop()
-        r = PrefillRequest(req_id, KVSender(loop, header, self.config.max_chunk_bytes), loop.create_future())
+        r = PrefillRequest(req_id, KVSender(loop, header, self.config.max_chunk_bytes), loop.create_future(),
+                           finish_reason_of=(lambda tok: engine.finish_reason_of(params, tok, 1, len(ids) + 1))
+                           if stream_first_token else None)
         metadata = context.invocation_metadata()
         request_id.set(metadata_value(metadata, REQUEST_ID_KEY) or req_id)  # this task's log lines, the KV push
         spans = RequestSpans("pdserve.prefill", extract(metadata), req_id=req_id, prompt_tokens=len(ids))
@@ -198,13 +206,12 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 await asyncio.wait({push, r.first}, return_when=asyncio.FIRST_COMPLETED)
                 if r.first.done() and not push.done():
                     tok, logprobs = r.first.result()
-                    reason = engine.finish_reason_of(params, tok, 1, len(ids) + 1)
+                    reason = r.finish_reason
                     yield worker_pb2.PrefillEvent(first_token=worker_pb2.FirstToken(
                         token_id=tok, logprobs=logprobs_message(logprobs) if logprobs else None,
                         ends_request=reason is not None,
                         finish_reason=FINISH_REASONS[reason.value] if reason is not None else 0))
-                    if reason is not None:  # the request is over with this token: its K/V have no use
-                        push.cancel()
+                    if reason is not None:  # the push was abandoned when the token came (`_on_output`)
                         (pushed,) = await asyncio.gather(push, return_exceptions=True)
                         r.ended, ack = PrefillState.DONE, pushed if isinstance(pushed, KVAck) else KVAck(0, 0)
             if ack is None:
@@ -212,8 +219,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         except TransferError as e:
             await context.abort(STATUS_OF[e.failure], str(e))
         finally:
-            if push is not None and not push.done():  # the caller went away: stop pushing
-                push.cancel()
+            if push is not None and not push.done():  # the caller went away: give the push up
+                r.sender.abandon()
+                await asyncio.wait({push}, timeout=ABANDON_WAIT_S)
+                push.cancel()  # a no-op once the decode side took the abandonment
                 await asyncio.gather(push, return_exceptions=True)
             self._end(r)
             self._finish_spans(r, spans)
@@ -256,6 +265,11 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             r.sender.fail(str(item))
         elif item.new_token_ids:
             tok, logprobs = item.new_token_ids[0], item.logprobs[0] if item.logprobs else None
+            if r.finish_reason_of is not None and (reason := r.finish_reason_of(tok)) is not None:
+                # the request is over with this token: its K/V have no use (abandoned before the
+                # token goes out, so no push fails for a reservation the router is about to cancel)
+                r.finish_reason = reason
+                r.sender.abandon()
             if not r.first.done():  # first, so the token's event is written before the last K/V
                 r.first.set_result((tok, logprobs))
             r.sender.finish(tok, logprobs)
@@ -265,6 +279,9 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         try:
             ack = await self.transport.push(address, r.sender.messages(), self.config.kv_transfer_timeout_s)
         except TransferError as e:
+            if r.sender.abandoned:  # we gave it up: what the decode side says of it now is moot
+                r.ended = PrefillState.CANCELLED
+                raise
             r.ended = PrefillState.FAILED
             self.kv_transfer_failures_total += e.failure is not TransferFailure.ABORTED
             if r.sender.error:  # our own engine failed it: say so, not what the decode side saw

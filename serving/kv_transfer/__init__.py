@@ -72,6 +72,7 @@ class KVTrailer:
     first_token_id: int
     # (token id, logprob) of the first token, then its top alternatives; when the request asked
     first_token_logprobs: tuple[tuple[int, float], ...] | None = None
+    abandoned: bool = False  # the sender gave the transfer up on purpose (its request ended)
 
 
 KVMessage = KVHeader | KVData | KVTrailer

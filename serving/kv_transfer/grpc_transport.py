@@ -61,7 +61,8 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
         if msg.shm is not None:
             header.shm.CopyFrom(worker_pb2.KVShm(segments=msg.shm.segments, num_slots=msg.shm.num_slots))
         return worker_pb2.KVChunk(header=header)
-    trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id)
+    trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id,
+                                   abandoned=msg.abandoned)
     if msg.first_token_logprobs is not None:
         trailer.first_token_logprobs.CopyFrom(logprobs_message(list(msg.first_token_logprobs)))
     return worker_pb2.KVChunk(trailer=trailer)
@@ -82,7 +83,7 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         t = chunk.trailer
         logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
                     if t.HasField("first_token_logprobs") else None)
-        return KVTrailer(t.num_chunks, t.first_token_id, logprobs)
+        return KVTrailer(t.num_chunks, t.first_token_id, logprobs, t.abandoned)
     if part == "batch":
         raise TransferError(TransferFailure.CORRUPT, "a KV batch holds another batch")
     raise TransferError(TransferFailure.CORRUPT, "a KV chunk carries no header, data or trailer")
@@ -93,7 +94,6 @@ _DATA_PART = 0x12  # KVChunk field 2 (data), length-delimited
 _DATA_FIELD = 0x32  # KVData field 6 (data), length-delimited
 _BATCH_PART = 0x22  # KVChunk field 4 (batch), length-delimited
 _BATCH_ITEM = 0x0A  # KVBatch field 1 (parts), length-delimited
-CANCEL_GRACE_S = 0.2  # how long a stream that ended early waits to learn whether its sender cancelled
 BATCH_BYTES = 64 << 10  # a message this large or larger goes alone; a batch stays about this size
 
 
@@ -344,11 +344,6 @@ async def serve_push_kv(endpoint: KVEndpoint, request_iterator, context) -> work
                     yield part
             else:
                 yield msg
-        # the stream ended before its trailer. A sender that cancelled looks the same at first:
-        # gRPC ends the request iterator, then cancels this handler. Give that cancellation a
-        # moment (it raises here, and the transfer ends as cancelled, not failed); a stream still
-        # not cancelled after it was truncated
-        await asyncio.sleep(CANCEL_GRACE_S)
 
     request_id.set(metadata_value(context.invocation_metadata(), REQUEST_ID_KEY))
 
