@@ -124,7 +124,9 @@ class KVSender:
         as cancelled, where a stream that just stopped would count as a failed transfer)."""
         if not self._ended:
             self._ended = self.abandoned = True
-            self._put_all_now([KVTrailer(self.num_chunks, 0, abandoned=True), _END])
+            # a chunk count one past what was sent: a decode worker too old to know `abandoned`
+            # fails the transfer on it (and frees the blocks) instead of activating the request
+            self._put_all_now([KVTrailer(self.num_chunks + 1, 0, abandoned=True), _END])
 
     def fail(self, reason: str) -> None:
         """On the loop: end the stream (messages not yet handed over are dropped)."""

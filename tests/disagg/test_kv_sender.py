@@ -95,3 +95,20 @@ def test_a_failed_stream_ends_at_once_and_ignores_what_comes_later():
 
     msgs, left = asyncio.run(go())
     assert [type(m) for m in msgs] == [KVHeader] and left == 0
+
+
+def test_an_abandoned_stream_ends_with_a_trailer_that_says_so():
+    """The request ended: the stream ends at once with an abandoned trailer (its chunk count one
+    past what was sent, so a decode worker that predates the flag fails the transfer rather than
+    activating it), and the first token that comes later adds nothing."""
+    async def go():
+        sender = KVSender(asyncio.get_running_loop(), HEADER, 1 << 20)
+        await on_engine_thread(lambda: (sender.send(0, 0, 0, layer_kv(5, 0)), sender._hand_over()))
+        sender.abandon()
+        await on_engine_thread(sender.end_of_prompt)
+        sender.finish(7)
+        return [m async for m in sender.messages()], sender._queue.qsize(), sender.abandoned
+
+    msgs, left, abandoned = asyncio.run(go())
+    assert [type(m) for m in msgs] == [KVHeader, KVData, KVTrailer] and left == 0 and abandoned
+    assert msgs[-1].abandoned and msgs[-1].num_chunks == 2
