@@ -123,17 +123,16 @@ class KVSender:
         already, end the stream with one that says so (the decode side then ends the reservation
         as cancelled, where a stream that just stopped would count as a failed transfer)."""
         if not self._ended:
-            self._ended = self.abandoned = True
+            self.abandoned = True
             # a chunk count one past what was sent: a decode worker too old to know `abandoned`
             # fails the transfer on it (and frees the blocks) instead of activating the request
-            self._put_all_now([KVTrailer(self.num_chunks + 1, 0, abandoned=True), _END])
+            self._end_with(KVTrailer(self.num_chunks + 1, 0, abandoned=True))
 
     def fail(self, reason: str) -> None:
         """On the loop: end the stream (messages not yet handed over are dropped)."""
         self.error = reason
         if not self._ended:
-            self._ended = True
-            self._queue.put_nowait(_END)
+            self._end_with()
 
     def _put_all(self, items: list) -> None:
         if self._ended:
@@ -151,11 +150,12 @@ class KVSender:
         chunk count is final) and the first token is known, whichever came first."""
         if self._ended or not self._tail_handed or self.first_token is None:
             return
-        self._ended = True
-        self._put_all_now([KVTrailer(self.num_chunks, self.first_token, self._first_logprobs), _END])
+        self._end_with(KVTrailer(self.num_chunks, self.first_token, self._first_logprobs))
 
-    def _put_all_now(self, items: list) -> None:
-        for item in items:
+    def _end_with(self, *last) -> None:
+        """The stream's last messages, then its end; nothing is queued after."""
+        self._ended = True
+        for item in (*last, _END):
             self._queue.put_nowait(item)
 
     async def messages(self):

@@ -93,6 +93,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self.requests: dict[str, PrefillRequest] = {}  # asyncio loop only
         self._senders: dict[str, KVSender] = {}  # engine thread only
         self._groups = []
+        self._raw_views: dict[tuple[int, int], tuple] = {}  # (group, layer) -> `raw_layer`'s views
         self._step_chunks = None  # engine thread: the running step's prefill chunks (kv hook)
         self._step_layers: list[tuple[int, int]] = []  # engine thread: its (group, layer)s noted for `_after_step`
 
@@ -101,7 +102,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             self.arena.close()
 
     def _raw_layer(self, group: int, layer: int):
-        return raw_layer(self._groups[group], layer)
+        """Raw views of one layer of our host cache, made once (the hand-over asks every step)."""
+        if (group, layer) not in self._raw_views:
+            self._raw_views[group, layer] = raw_layer(self._groups[group], layer)
+        return self._raw_views[group, layer]
 
     def extra_stats(self) -> dict:
         return dict(kv_transfer_shm_total=getattr(self.transport, "num_shm_pushes", 0))
