@@ -9,6 +9,11 @@
 // [query_starts[s], query_starts[s + 1]); its last query sits at position context_lens[s] - 1,
 // and query i of n at position context_lens[s] - n + i sees keys 0 ..= that position.
 // Math in float32 whatever the tensors' dtype; the output has q's dtype.
+//
+// Vector loops: AVX-512 where the compiler targets it (sixteen keys per dot-product batch, the two
+// query rows of a KV head sharing each value row's loads, and the softmax in registers), else
+// AVX2 (eight keys), else plain loops. The softmax was half of a decode layer's compute before it
+// ran in registers: its scalar exp did not vectorize.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -23,6 +28,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
+#if defined(__AVX512F__)
+#define PDSERVE_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -94,6 +102,107 @@ inline void axpy_rows(const float* w, const float* values, int64_t stride, int64
 }
 #endif
 
+#ifdef PDSERVE_AVX512
+// The sums of sixteen vectors, as the sixteen lanes of one (lane t: the sum of a[t]): four
+// levels of shuffle-and-add, each halving the vectors, 45 instructions for all sixteen.
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int p = 0; p < 8; ++p)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of the pair (a, b)
+    b[p] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * p], a[2 * p + 1]), _mm512_unpackhi_ps(a[2 * p], a[2 * p + 1]));
+  for (int p = 0; p < 4; ++p) {  // per 128-bit lane: that lane's sum of a[4p], ..., a[4p + 3]
+    const __m512d x = _mm512_castps_pd(b[2 * p]), y = _mm512_castps_pd(b[2 * p + 1]);
+    c[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // across the 128-bit lanes: d0 = [c0 lanes 0+1, c0 lanes 2+3, c1 lanes 0+1, c1 lanes 2+3], d1 the same of c2, c3
+  d[0] = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  d[1] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// Sixteen keys' dot products with one query row (HD a multiple of 16).
+template <int HD>
+inline void dot16(const float* q, const float* keys, int64_t key_stride, float* out) {
+  __m512 qv[HD / 16], a[16];
+  for (int d = 0; d < HD / 16; ++d) qv[d] = _mm512_loadu_ps(q + 16 * d);
+  for (int k = 0; k < 16; ++k) {
+    a[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys + k * key_stride));
+    for (int d = 1; d < HD / 16; ++d) a[k] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(keys + k * key_stride + 16 * d), a[k]);
+  }
+  _mm512_storeu_ps(out, sum16(a));
+}
+
+// Two rows' accumulators (HD floats each) += their weights times the n value rows: each value
+// row is loaded once for both (two query rows of one KV head), the accumulators stay in registers.
+template <int HD>
+inline void axpy_rows2(const float* w0, const float* w1, const float* values, int64_t stride, int64_t n, float* acc0,
+                       float* acc1) {
+  __m512 a0[HD / 16], a1[HD / 16];
+  for (int d = 0; d < HD / 16; ++d) a0[d] = _mm512_loadu_ps(acc0 + 16 * d), a1[d] = _mm512_loadu_ps(acc1 + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 x0 = _mm512_set1_ps(w0[j]), x1 = _mm512_set1_ps(w1[j]);
+    for (int d = 0; d < HD / 16; ++d) {
+      const __m512 v = _mm512_loadu_ps(values + j * stride + 16 * d);
+      a0[d] = _mm512_fmadd_ps(x0, v, a0[d]);
+      a1[d] = _mm512_fmadd_ps(x1, v, a1[d]);
+    }
+  }
+  for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc0 + 16 * d, a0[d]), _mm512_storeu_ps(acc1 + 16 * d, a1[d]);
+}
+
+// exp_nonpositive on sixteen lanes: the same reduction and polynomial; 2^n applied by scalef
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// A row of scores in place: softmax over its first `visible`, zero for the rest up to ctx.
+inline void softmax_row16(float* row, int64_t visible, int64_t ctx) {
+  const int64_t full = visible & ~int64_t{15};
+  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - full)) - 1);
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+  m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + full));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), mx));
+    _mm512_storeu_ps(row + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), mx)));
+    _mm512_mask_storeu_ps(row + full, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
+  if (tail) _mm512_mask_storeu_ps(row + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), inv));
+  for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
+}
+
+template <int HD>
+inline void axpy_rows1(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
+  __m512 a[HD / 16];
+  for (int d = 0; d < HD / 16; ++d) a[d] = _mm512_loadu_ps(acc + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 x = _mm512_set1_ps(w[j]);
+    for (int d = 0; d < HD / 16; ++d) a[d] = _mm512_fmadd_ps(x, _mm512_loadu_ps(values + j * stride + 16 * d), a[d]);
+  }
+  for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc + 16 * d, a[d]);
+}
+#endif
+
 // HD: head_dim known at compile time (0: read from `head_dim`), so the per-key loops unroll.
 template <typename T, int HD>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -114,6 +223,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // the AVX2 loops: head_dim a multiple of 8 known at compile time (keys and values are float32
   // by then: read in place, or converted into `kv`)
   [[maybe_unused]] constexpr bool kVector = HD > 0 && HD % 8 == 0;
+  [[maybe_unused]] constexpr bool kWide = HD > 0 && HD % 16 == 0;  // the AVX-512 loops
 
   for (int64_t s = 0; s < num_seqs; ++s) {  // checked once, before any thread reads
     const int64_t nq = query_starts[s + 1] - query_starts[s], ctx = context_lens[s];
@@ -171,6 +281,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float* next = j0 + block_size < ctx ? rows_at(false, j0 + block_size) : rows_at(true, 0);
         const int64_t next_n = j0 + block_size < ctx ? std::min(block_size, ctx - j0 - block_size) : std::min(block_size, ctx);
         int64_t jj = 0;
+#ifdef PDSERVE_AVX512
+        if constexpr (kWide) {  // sixteen keys at a time, every row of every head
+          for (; jj + 16 <= n; jj += 16) {
+            for (int64_t x = 0; x < 16; ++x) prefetch_row(next, next_n, jj + x);
+            for (int64_t h = 0; h < num_heads; ++h)
+              for (int64_t i = 0; i < nq; ++i)
+                dot16<HD>(qf.data() + (h * nq + i) * HD, blk + jj * kv_row + (h / group) * HD, kv_row,
+                          scores.data() + (h * nq + i) * ctx + j0 + jj);
+          }
+        }
+#endif
 #ifdef PDSERVE_AVX2
         if constexpr (kVector) {  // eight keys at a time, every row of every head
           for (; jj + 8 <= n; jj += 8) {
@@ -199,6 +320,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees (zero beyond)
         float* row = scores.data() + r * ctx;
         const int64_t visible = ctx - nq + r % nq + 1;
+#ifdef PDSERVE_AVX512
+        softmax_row16(row, visible, ctx);
+#else
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < visible; ++j) m = std::max(m, row[j]);
@@ -213,6 +337,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #pragma omp simd
         for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
         for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
+#endif
       }
       acc.assign(rows * head_dim, 0.f);
       for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // out: every row's weights times the values
@@ -220,6 +345,21 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t n = std::min(block_size, ctx - j0);
         const float* next = j0 + block_size < ctx ? rows_at(true, j0 + block_size) : nullptr;
         const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
+#ifdef PDSERVE_AVX512
+        if constexpr (kWide) {  // the rows of one KV head (contiguous: row = h * nq + i) two at a time
+          for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
+          const int64_t per_kv = group * nq;
+          for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+            const float* vals = blk + kh * HD;
+            int64_t r = kh * per_kv;
+            for (; r + 2 <= (kh + 1) * per_kv; r += 2)
+              axpy_rows2<HD>(scores.data() + r * ctx + j0, scores.data() + (r + 1) * ctx + j0, vals, kv_row, n,
+                             acc.data() + r * HD, acc.data() + (r + 1) * HD);
+            if (r < (kh + 1) * per_kv) axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
+          }
+          continue;
+        }
+#endif
 #ifdef PDSERVE_AVX2
         if constexpr (kVector) {  // a block's values into each row's accumulator, held in registers
           for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);

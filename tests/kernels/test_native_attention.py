@@ -25,24 +25,24 @@ def test_native_attention_builds():
     assert native.load(), native.error()
 
 
-def _step(context_lens, query_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+def _step(context_lens, query_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, block_size=BLOCK_SIZE):
     """A step's new K/V (the last query_lens positions of each context) not yet in the cache,
     the cache holding the rest, and the slots the new rows go to."""
-    k_dense, v_dense, k_cache, v_cache, tables = make_paged_kv(context_lens, num_kv_heads, head_dim, BLOCK_SIZE,
+    k_dense, v_dense, k_cache, v_cache, tables = make_paged_kv(context_lens, num_kv_heads, head_dim, block_size,
                                                                dtype, "cpu", seed)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
     k_new = torch.cat([k[len(k) - n:] for k, n in zip(k_dense, query_lens)])
     v_new = torch.cat([v[len(v) - n:] for v, n in zip(v_dense, query_lens)])
-    slots = torch.tensor([int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+    slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size
                           for s, (c, n) in enumerate(zip(context_lens, query_lens)) for p in range(c - n, c)])
     for cache in (k_cache, v_cache):  # the new rows are not in the cache yet
         cache.view(-1, num_kv_heads, head_dim)[slots] = 7.0
     return q, k_new, v_new, k_dense, v_dense, k_cache, v_cache, tables, slots
 
 
-def _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens, scale=0.2):
-    plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
+def _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens, scale=0.2, block_size=BLOCK_SIZE):
+    plan = plan_gather(tables, context_lens, query_lens, block_size, native=True)
     return torch.ops.pdserve.paged_attention_cpu(q, k, v, k_cache, v_cache, slots, plan.block_ids,
                                                   plan.context_lens, plan.query_starts, scale)
 
@@ -58,6 +58,18 @@ def test_native_matches_dense_attention(case, num_heads, num_kv_heads, head_dim)
     out = _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 48])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 32), (4, 1, 64)])
+def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads, num_kv_heads, head_dim):
+    """Blocks shorter than the vector loops' sixteen keys, and blocks of several sixteens and a rest."""
+    for case in ("verify-ragged", "long"):
+        context_lens, query_lens = CASES[case]
+        q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(
+            context_lens, query_lens, num_heads, num_kv_heads, head_dim, torch.float32, block_size=block_size)
+        out = _native(q, k, v, k_cache, v_cache, tables, slots, context_lens, query_lens, block_size=block_size)
+        assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
