@@ -24,13 +24,9 @@ def target(checkpoint):
 def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
     options = dict(speculative_method="ngram", num_speculative_tokens=3, spec_adaptive=False,
                    cpu_attention=cpu_attention)
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from pdserve.engine.model.llama import CausalLM
-
     eager, compiled = LLM(target, **options), LLM(target, graph_capture="compile", **options)
-    graphs = len(_debug_get_cache_entry_list(CausalLM.forward.__code__))  # warm-up compiled one
     capture = compiled.engine.runner.capture
+    graphs = capture.num_graphs  # the warm-up compiled them
     assert capture is not None and capture.compile_seconds > 0  # compiled at start-up, not in a request
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)):
@@ -41,7 +37,25 @@ def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
     assert capture.num_steps["prefill"] > 1 and capture.num_steps["planned"] > 1  # both graphs ran (37-token prompts)
     # one graph for every batch size and length, and for buffers grown mid-request: nothing
     # recompiled after the warm-up
-    assert len(_debug_get_cache_entry_list(CausalLM.forward.__code__)) == graphs >= 1
+    assert capture.num_graphs == graphs >= 1
+
+
+@pytest.mark.slow
+def test_engines_of_one_model_class_keep_their_own_graphs(target, checkpoint):
+    """Each compiled forward guards only its step's inputs (not the model's parameters or the KV
+    caches), which is sound only because each has graphs of its own: two models of the same class,
+    with KV caches of one shape but MLPs of two widths, compiled in one process and run in turn,
+    each give their eager tokens (sharing graphs, the second would run the first's shapes)."""
+    other = checkpoint("llama", seed=1, intermediate_size=96)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engines = {path: (LLM(path), LLM(path, graph_capture="compile")) for path in (target, other)}
+    for _ in range(2):
+        for eager, compiled in engines.values():
+            assert [o.token_ids for o in compiled.generate(PROMPTS, params)] == \
+                [o.token_ids for o in eager.generate(PROMPTS, params)]
+    captures = [compiled.engine.runner.capture for _, compiled in engines.values()]
+    assert all(not c.is_broken and c.num_graphs >= 1 for c in captures)
+    assert captures[0]._code is not captures[1]._code
 
 
 @pytest.mark.slow
