@@ -56,10 +56,14 @@ class SpeculationGate:
     def regime(batch_size: int, sampled: bool) -> tuple[int, bool]:
         return max(batch_size, 1).bit_length(), sampled
 
-    def allow(self, batch_size: int, sampled: bool = False) -> bool:
+    def allow(self, batch_size: int, sampled: bool = False, settled: bool = True) -> bool:
         """Whether this step may speculate: a burst of each mode first, then the cheaper one,
-        with a burst of the other after each period."""
+        with a burst of the other after each period. An unsettled step (one the caller will not
+        measure: caches still warming after a prefill) gets the current verdict and does not
+        count towards the schedule, so no burst is spent on steps that are not measured."""
         st = self._schedules.setdefault(self.regime(batch_size, sampled), _Schedule())
+        if not settled:
+            return st.speculate
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST

@@ -58,6 +58,15 @@ class StepShape:
 
 
 class Speculator:
+    # Steps right after a prefill run slower, in either mode: on the demo target the first
+    # decode steps after 8 prompts' prefill took 7.0, 6.4, 5.0, 4.1, 3.4 ms, then 3.1 ms from the
+    # sixth on (every op about 2x slower at first, the step's Python included: the prefill's
+    # activations pushed the weights and the interpreter out of cache). Measured there, a mode
+    # looks dearer than it is, and at batch 8, temperature 1 that made the gate speculate where
+    # plain decoding was cheaper (0.85x). So the gate neither measures nor moves its schedule
+    # until this many pure-decode steps have run since the last step with prefill tokens.
+    WARMUP_STEPS = 6
+
     def __init__(self, proposer: Proposer, depth: AdaptiveDepth, verifier, catches_up: bool):
         """verifier: a `verifier.CoupledVerifier` or `verifier.RejectionVerifier`. catches_up:
         the proposer must first see the tokens plain steps emitted (a draft model)."""
@@ -70,6 +79,7 @@ class Speculator:
         self._ks: dict[str, int] = {}  # this step's depth per request, from `plan`
         self._regime = (0, False)  # the gate's: this step's batch size, and whether any request samples
         self._cohort: set[str] = set()  # the requests running when the gate was last renewed
+        self._decode_run = 0  # pure-decode steps since the last step with prefill tokens
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): the target's forward
@@ -84,7 +94,8 @@ class Speculator:
             return
         self.depth.target_cost.observe(*target_pass)
         switching = self.catches_up and self._speculated and not self._speculated_before
-        if self.depth.adaptive and shape.is_decode_only:
+        self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
+        if self.depth.adaptive and self._decode_run > self.WARMUP_STEPS:
             num_tokens = sum(len(o.new_token_ids) for o in outputs)
             if not switching:
                 self.gate.observe(self._regime[0], self._speculated, seconds, num_tokens, self._regime[1])
@@ -97,7 +108,7 @@ class Speculator:
         """Whether this step speculates at all: always at fixed depth; with adaptive depth, while
         the gate measures it paying for a batch like this one (its size, and whether any request
         samples). When most of the batch is new since the gate last heard so, it is told to
-        measure again soon."""
+        measure again soon. Within WARMUP_STEPS of a prefill the gate keeps its current verdict."""
         self._speculated = False
         if not self.depth.adaptive:
             return True
@@ -105,7 +116,7 @@ class Speculator:
         if sum(1 for s in running if s.req_id not in self._cohort) * 2 > len(running):
             self.gate.renew(*self._regime)
             self._cohort = {s.req_id for s in running}
-        return self.gate.allow(*self._regime)
+        return self.gate.allow(*self._regime, settled=self._decode_run >= self.WARMUP_STEPS)
 
     def plan(self, seqs: list[Sequence], max_model_len: int) -> None:
         """The step's depths for the sequences about to decode (`choose_k` then answers the

@@ -129,6 +129,25 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
 
 
+def test_unsettled_steps_keep_the_verdict_and_do_not_move_the_schedule():
+    """Steps right after a prefill (unsettled: the engine does not measure them) get the current
+    verdict, and no burst is spent on them: the measuring bursts wait for settled steps."""
+    gate = Gate()
+    assert [gate.allow(8, True, settled=False) for _ in range(20)] == [True] * 20  # nothing measured yet
+    first = [gate.allow(8, True) for _ in range(2 * Gate.BURST)]
+    assert first == [True] * Gate.BURST + [False] * Gate.BURST  # the bursts start at the first settled step
+    for _ in range(Gate.BURST):
+        gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)
+        gate.observe(8, False, seconds=0.004, num_tokens=8, sampled=True)  # plain wins
+    assert gate.allow(8, True) is False
+    steps = gate._schedules[gate.regime(8, True)].steps
+    assert [gate.allow(8, True, settled=False) for _ in range(3 * Gate.PERIOD)] == [False] * (3 * Gate.PERIOD)
+    assert gate._schedules[gate.regime(8, True)].steps == steps
+    # the exploring burst comes PERIOD settled steps after the decision, however many unsettled ones came between
+    settled = [gate.allow(8, True) for _ in range(Gate.PERIOD + Gate.BURST)]
+    assert _bursts(settled, True) == [(Gate.PERIOD - 1, Gate.BURST)]
+
+
 def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests():
     gate = Gate()
     for sampled in (False, True):

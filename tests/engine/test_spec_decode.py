@@ -343,11 +343,13 @@ def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(targ
     """The first speculative step after plain ones pays for the draft catching up on every token
     they emitted: the gate must not count it as the cost of speculating. Later speculative
     steps count, and so do plain ones, and so do steps where a sequence that sat out the last
-    speculative step (depth 0) catches up: that is part of speculating."""
+    speculative step (depth 0) catches up: that is part of speculating. The first
+    WARMUP_STEPS decode steps after the prefill count in neither mode."""
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
     spec = llm.engine.speculator
     verdicts = iter(([False] * 5 + [True] * 6) * 100)
-    spec.gate.allow = lambda batch_size, sampled: next(verdicts)
+    settled_flags = []
+    spec.gate.allow = lambda batch_size, sampled, settled=True: settled_flags.append(settled) or next(verdicts)
     calls: dict[str, int] = {}
 
     def plan(seqs, rooms):  # no timings; the second request sits out every other step
@@ -365,7 +367,8 @@ def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(targ
     def step():
         before = len(observed)
         out = real_step()
-        steps.append((spec._speculated, llm.engine._shape.is_decode_only, len(observed) > before))
+        steps.append((spec._speculated, llm.engine._shape.is_decode_only, len(observed) > before,
+                      settled_flags[-1]))
         return out
 
     llm.engine.step = step
@@ -374,7 +377,9 @@ def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(targ
     llm.engine.add_request(second, list(range(50, 70)), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     while llm.engine.has_unfinished():
         llm.engine.step()
-    decode = [(i, s, seen) for i, (s, d, seen) in enumerate(steps) if d and i > 0]
+    warm = [seen for s, d, seen, settled in steps if d and not settled]
+    assert len(warm) == spec.WARMUP_STEPS and not any(warm)  # after the one prefill, then never again
+    decode = [(i, s, seen) for i, (s, d, seen, settled) in enumerate(steps) if d and settled and i > 0]
     switching = [seen for i, s, seen in decode if s and not steps[i - 1][0]]
     speculating = [seen for i, s, seen in decode if s and steps[i - 1][0]]
     plain = [seen for i, s, seen in decode if not s]
@@ -391,7 +396,7 @@ def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, 
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
     verdicts = iter([True, False] * 1000)
     allowed = []
-    llm.engine.speculator.gate.allow = lambda batch_size, sampled: allowed.append(next(verdicts)) or allowed[-1]
+    llm.engine.speculator.gate.allow = lambda batch_size, sampled, settled=True: allowed.append(next(verdicts)) or allowed[-1]
     llm.engine.speculator.depth.plan = lambda seqs, rooms: [max(0, min(3, r)) for r in rooms]  # no timings
     drafts_before = []
     orig_propose = llm.engine.speculator.propose
