@@ -167,6 +167,12 @@ def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests
     in_burst = False
     while (speculates := gate.allow(1, True)) or not in_burst:  # to the end of an exploring burst
         in_burst = in_burst or speculates
+    far = copy.deepcopy(gate)
+    far.renew(1, True)  # speculation lost by 67%: new requests do not bring its burst forward
+    assert True not in [far.allow(1, True) for _ in range(Gate.PERIOD + 1)]
+    for _ in range(30):  # now it loses by 10% only
+        gate.observe(1, True, seconds=0.0066, num_tokens=2, sampled=True)
+    gate.allow(1, True)  # a decision records the margin
     renewed = copy.deepcopy(gate)
     renewed.renew(1, True)  # most requests are new: measured again within PERIOD
     assert True not in [gate.allow(1, True) for _ in range(Gate.PERIOD + 1)]
