@@ -78,15 +78,29 @@ class SpeculationGate:
         spec_cost = spec + switch / (self.PERIOD * max(batch_size, 1))
         winner = spec_cost <= plain
         st.margin = max(spec_cost, plain) / max(min(spec_cost, plain), 1e-12) - 1
-        if winner != st.speculate or st.period == 0:  # the first decision, or the winner changed
-            st.speculate, st.period = winner, self._first_period(batch_size, sampled, winner)
-            st.next_burst = n + st.period
+        if st.period == 0:  # the first decision, on the two bursts just measured
+            return self._decide(st, winner, n, batch_size, sampled)
         if n < st.next_burst:
-            return winner
+            if winner == st.speculate:
+                return winner
+            # The running mode now measures dearer than the other did when last measured. That
+            # figure is old (costs drift: contexts grow, requests change), so it is measured again
+            # now rather than switched to: switching on it, a 128-token run at batch 8,
+            # temperature 1 turned to speculation near its end every time, as the contexts grew
+            # and plain steps got dearer than speculation's figure from the short contexts.
+            st.next_burst = n
         if n < st.next_burst + self.BURST:  # exploring
-            return not winner
+            return not st.speculate
+        if winner != st.speculate:  # the burst just ended, and the other mode measured cheaper
+            return self._decide(st, winner, n, batch_size, sampled)
         # the burst left the same winner
         st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, winner))
+        st.next_burst = n + st.period
+        return winner
+
+    def _decide(self, st: _Schedule, winner: bool, n: int, batch_size: int, sampled: bool) -> bool:
+        """A new winner (or the first): its first period starts now."""
+        st.speculate, st.period = winner, self._first_period(batch_size, sampled, winner)
         st.next_burst = n + st.period
         return winner
 

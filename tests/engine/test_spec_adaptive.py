@@ -113,13 +113,14 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     assert gaps[:4] == [2 * Gate.PERIOD, 4 * Gate.PERIOD, 8 * Gate.PERIOD, 16 * Gate.PERIOD]
     assert max(gaps) == Gate.MAX_PERIOD and gaps[-1] == Gate.MAX_PERIOD
 
-    # the winner changes: speculation now measures cheaper, and the wait starts again at PERIOD
+    # the winner changes: speculation now measures cheaper, is measured again at once (a burst),
+    # and wins; the wait starts again at PERIOD
     for _ in range(30):
         gate.observe(32, True, seconds=0.05, num_tokens=40)
     after = [gate.allow(32) for _ in range(3 * Gate.PERIOD)]
     assert after[0] is True
     plain_bursts = _bursts(after, False)
-    assert plain_bursts and plain_bursts[0] == (Gate.PERIOD, Gate.BURST)
+    assert plain_bursts and plain_bursts[0] == (Gate.BURST + Gate.PERIOD, Gate.BURST)
 
     # batch 1 keeps its own record
     for _ in range(2 * Gate.BURST):
@@ -127,6 +128,26 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     gate.observe(1, True, seconds=0.02, num_tokens=4)  # 5 ms per token
     gate.observe(1, False, seconds=0.01, num_tokens=1)  # 10 ms per token
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
+
+
+def test_a_drifting_winner_measures_the_other_mode_again_before_switching():
+    """When the running mode's cost drifts above the other mode's last figure (contexts grow
+    over a run), the other mode is measured again at once, not switched to on an old figure: if
+    the burst shows it dearer after all, the running mode stays, and its wait doubles."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(8, True)
+    for _ in range(Gate.BURST):
+        gate.observe(8, True, seconds=0.0060, num_tokens=10, sampled=True)  # 0.60 ms per token
+        gate.observe(8, False, seconds=0.0040, num_tokens=8, sampled=True)  # 0.50 ms: plain wins
+    assert [gate.allow(8, True) for _ in range(10)] == [False] * 10
+    for _ in range(20):  # longer contexts: plain steps now cost 0.65 ms per token
+        gate.observe(8, False, seconds=0.0052, num_tokens=8, sampled=True)
+    burst = [gate.allow(8, True) for _ in range(Gate.BURST)]
+    assert burst == [True] * Gate.BURST  # speculation is measured again, not switched to
+    for _ in range(Gate.BURST):  # and at these contexts it costs 0.80 ms per token
+        gate.observe(8, True, seconds=0.0080, num_tokens=10, sampled=True)
+    assert [gate.allow(8, True) for _ in range(2 * Gate.PERIOD)] == [False] * (2 * Gate.PERIOD)
 
 
 def test_unsettled_steps_keep_the_verdict_and_do_not_move_the_schedule():
