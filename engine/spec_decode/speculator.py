@@ -60,8 +60,10 @@ class StepShape:
 class Speculator:
     # Steps right after a prefill run slower, in either mode: on the demo target the first
     # decode steps after 8 prompts' prefill took 7.0, 6.4, 5.0, 4.1, 3.4 ms, then 3.1 ms from the
-    # sixth on (every op about 2x slower at first, the step's Python included: the prefill's
-    # activations pushed the weights and the interpreter out of cache). Measured there, a mode
+    # sixth on (every op about 2x slower at first, the step's Python included). Not the prefill
+    # itself: 100 ms of anything else between two decode steps (a matmul loop, a Python spin, a
+    # sleep) did the same in a scratch test, while sweeping 64 MB did not, so the steps' weights
+    # and data are fetched again after a pause (on a shared host's cache). Measured there, a mode
     # looks dearer than it is, and at batch 8, temperature 1 that made the gate speculate where
     # plain decoding was cheaper (0.85x). So the gate neither measures nor moves its schedule
     # until this many pure-decode steps have run since the last step with prefill tokens.
