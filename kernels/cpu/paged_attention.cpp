@@ -12,8 +12,9 @@
 //
 // Vector loops: AVX-512 where the compiler targets it (sixteen keys per dot-product batch, the two
 // query rows of a KV head sharing each value row's loads, and the softmax in registers), else
-// AVX2 (eight keys), else plain loops. The softmax was half of a decode layer's compute before it
-// ran in registers: its scalar exp did not vectorize.
+// AVX2 (eight keys, and the softmax eight lanes at a time), else plain loops. The softmax was
+// half of a decode layer's compute before it ran in vector registers: its scalar exp did not
+// vectorize.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -86,6 +87,61 @@ inline void dot8(const float* q, const float* keys, int64_t key_stride, float* o
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+
+// exp_nonpositive on eight lanes: the same reduction and polynomial; 2^n built in the exponent
+// bits (n >= -126 since x >= -87, so the result stays a normal float)
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f),
+                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// A row of scores in place: softmax over its first `visible`, zero for the rest up to ctx
+// (eight lanes at a time, the last few in scalar code).
+inline void softmax_row8(float* row, int64_t visible, int64_t ctx) {
+  const int64_t full = visible & ~int64_t{7};
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + j));
+  float m = hmax8(mv);
+  for (int64_t j = full; j < visible; ++j) m = std::max(m, row[j]);
+  const __m256 mx = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + j), mx));
+    _mm256_storeu_ps(row + j, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum8(sv);
+  for (int64_t j = full; j < visible; ++j) sum += row[j] = exp_nonpositive(row[j] - m);
+  const float inv = 1.f / sum;
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), iv));
+  for (int64_t j = full; j < visible; ++j) row[j] *= inv;
+  for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
 }
 
 // acc (HD floats) += sum over the n rows of w[j] * values[j * stride]: the accumulator in
@@ -320,8 +376,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees (zero beyond)
         float* row = scores.data() + r * ctx;
         const int64_t visible = ctx - nq + r % nq + 1;
-#ifdef PDSERVE_AVX512
+#if defined(PDSERVE_AVX512)
         softmax_row16(row, visible, ctx);
+#elif defined(PDSERVE_AVX2)
+        softmax_row8(row, visible, ctx);
 #else
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -447,9 +505,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+// The op's namespace: `pdserve`, except in a test that builds the file again for a narrower
+// instruction set beside the loaded library (tests/kernels/test_native_attention.py).
+#ifndef PDSERVE_OP_NAMESPACE
+#define PDSERVE_OP_NAMESPACE pdserve
+#endif
+
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("paged_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_ids, Tensor context_lens, Tensor query_starts, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }

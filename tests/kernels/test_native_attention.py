@@ -72,6 +72,30 @@ def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads,
         assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("isa,flags", [("avx2", ["-mno-avx512f"]), ("plain", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])
+def test_narrower_instruction_sets_match_dense_attention(isa, flags, tmp_path):
+    """The AVX2 and plain loops, which a CPU with AVX-512 never runs: the same source built
+    again without those instructions (as `native.py` builds it, other flags), under a namespace
+    of its own beside the loaded library."""
+    from torch.utils import cpp_extension
+
+    assert native.load(), native.error()
+    name = f"pdserve_test_{isa}"
+    cpp_extension.load(name, [str(native.SOURCES[0])], extra_cflags=[*native.FLAGS, *flags,
+                       f"-DPDSERVE_OP_NAMESPACE={name}"], is_python_module=False, verbose=False,
+                       build_directory=str(tmp_path))
+    op = getattr(torch.ops, name).paged_attention_cpu
+    for case in CASES:
+        for num_heads, num_kv_heads, head_dim in [(8, 4, 32), (4, 1, 64), (6, 3, 24)]:
+            context_lens, query_lens = CASES[case]
+            q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(
+                context_lens, query_lens, num_heads, num_kv_heads, head_dim, torch.float32)
+            plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
+            out = op(q, k, v, k_cache, v_cache, slots, plan.block_ids, plan.context_lens, plan.query_starts, 0.2)
+            assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_matches_gathered_attention(dtype):
     """Strided q/k/v (slices of one fused projection, as the model passes them), both dtypes."""
