@@ -89,24 +89,32 @@ inline void dot8(const float* q, const float* keys, int64_t key_stride, float* o
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 }
 
-// exp_nonpositive on eight lanes: the same reduction and polynomial; 2^n built in the exponent
-// bits (n >= -126 since x >= -87, so the result stays a normal float)
-inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f),
-                                    _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+// exp_nonpositive on a vector's lanes, for the lane types below (Lanes8: AVX2, Lanes16:
+// AVX-512): the same range reduction and polynomial, 2^n applied as the lanes allow
+template <typename L>
+inline typename L::V exp_lanes_nonpositive(typename L::V x) {
+  using V = typename L::V;
+  x = L::max(x, L::set1(-87.f));
+  const V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  const V r = L::fnmadd(n, L::set1(1.428606765330187045e-06f), L::fnmadd(n, L::set1(0.693145751953125f), x));
+  V p = L::set1(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = L::fmadd(p, r, L::set1(c));
+  return L::times_pow2(p, n);
 }
+
+struct Lanes8 {
+  using V = __m256;
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V times_pow2(V p, V n) {  // 2^n built in the exponent bits (n >= -126 since x >= -87: a normal float)
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+};
 
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -131,7 +139,7 @@ inline void softmax_row8(float* row, int64_t visible, int64_t ctx) {
   const __m256 mx = _mm256_set1_ps(m);
   __m256 sv = _mm256_setzero_ps();
   for (int64_t j = 0; j < full; j += 8) {
-    const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + j), mx));
+    const __m256 e = exp_lanes_nonpositive<Lanes8>(_mm256_sub_ps(_mm256_loadu_ps(row + j), mx));
     _mm256_storeu_ps(row + j, e);
     sv = _mm256_add_ps(sv, e);
   }
@@ -205,22 +213,16 @@ inline void axpy_rows2(const float* w0, const float* w1, const float* values, in
   for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc0 + 16 * d, a0[d]), _mm512_storeu_ps(acc1 + 16 * d, a1[d]);
 }
 
-// exp_nonpositive on sixteen lanes: the same reduction and polynomial; 2^n applied by scalef
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+struct Lanes16 {
+  using V = __m512;
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
+};
 
 // A row of scores in place: softmax over its first `visible`, zero for the rest up to ctx.
 inline void softmax_row16(float* row, int64_t visible, int64_t ctx) {
@@ -232,12 +234,12 @@ inline void softmax_row16(float* row, int64_t visible, int64_t ctx) {
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < full; j += 16) {
-    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), mx));
+    const __m512 e = exp_lanes_nonpositive<Lanes16>(_mm512_sub_ps(_mm512_loadu_ps(row + j), mx));
     _mm512_storeu_ps(row + j, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (tail) {
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), mx)));
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_lanes_nonpositive<Lanes16>(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), mx)));
     _mm512_mask_storeu_ps(row + full, tail, e);
     sum = _mm512_add_ps(sum, e);
   }
