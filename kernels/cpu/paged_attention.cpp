@@ -339,27 +339,24 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float* next = j0 + block_size < ctx ? rows_at(false, j0 + block_size) : rows_at(true, 0);
         const int64_t next_n = j0 + block_size < ctx ? std::min(block_size, ctx - j0 - block_size) : std::min(block_size, ctx);
         int64_t jj = 0;
-#ifdef PDSERVE_AVX512
-        if constexpr (kWide) {  // sixteen keys at a time, every row of every head
-          for (; jj + 16 <= n; jj += 16) {
-            for (int64_t x = 0; x < 16; ++x) prefetch_row(next, next_n, jj + x);
+        // W keys at a time while W remain, every row of every head, through dot(q row, keys, stride, out)
+        [[maybe_unused]] auto keys_by = [&](auto width, auto dot) {
+          constexpr int64_t W = decltype(width)::value;
+          for (; jj + W <= n; jj += W) {
+            for (int64_t x = 0; x < W; ++x) prefetch_row(next, next_n, jj + x);
             for (int64_t h = 0; h < num_heads; ++h)
               for (int64_t i = 0; i < nq; ++i)
-                dot16<HD>(qf.data() + (h * nq + i) * HD, blk + jj * kv_row + (h / group) * HD, kv_row,
-                          scores.data() + (h * nq + i) * ctx + j0 + jj);
+                dot(qf.data() + (h * nq + i) * head_dim, blk + jj * kv_row + (h / group) * head_dim, kv_row,
+                    scores.data() + (h * nq + i) * ctx + j0 + jj);
           }
-        }
+        };
+#ifdef PDSERVE_AVX512
+        if constexpr (kWide)
+          keys_by(std::integral_constant<int64_t, 16>{}, [](auto... a) { dot16<HD>(a...); });
 #endif
 #ifdef PDSERVE_AVX2
-        if constexpr (kVector) {  // eight keys at a time, every row of every head
-          for (; jj + 8 <= n; jj += 8) {
-            for (int64_t x = 0; x < 8; ++x) prefetch_row(next, next_n, jj + x);
-            for (int64_t h = 0; h < num_heads; ++h)
-              for (int64_t i = 0; i < nq; ++i)
-                dot8<HD>(qf.data() + (h * nq + i) * HD, blk + jj * kv_row + (h / group) * HD, kv_row,
-                         scores.data() + (h * nq + i) * ctx + j0 + jj);
-          }
-        }
+        if constexpr (kVector)
+          keys_by(std::integral_constant<int64_t, 8>{}, [](auto... a) { dot8<HD>(a...); });
 #endif
         for (; jj < n; ++jj) {
           prefetch_row(next, next_n, jj);
