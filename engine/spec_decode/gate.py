@@ -37,7 +37,6 @@ class _Schedule:
     speculate: bool = True  # the winner at the last decision
     period: int = 0  # steps between exploring bursts now
     next_burst: int = 0  # the step at which the next exploring burst starts
-    margin: float = 0.0  # how much dearer per token the losing mode measured at the last decision (0.3: 30%)
 
 
 class SpeculationGate:
@@ -69,15 +68,11 @@ class SpeculationGate:
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
-        spec = self.seconds_per_token(batch_size, True, sampled)
-        plain = self.seconds_per_token(batch_size, False, sampled)
-        if spec is None or plain is None:
-            return spec is None
-        # from plain decoding, speculation must win by enough to repay the switch within PERIOD steps
-        switch = 0.0 if st.speculate else self._switch.get(self.regime(batch_size, sampled), 0.0)
-        spec_cost = spec + switch / (self.PERIOD * max(batch_size, 1))
+        costs = self._costs(st, batch_size, sampled)
+        if costs is None:
+            return self.seconds_per_token(batch_size, True, sampled) is None
+        spec_cost, plain = costs
         winner = spec_cost <= plain
-        st.margin = max(spec_cost, plain) / max(min(spec_cost, plain), 1e-12) - 1
         if st.period == 0:  # the first decision, on the two bursts just measured
             return self._decide(st, winner, n, batch_size, sampled)
         if n < st.next_burst:
@@ -97,6 +92,17 @@ class SpeculationGate:
         st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, winner))
         st.next_burst = n + st.period
         return winner
+
+    def _costs(self, st: _Schedule, batch_size: int, sampled: bool) -> tuple[float, float] | None:
+        """Seconds per token (speculating, plain) as the verdict compares them, once both are
+        measured: from plain decoding, speculation must win by enough to repay the switch
+        within PERIOD steps."""
+        spec = self.seconds_per_token(batch_size, True, sampled)
+        plain = self.seconds_per_token(batch_size, False, sampled)
+        if spec is None or plain is None:
+            return None
+        switch = 0.0 if st.speculate else self._switch.get(self.regime(batch_size, sampled), 0.0)
+        return spec + switch / (self.PERIOD * max(batch_size, 1)), plain
 
     def _decide(self, st: _Schedule, winner: bool, n: int, batch_size: int, sampled: bool) -> bool:
         """A new winner (or the first): its first period starts now."""
@@ -121,7 +127,10 @@ class SpeculationGate:
         speculation costs about 30% more per token, the burst and the draft's catch-up that each
         new batch brought cost 3–5% of a 128-token run; the doubling waits still come round."""
         st = self._schedules.get(self.regime(batch_size, sampled))
-        if st is not None and st.period and st.margin < self.RENEW_MARGIN:
+        if st is None or not st.period:
+            return
+        costs = self._costs(st, batch_size, sampled)
+        if costs is None or max(costs) / max(min(costs), 1e-12) - 1 < self.RENEW_MARGIN:
             st.period = self._first_period(batch_size, sampled, st.speculate)
             st.next_burst = min(st.next_burst, st.steps + st.period)
 

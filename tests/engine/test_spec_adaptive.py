@@ -193,7 +193,7 @@ def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests
     assert True not in [far.allow(1, True) for _ in range(Gate.PERIOD + 1)]
     for _ in range(30):  # now it loses by 10% only
         gate.observe(1, True, seconds=0.0066, num_tokens=2, sampled=True)
-    gate.allow(1, True)  # a decision records the margin
+    gate.allow(1, True)
     renewed = copy.deepcopy(gate)
     renewed.renew(1, True)  # most requests are new: measured again within PERIOD
     assert True not in [gate.allow(1, True) for _ in range(Gate.PERIOD + 1)]
