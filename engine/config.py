@@ -11,7 +11,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import DTYPES
 from pdserve.engine.spec_decode.verifier import SPEC_VERIFIERS
 from pdserve.kernels import BACKENDS
-from pdserve.kernels.native import CPU_ATTENTIONS
+from pdserve.kernels.native import CPU_ATTENTIONS, CPU_LINEARS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 
@@ -29,6 +29,9 @@ class EngineConfig:
     # the CPU's attention for decode and verification steps: "auto" (the native op where it builds,
     # `kernels/native.py`: 10–20 s once per machine), "native" (an error where it cannot), "torch"
     cpu_attention: str = "auto"
+    # the CPU's float32 projections: "auto" (weights packed for the native `linear_packed` where
+    # the native ops build with AVX-512), "native" (an error where they cannot), "torch" (nn.Linear)
+    cpu_linear: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 << 20
@@ -58,6 +61,7 @@ class EngineConfig:
                f"must be one of {GRAPH_CAPTURES}")
         _check(self.cpu_attention in CPU_ATTENTIONS, "cpu_attention", self.cpu_attention,
                f"must be one of {CPU_ATTENTIONS}")
+        _check(self.cpu_linear in CPU_LINEARS, "cpu_linear", self.cpu_linear, f"must be one of {CPU_LINEARS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "must be >= 1")

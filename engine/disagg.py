@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from pdserve.engine.model.llama import PackedLinear
 from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -82,10 +83,16 @@ def kv_group_layouts(engine: LLMEngine) -> list[KVGroupLayout]:
 
 
 def model_identity(model: torch.nn.Module, config_hash: str) -> str:
-    """A hash of the config and of every weight's name and shape (not the values: cheap)."""
+    """A hash of the config and of every weight's name and shape (not the values: cheap), as the
+    checkpoint has them: a packed projection (`PackedLinear`, a CPU's layout) counts as its
+    [out, in] weight, so a worker that packs pairs with one that does not."""
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            shapes[f"{name}.weight"] = (module.out_features, module.in_features)
     h = hashlib.sha256(config_hash.encode())
-    for name, tensor in model.state_dict().items():
-        h.update(f"{name}:{tuple(tensor.shape)};".encode())
+    for name in sorted(shapes):
+        h.update(f"{name}:{shapes[name]};".encode())
     return h.hexdigest()[:16]
 
 

@@ -54,6 +54,7 @@ class LLMEngine:
         self.ops = select_ops(config.kernel_backend, self.device)
         self.capture = resolve_capture(config.graph_capture, self.device, self.ops.name)
         self.native_attention = native.resolve(config.cpu_attention, self.device, self.ops.name)
+        self.native_linear = native.resolve_linear(config.cpu_linear, self.device, self.dtype)
         # a draft is loaded whenever one is named (a prefill worker fills its cache without speculating)
         has_draft = config.draft_model and config.speculative_method != "ngram"
         self.draft_config = load_model_config(config.draft_model) if has_draft else None
@@ -63,7 +64,7 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator,
-                                  self.native_attention)
+                                  self.native_attention, self.native_linear)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = self._build_speculator()
@@ -97,7 +98,7 @@ class LLMEngine:
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
                            self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
-                           self._kv_allocator, self.native_attention)
+                           self._kv_allocator, self.native_attention, self.native_linear)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method

@@ -51,14 +51,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64,
-                 kv_allocator: KVAllocator | None = None, native_attention: bool = False):
+                 kv_allocator: KVAllocator | None = None, native_attention: bool = False,
+                 native_linear: bool = False):
         """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
         max_batch: the most sequences a step holds (CUDA graphs capture up to it);
         kv_allocator: where the KV cache lives when not in ordinary memory (see `KVAllocator`);
         native_attention: planned steps attend through `paged_attention_cpu` (`kernels/native.py`,
-        loaded by the caller)."""
+        loaded by the caller); native_linear: the projections run `linear_packed` (the same library)."""
         self.cfg, self.device, self.block_size = cfg, device, block_size
-        self.model = build_model(cfg, model_dir, ops, dtype, device)
+        self.model = build_model(cfg, model_dir, ops, dtype, device, packed_linears=native_linear)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # zeros, not empty: padded attention rows read stale slots, which must be finite
         self.kv_caches = kv_allocator and kv_allocator(cfg.num_layers, shape, dtype, device)

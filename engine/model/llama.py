@@ -102,6 +102,21 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class PackedLinear(nn.Module):
+    """A float32 `nn.Linear` on the CPU whose weight is packed into column panels once, at load
+    (`kernels/cpu/linear.cpp`); it runs `pdserve::linear_packed`. Made from a loaded `nn.Linear`
+    by `loader.py` when the engine asks for it; only the packed copy is kept."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", torch.ops.pdserve.linear_pack(linear.weight.detach()), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x):
+        return torch.ops.pdserve.linear_packed(x, self.packed, self.bias, self.out_features)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()

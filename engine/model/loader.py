@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.model.config import CheckpointError, ModelConfig
-from pdserve.engine.model.llama import CausalLM
+from pdserve.engine.model.llama import CausalLM, PackedLinear
 from pdserve.kernels import KernelOps
 
 _FUSED = {
@@ -81,13 +81,18 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise CheckpointError(f"{model_dir}: checkpoint lacks tensors {sorted(missing)[:5]}{' …' if len(missing) > 5 else ''}")
 
 
-def build_model(cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype, device: torch.device,
+                packed_linears: bool = False) -> CausalLM:
+    """packed_linears: the projections become `PackedLinear`s (the native ops must be loaded, and
+    the model float32 on the CPU: `kernels.native.resolve_linear`)."""
     with torch.device("meta"):
         model = CausalLM(cfg, ops)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     load_weights(model, model_dir)
-    if device.type == "cpu" and dtype == torch.float32:
+    if packed_linears:
+        _pack_linears(model)
+    elif device.type == "cpu" and dtype == torch.float32:
         _column_major_linears(model)
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
@@ -107,3 +112,14 @@ def _column_major_linears(model: CausalLM) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head"):
             module.weight = torch.nn.Parameter(module.weight.data.t().contiguous().t(), requires_grad=False)
+
+
+def _pack_linears(model: CausalLM) -> None:
+    """Every projection becomes a `PackedLinear`, except a `lm_head` tied to the embedding (packing
+    it would keep a second copy of the embedding)."""
+    tied = model.cfg.tie_word_embeddings
+    linears = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head")]
+    for name, module in linears:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(module))

@@ -77,12 +77,14 @@ def test_speculation_flags_are_never_silent(text_checkpoint, capsys):
     assert engine_options(ngram)["num_speculative_tokens"] == 2
 
 
-def test_cpu_attention_flag_reaches_the_engine_options():
+@pytest.mark.parametrize("option", ["cpu_attention", "cpu_linear"])
+def test_cpu_kernel_flags_reach_the_engine_options(option):
     from pdserve.cluster.cli import engine_options
 
-    assert engine_options(build_parser().parse_args(["decode-worker", "--model", "m"]))["cpu_attention"] == "auto"
-    forced = build_parser().parse_args(["decode-worker", "--model", "m", "--cpu-attention", "torch"])
-    assert engine_options(forced)["cpu_attention"] == "torch"
+    assert engine_options(build_parser().parse_args(["decode-worker", "--model", "m"]))[option] == "auto"
+    flag = "--" + option.replace("_", "-")
+    forced = build_parser().parse_args(["decode-worker", "--model", "m", flag, "torch"])
+    assert engine_options(forced)[option] == "torch"
 
 
 @pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "router"])

@@ -78,6 +78,8 @@ def test_graph_capture_option_is_validated():
         EngineConfig(model="m", graph_capture="sometimes")
     with pytest.raises(ValueError, match="cpu_attention"):
         EngineConfig(model="m", cpu_attention="fast")
+    with pytest.raises(ValueError, match="cpu_linear"):
+        EngineConfig(model="m", cpu_linear="fast")
 
 
 def test_native_attention_gives_the_torch_tokens(target):

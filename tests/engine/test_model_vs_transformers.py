@@ -7,7 +7,9 @@ import torch
 
 from tinymodels import hf_greedy, hf_model
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model.llama import PackedLinear
 from pdserve.engine.model_runner import BatchEntry
+from pdserve.kernels import native
 
 ARCHS = ["llama", "llama_linear", "qwen2", "mistral"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -37,15 +39,30 @@ def test_logits_match_transformers(checkpoint, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cpu_projections_are_column_major(checkpoint, arch):
-    """On the CPU every projection's weight is laid out for the BLAS's fast small-M path, except a
-    lm_head tied to the embedding (qwen2's), which the row lookup needs row-major."""
-    model = LLM(checkpoint(arch)).engine.runner.model
+    """Without the native projections every weight is laid out for the BLAS's fast small-M path,
+    except a lm_head tied to the embedding (qwen2's), which the row lookup needs row-major."""
+    model = LLM(checkpoint(arch), cpu_linear="torch").engine.runner.model
     layer = model.model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert lin.weight.stride() == (1, lin.weight.shape[0])
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == (arch == "qwen2")
     assert model.lm_head.weight.is_contiguous() == tied
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v, a tied lm_head
+def test_packed_projections_match_nn_linear(checkpoint, arch):
+    """The native projections (`cpu_linear="native"`, the default where they build) give the
+    logits of nn.Linear, and a tied lm_head stays the embedding itself."""
+    if not native.load() or not torch.ops.pdserve.linear_packed_available():
+        pytest.skip(f"native projections unavailable here: {native.error() or 'no AVX-512'}")
+    path, ids = checkpoint(arch), list(range(3, 40))
+    packed, plain = LLM(path, cpu_linear="native"), LLM(path, cpu_linear="torch")
+    model = packed.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.lm_head, PackedLinear) == (arch != "qwen2")
+    torch.testing.assert_close(engine_logits(packed, ids), engine_logits(plain, ids), rtol=1e-4, atol=1e-4)
+    assert LLM(path).engine.native_linear  # the default where they build
 
 
 def test_half_precision_projections_stay_row_major(checkpoint):

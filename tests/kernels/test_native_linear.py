@@ -1,0 +1,107 @@
+"""The native float32 projections (`kernels/cpu/linear.cpp`) against `F.linear`: every row count
+the loops split differently (one row, a six-row pass, the rest), output widths that end mid-panel,
+biases, threads, the build without AVX-512, torch.compile, and refusals of malformed calls."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import native
+
+# (out_features, in_features): the demo target's shapes, and widths that end mid-panel and mid-vector
+SHAPES = [(512, 256), (4096, 256), (256, 768), (100, 37), (65, 3), (1, 1), (130, 300)]
+ROWS = [0, 1, 2, 5, 6, 7, 12, 13, 40]
+
+
+@pytest.fixture
+def avx512():
+    assert native.load(), native.error()
+    if not torch.ops.pdserve.linear_packed_available():
+        pytest.skip("this CPU has no AVX-512: the engine keeps nn.Linear (the fallback is tested below)")
+
+
+def _check(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        packed = op_pack(w)
+        assert packed.shape == (-(-n // 64), k, 64)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            for bias in (None, b):
+                torch.testing.assert_close(op_linear(x, packed, bias, n), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_matches_f_linear(avx512):
+    _check(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed)
+
+
+def test_packed_linear_takes_any_weight_layout_and_leading_dims(avx512):
+    w = torch.randn(96, 80).t().contiguous().t()  # column-major, as the loader lays nn.Linear out
+    x = torch.randn(2, 3, 80)
+    out = torch.ops.pdserve.linear_packed(x, torch.ops.pdserve.linear_pack(w), None, 96)
+    assert out.shape == (2, 3, 96)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(7, 160)[:, ::2]  # a non-contiguous x
+    torch.testing.assert_close(torch.ops.pdserve.linear_packed(strided, torch.ops.pdserve.linear_pack(w), None, 96),
+                               F.linear(strided, w), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_same_result_with_two_threads(avx512):
+    """Threads split the panels; each output column is computed by one thread, the same way."""
+    w, x = torch.randn(1000, 256), torch.randn(9, 256)
+    packed = torch.ops.pdserve.linear_pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.pdserve.linear_packed(x, packed, None, 1000)
+        torch.set_num_threads(2)
+        two = torch.ops.pdserve.linear_packed(x, packed, None, 1000)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_packed_linear_runs_under_torch_compile(avx512):
+    w, b = torch.randn(200, 64), torch.randn(200)
+    packed = torch.ops.pdserve.linear_pack(w)
+    fn = torch.compile(lambda x: torch.ops.pdserve.linear_packed(x, packed, b, 200).relu(), fullgraph=True)
+    for m in (3, 1, 17):
+        x = torch.randn(m, 64)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        torch.testing.assert_close(fn(x), F.linear(x, w, b).relu(), rtol=1e-5, atol=1e-4)
+
+
+def test_build_without_avx512_falls_back_to_the_blas(tmp_path):
+    """Built without AVX-512 the op says it is unavailable (the engine then keeps nn.Linear) and
+    still answers right, one BLAS call per panel."""
+    from torch.utils import cpp_extension
+
+    assert native.load(), native.error()
+    name = "pdserve_test_linear_noavx512"
+    source = next(s for s in native.SOURCES if s.name == "linear.cpp")
+    cpp_extension.load(name, [str(source)], extra_cflags=[*native.FLAGS, "-mno-avx512f",
+                       f"-DPDSERVE_OP_NAMESPACE={name}"], is_python_module=False, verbose=False,
+                       build_directory=str(tmp_path))
+    ops = getattr(torch.ops, name)
+    assert not ops.linear_packed_available()
+    _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
+
+
+def test_packed_linear_refuses_malformed_calls(avx512):
+    w = torch.randn(100, 32)
+    packed = torch.ops.pdserve.linear_pack(w)
+    op = torch.ops.pdserve.linear_packed
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[\.\.\., 32\]"):
+        op(torch.randn(3, 31), packed, None, 100)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        op(torch.randn(3, 32).double(), packed, None, 100)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        op(torch.randn(3, 32), packed, None, 200)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.randn(3, 32), packed, torch.randn(99), 100)
+    with pytest.raises(RuntimeError, match="from linear_pack"):
+        op(torch.randn(3, 32), w, None, 100)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pdserve.linear_pack(w.double())
