@@ -7,6 +7,7 @@ import torch
 
 from tinymodels import hf_greedy, hf_model
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.disagg import engine_identity
 from pdserve.engine.model.llama import PackedLinear
 from pdserve.engine.model_runner import BatchEntry
 from pdserve.kernels import native
@@ -63,6 +64,9 @@ def test_packed_projections_match_nn_linear(checkpoint, arch):
     assert isinstance(model.lm_head, PackedLinear) == (arch != "qwen2")
     torch.testing.assert_close(engine_logits(packed, ids), engine_logits(plain, ids), rtol=1e-4, atol=1e-4)
     assert LLM(path).engine.native_linear  # the default where they build
+    # a worker that packs pairs with one that does not: the identity is the checkpoint's
+    assert engine_identity(packed.engine) == engine_identity(plain.engine)
+    assert engine_identity(packed.engine) != engine_identity(LLM(checkpoint("mistral")).engine)
 
 
 def test_half_precision_projections_stay_row_major(checkpoint):
