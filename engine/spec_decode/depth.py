@@ -17,7 +17,8 @@ trims each sequence to the positions worth their own marginal cost (position j o
 stays while α_i^j, its chance of adding a token, times the step's seconds per token covers the
 slopes of both cost lines), and keeps the k whose trimmed depths maximise ΣE / cost. k = 0
 (plain decoding) wins when verification stops being nearly free, as at large batches. A
-sequence that stops speculating drifts back to the prior, so it tries again.
+sequence that stops speculating drifts back to the prior, so it tries again; one never planned
+counts as accepting everything, so its first step drafts and measures it.
 """
 from __future__ import annotations
 
@@ -68,7 +69,14 @@ class AdaptiveDepth:
         self._acc: dict[str, _Acceptance] = {}
 
     def alpha(self, req_id: str) -> float:
-        acc = self._acc.get(req_id, _Acceptance())
+        """The sequence's recent acceptance, pulled towards PRIOR; 1 for one that has never been
+        planned. An untried sequence drafts at the depth perfect acceptance would earn, once, and
+        so shows its own rate: started at PRIOR instead, it stayed plain from its first step
+        wherever the fitted costs made PRIOR not worth a draft token, and it never drafted, so
+        its real acceptance (about 0.97 on the demo pair, greedy) was never seen."""
+        acc = self._acc.get(req_id)
+        if acc is None:
+            return 1.0
         return (acc.accepted + self.PRIOR * self.PRIOR_WEIGHT) / (acc.trials + self.PRIOR_WEIGHT)
 
     def expected_tokens(self, alpha: float, k: int) -> float:

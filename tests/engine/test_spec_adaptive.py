@@ -76,6 +76,20 @@ def test_depth_drifts_back_so_a_sequence_retries():
     assert ks[0] == 0 and max(ks) >= 1  # it speculates again once its estimate drifts up
 
 
+def test_an_untried_sequence_drafts_once_and_shows_its_acceptance():
+    """Costs where PRIOR acceptance is not worth a draft token but the pair's real 0.97 is: a
+    sequence started at PRIOR would never draft, so never show 0.97."""
+    depth = make_depth(a_t=0.01, b_t=0.002, a_d=0.008, b_d=0.0001)
+    s = seq_()
+    assert depth.plan([s], [10])[0] >= 1  # untried: it drafts
+    for _ in range(20):
+        depth.record("r", 4, 4)
+    assert depth.plan([s], [10])[0] >= 3
+    fresh = make_depth(a_t=0.01, b_t=0.002, a_d=0.008, b_d=0.0001)
+    fresh.record("other", 4, 0)
+    assert fresh.alpha("other") < fresh.PRIOR < fresh.alpha("never-planned") == 1.0
+
+
 def test_linear_cost_learns_a_line():
     cost = LinearCost(1.0, 1.0)
     for _ in range(200):
