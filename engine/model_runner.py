@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
-from pdserve.engine.capture import CompiledForward
+from pdserve.engine.capture import CompiledForward, GreedyPasses
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, InputBuffers
@@ -73,6 +74,9 @@ class ModelRunner:
                                    uniform_plans=capture == "compile", native_plans=native_attention)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
+        # a draft's greedy passes as one call: the native attention's plans only (CPU)
+        self.greedy = (GreedyPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
+                       if native_attention and capture in ("off", "compile") else None)
 
     def _build_capture(self, kind: str, max_batch: int, ops: KernelOps):
         if kind == "off":
@@ -105,6 +109,31 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         self.last_pass = (len(step.input_ids), time.perf_counter() - start)
         return logits
+
+
+    @torch.inference_mode()
+    def greedy_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int],
+                      num_passes: int) -> list[list[int]] | None:
+        """Each sequence's next num_passes greedy tokens (`capture.GreedyPasses`): token_ids[i] at
+        positions[i] goes in first, then each pick at the next position, their K/V written into
+        the sequence's blocks. None where this runner cannot (no native attention), or a block
+        table does not yet reach the last position: the caller then runs passes one by one."""
+        last = [p + num_passes - 1 for p in positions]
+        if self.greedy is None or any(p >= len(s.block_table) * self.block_size for s, p in zip(seqs, last)):
+            return None
+        width = max(last) // self.block_size + 1
+        state = np.zeros((len(seqs), 2 + width), dtype=np.int64)
+        state[:, 0], state[:, 1] = token_ids, positions
+        for row, seq in zip(state, seqs):
+            table = seq.block_table[:width]
+            row[2:2 + len(table)] = table
+        return self.greedy(torch.from_numpy(state).to(self.device), num_passes).t().tolist()
+
+    def warm_up_greedy_passes(self) -> None:
+        """Compile the pass now, on one dummy sequence in block 0, as the forward's warm-up does."""
+        if self.greedy is not None:
+            with torch.inference_mode():
+                self.greedy(torch.zeros((1, 3), dtype=torch.int64, device=self.device), 1)
 
 
 def _dummy_prefill(block_size: int) -> BatchEntry:

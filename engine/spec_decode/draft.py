@@ -39,6 +39,8 @@ class DraftProposer:
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
         while active:
+            if step == 1 and self._run_rest_at_once(seqs, active, ks, tokens):
+                break
             picks, q = self._run(entries, [seqs[i] for i in active], step)
             for row, i in enumerate(active):
                 seqs[i].num_draft_computed_tokens = entries[row].start + entries[row].num_new_tokens
@@ -50,6 +52,26 @@ class DraftProposer:
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def _run_rest_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]]) -> bool:
+        """After the first pass (which catches the draft up), the remaining passes as one call
+        (`ModelRunner.greedy_passes`) when every sequence still drafting is greedy and drafts to
+        the same depth; False when they do not, or the runner cannot."""
+        depth = ks[active[0]]
+        if any(ks[i] != depth or not seqs[i].params.is_greedy for i in active):
+            return False
+        start = time.perf_counter()
+        rest = self.runner.greedy_passes([seqs[i] for i in active], [tokens[i][-1] for i in active],
+                                         [seqs[i].num_tokens for i in active], depth - 1)
+        if rest is None:
+            return False
+        for i, more in zip(active, rest):
+            tokens[i].extend(more)
+            seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
+        per_pass = (time.perf_counter() - start) / (depth - 1)
+        for _ in range(depth - 1):
+            self.cost.observe(len(active), per_pass)
+        return True
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
         """One draft forward: the picked tokens and, when kept, their distributions q

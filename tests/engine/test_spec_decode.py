@@ -3,6 +3,7 @@ hand-made cases, rollback, proposers, and the engine obeying the gate (the depth
 gate themselves: test_spec_adaptive.py)."""
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -66,6 +67,49 @@ def test_greedy_with_speculation_equals_without(target, useless_draft, baseline,
         assert st.acceptance_rate == 1.0 and st.mean_accepted_length > 4.0  # k shrinks near max_tokens
     if options.get("spec_adaptive") is False and draft == "useless":
         assert st.acceptance_rate < 0.3
+
+
+@pytest.mark.parametrize("graph_capture", ["off", "compile"])
+def test_draft_passes_after_the_first_run_at_once(target, useless_draft, baseline, graph_capture):
+    """A greedy batch drafting to one depth runs the draft's passes after its catch-up pass as
+    one call (`ModelRunner.greedy_passes`): the same drafts as pass by pass, the same output, one
+    compiled graph for every batch size and context, and pass by pass again where depths differ."""
+    options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False,
+                   graph_capture=graph_capture)
+    at_once, one_by_one = LLM(target, **options), LLM(target, **options)
+    one_by_one.engine.draft_runner.greedy = None
+    runner, calls = at_once.engine.draft_runner, []
+    original = runner.greedy_passes
+    runner.greedy_passes = lambda *a: calls.append(a[3]) or original(*a)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        assert [o.token_ids for o in at_once.generate(prompts, GREEDY)] == [o.token_ids for o in one_by_one.generate(prompts, GREEDY)]
+    assert calls and set(calls) <= {1, 2, 3}  # k = 4: three passes after the first, fewer near max_tokens
+    assert_all_free(at_once)
+    mine, theirs = copy.copy(at_once.engine.speculator.stats), one_by_one.engine.speculator.stats
+    assert [o.token_ids for o in at_once.generate(PROMPTS, GREEDY)] == baseline
+    if graph_capture == "off":  # the same ops on the same rows: the same drafts, the same acceptance
+        assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
+    else:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        assert not runner.greedy.is_broken
+        assert len(_debug_get_cache_entry_list(runner.greedy._fn._torchdynamo_orig_callable.__code__)) == 1
+    # sampled requests, and depths that differ, draft pass by pass
+    calls.clear()
+    at_once.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3))
+    assert not calls
+
+
+def test_draft_passes_at_once_decline_past_the_block_table(target):
+    llm = LLM(target, draft_model=target, num_speculative_tokens=2, block_size=16)
+    seq = llm.engine.make_sequence("r", list(range(3, 18)), GREEDY)
+    assert llm.engine.block_manager.allocate(seq, 15)  # one block: positions 0-15
+    try:
+        runner = llm.engine.draft_runner
+        assert runner.greedy_passes([seq], [5], [15], 2) is None  # position 16 has no slot yet
+        assert len(runner.greedy_passes([seq], [5], [14], 2)[0]) == 2
+    finally:
+        llm.engine.block_manager.free(seq)
 
 
 def test_chunked_prefill_and_preemption_with_speculation(target, useless_draft, baseline):
