@@ -74,7 +74,7 @@ class ModelRunner:
                                    uniform_plans=capture == "compile", native_plans=native_attention)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
-        # a draft's greedy passes as one call: the native attention's plans only (CPU)
+        # a draft's greedy passes after its first (`greedy_passes`): the native attention's plans only
         self.greedy = (GreedyPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
                        if native_attention and capture in ("off", "compile") else None)
 
@@ -109,7 +109,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         self.last_pass = (len(step.input_ids), time.perf_counter() - start)
         return logits
-
 
     @torch.inference_mode()
     def greedy_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int],
