@@ -228,6 +228,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 await asyncio.wait({push}, timeout=ABANDON_WAIT_S)
                 push.cancel()  # a no-op once the decode side took the abandonment
                 await asyncio.gather(push, return_exceptions=True)
+            elif push is not None and not push.cancelled():
+                # done, and maybe failed, after the caller went away between the first token and
+                # the push's end: its error is read here, or asyncio logs it as never retrieved
+                push.exception()
             self._end(r)
             self._finish_spans(r, spans)
         s = r.sender
