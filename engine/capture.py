@@ -25,7 +25,9 @@ import types
 
 import torch
 
+from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.engine.step_inputs import StepInputs
+from pdserve.kernels.gathered_attention import GatherPlan
 
 log = logging.getLogger(__name__)
 
@@ -141,9 +143,6 @@ class GreedyPasses:
 def _greedy_pass(self, state: torch.Tensor, kv_caches: list, block_size: int) -> torch.Tensor:
     """`GreedyPasses`' pass; `self` is the model (so its guards are among those dropped). The
     next state: each sequence's pick, the position after, the same block ids."""
-    from pdserve.engine.model.llama import AttentionMetadata
-    from pdserve.kernels.gathered_attention import GatherPlan
-
     ids, positions, block_ids = state[:, 0], state[:, 1], state[:, 2:]
     num_seqs = state.shape[0]
     blocks = block_ids.gather(1, torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)).squeeze(1)

@@ -108,18 +108,21 @@ def _column_major_linears(model: CausalLM) -> None:
     float16 the same layout is about 5x slower, so half types keep the row-major layout. A tied
     `lm_head` keeps the embedding's row-major layout, which the row lookup needs.
     """
-    tied = model.cfg.tie_word_embeddings
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head"):
-            module.weight = torch.nn.Parameter(module.weight.data.t().contiguous().t(), requires_grad=False)
+    for _, module in _projections(model):
+        module.weight = torch.nn.Parameter(module.weight.data.t().contiguous().t(), requires_grad=False)
 
 
 def _pack_linears(model: CausalLM) -> None:
     """Every projection becomes a `PackedLinear`, except a `lm_head` tied to the embedding (packing
     it would keep a second copy of the embedding)."""
-    tied = model.cfg.tie_word_embeddings
-    linears = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head")]
-    for name, module in linears:
+    for name, module in _projections(model):
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, PackedLinear(module))
+
+
+def _projections(model: CausalLM) -> list[tuple[str, torch.nn.Linear]]:
+    """Every `nn.Linear` by name, but a `lm_head` tied to the embedding: its layout is the
+    embedding's, which the row lookup needs."""
+    tied = model.cfg.tie_word_embeddings
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head")]

@@ -39,8 +39,6 @@ class DraftProposer:
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
         while active:
-            if step == 1 and self._run_rest_at_once(seqs, active, ks, tokens):
-                break
             picks, q = self._run(entries, [seqs[i] for i in active], step)
             for row, i in enumerate(active):
                 seqs[i].num_draft_computed_tokens = entries[row].start + entries[row].num_new_tokens
@@ -49,6 +47,8 @@ class DraftProposer:
                     probs[i].append(q[row])
             step += 1
             active = [i for i in active if ks[i] > step]
+            if step == 1 and active and self._run_rest_at_once(seqs, active, ks, tokens):
+                break
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
