@@ -75,7 +75,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode attention on the CPU: the native op where it builds (auto), insist on it, or torch")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "native", "torch"],
                    help="float32 projections on the CPU: packed weights and the native op where it builds with "
-                   "AVX-512 (auto), insist on it, or torch's nn.Linear")
+                   "AVX-512 or AVX2 (auto), insist on it, or torch's nn.Linear")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     add(p, "--draft-model", help="draft checkpoint for speculative decoding")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,

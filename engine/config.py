@@ -30,7 +30,7 @@ class EngineConfig:
     # `kernels/native.py`: 10–20 s once per machine), "native" (an error where it cannot), "torch"
     cpu_attention: str = "auto"
     # the CPU's float32 projections: "auto" (weights packed for the native `linear_packed` where
-    # the native ops build with AVX-512), "native" (an error where they cannot), "torch" (nn.Linear)
+    # the native ops build with AVX-512 or AVX2), "native" (an error where they cannot), "torch" (nn.Linear)
     cpu_linear: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes

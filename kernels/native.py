@@ -8,7 +8,7 @@
 - `torch.ops.pdserve.linear_packed(x, packed, bias, out_features)` (`cpu/linear.cpp`): float32
   projections over weights packed once into column panels (`linear_pack`), for every step's
   linears. The BLAS's small-M path reads a decode step's weights at about half the speed one core
-  can, and pays about 3x for the 5 rows of a speculative verification. AVX-512 only
+  can, and pays about 3x for the 5 rows of a speculative verification. AVX-512 or AVX2 with FMA
   (`linear_packed_available()`); elsewhere the model keeps `nn.Linear`.
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
@@ -132,7 +132,7 @@ def resolve(name: str, device: torch.device, kernels: str) -> bool:
 
 def resolve_linear(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether an engine's projections run `linear_packed` (`name` validated by `EngineConfig`):
-    "auto" on the CPU in float32 where the library builds with its AVX-512 loops; "native"
+    "auto" on the CPU in float32 where the library builds with its AVX-512 or AVX2 loops; "native"
     insists (ValueError saying why when it cannot); "torch" never."""
     if name == "torch":
         return False
@@ -142,5 +142,5 @@ def resolve_linear(name: str, device: torch.device, dtype: torch.dtype) -> bool:
         return False
     ok = load() and torch.ops.pdserve.linear_packed_available()
     if name == "native" and not ok:
-        raise ValueError(f"cpu_linear='native' is unavailable: {error() or 'this CPU has no AVX-512'}")
+        raise ValueError(f"cpu_linear='native' is unavailable: {error() or 'this CPU has neither AVX-512 nor AVX2 with FMA'}")
     return ok

@@ -56,7 +56,7 @@ def test_packed_projections_match_nn_linear(checkpoint, arch):
     """The native projections (`cpu_linear="native"`, the default where they build) give the
     logits of nn.Linear, and a tied lm_head stays the embedding itself."""
     if not native.load() or not torch.ops.pdserve.linear_packed_available():
-        pytest.skip(f"native projections unavailable here: {native.error() or 'no AVX-512'}")
+        pytest.skip(f"native projections unavailable here: {native.error() or 'no AVX-512 or AVX2'}")
     path, ids = checkpoint(arch), list(range(3, 40))
     packed, plain = LLM(path, cpu_linear="native"), LLM(path, cpu_linear="torch")
     model = packed.engine.runner.model

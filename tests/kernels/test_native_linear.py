@@ -1,6 +1,7 @@
 """The native float32 projections (`kernels/cpu/linear.cpp`) against `F.linear`: every row count
 the loops split differently (one row, a six-row pass, the rest), output widths that end mid-panel,
-biases, threads, the build without AVX-512, torch.compile, and refusals of malformed calls."""
+biases, threads, the AVX2 loops and the build with neither (built again with narrower flags),
+torch.compile, and refusals of malformed calls."""
 from __future__ import annotations
 
 import pytest
@@ -15,10 +16,10 @@ ROWS = [0, 1, 2, 5, 6, 7, 12, 13, 40]
 
 
 @pytest.fixture
-def avx512():
+def vector():
     assert native.load(), native.error()
     if not torch.ops.pdserve.linear_packed_available():
-        pytest.skip("this CPU has no AVX-512: the engine keeps nn.Linear (the fallback is tested below)")
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: the engine keeps nn.Linear (the fallback is tested below)")
 
 
 def _check(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
@@ -33,11 +34,11 @@ def _check(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
                 torch.testing.assert_close(op_linear(x, packed, bias, n), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_packed_linear_matches_f_linear(avx512):
+def test_packed_linear_matches_f_linear(vector):
     _check(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed)
 
 
-def test_packed_linear_takes_any_weight_layout_and_leading_dims(avx512):
+def test_packed_linear_takes_any_weight_layout_and_leading_dims(vector):
     w = torch.randn(96, 80).t().contiguous().t()  # column-major, as the loader lays nn.Linear out
     x = torch.randn(2, 3, 80)
     out = torch.ops.pdserve.linear_packed(x, torch.ops.pdserve.linear_pack(w), None, 96)
@@ -48,7 +49,7 @@ def test_packed_linear_takes_any_weight_layout_and_leading_dims(avx512):
                                F.linear(strided, w), rtol=1e-5, atol=1e-4)
 
 
-def test_packed_linear_same_result_with_two_threads(avx512):
+def test_packed_linear_same_result_with_two_threads(vector):
     """Threads split the panels; each output column is computed by one thread, the same way."""
     w, x = torch.randn(1000, 256), torch.randn(9, 256)
     packed = torch.ops.pdserve.linear_pack(w)
@@ -63,7 +64,7 @@ def test_packed_linear_same_result_with_two_threads(avx512):
     assert torch.equal(one, two)
 
 
-def test_packed_linear_runs_under_torch_compile(avx512):
+def test_packed_linear_runs_under_torch_compile(vector):
     w, b = torch.randn(200, 64), torch.randn(200)
     packed = torch.ops.pdserve.linear_pack(w)
     fn = torch.compile(lambda x: torch.ops.pdserve.linear_packed(x, packed, b, 200).relu(), fullgraph=True)
@@ -73,23 +74,41 @@ def test_packed_linear_runs_under_torch_compile(avx512):
         torch.testing.assert_close(fn(x), F.linear(x, w, b).relu(), rtol=1e-5, atol=1e-4)
 
 
-def test_build_without_avx512_falls_back_to_the_blas(tmp_path):
-    """Built without AVX-512 the op says it is unavailable (the engine then keeps nn.Linear) and
-    still answers right, one BLAS call per panel."""
+def _build(name: str, flags: list[str], tmp_path):
+    """linear.cpp built again with other flags, under a namespace of its own beside the loaded library."""
     from torch.utils import cpp_extension
 
     assert native.load(), native.error()
-    name = "pdserve_test_linear_noavx512"
     source = next(s for s in native.SOURCES if s.name == "linear.cpp")
-    cpp_extension.load(name, [str(source)], extra_cflags=[*native.FLAGS, "-mno-avx512f",
-                       f"-DPDSERVE_OP_NAMESPACE={name}"], is_python_module=False, verbose=False,
-                       build_directory=str(tmp_path))
-    ops = getattr(torch.ops, name)
+    cpp_extension.load(name, [str(source)], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
+                       is_python_module=False, verbose=False, build_directory=str(tmp_path))
+    return getattr(torch.ops, name)
+
+
+def test_avx2_loops_match_f_linear(tmp_path):
+    """The AVX2 loops, which a CPU with AVX-512 never runs: one row over the whole panel, more
+    rows over its two halves, three at a time, then the one or two left."""
+    if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 with FMA")
+    ops = _build("pdserve_test_linear_avx2", ["-mno-avx512f"], tmp_path)
+    assert ops.linear_packed_available()
+    _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
+
+
+def test_build_without_vector_loops_falls_back_to_the_blas(tmp_path):
+    """Built with neither AVX-512 nor AVX2 the op says it is unavailable (the engine then keeps
+    nn.Linear) and still answers right, one BLAS call per panel."""
+    ops = _build("pdserve_test_linear_plain", ["-mno-avx512f", "-mno-avx2", "-mno-fma"], tmp_path)
     assert not ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
 
 
-def test_packed_linear_refuses_malformed_calls(avx512):
+def _cpu_flags() -> set[str]:
+    line = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_packed_linear_refuses_malformed_calls(vector):
     w = torch.randn(100, 32)
     packed = torch.ops.pdserve.linear_pack(w)
     op = torch.ops.pdserve.linear_packed
