@@ -89,6 +89,12 @@ def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
     packed = {v: {name: [ops.linear_pack(w) for w in weights[name]] for name, _, _ in shapes}
               for v, ops in variants.items() if ops is not None}
     weight_bytes = sum(n * k * 4 for _, n, k in shapes) * COPIES
+    for v in packed:  # what is timed computes F.linear's result
+        for (name, n, k), m in zip(shapes, ROWS):
+            x = torch.randn(m, k, generator=gen)
+            got = variants[v].linear_packed(x, packed[v][name][0], None, n)
+            torch.testing.assert_close(got, F.linear(x, weights[name][0]), rtol=1e-4, atol=1e-3,
+                                       msg=lambda e, v=v, name=name: f"{v} differs from F.linear on {name}: {e}")
 
     def one_pass(variant: str, xs: dict) -> float:
         ops = variants[variant]
@@ -129,7 +135,9 @@ def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
 
 def markdown(result: dict, command: str) -> str:
     shapes = ", ".join(f"{name} {n}×{k}" for name, n, k in result["shapes"])
-    lines = [f"Command: `{command}`. Projections of one layer of `{result['model']}` and its lm_head ({shapes}), "
+    model = Path(result["model"]).resolve()
+    model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
+    lines = [f"Command: `{command}`. Projections of one layer of `{model}` and its lm_head ({shapes}), "
              f"{result['copies']} copies each ({result['weight_bytes'] / 1e6:.0f} MB, read from memory), one torch "
              f"thread, on {host(result['machine'])}; min / median / max over {result['repeats']} interleaved "
              "repeats, speedups against `torch` (`F.linear`) in the same repeat. `packed` is the library the engine "

@@ -1,0 +1,32 @@
+"""benchmarks/cpu_linear.py on one short repeat: every variant this CPU can run is timed at every
+row count, checked against F.linear first, and written out. No timing is asserted."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pdserve.kernels import native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_linear_runs_every_variant(tmp_path):
+    spec = importlib.util.spec_from_file_location("cpu_linear_bench", ROOT / "benchmarks" / "cpu_linear.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    bench.main(["--repeats", "1", "--iters", "1", "--no-markdown", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu_linear.json").read_text())
+    assert (tmp_path / "cpu_linear.png").stat().st_size > 0
+    expected = {"torch"} | ({"packed"} if native.load() and torch.ops.pdserve.linear_packed_available() else set())
+    assert expected <= set(result["variants"])
+    flags = Path("/proc/cpuinfo").read_text()
+    assert ("packed-avx2" in result["variants"]) == (" avx2" in flags and " fma" in flags)
+    assert {(r["variant"], r["rows"]) for r in result["rows"]} == \
+        {(v, m) for v in result["variants"] for m in bench.ROWS}
+    assert all(r["ms"]["min"] > 0 for r in result["rows"])
+    assert [n for _, n, _ in result["shapes"]][-1] == 4096  # the demo's lm_head: vocabulary × hidden
