@@ -107,12 +107,12 @@ def code_prompts(tokenizer, num: int, min_len: int = 64, max_len: int = 128) -> 
 
 class ForwardTimer:
     """Wraps one runner's `execute` and records (tokens in the pass, seconds) per call; and a
-    draft's passes run at once (`greedy_passes`), as that many passes of equal seconds."""
+    draft's passes run at once (`draft_passes`), as that many passes of equal seconds."""
 
     def __init__(self, runner):
         self.calls: list[tuple[int, float]] = []
-        self._execute, self._greedy_passes = runner.execute, runner.greedy_passes
-        runner.execute, runner.greedy_passes = self, self._timed_passes
+        self._execute, self._draft_passes = runner.execute, runner.draft_passes
+        runner.execute, runner.draft_passes = self, self._timed_passes
 
     def __call__(self, batch, *args, **kwargs):
         start = time.perf_counter()
@@ -120,9 +120,9 @@ class ForwardTimer:
         self.calls.append((sum(e.num_new_tokens for e in batch), time.perf_counter() - start))
         return out
 
-    def _timed_passes(self, seqs, token_ids, positions, num_passes):
+    def _timed_passes(self, seqs, token_ids, positions, num_passes, *sampling):
         start = time.perf_counter()
-        out = self._greedy_passes(seqs, token_ids, positions, num_passes)
+        out = self._draft_passes(seqs, token_ids, positions, num_passes, *sampling)
         if out is not None:
             self.calls += [(len(seqs), (time.perf_counter() - start) / num_passes)] * num_passes
         return out

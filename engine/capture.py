@@ -92,18 +92,22 @@ class CompiledForward:
         self.compile_seconds = time.perf_counter() - start
 
 
-class GreedyPasses:
-    """A draft model's greedy passes after its first: pass j's argmax is pass j + 1's input token,
-    at the next position, with nothing built on the host in between.
+class DraftPasses:
+    """A draft model's passes after its first: pass j's pick is pass j + 1's input token, at the
+    next position, with nothing built on the host in between. A greedy row picks the argmax; a
+    sampled row (temperature only: no top-k, top-p or min-p) races its softmax against the
+    exponentials it is given for that pass, as `Sampler` would (`kernels/sampling.py`).
 
     The draft's passes are the same few hundred microseconds of fixed cost each, whatever the
     batch: on the demo pair a pass cost about 0.19 of a target step, and building its step's
     inputs and the logits' separate call were half of it. Here a pass is one call of one graph
     (with `compile`) that takes a small state tensor (each sequence's token, position and block
-    ids), works out its slots and lengths itself, runs the model and the argmax, and returns the
+    ids), works out its slots and lengths itself, runs the model and the pick, and returns the
     next state: about 0.21 ms a pass on the demo draft against 0.46 ms (AMD EPYC, batch 1). The
     passes unrolled into one graph per pass count ran 0.15 ms a pass, but took 21 s to compile the
-    three counts a depth of 4 needs, against 7 s for this one graph.
+    three counts a depth of 4 needs, against 7 s for this one graph. A batch that samples runs a
+    second graph (the pick differs), which also takes the place of the sampler's separate noise,
+    filter and race calls per pass: at batch 1, temperature 1, those cost about 0.17 ms a pass.
 
     Needs the native attention (its plans are block ids, lengths and query starts, which a pass
     can compute) and every sequence's block table to hold the slots of the tokens to come (the
@@ -111,38 +115,51 @@ class GreedyPasses:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, compiled: bool):
         self.kv_caches, self.block_size = kv_caches, block_size
-        self._eager = types.MethodType(_greedy_pass, model)
-        self._fn = self._eager
-        if compiled:  # a code object of its own, so the guards dropped are only this model's
-            self._fn = torch.compile(types.MethodType(_own_function(_greedy_pass), model), fullgraph=True,
-                                     dynamic=False, options={"guard_filter_fn": _guard_step_inputs_only})
+        self._eager = {"greedy": types.MethodType(_greedy_pass, model), "sampled": types.MethodType(_sampled_pass, model)}
+        self._fns = dict(self._eager)
+        if compiled:  # code objects of their own, so the guards dropped are only this model's
+            for kind, fn in (("greedy", _greedy_pass), ("sampled", _sampled_pass)):
+                self._fns[kind] = torch.compile(types.MethodType(_own_function(fn), model), fullgraph=True,
+                                                dynamic=False, options={"guard_filter_fn": _guard_step_inputs_only})
         self.is_broken = False  # compiling failed once: eager from then on
 
-    def __call__(self, state: torch.Tensor, num_passes: int) -> torch.Tensor:
+    def __call__(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
+                 noise: torch.Tensor | None = None) -> torch.Tensor:
         """state [num_seqs, 2 + num_blocks] int64: each sequence's input token, its position, then
-        its block ids. The picks [num_passes, num_seqs]."""
+        its block ids. temperature [num_seqs] float32 (0: greedy) and noise [num_passes, num_seqs,
+        vocab_size] Exp(1) draws, when any sequence samples; None when every one is greedy. The
+        picks [num_passes, num_seqs]."""
         picks = []
-        for _ in range(num_passes):
-            state = self._pass(state)
+        for j in range(num_passes):
+            state = self._pass(state) if temperature is None else self._pass(state, temperature, noise[j])
             picks.append(state[:, 0])
         return torch.stack(picks)
 
-    def _pass(self, state: torch.Tensor) -> torch.Tensor:
-        if self._fn is self._eager:
-            return self._eager(state, self.kv_caches, self.block_size)
-        for dim in (0, 1):  # one graph, whatever the batch and the table width
+    def compiled(self, kind: str):
+        """The compiled function of "greedy" or "sampled" passes (None when eager)."""
+        fn = self._fns[kind]
+        return None if fn is self._eager[kind] else fn
+
+    def _pass(self, state: torch.Tensor, *sampling: torch.Tensor) -> torch.Tensor:
+        kind = "sampled" if sampling else "greedy"
+        fn = self._fns[kind]
+        if fn is self._eager[kind]:
+            return fn(state, *sampling, self.kv_caches, self.block_size)
+        for dim in (0, 1):  # one graph each, whatever the batch and the table width
             torch._dynamo.decorators.mark_unbacked(state, dim)
+        for t in sampling:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
         try:
-            return self._fn(state, self.kv_caches, self.block_size)
+            return fn(state, *sampling, self.kv_caches, self.block_size)
         except Exception as e:  # compilation failed: say so once and stay eager
-            self.is_broken, self._fn = True, self._eager
+            self.is_broken, self._fns = True, dict(self._eager)
             log.warning("graph capture (compile) of the draft's passes failed, running eagerly: %r", e)
-            return self._eager(state, self.kv_caches, self.block_size)
+            return self._eager[kind](state, *sampling, self.kv_caches, self.block_size)
 
 
-def _greedy_pass(self, state: torch.Tensor, kv_caches: list, block_size: int) -> torch.Tensor:
-    """`GreedyPasses`' pass; `self` is the model (so its guards are among those dropped). The
-    next state: each sequence's pick, the position after, the same block ids."""
+def _pass_logits(model, state: torch.Tensor, kv_caches: list, block_size: int) -> torch.Tensor:
+    """A pass's forward: each sequence's token at its position, K/V written by its block ids;
+    the logits [num_seqs, vocab_size]."""
     ids, positions, block_ids = state[:, 0], state[:, 1], state[:, 2:]
     num_seqs = state.shape[0]
     blocks = block_ids.gather(1, torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)).squeeze(1)
@@ -151,8 +168,29 @@ def _greedy_pass(self, state: torch.Tensor, kv_caches: list, block_size: int) ->
     unused = state.new_empty((0,), dtype=torch.int32)
     meta = AttentionMetadata(blocks * block_size + positions % block_size, num_seqs, unused.view(0, 0), unused,
                              unused.view(0, 0), unused, unused, plan)
-    picks = self.compute_logits(self.forward(ids, positions, kv_caches, meta)).argmax(-1)
-    return torch.cat([picks.unsqueeze(1), (positions + 1).unsqueeze(1), block_ids], dim=1)
+    return model.compute_logits(model.forward(ids, positions, kv_caches, meta))
+
+
+def _next_state(state: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """Each sequence's pick, the position after, the same block ids."""
+    return torch.cat([picks.unsqueeze(1), (state[:, 1] + 1).unsqueeze(1), state[:, 2:]], dim=1)
+
+
+def _greedy_pass(self, state: torch.Tensor, kv_caches: list, block_size: int) -> torch.Tensor:
+    """`DraftPasses`' greedy pass; `self` is the model (so its guards are among those dropped)."""
+    return _next_state(state, _pass_logits(self, state, kv_caches, block_size).argmax(-1))
+
+
+def _sampled_pass(self, state: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor, kv_caches: list,
+                  block_size: int) -> torch.Tensor:
+    """`DraftPasses`' pass for a batch that samples: a greedy row (temperature 0) takes the argmax,
+    a sampled row the exponential race over its softmax at its temperature (`sample_ref` with
+    top-k, top-p and min-p off)."""
+    logits = _pass_logits(self, state, kv_caches, block_size)
+    greedy = temperature <= 0
+    probs = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
+    picks = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
+    return _next_state(state, picks)
 
 
 # --- guards ---------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ class LLMEngine:
             proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost, verifier.draft_stream,
                                      keep_probs=verifier.needs_draft_probs)
             if self.capture == "compile":
-                self.draft_runner.warm_up_greedy_passes()
+                self.draft_runner.warm_up_draft_passes()
         depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
         return Speculator(proposer, depth, verifier, catches_up=draft_cost is not None)
 

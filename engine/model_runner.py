@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
-from pdserve.engine.capture import CompiledForward, GreedyPasses
+from pdserve.engine.capture import CompiledForward, DraftPasses
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, InputBuffers
@@ -74,8 +74,8 @@ class ModelRunner:
                                    uniform_plans=capture == "compile", native_plans=native_attention)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
-        # a draft's greedy passes after its first (`greedy_passes`): the native attention's plans only
-        self.greedy = (GreedyPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
+        # a draft's passes after its first (`draft_passes`): the native attention's plans only
+        self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
                        if native_attention and capture in ("off", "compile") else None)
 
     def _build_capture(self, kind: str, max_batch: int, ops: KernelOps):
@@ -111,14 +111,17 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def greedy_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int],
-                      num_passes: int) -> list[list[int]] | None:
-        """Each sequence's next num_passes greedy tokens (`capture.GreedyPasses`): token_ids[i] at
+    def draft_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], num_passes: int,
+                     temperatures: list[float] | None = None, noise: torch.Tensor | None = None
+                     ) -> list[list[int]] | None:
+        """Each sequence's next num_passes tokens (`capture.DraftPasses`): token_ids[i] at
         positions[i] goes in first, then each pick at the next position, their K/V written into
-        the sequence's blocks. None where this runner cannot (no native attention), or a block
-        table does not yet reach the last position: the caller then runs passes one by one."""
+        the sequence's blocks. Greedy picks, unless temperatures (0: greedy) and noise
+        [num_passes, len(seqs), vocab_size] (each pass's Exp(1) draws) are given. None where this
+        runner cannot (no native attention), or a block table does not yet reach the last
+        position: the caller then runs passes one by one."""
         last = [p + num_passes - 1 for p in positions]
-        if self.greedy is None or any(p >= len(s.block_table) * self.block_size for s, p in zip(seqs, last)):
+        if self.passes is None or any(p >= len(s.block_table) * self.block_size for s, p in zip(seqs, last)):
             return None
         width = max(last) // self.block_size + 1
         state = np.zeros((len(seqs), 2 + width), dtype=np.int64)
@@ -126,13 +129,20 @@ class ModelRunner:
         for row, seq in zip(state, seqs):
             table = seq.block_table[:width]
             row[2:2 + len(table)] = table
-        return self.greedy(torch.from_numpy(state).to(self.device), num_passes).t().tolist()
+        temperature = None
+        if temperatures is not None:
+            temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
+        return self.passes(torch.from_numpy(state).to(self.device), num_passes, temperature, noise).t().tolist()
 
-    def warm_up_greedy_passes(self) -> None:
-        """Compile the pass now, on one dummy sequence in block 0, as the forward's warm-up does."""
-        if self.greedy is not None:
-            with torch.inference_mode():
-                self.greedy(torch.zeros((1, 3), dtype=torch.int64, device=self.device), 1)
+    def warm_up_draft_passes(self) -> None:
+        """Compile both kinds of pass now, on one dummy sequence in block 0, as the forward's
+        warm-up does (a first sampled request would otherwise wait seconds for its graph)."""
+        if self.passes is not None:
+            noise = torch.ones(1, 1, self.cfg.vocab_size, device=self.device)  # made as the proposer makes it: outside
+            with torch.inference_mode():                                        # inference mode (Dynamo guards on that)
+                state = torch.zeros((1, 3), dtype=torch.int64, device=self.device)
+                self.passes(state, 1)
+                self.passes(state, 1, torch.ones(1, device=self.device), noise)
 
 
 def _dummy_prefill(block_size: int) -> BatchEntry:

@@ -55,17 +55,30 @@ class DraftProposer:
 
     def _run_rest_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]]) -> bool:
         """After the first pass (which catches the draft up), the remaining passes as one call
-        (`ModelRunner.greedy_passes`) when every sequence still drafting is greedy and drafts to
-        the same depth; False when they do not, or the runner cannot."""
+        (`ModelRunner.draft_passes`) when every sequence still drafting drafts to the same depth
+        and is greedy or samples by temperature alone, and no q is kept (the rejection sampler's);
+        False when not, or the runner cannot. A sampled pass races the same noise as `_run` would
+        draw (the stream, seed and position of the token it picks)."""
         depth = ks[active[0]]
-        if any(ks[i] != depth or not seqs[i].params.is_greedy for i in active):
+        params = [seqs[i].params for i in active]
+        if any(ks[i] != depth for i in active):
             return False
         start = time.perf_counter()
-        rest = self.runner.greedy_passes([seqs[i] for i in active], [tokens[i][-1] for i in active],
-                                         [seqs[i].num_tokens for i in active], depth - 1)
-        if rest is None:
+        temperatures = noise = None
+        if not all(p.is_greedy for p in params):
+            if self.keep_probs or not all(p.is_greedy or _temperature_only(p) for p in params):
+                return False
+            temperatures = [0.0 if p.is_greedy else float(p.temperature) for p in params]
+            rest = depth - 1  # passes j = 1 .. depth - 1 pick the tokens at num_tokens + j
+            positions = [seqs[i].num_tokens + j for j in range(1, depth) for i in active]
+            noise = race_noise(params * rest, [seqs[i].seed for i in active] * rest, positions,
+                               self.runner.cfg.vocab_size, self.noise_stream, self.runner.device,
+                               self.sampler.hash_fn).view(rest, len(active), -1)
+        picks = self.runner.draft_passes([seqs[i] for i in active], [tokens[i][-1] for i in active],
+                                         [seqs[i].num_tokens for i in active], depth - 1, temperatures, noise)
+        if picks is None:
             return False
-        for i, more in zip(active, rest):
+        for i, more in zip(active, picks):
             tokens[i].extend(more)
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
         per_pass = (time.perf_counter() - start) / (depth - 1)
@@ -92,3 +105,8 @@ class DraftProposer:
         picks = picks.tolist()
         self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
         return picks, q
+
+
+def _temperature_only(p) -> bool:
+    """A sampled request that filters by nothing but its temperature (no top-k, top-p or min-p)."""
+    return p.top_k == 0 and p.top_p >= 1 and p.min_p == 0
