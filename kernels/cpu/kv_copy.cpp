@@ -13,6 +13,13 @@
 // which skip reading the destination's lines first: on this project's Xeon that copy-and-checksum
 // ran at about 1.3x the speed of glibc's memcpy of the same 64 MiB.
 //
+// Where the CPU has carry-less multiplication (PCLMULQDQ), the checksum does not use the crc32
+// instruction's chains at all but folds: four 16-byte accumulators, each multiplied (carry-less)
+// by x^512 mod P and xored into the next 64 bytes' words as they are loaded, then folded into one
+// and reduced by two crc32 instructions. On the AMD EPYC (Zen 4) this project moved to, the three
+// crc32 chains checksummed at about 13 GB/s and copied-and-checksummed at about 12.7 GB/s, against
+// 19 GB/s for torch's plain copy: below the copy, where on the Xeon they were above it.
+//
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) as iSCSI and google-crc32c define it:
 // the register starts at ~crc and the result is ~register, so crc(a + b) = extend(crc(a), b).
 // x86 SSE4.2 and ARMv8 CRC instructions when compiled for them, a byte table otherwise.
@@ -27,6 +34,14 @@
 #include <nmmintrin.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__PCLMUL__)
+#include <wmmintrin.h>
+#define PDSERVE_CRC_FOLD 1
+#if defined(__AVX512F__) && defined(__VPCLMULQDQ__)
+#include <immintrin.h>
+#define PDSERVE_CRC_FOLD512 1
+#endif
 #endif
 #elif defined(__ARM_FEATURE_CRC32)
 #include <arm_acle.h>
@@ -167,9 +182,127 @@ size_t three_lanes_streaming(const uint8_t* src, uint8_t* dst, size_t n, uint32_
 }
 #endif
 
+#ifdef PDSERVE_CRC_FOLD
+// Folding. A 16-byte chunk of the stream, loaded little-endian, is the polynomial whose x^127
+// coefficient is the stream's first bit (bit 0 of byte 0) and x^0 its last: its low 64-bit word
+// Q0 holds x^127..x^64, its high word Q1 x^63..x^0. The chunk's share of the CRC does not change
+// if it is replaced by any polynomial congruent modulo P to chunk * x^D, added into the chunk D
+// bits later: Q0 * (x^(D+64) mod P) + Q1 * (x^D mod P), both products under 96 bits. A carry-less
+// multiply of two such words gives their product times x (the bit order is reversed), so the
+// multiplier words hold x^(D+63) mod P and x^(D-1) mod P, each a 32-bit register value placed in
+// the word's upper half. What is left at the end, one chunk R congruent to the whole prefix, has
+// the register R * x^32 mod P: the crc32 instruction over R's 16 bytes from a zero register.
+
+// x^e mod P as a fold multiplier word (the register's bit i is the coefficient of x^(31 - i)).
+uint64_t xpow_word(int e) {
+  uint32_t r = 0x80000000u;  // the polynomial 1
+  for (int i = 0; i < e; ++i) r = (r >> 1) ^ (r & 1 ? 0x82F63B78u : 0u);  // times x, mod P
+  return static_cast<uint64_t>(r) << 32;
+}
+
+// The multiplier pair folding a chunk D bits ahead: low word for Q0, high word for Q1.
+__m128i fold_by(int d) {
+  return _mm_set_epi64x(static_cast<long long>(xpow_word(d - 1)), static_cast<long long>(xpow_word(d + 63)));
+}
+
+struct FoldConstants {
+  __m128i by512 = fold_by(512), by128 = fold_by(128);  // 64 and 16 bytes ahead
+#ifdef PDSERVE_CRC_FOLD512
+  // the same pairs in each of a 64-byte register's four chunks: 256 and 64 bytes ahead
+  __m512i by2048x4 = _mm512_broadcast_i32x4(fold_by(2048)), by512x4 = _mm512_broadcast_i32x4(fold_by(512));
+#endif
+};
+
+const FoldConstants& fold_constants() {
+  static const FoldConstants k;
+  return k;
+}
+
+inline __m128i fold(__m128i acc, __m128i by, __m128i next) {
+  return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(acc, by, 0x00), _mm_clmulepi64_si128(acc, by, 0x11)), next);
+}
+
+#ifdef PDSERVE_CRC_FOLD512
+// Four chunks at once (VPCLMULQDQ): on the Zen 4 EPYC one 16-byte carry-less multiply every
+// other cycle left the 16-byte folds as slow as the crc32 chains (about 13 GB/s).
+inline __m512i fold4(__m512i acc, __m512i by, __m512i next) {
+  return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(acc, by, 0x00), _mm512_clmulepi64_epi128(acc, by, 0x11),
+                                   next, 0x96);  // a ^ b ^ c
+}
+#endif
+
+// The register after the leading multiple of 16 bytes of src (at least 128 bytes, else nothing
+// is done and 0 returned), continuing from `c`, copying them to dst when Copy (with streaming
+// stores when Stream: dst 64-byte aligned); returns the bytes done.
+template <bool Copy, bool Stream>
+size_t fold_bulk(const uint8_t* src, uint8_t* dst, size_t n, uint32_t& c) {
+  if (n < 128) return 0;
+  const FoldConstants& k = fold_constants();
+  auto load = [&](size_t at) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at));
+    if constexpr (Copy) {
+      if constexpr (Stream)
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + at), v);
+      else
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + at), v);
+    }
+    return v;
+  };
+  // the register enters as the first four bytes xored with it (crc from c = crc from 0 of that)
+  const __m128i first = _mm_cvtsi32_si128(static_cast<int>(c));
+  size_t done = 0;
+  __m128i x;
+#ifdef PDSERVE_CRC_FOLD512
+  if (n >= 512) {  // Stream: dst 64-byte aligned
+    auto load64 = [&](size_t at) {
+      const __m512i v = _mm512_loadu_si512(src + at);
+      if constexpr (Copy) {
+        if constexpr (Stream)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + at), v);
+        else
+          _mm512_storeu_si512(dst + at, v);
+      }
+      return v;
+    };
+    __m512i a0 = _mm512_xor_si512(load64(0), _mm512_zextsi128_si512(first)), a1 = load64(64), a2 = load64(128),
+            a3 = load64(192);
+    for (done = 256; n - done >= 256; done += 256) {
+      a0 = fold4(a0, k.by2048x4, load64(done));
+      a1 = fold4(a1, k.by2048x4, load64(done + 64));
+      a2 = fold4(a2, k.by2048x4, load64(done + 128));
+      a3 = fold4(a3, k.by2048x4, load64(done + 192));
+    }
+    __m512i a = fold4(fold4(fold4(a0, k.by512x4, a1), k.by512x4, a2), k.by512x4, a3);
+    for (; n - done >= 64; done += 64) a = fold4(a, k.by512x4, load64(done));
+    x = fold(fold(fold(_mm512_extracti32x4_epi32(a, 0), k.by128, _mm512_extracti32x4_epi32(a, 1)), k.by128,
+                  _mm512_extracti32x4_epi32(a, 2)),
+             k.by128, _mm512_extracti32x4_epi32(a, 3));
+  } else
+#endif
+  {
+    __m128i x0 = _mm_xor_si128(load(0), first), x1 = load(16), x2 = load(32), x3 = load(48);
+    for (done = 64; n - done >= 64; done += 64) {
+      x0 = fold(x0, k.by512, load(done));
+      x1 = fold(x1, k.by512, load(done + 16));
+      x2 = fold(x2, k.by512, load(done + 32));
+      x3 = fold(x3, k.by512, load(done + 48));
+    }
+    x = fold(fold(fold(x0, k.by128, x1), k.by128, x2), k.by128, x3);
+  }
+  for (; n - done >= 16; done += 16) x = fold(x, k.by128, load(done));
+  const uint64_t lo = static_cast<uint64_t>(_mm_cvtsi128_si64(x));
+  const uint64_t hi = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_unpackhi_epi64(x, x)));
+  c = step8(step8(0, lo), hi);
+  return done;
+}
+#endif  // PDSERVE_CRC_FOLD
+
 // The raw register after the `n` bytes from `done` on, copying them to `dst` when Copy.
 template <bool Copy>
 uint32_t finish(const uint8_t* src, uint8_t* dst, size_t done, size_t n, uint32_t c) {
+#ifdef PDSERVE_CRC_FOLD
+  done += fold_bulk<Copy, false>(src + done, Copy ? dst + done : nullptr, n - done, c);
+#endif
   done += three_lanes<256, Copy>(src + done, Copy ? dst + done : nullptr, n - done, c);
   for (; n - done >= 8; done += 8) {
     const uint64_t w = load8(src + done);
@@ -185,8 +318,12 @@ uint32_t finish(const uint8_t* src, uint8_t* dst, size_t done, size_t n, uint32_
 
 // The raw register after `n` bytes of `src`, continuing from `c`.
 uint32_t checksum(const uint8_t* src, size_t n, uint32_t c) {
+#ifdef PDSERVE_CRC_FOLD
+  return finish<false>(src, nullptr, 0, n, c);
+#else
   const size_t done = three_lanes<4096, false>(src, nullptr, n, c);
   return finish<false>(src, nullptr, done, n, c);
+#endif
 }
 
 // `n` bytes copied from `src` to `dst`, and the raw register after them, continuing from `c`.
@@ -195,16 +332,22 @@ uint32_t copy_checksum(const uint8_t* src, uint8_t* dst, size_t n, uint32_t c) {
 #if defined(__AVX2__)
   constexpr size_t kLane = 4096;
   if (n >= 3 * kLane + 32) {
-    done = (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32;  // up to dst's first 32-byte boundary
+    done = (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64;  // up to dst's first 64-byte boundary
     for (size_t i = 0; i < done; ++i) {
       dst[i] = src[i];
       c = step1(c, src[i]);
     }
+#ifdef PDSERVE_CRC_FOLD
+    done += fold_bulk<true, true>(src + done, dst + done, n - done, c);
+#else
     done += three_lanes_streaming<kLane>(src + done, dst + done, n - done, c);
+#endif
     _mm_sfence();  // the streamed stores are visible before anything that follows
   }
 #endif
+#ifndef PDSERVE_CRC_FOLD
   done += three_lanes<4096, true>(src + done, dst + done, n - done, c);
+#endif
   return finish<true>(src, dst, done, n, c);
 }
 
@@ -282,14 +425,18 @@ int64_t crc32c(const at::Tensor& data, int64_t crc) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+#ifndef PDSERVE_OP_NAMESPACE
+#define PDSERVE_OP_NAMESPACE pdserve
+#endif
+
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("copy_rows_crc32c(Tensor src_k, Tensor src_v, Tensor(a!) dst_k, Tensor(b!) dst_v, Tensor pieces, "
         "int crc) -> int");
   m.def("rows_crc32c(Tensor k, Tensor v, Tensor runs, int crc) -> int");
   m.def("crc32c(Tensor data, int crc) -> int");
 }
 
-TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
+TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {
   m.impl("copy_rows_crc32c", &copy_rows_crc32c);
   m.impl("rows_crc32c", &rows_crc32c);
   m.impl("crc32c", &crc32c);

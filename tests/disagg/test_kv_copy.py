@@ -99,3 +99,55 @@ def test_native_copy_refuses_rows_of_different_sizes():
     dst = (np.zeros((10, 16), np.uint8), np.zeros((10, 16), np.uint8))
     with pytest.raises(ValueError, match="rows of 8 bytes"):
         kv_copy.copy_rows(src, dst, [(0, 0, 1)])
+
+
+# lengths around the folds: under the 128 bytes a fold needs, the 16- and 64-byte steps, the
+# 512 bytes of the four-chunk folds and their 256-byte rounds, and the streaming path (12 KiB + 32)
+FOLD_LENGTHS = [0, 1, 15, 16, 127, 128, 129, 143, 144, 191, 192, 255, 256, 511, 512, 513, 575, 576, 767, 768,
+                1023, 1024, 1040, 3 * 4096 + 31, 3 * 4096 + 32, 3 * 4096 + 95, 70_001]
+
+
+def _check_ops(ops) -> None:
+    """An op set (the loaded library's, or one built with other flags) against google-crc32c:
+    checksums at every fold boundary and offset, and copies into misaligned destinations."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    buf = rng.integers(0, 256, max(FOLD_LENGTHS) + 128, dtype=np.uint8)
+    for n in FOLD_LENGTHS:
+        for offset in (0, 1, 8, 63):
+            part = buf[offset:offset + n]
+            t = torch.from_numpy(part.copy())
+            assert ops.crc32c(t, 0) == _expected(part), (n, offset)
+            assert ops.crc32c(t, 0x1234ABCD) == _expected(part, crc=0x1234ABCD), (n, offset)
+            out = torch.zeros(n + 80, dtype=torch.uint8)
+            dst = out[offset + 3:offset + 3 + n].view(n, 1) if n else out[:0].view(0, 1)
+            src = t.view(n, 1)
+            crc = ops.copy_rows_crc32c(src, src, dst, dst, torch.tensor([[0, 0, n]]), 0)
+            assert crc == _expected(part, part), (n, offset)  # K then V: the same bytes twice
+            assert torch.equal(dst.view(-1), t)
+
+
+def test_native_folds_match_google_crc32c_at_every_boundary():
+    """The native ops directly (the engine's wrappers send short buffers to google-crc32c)."""
+    import torch
+
+    assert native.load(), native.error()
+    _check_ops(torch.ops.pdserve)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa,flags", [("xmm-folds", ["-mno-vpclmulqdq"]), ("crc32-chains", ["-mno-pclmul"]),
+                                       ("byte-table", ["-mno-pclmul", "-mno-sse4.2", "-mno-avx2", "-mno-avx512f"])])
+def test_narrower_instruction_sets_match_google_crc32c(isa, flags, tmp_path):
+    """The 16-byte folds (no VPCLMULQDQ), the three crc32 chains (no PCLMULQDQ) and the byte
+    table (neither, nor SSE4.2): kv_copy.cpp built again with those flags, under a namespace of its own."""
+    import torch
+    from torch.utils import cpp_extension
+
+    assert native.load(), native.error()
+    name = f"pdserve_test_kv_{isa.replace('-', '_')}"
+    source = next(s for s in native.SOURCES if s.name == "kv_copy.cpp")
+    cpp_extension.load(name, [str(source)], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
+                       is_python_module=False, verbose=False, build_directory=str(tmp_path))
+    _check_ops(getattr(torch.ops, name))
