@@ -9,7 +9,8 @@ byte-level half of the engine's interface for disaggregated serving (`disagg.py`
 
 Where the native ops are loaded (`pdserve.kernels.native`; a worker with a CPU KV cache loads
 them at start, `prepare`), these run in C++ at about the speed of a plain copy: each word is
-copied and checksummed in one pass, on three interleaved CRC chains (`kernels/cpu/kv_copy.cpp`). Otherwise
+copied and checksummed in one pass, the checksum folded by carry-less multiplies (or, on CPUs without
+them, three interleaved crc32 chains; `kernels/cpu/kv_copy.cpp`). Otherwise
 they fall back to numpy copies and google-crc32c's C library (`libcrc32c`, whose
 `crc32c_extend(crc, ptr, n)` reads any address; its Python entry points take only `bytes`), and
 to `google_crc32c.value(bytes(buf))` where that library cannot be found: the same results, slower.
