@@ -51,7 +51,11 @@ class Sampler:
         instead of a dozen passes over [rows, vocab], the same bits; seconds to compile)."""
         self.ops = ops
         self.tensors = SamplingTensors(device)
-        self.hash_fn = torch.compile(rng.hash_uniforms, dynamic=True) if compile_noise else rng.hash_uniforms
+        self.hash_fn = rng.hash_uniforms
+        if compile_noise:
+            self.hash_fn = torch.compile(rng.hash_uniforms, dynamic=True)
+            for rows in (1, 3):  # compile now, not in the first sampled requests' steps: one row, then any number
+                rng.exponentials([0] * rows, list(range(rows)), 8, device=device, hash_fn=self.hash_fn)
 
     def sample(
         self,
