@@ -108,68 +108,53 @@ class DraftPasses:
     three counts a depth of 4 needs, against 7 s for this one graph. A batch that samples runs a
     second graph (the pick differs), which also takes the place of the sampler's separate noise,
     filter and race calls per pass: at batch 1, temperature 1, those cost about 0.17 ms a pass.
-    A third graph runs a first pass over two tokens a sequence, for a draft two tokens behind
-    (the step before accepted every draft): then the catch-up joins the passes too, and at batch
-    1, greedy, a step's proposal went from 1.6 to 1.07 ms (its host-built 2-token pass alone had
-    cost 0.64 ms inside a speculative step).
 
     Needs the native attention (its plans are block ids, lengths and query starts, which a pass
     can compute) and every sequence's block table to hold the slots of the tokens to come (the
     scheduler reserves them for the verification)."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, compiled: bool, vocab_size: int):
-        self.kv_caches, self.block_size, self.vocab_size = kv_caches, block_size, vocab_size
-        kinds = {"greedy": _greedy_pass, "sampled": _sampled_pass, "catch_up": _catch_up_pass}
-        self._eager = {kind: types.MethodType(fn, model) for kind, fn in kinds.items()}
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, compiled: bool):
+        self.kv_caches, self.block_size = kv_caches, block_size
+        self._eager = {"greedy": types.MethodType(_greedy_pass, model), "sampled": types.MethodType(_sampled_pass, model)}
         self._fns = dict(self._eager)
         if compiled:  # code objects of their own, so the guards dropped are only this model's
-            for kind, fn in kinds.items():
+            for kind, fn in (("greedy", _greedy_pass), ("sampled", _sampled_pass)):
                 self._fns[kind] = torch.compile(types.MethodType(_own_function(fn), model), fullgraph=True,
                                                 dynamic=False, options={"guard_filter_fn": _guard_step_inputs_only})
         self.is_broken = False  # compiling failed once: eager from then on
 
     def __call__(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
-                 noise: torch.Tensor | None = None, prev: torch.Tensor | None = None) -> torch.Tensor:
+                 noise: torch.Tensor | None = None) -> torch.Tensor:
         """state [num_seqs, 2 + num_blocks] int64: each sequence's input token, its position, then
         its block ids. temperature [num_seqs] float32 (0: greedy) and noise [num_passes, num_seqs,
-        vocab_size] Exp(1) draws, when any sequence samples; None when every one is greedy.
-        prev [num_seqs] int64: a token at the position before each input token, which the first
-        pass runs too (a draft two tokens behind catches up in it). The picks [num_passes, num_seqs]."""
+        vocab_size] Exp(1) draws, when any sequence samples; None when every one is greedy. The
+        picks [num_passes, num_seqs]."""
         picks = []
         for j in range(num_passes):
-            if j == 0 and prev is not None:  # the pick of a sampled form: greedy rows at temperature 0
-                if temperature is None:
-                    with torch.inference_mode(False):  # a tensor like the proposer's noise (Dynamo guards on the mode)
-                        ones = torch.ones(1, state.shape[0], self.vocab_size, device=state.device)
-                    state = self._pass("catch_up", state, prev, torch.zeros(state.shape[0], device=state.device), ones[0])
-                else:
-                    state = self._pass("catch_up", state, prev, temperature, noise[j])
-            elif temperature is None:
-                state = self._pass("greedy", state)
-            else:
-                state = self._pass("sampled", state, temperature, noise[j])
+            state = self._pass(state) if temperature is None else self._pass(state, temperature, noise[j])
             picks.append(state[:, 0])
         return torch.stack(picks)
 
     def compiled(self, kind: str):
-        """The compiled function of "greedy", "sampled" or "catch_up" passes (None when eager)."""
+        """The compiled function of "greedy" or "sampled" passes (None when eager)."""
         fn = self._fns[kind]
         return None if fn is self._eager[kind] else fn
 
-    def _pass(self, kind: str, state: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+    def _pass(self, state: torch.Tensor, *sampling: torch.Tensor) -> torch.Tensor:
+        kind = "sampled" if sampling else "greedy"
         fn = self._fns[kind]
         if fn is self._eager[kind]:
-            return fn(state, *extra, self.kv_caches, self.block_size)
+            return fn(state, *sampling, self.kv_caches, self.block_size)
         for dim in (0, 1):  # one graph each, whatever the batch and the table width
             torch._dynamo.decorators.mark_unbacked(state, dim)
-        for t in extra:
+        for t in sampling:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         try:
-            return fn(state, *extra, self.kv_caches, self.block_size)
+            return fn(state, *sampling, self.kv_caches, self.block_size)
         except Exception as e:  # compilation failed: say so once and stay eager
             self.is_broken, self._fns = True, dict(self._eager)
             log.warning("graph capture (compile) of the draft's passes failed, running eagerly: %r", e)
-            return self._eager[kind](state, *extra, self.kv_caches, self.block_size)
+            return self._eager[kind](state, *sampling, self.kv_caches, self.block_size)
 
 
 def _pass_logits(model, state: torch.Tensor, kv_caches: list, block_size: int) -> torch.Tensor:
@@ -196,36 +181,16 @@ def _greedy_pass(self, state: torch.Tensor, kv_caches: list, block_size: int) ->
     return _next_state(state, _pass_logits(self, state, kv_caches, block_size).argmax(-1))
 
 
-def _pick(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """A greedy row (temperature 0) takes the argmax, a sampled row the exponential race over its
-    softmax at its temperature (`sample_ref` with top-k, top-p and min-p off)."""
-    greedy = temperature <= 0
-    probs = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
-    return torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
-
-
 def _sampled_pass(self, state: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor, kv_caches: list,
                   block_size: int) -> torch.Tensor:
-    """`DraftPasses`' pass for a batch that samples."""
-    return _next_state(state, _pick(_pass_logits(self, state, kv_caches, block_size), temperature, noise))
-
-
-def _catch_up_pass(self, state: torch.Tensor, prev: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor,
-                   kv_caches: list, block_size: int) -> torch.Tensor:
-    """`DraftPasses`' first pass for drafts two tokens behind: each sequence's `prev` at the
-    position before its token, then its token, both K/V written, picked from the second's logits."""
-    positions, block_ids = state[:, 1], state[:, 2:]
-    num_seqs = state.shape[0]
-    both = torch.stack([positions - 1, positions], dim=1)  # [num_seqs, 2]
-    blocks = block_ids.gather(1, torch.div(both, block_size, rounding_mode="floor"))
-    plan = GatherPlan(block_ids, num_seqs, 2, 0, None, None, None, [], context_lens=positions + 1,
-                      query_starts=torch.arange(0, 2 * num_seqs + 1, 2, dtype=torch.int64, device=state.device))
-    unused = state.new_empty((0,), dtype=torch.int32)
-    meta = AttentionMetadata((blocks * block_size + both % block_size).reshape(-1), 0, unused.view(0, 0), unused,
-                             unused.view(0, 0), unused, unused, plan)
-    hidden = self.forward(torch.stack([prev, state[:, 0]], dim=1).reshape(-1), both.reshape(-1), kv_caches, meta)
-    logits = self.compute_logits(hidden[1::2])
-    return _next_state(state, _pick(logits, temperature, noise))
+    """`DraftPasses`' pass for a batch that samples: a greedy row (temperature 0) takes the argmax,
+    a sampled row the exponential race over its softmax at its temperature (`sample_ref` with
+    top-k, top-p and min-p off)."""
+    logits = _pass_logits(self, state, kv_caches, block_size)
+    greedy = temperature <= 0
+    probs = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
+    picks = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
+    return _next_state(state, picks)
 
 
 # --- guards ---------------------------------------------------------------------------------

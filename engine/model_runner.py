@@ -75,8 +75,7 @@ class ModelRunner:
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
         # a draft's passes after its first (`draft_passes`): the native attention's plans only
-        self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile",
-                                   vocab_size=cfg.vocab_size)
+        self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
                        if native_attention and capture in ("off", "compile") else None)
 
     def _build_capture(self, kind: str, max_batch: int, ops: KernelOps):
@@ -113,14 +112,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], num_passes: int,
-                     temperatures: list[float] | None = None, noise: torch.Tensor | None = None,
-                     prev_token_ids: list[int] | None = None) -> list[list[int]] | None:
+                     temperatures: list[float] | None = None, noise: torch.Tensor | None = None
+                     ) -> list[list[int]] | None:
         """Each sequence's next num_passes tokens (`capture.DraftPasses`): token_ids[i] at
-        positions[i] goes in first (after prev_token_ids[i] at the position before, when given),
-        then each pick at the next position, their K/V written into the sequence's blocks. Greedy
-        picks, unless temperatures (0: greedy) and noise [num_passes, len(seqs), vocab_size] (each
-        pass's Exp(1) draws) are given. None where this runner cannot (no native attention), or a
-        block table does not yet reach the last position: the caller then runs passes one by one."""
+        positions[i] goes in first, then each pick at the next position, their K/V written into
+        the sequence's blocks. Greedy picks, unless temperatures (0: greedy) and noise
+        [num_passes, len(seqs), vocab_size] (each pass's Exp(1) draws) are given. None where this
+        runner cannot (no native attention), or a block table does not yet reach the last
+        position: the caller then runs passes one by one."""
         last = [p + num_passes - 1 for p in positions]
         if self.passes is None or any(p >= len(s.block_table) * self.block_size for s, p in zip(seqs, last)):
             return None
@@ -130,15 +129,13 @@ class ModelRunner:
         for row, seq in zip(state, seqs):
             table = seq.block_table[:width]
             row[2:2 + len(table)] = table
-        temperature = prev = None
+        temperature = None
         if temperatures is not None:
             temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
-        if prev_token_ids is not None:
-            prev = torch.tensor(prev_token_ids, dtype=torch.int64, device=self.device)
-        return self.passes(torch.from_numpy(state).to(self.device), num_passes, temperature, noise, prev).t().tolist()
+        return self.passes(torch.from_numpy(state).to(self.device), num_passes, temperature, noise).t().tolist()
 
     def warm_up_draft_passes(self) -> None:
-        """Compile every kind of pass now, on one dummy sequence in block 0, as the forward's
+        """Compile both kinds of pass now, on one dummy sequence in block 0, as the forward's
         warm-up does (a first sampled request would otherwise wait seconds for its graph)."""
         if self.passes is not None:
             noise = torch.ones(1, 1, self.cfg.vocab_size, device=self.device)  # made as the proposer makes it: outside
@@ -146,8 +143,6 @@ class ModelRunner:
                 state = torch.zeros((1, 3), dtype=torch.int64, device=self.device)
                 self.passes(state, 1)
                 self.passes(state, 1, torch.ones(1, device=self.device), noise)
-                state[:, 1] = 1  # a second token, at position 1 in block 0, after a first at 0
-                self.passes(state, 1, torch.ones(1, device=self.device), noise, torch.zeros(1, dtype=torch.int64))
 
 
 def _dummy_prefill(block_size: int) -> BatchEntry:

@@ -35,8 +35,6 @@ class DraftProposer:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        if active and self._run_all_at_once(seqs, active, ks, tokens):
-            return [Proposal(t, None) for t in tokens]
         entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
@@ -49,59 +47,43 @@ class DraftProposer:
                     probs[i].append(q[row])
             step += 1
             active = [i for i in active if ks[i] > step]
-            if step == 1 and active and self._at_once(seqs, active, ks, tokens, first=1):
+            if step == 1 and active and self._run_rest_at_once(seqs, active, ks, tokens):
                 break
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
-    def _run_all_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]]) -> bool:
-        """Every pass as one call, the catch-up included, when the draft is one token behind in
-        every sequence (the last step rejected a draft, or a plain step ran) or two in every one
-        (it accepted them all): the first pass then runs the last token, or the last two."""
-        lags = {seqs[i].num_tokens - seqs[i].num_draft_computed_tokens for i in active}
-        if lags not in ({1}, {2}) or any(seqs[i].num_tokens < 2 for i in active):
-            return False
-        return self._at_once(seqs, active, ks, tokens, first=0, lag=lags.pop())
-
-    def _at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]], first: int,
-                 lag: int = 1) -> bool:
-        """Passes first .. depth - 1 as one call (`ModelRunner.draft_passes`), pass j picking the
-        token at num_tokens + j, when every sequence drafts to the same depth and is greedy or
-        samples by temperature alone, and no q is kept (the rejection sampler's); False when not,
-        or the runner cannot. A sampled pass races the same noise as `_run` would draw (the
-        stream, seed and position of the token it picks). first 0: from the draft's catch-up
-        (`lag` tokens: the last one or two); first 1: after `_run` ran the catch-up."""
+    def _run_rest_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]]) -> bool:
+        """After the first pass (which catches the draft up), the remaining passes as one call
+        (`ModelRunner.draft_passes`) when every sequence still drafting drafts to the same depth
+        and is greedy or samples by temperature alone, and no q is kept (the rejection sampler's);
+        False when not, or the runner cannot. A sampled pass races the same noise as `_run` would
+        draw (the stream, seed and position of the token it picks)."""
         depth = ks[active[0]]
         params = [seqs[i].params for i in active]
         if any(ks[i] != depth for i in active):
             return False
         start = time.perf_counter()
-        num_passes = depth - first
         temperatures = noise = None
         if not all(p.is_greedy for p in params):
             if self.keep_probs or not all(p.is_greedy or _temperature_only(p) for p in params):
                 return False
             temperatures = [0.0 if p.is_greedy else float(p.temperature) for p in params]
-            positions = [seqs[i].num_tokens + j for j in range(first, depth) for i in active]
-            noise = race_noise(params * num_passes, [seqs[i].seed for i in active] * num_passes, positions,
+            rest = depth - 1  # passes j = 1 .. depth - 1 pick the tokens at num_tokens + j
+            positions = [seqs[i].num_tokens + j for j in range(1, depth) for i in active]
+            noise = race_noise(params * rest, [seqs[i].seed for i in active] * rest, positions,
                                self.runner.cfg.vocab_size, self.noise_stream, self.runner.device,
-                               self.sampler.hash_fn).view(num_passes, len(active), -1)
-        run = [seqs[i] for i in active]
-        if first == 0:  # the last token goes in (after the one before it, two behind)
-            inputs, positions = [_token_at(s, s.num_tokens - 1) for s in run], [s.num_tokens - 1 for s in run]
-            prev = [_token_at(s, s.num_tokens - 2) for s in run] if lag == 2 else None
-        else:  # the first pass's pick goes in
-            inputs, positions, prev = [tokens[i][-1] for i in active], [s.num_tokens for s in run], None
-        picks = self.runner.draft_passes(run, inputs, positions, num_passes, temperatures, noise, prev)
+                               self.sampler.hash_fn).view(rest, len(active), -1)
+        picks = self.runner.draft_passes([seqs[i] for i in active], [tokens[i][-1] for i in active],
+                                         [seqs[i].num_tokens for i in active], depth - 1, temperatures, noise)
         if picks is None:
             return False
         for i, more in zip(active, picks):
             tokens[i].extend(more)
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
-        per_pass = (time.perf_counter() - start) / num_passes
-        for j in range(num_passes):
-            self.cost.observe(len(active) * (lag if j == 0 and first == 0 else 1), per_pass)
+        per_pass = (time.perf_counter() - start) / (depth - 1)
+        for _ in range(depth - 1):
+            self.cost.observe(len(active), per_pass)
         return True
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
@@ -128,9 +110,3 @@ class DraftProposer:
 def _temperature_only(p) -> bool:
     """A sampled request that filters by nothing but its temperature (no top-k, top-p or min-p)."""
     return p.top_k == 0 and p.top_p >= 1 and p.min_p == 0
-
-
-def _token_at(seq: Sequence, i: int) -> int:
-    """Token i of the sequence (prompt, then output), without building the whole list."""
-    n = seq.num_prompt_tokens
-    return seq.prompt_token_ids[i] if i < n else seq.output_token_ids[i - n]
