@@ -1,0 +1,156 @@
+"""The draft's passes run at once (`capture.DraftPasses`) against the same engine drafting pass by
+pass, side by side in one process.
+
+    python benchmarks/draft_passes.py [--repeats 10] [--no-markdown]
+
+Two engines on the demo pair with the draft at fixed depth k = 4 and the tuned options
+(`graph_capture="compile"`, one torch thread), differing only in `ModelRunner.passes`: the
+default (a batch drafting to one depth runs its passes after the catch-up as one call; greedy and
+temperature-only sampled batches) and None (every pass built on the host and sampled by the
+sampler, as before 2bb21d1). Plain decoding is measured beside them. Cases: batch 1 greedy and at
+temperature 1 (4 prompts of code, 128 tokens each, one after another), and batch 8 at
+temperature 1 (one batch of 8 prompts). The engines run in turn within each repeat, the order
+reversing every repeat. Per case: tokens/s of each engine, and the ratios at once / pass by pass
+and each against plain in the same repeat, as min / median / max. Writes
+benchmarks/results/draft_passes.json and .png and, unless --no-markdown, its BENCHMARKS.md section.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from report import Spread, host, machine, update_section  # noqa: E402
+from spec_decode import code_prompts  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+SECTION = "Draft passes at once (`benchmarks/draft_passes.py`)"
+CASES = ((1, 0.0), (1, 1.0), (8, 1.0))  # (batch, temperature)
+ENGINES = ("at once", "pass by pass", "plain")
+
+
+def build(model: str, draft: str, capture: str, num_kv_blocks: int) -> dict[str, LLM]:
+    common = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=16, enable_prefix_caching=False, graph_capture=capture)
+    spec = dict(draft_model=draft, num_speculative_tokens=4, spec_adaptive=False)
+    llms = {"at once": LLM(model, **common, **spec), "pass by pass": LLM(model, **common, **spec),
+            "plain": LLM(model, **common)}
+    llms["pass by pass"].engine.draft_runner.passes = None  # every pass through `execute` and the sampler
+    return llms
+
+
+def generate(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams) -> float:
+    """Tokens/s: batch 1 runs the prompts one after another, else them all as one batch."""
+    start = time.perf_counter()
+    if batch == 1:
+        n = sum(len(llm.generate([p], params)[0].token_ids) for p in prompts)
+    else:
+        n = sum(len(o.token_ids) for o in llm.generate(prompts, params))
+    return n / (time.perf_counter() - start)
+
+
+def run(model: str, draft: str, repeats: int, max_tokens: int, capture: str = "compile", threads: int = 1,
+        progress: bool = True) -> dict:
+    torch.set_num_threads(threads)
+    llms = build(model, draft, capture, num_kv_blocks=16 * (-(-(128 + max_tokens + 8) // 16)) + 16)
+    prompts = code_prompts(llms["plain"].engine.tokenizer, max(b for b, _ in CASES))
+    for llm in llms.values():  # warm up: first passes allocate and fill caches
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    rates: dict[tuple, list[float]] = {}
+    with tqdm(total=repeats * len(CASES) * len(ENGINES), desc="draft_passes", unit="gen", disable=not progress) as bar:
+        for rep in range(repeats):
+            for batch, temp in CASES:
+                params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=rep)
+                for name in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
+                    work = prompts[:4] if batch == 1 else prompts[:batch]
+                    rates.setdefault((batch, temp, name), []).append(generate(llms[name], work, batch, params))
+                    bar.update(1)
+    rows = []
+    for batch, temp in CASES:
+        r = {name: rates[(batch, temp, name)] for name in ENGINES}
+        rows.append(dict(batch=batch, temperature=temp,
+                         tokens_per_s={name: Spread.of(v).as_dict() for name, v in r.items()},
+                         at_once_vs_pass_by_pass=Spread.of(a / b for a, b in zip(r["at once"], r["pass by pass"])).as_dict(),
+                         at_once_vs_plain=Spread.of(a / b for a, b in zip(r["at once"], r["plain"])).as_dict(),
+                         pass_by_pass_vs_plain=Spread.of(a / b for a, b in zip(r["pass by pass"], r["plain"])).as_dict()))
+    return dict(rows=rows, repeats=repeats, max_tokens=max_tokens, capture=capture, threads=threads, machine=machine())
+
+
+def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
+    return Spread(d["min"], d["median"], d["max"], tuple(d["values"])).fmt(digits, unit)
+
+
+def markdown(result: dict, command: str) -> str:
+    lines = [f"Command: `{command}`. Demo pair, draft k = 4 fixed, `graph_capture=\"{result['capture']}\"`, "
+             f"{result['threads']} torch thread, on {host(result['machine'])}; {result['repeats']} repeats, engines in "
+             "turn, the order reversing every repeat; min / median / max, ratios within a repeat. \"Pass by pass\" is "
+             "the same engine with `draft_runner.passes = None`.", "",
+             "| batch | temp | tokens/s at once | tokens/s pass by pass | tokens/s plain | at once / pass by pass | "
+             "at once / plain | pass by pass / plain |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        t = r["tokens_per_s"]
+        lines.append(f"| {r['batch']} | {r['temperature']:g} | {_fmt(t['at once'], 0)} | {_fmt(t['pass by pass'], 0)} | "
+                     f"{_fmt(t['plain'], 0)} | {_fmt(r['at_once_vs_pass_by_pass'], 3, '×')} | "
+                     f"{_fmt(r['at_once_vs_plain'], 2, '×')} | {_fmt(r['pass_by_pass_vs_plain'], 2, '×')} |")
+    lines += ["", "Files: `benchmarks/results/draft_passes.json`, `benchmarks/results/draft_passes.png`."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"batch {r['batch']}, temp {r['temperature']:g}" for r in result["rows"]]
+    for i, key in enumerate(("at_once_vs_pass_by_pass", "at_once_vs_plain", "pass_by_pass_vs_plain")):
+        med = [r[key]["median"] for r in result["rows"]]
+        err = [[r[key]["median"] - r[key]["min"] for r in result["rows"]], [r[key]["max"] - r[key]["median"] for r in result["rows"]]]
+        ax.bar([x + 0.27 * (i - 1) for x in range(len(labels))], med, 0.27, yerr=err, capsize=3,
+               label=key.replace("_", " ").replace(" vs ", " / "))
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("tokens/s ratio (median, min–max)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO / "models" / "demo"))
+    parser.add_argument("--draft", default=str(REPO / "models" / "demo-draft"))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--graph-capture", default="compile", choices=["off", "compile"])
+    parser.add_argument("--no-markdown", action="store_true", help="do not rewrite BENCHMARKS.md")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.max_tokens < 1:
+        parser.error("--repeats and --max-tokens must be at least 1")
+    result = run(args.model, args.draft, args.repeats, args.max_tokens, args.graph_capture)
+    command = "python benchmarks/draft_passes.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    result["command"] = command
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "draft_passes.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "draft_passes.png")
+    text = markdown(result, command)
+    print(text)
+    if not args.no_markdown:
+        update_section(REPO / "BENCHMARKS.md", SECTION, text)
+
+
+if __name__ == "__main__":
+    main()
