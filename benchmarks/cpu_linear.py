@@ -22,7 +22,6 @@ JSON and a PNG under benchmarks/results/ and, unless --no-markdown, its section 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine.model.config import load_model_config  # noqa: E402
 from pdserve.kernels import native  # noqa: E402
-from report import Spread, host, machine, update_section  # noqa: E402
+from report import Spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "CPU projections by instruction set (`benchmarks/cpu_linear.py`)"
@@ -183,16 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeats and --iters must be at least 1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result = run(args.model, args.repeats, args.iters)
-    command = "python benchmarks/cpu_linear.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    result["command"] = command
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_linear.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "cpu_linear.png")
-    text = markdown(result, command)
-    print(text)
-    if not args.no_markdown:
-        update_section(REPO / "BENCHMARKS.md", SECTION, text)
-
+    publish(result, "cpu_linear", argv if argv is not None else sys.argv[1:], args.out, markdown, plot,
+            None if args.no_markdown else SECTION)
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,6 @@ benchmarks/results/draft_passes.json and .png and, unless --no-markdown, its BEN
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from report import Spread, host, machine, update_section  # noqa: E402
+from report import Spread, host, machine, publish  # noqa: E402
 from spec_decode import code_prompts  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -141,16 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1 or args.max_tokens < 1:
         parser.error("--repeats and --max-tokens must be at least 1")
     result = run(args.model, args.draft, args.repeats, args.max_tokens, args.graph_capture)
-    command = "python benchmarks/draft_passes.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    result["command"] = command
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "draft_passes.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / "draft_passes.png")
-    text = markdown(result, command)
-    print(text)
-    if not args.no_markdown:
-        update_section(REPO / "BENCHMARKS.md", SECTION, text)
-
+    publish(result, "draft_passes", argv if argv is not None else sys.argv[1:], args.out, markdown, plot,
+            None if args.no_markdown else SECTION)
 
 if __name__ == "__main__":
     main()

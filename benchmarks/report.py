@@ -6,6 +6,7 @@ meets it: the minimum for a floor ("at least 2.5x"), the maximum for a ceiling (
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -128,3 +129,20 @@ def update_section(path: Path, title: str, body: str) -> None:
             section += "\n" + old[old.index(NOTES_MARK):].rstrip("\n") + "\n"
         text = text[:start] + section + (text[end:] if end >= 0 else "")
     path.write_text(text)
+
+
+def publish(result: dict, name: str, script_args: list[str], out_dir: Path, markdown, plot, section: str | None) -> str:
+    """A benchmark's outputs: its command (the script and `script_args`) into `result`, then
+    `out_dir/<name>.json` and `.png` (`plot(result, path)`), and its Markdown (`markdown(result,
+    command)`) printed and, unless `section` is None, written as that section of BENCHMARKS.md.
+    Returns the Markdown."""
+    command = f"python benchmarks/{name}.py" + "".join(f" {a}" for a in script_args)
+    result["command"] = command
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / f"{name}.png")
+    text = markdown(result, command)
+    print(text)
+    if section is not None:
+        update_section(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", section, text)
+    return text

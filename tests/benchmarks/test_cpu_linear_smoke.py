@@ -2,23 +2,16 @@
 row count, checked against F.linear first, and written out. No timing is asserted."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from pdserve.kernels import native
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_cpu_linear_runs_every_variant(tmp_path):
-    spec = importlib.util.spec_from_file_location("cpu_linear_bench", ROOT / "benchmarks" / "cpu_linear.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+def test_cpu_linear_runs_every_variant(tmp_path, load_benchmark):
+    bench = load_benchmark("cpu_linear")
     bench.main(["--repeats", "1", "--iters", "1", "--no-markdown", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "cpu_linear.json").read_text())
     assert (tmp_path / "cpu_linear.png").stat().st_size > 0

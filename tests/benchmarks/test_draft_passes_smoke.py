@@ -3,19 +3,14 @@ every case, the pass-by-pass engine really drafts pass by pass, and the results 
 timing is asserted."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_draft_passes_benchmark_runs_every_case(tmp_path):
-    spec = importlib.util.spec_from_file_location("draft_passes_bench", ROOT / "benchmarks" / "draft_passes.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+def test_draft_passes_benchmark_runs_every_case(tmp_path, load_benchmark):
+    bench = load_benchmark("draft_passes")
     llms = bench.build(str(ROOT / "models" / "demo"), str(ROOT / "models" / "demo-draft"), "off", 64)
     assert llms["pass by pass"].engine.draft_runner.passes is None
     assert llms["at once"].engine.draft_runner.passes is not None  # the native attention built here
