@@ -10,7 +10,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def load_benchmark():
     """load_benchmark("cpu_linear"): benchmarks/cpu_linear.py, imported under a name of its own
     (registered in sys.modules, where dataclasses look their module up)."""

@@ -19,12 +19,8 @@ def test_gpu_check_says_it_needs_cuda():
     assert "needs CUDA" in proc.stdout and "nothing was checked" in proc.stdout
 
 
-def test_gpu_check_builds_a_one_billion_parameter_config():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_gpu_check_builds_a_one_billion_parameter_config(load_benchmark):
+    module = load_benchmark("gpu_check")
     import transformers
 
     config = transformers.LlamaConfig(**module.LLAMA_1B)

@@ -1,24 +1,11 @@
 """The offline-throughput benchmark runs end to end on a tiny model. No timing is asserted."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_throughput.py"
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("offline_throughput", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_offline_throughput_smoke(tmp_path):
-    ot = load_bench()
+def test_offline_throughput_smoke(tmp_path, load_benchmark):
+    ot = load_benchmark("offline_throughput")
     tiny = ot.ModelSpec("tiny", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=128, vocab_size=211, max_position_embeddings=256)
     cfg = ot.BenchConfig(models=(tiny,), repeats=2, b1_prompt_len=8, b1_new_tokens=4, num_prompts=5,
@@ -56,9 +43,9 @@ def test_offline_throughput_smoke(tmp_path):
     assert md.count(ot.SECTION) == 1 and "--again" in md and "--test" not in md
 
 
-def test_goal_met_only_when_the_worst_repeat_meets_it():
+def test_goal_met_only_when_the_worst_repeat_meets_it(load_benchmark):
     """The figures BENCHMARKS.md once called "≥ 2x met" (1.18, 2.81, 2.01) are not met."""
-    ot = load_bench()
+    ot = load_benchmark("offline_throughput")
     floor = ot.Goal("mixed", ot.Spread.of([1.18, 2.81, 2.01]), 2.0, is_floor=True)
     assert floor.spread.median == 2.01 and not floor.is_met and "not met" in floor.row()
     ceiling = ot.Goal("step", ot.Spread.of([2.1, 2.9, 3.2]), 3.0, is_floor=False)

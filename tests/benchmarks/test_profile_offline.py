@@ -2,7 +2,6 @@
 `pdserve` (what its side-by-side mode runs). No timing is asserted."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,16 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load():
-    spec = importlib.util.spec_from_file_location("profile_offline", ROOT / "benchmarks" / "profile_offline.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_variant_specs_parse():
-    po = load()
+def test_variant_specs_parse(load_benchmark):
+    po = load_benchmark("profile_offline")
     assert po.parse_variant("base=cc75024") == ("base", "cc75024", {})
     assert po.parse_variant("c=HEAD:graph_capture=compile,num_kv_blocks=64,spec_adaptive=false") == \
         ("c", "HEAD", {"graph_capture": "compile", "num_kv_blocks": 64, "spec_adaptive": False})
@@ -28,8 +19,8 @@ def test_variant_specs_parse():
     assert options["draft_model"] == str(ROOT / "models" / "demo-draft")
 
 
-def test_a_revision_unpacks_as_the_pdserve_package(tmp_path):
-    po = load()
+def test_a_revision_unpacks_as_the_pdserve_package(tmp_path, load_benchmark):
+    po = load_benchmark("profile_offline")
     path, subject = po.unpack("HEAD", tmp_path)
     assert subject.split()[0] and (path / "pdserve" / "engine" / "llm_engine.py").is_file()
     env = dict(os.environ, PYTHONPATH=str(path))

@@ -3,8 +3,6 @@ speculation equal those without, and so do coupled-verifier outputs at temperatu
 is asserted; the benchmark does the measuring."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +12,8 @@ DEMO, DEMO_DRAFT = ROOT / "models" / "demo", ROOT / "models" / "demo-draft"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", ROOT / "benchmarks" / "spec_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def bench(load_benchmark):
+    return load_benchmark("spec_decode")
 
 
 def test_demo_models_are_committed():
