@@ -28,6 +28,7 @@ import torch
 from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.engine.step_inputs import StepInputs
 from pdserve.kernels.gathered_attention import GatherPlan
+from pdserve.kernels.sampling import race_ref
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,7 @@ def _sampled_pass(self, state: torch.Tensor, temperature: torch.Tensor, noise: t
     logits = _pass_logits(self, state, kv_caches, block_size)
     greedy = temperature <= 0
     probs = (logits / torch.where(greedy, 1.0, temperature)[:, None]).softmax(-1)
-    picks = torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1))
-    return _next_state(state, picks)
+    return _next_state(state, torch.where(greedy, logits.argmax(-1), race_ref(probs, noise)))
 
 
 # --- guards ---------------------------------------------------------------------------------

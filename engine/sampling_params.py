@@ -57,6 +57,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filters_by_temperature_only(self) -> bool:
+        """No top-k, top-p or min-p: the distribution is the softmax at the temperature."""
+        return self.top_k == 0 and self.top_p >= 1 and self.min_p == 0
+
 
 def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -66,7 +66,7 @@ class DraftProposer:
         start = time.perf_counter()
         temperatures = noise = None
         if not all(p.is_greedy for p in params):
-            if self.keep_probs or not all(p.is_greedy or _temperature_only(p) for p in params):
+            if self.keep_probs or not all(p.is_greedy or p.filters_by_temperature_only for p in params):
                 return False
             temperatures = [0.0 if p.is_greedy else float(p.temperature) for p in params]
             rest = depth - 1  # passes j = 1 .. depth - 1 pick the tokens at num_tokens + j
@@ -105,8 +105,3 @@ class DraftProposer:
         picks = picks.tolist()
         self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
         return picks, q
-
-
-def _temperature_only(p) -> bool:
-    """A sampled request that filters by nothing but its temperature (no top-k, top-p or min-p)."""
-    return p.top_k == 0 and p.top_p >= 1 and p.min_p == 0
