@@ -14,8 +14,11 @@ draft_model="models/demo-draft", num_speculative_tokens=4)` and plain `LLM("mode
 options, default torch threads) is measured beside them at batch 1.
 
 Per configuration, over --runs repeats interleaved across configurations (the order reverses
-every repeat): tokens/s, and the speedup against plain decoding in the same repeat, as
-min / median / max; the acceptance rate α, the mean accepted length (tokens per verification
+every repeat), each configuration's run between two plain runs (B m1 B m2 B …: the host drifts
+over seconds, so a speedup divides by the plain runs right beside the method's): tokens/s, and
+that speedup, as min / median / max; plain's own row gives, in the speedup column, one plain run
+against the plain run before it, one configuration's run apart (an A/A control: what the host's
+drift alone does to a ratio); the acceptance rate α, the mean accepted length (tokens per verification
 step), the mean depth k, the draft/target step-cost ratio c (one draft forward against one
 target forward at the same batch size, timed around `ModelRunner.execute`), the ideal speedup
 (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the measured speedup as a share of it. Greedy outputs
@@ -206,22 +209,57 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
         llm.generate(prompts[:2], warm)
     cases = [(b, t) for t in temperatures for b in batch_sizes]
     raw: dict[tuple, list[dict]] = {}
-    total = runs * sum(len(cases_of(m, batch_sizes, temperatures)) for m in methods)
+    total = runs * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
+                                        lambda m: dict(seconds=1.0, token_ids=None)))) for b, t in cases)
     with tqdm(total=total, desc="spec_decode", unit="gen", disable=not progress) as bar:
         for rep in range(runs):
             for b, temp in cases:
                 params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
-                order = methods if rep % 2 == 0 else methods[::-1]  # alternate who runs first
-                for m in order:
-                    if (b, temp) not in cases_of(m, batch_sizes, temperatures):
-                        continue
-                    raw.setdefault((b, temp, m.name), []).append(
-                        _timed_run(llms[m.name], timers[m.name], prompts[:b], params, m, setup))
+                measured = [m for m in methods if (b, temp) in cases_of(m, batch_sizes, temperatures)]
+                order = measured if rep % 2 == 0 else measured[::-1]  # alternate who runs first
+                for m, r in _paired(order, lambda m: _timed_run(llms[m.name], timers[m.name], prompts[:b],
+                                                                     params, m, setup)):
+                    raw.setdefault((b, temp, m.name), []).append(r)
                     bar.update(1)
     torch.set_num_threads(threads)
     return dict(rows=collect(raw, methods, cases), startup_seconds={n: s for n, (_, s) in built.items()},
                 threads=threads, default_threads=setup.default_threads, tuned_options=setup.tuned)
 
+
+def _paired(order: list[Method], run):
+    """Runs `order`'s methods with each one's baseline (plain decoding; the newcomer plain engine
+    for the newcomer draft) right before and right after it: B m1 B m2 B … The host drifts over
+    seconds, so a speedup divides a method's run by its two neighbouring baseline runs (their
+    mean), not by one baseline run several runs away. Yields (method, run) for every run, the
+    baselines' included. A method's run carries `baseline_seconds` and `baseline_token_ids`; a
+    baseline run right after another of the same engine's (one method between them) carries
+    `previous_baseline_seconds`, the A/A control: how far the same engine moves between two runs."""
+    base_of = lambda m: next(b for b in order if b.is_plain and b.is_newcomer == m.is_newcomer)  # noqa: E731
+    previous: tuple[Method, dict] | None = None  # the latest baseline run, while it is the latest run
+    last_of: dict[str, dict] = {}  # baseline name -> its latest run
+
+    def baseline(b: Method) -> dict:
+        r = run(b)
+        if b.name in last_of:
+            r["previous_baseline_seconds"] = last_of[b.name]["seconds"]
+        last_of[b.name] = r
+        return r
+
+    for m in (m for m in order if not m.is_plain):
+        b = base_of(m)
+        if previous is not None and previous[0] is b:
+            before = previous[1]
+        else:
+            last_of.pop(b.name, None)  # not adjacent: no A/A pair across other engines' runs
+            before = baseline(b)
+            yield b, before
+        r = run(m)
+        after = baseline(b)
+        r["baseline_seconds"] = (before["seconds"] + after["seconds"]) / 2
+        r["baseline_token_ids"] = after["token_ids"]
+        yield m, r
+        yield b, after
+        previous = (b, after)
 
 def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup) -> dict:
     torch.set_num_threads(setup.default_threads if method.is_newcomer else setup.threads)
@@ -245,27 +283,28 @@ def collect(raw: dict, methods: tuple[Method, ...], cases: list[tuple]) -> list[
         draft_times = [r["draft_forward_s"] for m in methods if (b, temp, m.name) in raw and not m.is_newcomer
                        for r in raw[(b, temp, m.name)] if r["draft_forward_s"]]
         c = statistics.median(draft_times) / target_s if draft_times else None
-        newcomer_plain = raw.get((b, temp, "newcomer plain"))
         for m in methods:
             runs = raw.get((b, temp, m.name))
             if runs is None:
                 continue
-            base = newcomer_plain if m.is_newcomer and newcomer_plain else plain_runs
-            row = summarize(m, runs, None if m.is_plain else base, c if m.uses_draft else 0.0)
+            row = summarize(m, runs, c if m.uses_draft else 0.0)
             row.update(batch_size=b, temperature=temp, is_newcomer=m.is_newcomer,
                        target_forward_ms=target_s * 1e3, draft_forward_ms=c * target_s * 1e3 if c else None)
             if not m.is_plain and (temp == 0 or "rejection" not in m.name):  # coupled: same tokens as plain
-                row["same_tokens_as_plain"] = all(r["token_ids"] == p["token_ids"] for r, p in zip(runs, base))
+                row["same_tokens_as_plain"] = all(r["token_ids"] == r["baseline_token_ids"] for r in runs)
             rows.append(row)
     return rows
 
 
-def summarize(method: Method, runs: list[dict], plain_runs: list[dict] | None, c: float | None) -> dict:
+def summarize(method: Method, runs: list[dict], c: float | None) -> dict:
     rates = Spread.of(r["num_tokens"] / r["seconds"] for r in runs)
     out = dict(method=method.name, tokens_per_s=rates.as_dict(), num_tokens=runs[0]["num_tokens"])
-    if plain_runs is None:
+    if method.is_plain:  # the A/A control: a plain run against the one before it, one method run between
+        pairs = [r["previous_baseline_seconds"] / r["seconds"] for r in runs if "previous_baseline_seconds" in r]
+        if pairs:
+            out["a_a"] = Spread.of(pairs).as_dict()
         return out
-    speedup = Spread.of(p["seconds"] / r["seconds"] for r, p in zip(runs, plain_runs))  # same tokens, same repeat
+    speedup = Spread.of(r["baseline_seconds"] / r["seconds"] for r in runs)  # same tokens, neighbouring runs
     drafts = sum(r["num_drafts"] for r in runs)
     draft_tokens = sum(r["num_draft_tokens"] for r in runs)
     accepted = sum(r["num_accepted_tokens"] for r in runs)
@@ -294,10 +333,11 @@ def markdown_table(rows: list[dict]) -> str:
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         same = r.get("same_tokens_as_plain")
-        speed, share = _sp(r.get("speedup")), _sp(r.get("share_of_ideal"))
+        speed, share, a_a = _sp(r.get("speedup")), _sp(r.get("share_of_ideal")), _sp(r.get("a_a"))
+        speed_text = speed.fmt(2) if speed else f"A/A {a_a.fmt(2)}" if a_a else "–"
         lines.append(
             f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_sp(r['tokens_per_s']).fmt(0)} | "
-            f"{speed.fmt(2) if speed else '–'} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
+            f"{speed_text} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
             f"{fmt(r.get('mean_k'), '.2f')} | {fmt(r.get('c'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')} | "
             f"{share.fmt(2) if share else '–'} | {'–' if same is None else ('yes' if same else '**no**')} |")
     return "\n".join(lines)
@@ -336,7 +376,9 @@ def markdown(result: dict) -> str:
     start = ", ".join(f"{k} {v:.1f}" for k, v in result["startup_seconds"].items())
     return "\n".join([
         f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
-        f"over them, speedups against plain decoding in the same repeat). Tuned options: "
+        f"over them; a speedup divides by the two plain runs right before and after the method's run, and "
+        f"plain's row gives in that column, marked A/A, a plain run against the one before it, one method's "
+        f"run apart: the host's drift alone). Tuned options: "
         f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "
         f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({host(m)}).", "",
         markdown_table(rows), "",

@@ -35,9 +35,13 @@ def test_core_runs_and_outputs_match(bench):
     for r in rows:
         assert {"method", "batch_size", "temperature", "tokens_per_s", "num_tokens"} <= r.keys()
         assert r["num_tokens"] == 8 * r["batch_size"]  # ignore_eos: every prompt emits max_tokens
-        assert len(r["tokens_per_s"]["values"]) == 2
-        if "plain" in r["method"]:
+        if "plain" in r["method"]:  # a plain run before each method's and after it, and one A/A pair per method
+            others = [m for m in methods if m.is_newcomer == r["is_newcomer"] and "plain" not in m.name
+                      and (r["batch_size"], r["temperature"]) in bench.cases_of(m, [1, 2], [0.0, 1.0])]
+            assert len(r["tokens_per_s"]["values"]) == 2 * (len(others) + 1)
+            assert len(r["a_a"]["values"]) == 2 * len(others)
             continue
+        assert len(r["tokens_per_s"]["values"]) == 2
         assert {"speedup", "alpha", "mean_accepted_length", "mean_k", "c"} <= r.keys()
         assert 0 <= r["alpha"] <= 1 and r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
         if "rejection" in r["method"]:
@@ -64,3 +68,21 @@ def test_markdown_has_a_line_per_row_and_goals(bench):
     verdicts = {g.name: g.is_met for g in bench.goals(rows)}
     assert verdicts["batch 1 greedy, draft k=4: speedup"] is False  # the worst repeat, 2.4, decides
     assert verdicts["batch 1 greedy, draft k=4: share of ideal"] is True
+
+
+def test_each_method_runs_between_two_runs_of_its_baseline(bench):
+    """B m1 B m2 B …, the newcomer draft between newcomer plain runs: a speedup divides by its
+    neighbours, and an A/A pair is two baseline runs one method apart, never across engines."""
+    plain, k4, k2 = bench.METHODS[:3]
+    new_plain, new_k4 = bench.NEWCOMER
+    clock = iter(range(1, 100))
+    runs = list(bench._paired([new_k4, k2, plain, k4, new_plain], lambda m: dict(seconds=float(next(clock)),
+                                                                                 token_ids=[m.name])))
+    assert [m.name for m, _ in runs] == ["newcomer plain", "newcomer draft k=4", "newcomer plain", "plain", "draft k=2",
+                                         "plain", "draft k=4", "plain"]
+    by_name = {m.name: r for m, r in runs}
+    assert by_name["newcomer draft k=4"]["baseline_seconds"] == (1 + 3) / 2
+    assert by_name["newcomer draft k=4"]["baseline_token_ids"] == ["newcomer plain"]
+    assert by_name["draft k=2"]["baseline_seconds"] == (4 + 6) / 2 and by_name["draft k=4"]["baseline_seconds"] == (6 + 8) / 2
+    pairs = [(r["previous_baseline_seconds"], r["seconds"]) for _, r in runs if "previous_baseline_seconds" in r]
+    assert pairs == [(1.0, 3.0), (4.0, 6.0), (6.0, 8.0)]  # none from newcomer plain (3) to plain (4)
