@@ -20,8 +20,13 @@
 3. TTFT at low load (one request at a time) through a router: disaggregated (prefill worker ->
    decode worker) against colocated (decode worker alone). Goal: <= 1.10. Not optimized here.
 
-Parts 1 and 2 interleave their repeats (gRPC, TCP, shm, copy, gRPC, ...); each figure is
-min / median / max over --runs repeats and a goal is met only when the worst repeat meets it.
+Parts 1 and 2 interleave their paths: a repeat is --inner rounds back to back (gRPC, TCP, shm,
+the small shm push, copy, copy-and-check; every other round in reverse order), and each path's
+figure in a repeat is the median of its rounds (one push of a few milliseconds is easily caught
+by another process's burst on a shared 2-core machine, and the median is taken the same way for
+both sides of every ratio). After each round the plain copy runs once more: that copy against the
+round's copy is an A/A control, the ratio the host's noise alone gives. Each figure is min /
+median / max over --runs repeats and a goal is met only when the worst repeat meets it.
 "Per request" is the time to move one prompt's K/V once, end to end (reservation excluded).
 JSON and a PNG under benchmarks/results/.
 """
@@ -32,6 +37,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,22 +210,39 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
         dst_slots = slots.numpy() + len(slots)  # elsewhere in the cache, consecutive, as the pushes' reservations get
         src_runs = slot_runs(slots.numpy())
         small_push.push_seconds(shm_t, shm_messages(src, slots[:SMALL_PROMPT]))
-        runs = {k: [] for k in ("grpc", "tcp", "shm", "copy", "shm_copy", "shm_small")}
-        for _ in range(args.runs):
-            runs["grpc"].append(grpc_push.push_seconds(grpc_t, grpc_messages(src, slots, args.max_chunk_bytes)))
-            runs["tcp"].append(tcp_seconds(tcp_port, src, slots))
-            runs["shm"].append(shm_push.push_seconds(shm_t, shm_messages(src, slots)))
-            runs["shm_small"].append(small_push.push_seconds(shm_t, shm_messages(src, slots[:SMALL_PROMPT])))
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # like for like: the decode worker copies on one thread
+        def copy_seconds() -> float:
             t = time.perf_counter()
             flat_dst.copy_(flat_src)
-            runs["copy"].append(time.perf_counter() - t)
+            return time.perf_counter() - t
+
+        def shm_copy_seconds() -> float:
             t = time.perf_counter()
             for layer in range(g.num_layers):
                 copy_runs(src_runs, dst_slots, peer.layers[layer], raw_layer(dst, layer))
-            runs["shm_copy"].append(time.perf_counter() - t)
-            torch.set_num_threads(threads)
+            return time.perf_counter() - t
+
+        paths = {"grpc": lambda: grpc_push.push_seconds(grpc_t, grpc_messages(src, slots, args.max_chunk_bytes)),
+                 "tcp": lambda: tcp_seconds(tcp_port, src, slots),
+                 "shm": lambda: shm_push.push_seconds(shm_t, shm_messages(src, slots)),
+                 "shm_small": lambda: small_push.push_seconds(shm_t, shm_messages(src, slots[:SMALL_PROMPT])),
+                 "copy": copy_seconds, "shm_copy": shm_copy_seconds}
+        runs = {k: [] for k in (*paths, "copy_again")}
+        for rep in range(args.runs):
+            inner = {k: [] for k in runs}
+            for i in range(args.inner):  # rounds back to back, the order reversed every other one
+                names = list(paths) if (rep + i) % 2 == 0 else list(paths)[::-1]
+                threads = torch.get_num_threads()
+                for name in names:
+                    # like for like: the decode worker copies on one thread (torch would use every core)
+                    torch.set_num_threads(1 if name in ("copy", "shm_copy") else threads)
+                    inner[name].append(paths[name]())
+                    torch.set_num_threads(threads)
+                # the A/A control: the same copy again, right after the round
+                torch.set_num_threads(1)
+                inner["copy_again"].append(copy_seconds())
+                torch.set_num_threads(threads)
+            for name, xs in inner.items():
+                runs[name].append(statistics.median(xs))
             bar.update(1)
     finally:
         tcp.kill()
@@ -231,7 +254,8 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
                 grpc_vs_tcp=Goal("production gRPC push / raw TCP (speed)", ratio("grpc", "tcp"), 0.5, True).as_dict(),
                 shm_vs_copy=Goal("shared-memory push / plain memory copy (speed)", ratio("shm", "copy"), 0.8,
                                  True).as_dict(),
-                shm_copy_vs_copy=ratio("shm_copy", "copy").as_dict())
+                shm_copy_vs_copy=ratio("shm_copy", "copy").as_dict(), copy_a_a=ratio("copy_again", "copy").as_dict(),
+                inner=args.inner)
 
 
 # ---- 2 and 3: real processes -------------------------------------------------------------------
@@ -362,7 +386,8 @@ def markdown(result: dict) -> str:
              f"{result['machine']['load_avg_1m']:.1f} on {host(result['machine'])}.", "",
              f"One request's K/V: a {p['prompt_tokens']}-token prompt, {p['layers']} layers, "
              f"{p['kv_bytes'] / 2**20:.0f} MiB, pushed into a real decode worker's KV cache; "
-             f"{len(p['seconds']['grpc']['values'])} interleaved repeats.", "",
+             f"{len(p['seconds']['grpc']['values'])} repeats, each the median of {p.get('inner', 1)} rounds of every "
+             "path back to back.", "",
              "| path | per request (min / median / max) | throughput |", "|---|---|---|",
              f"| production gRPC push (`GrpcTransport`, CRC-32C, into the decode worker's cache) | {ms('grpc')} | {gb('grpc')} |",
              f"| raw TCP, same bytes, cache to cache, no checksum | {ms('tcp')} | {gb('tcp')} |",
@@ -376,6 +401,9 @@ def markdown(result: dict) -> str:
              f"{ms('shm_small')}.", "",
              f"The copy-and-check alone ran at {_spread(p['shm_copy_vs_copy']).fmt(2, '×')} the plain copy's speed "
              "(not a goal: the push's own figure above is end to end).", "",
+             *([f"A/A control, the plain copy against the same copy run again right after each round: "
+                f"{_spread(p['copy_a_a']).fmt(2, '×')} (what the host's noise alone does to a ratio)."] if "copy_a_a" in p
+               else []), "",
              f"TTFT ({t['prompt_tokens']}-token prompt, through a router): disaggregated "
              f"{_spread(t['disagg_s']).fmt(3, ' s')}, colocated {_spread(t['colocated_s']).fmt(3, ' s')}."]
     return "\n".join(lines)
@@ -384,6 +412,8 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--inner", type=int, default=5,
+                    help="rounds of every path back to back per repeat; a repeat's figure is their median")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
