@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
-from pdserve.engine.kv_copy import crc32c, rows_crc32c
+from pdserve.engine.kv_copy import copy_rows, crc32c, rows_crc32c
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
+from pdserve.serving.kv_transfer.grpc_transport import data_chunk_in_place
 from pdserve.serving.kv_transfer.shm import split_runs
 
 _END = object()
@@ -70,6 +71,17 @@ class KVSender:
             data = memoryview(part).cast("B")
             self._data(group, layer, token_start + s, min(step, num_tokens - s), data, crc32c(part))
 
+    def send_rows(self, group: int, layer: int, token_start: int, runs: list[tuple[int, int]],
+                  k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+        """K/V in our own host cache, by the slots that hold them ((first slot, number of slots)
+        runs in token order; the caches raw [num_slots, num_kv_heads, head_dim] views of one
+        layer), for a peer that needs the bytes: each chunk is checksummed where it lies, then
+        copied once, into its gRPC message (`host_chunks`)."""
+        self.began()
+        for d in host_chunks(self.num_chunks, group, layer, token_start, runs, k_cache, v_cache,
+                             self._max_chunk_bytes):
+            self._append(d, len(d.data))
+
     def send_slots(self, group: int, layer: int, token_start: int, runs: list[tuple[int, int]],
                    k_cache: np.ndarray, v_cache: np.ndarray) -> None:
         """K/V that stay in the shared-memory cache: the chunk names the slots that hold them, as
@@ -98,8 +110,11 @@ class KVSender:
         self._aio.call_soon_threadsafe(self._put_tail, batch)
 
     def _data(self, group, layer, token_start, num_tokens, data, crc, src_runs=(), num_bytes=None) -> None:
-        num_bytes = len(data) if num_bytes is None else num_bytes
-        self._pending.append(KVData(self.num_chunks, group, layer, token_start, num_tokens, data, crc, src_runs))
+        self._append(KVData(self.num_chunks, group, layer, token_start, num_tokens, data, crc, src_runs),
+                     len(data) if num_bytes is None else num_bytes)
+
+    def _append(self, d: KVData, num_bytes: int) -> None:
+        self._pending.append(d)
         self.num_chunks += 1
         self.num_bytes += num_bytes
         self._pending_bytes += num_bytes
@@ -161,3 +176,31 @@ class KVSender:
     async def messages(self):
         while (item := await self._queue.get()) is not _END:
             yield item
+
+
+def host_chunks(first_seq: int, group: int, layer: int, token_start: int, runs: list[tuple[int, int]],
+                k_cache: np.ndarray, v_cache: np.ndarray, max_chunk_bytes: int) -> list[KVData]:
+    """One layer's K/V for the slots' runs (in token order) as data chunks of at most
+    max_chunk_bytes, numbered from first_seq, each made in its gRPC message: its CRC-32C read
+    where the rows lie, then the rows copied once, into the message (`copy_rows`). Before, the
+    engine thread gathered the rows (`read_kv`) and checksummed them, a layer over
+    max_chunk_bytes was copied again per chunk, and the transport copied every chunk into its
+    message: three copies of a long prompt's K/V on the prefill worker, now one."""
+    per_token = 2 * k_cache[0].nbytes
+    step = max(1, max_chunk_bytes // per_token)
+    out = []
+    for s, part in enumerate(split_runs(runs, step)):
+        num_tokens = sum(n for _, n in part)
+        crc = rows_crc32c(k_cache, v_cache, part)
+        wire, payload = data_chunk_in_place(first_seq + s, group, layer, token_start + s * step, num_tokens, crc,
+                                            num_tokens * per_token)
+        kv = payload.view(k_cache.dtype).reshape(2, num_tokens, *k_cache.shape[1:])
+        rows, pieces = 0, []
+        for start, n in part:
+            pieces.append((start, rows, n))
+            rows += n
+        if copy_rows((k_cache, v_cache), (kv[0], kv[1]), pieces) != crc:
+            raise RuntimeError(f"KV chunk {first_seq + s} changed while it was copied into its message")
+        out.append(KVData(first_seq + s, group, layer, token_start + s * step, num_tokens, memoryview(payload), crc,
+                          wire=wire))
+    return out

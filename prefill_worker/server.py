@@ -135,8 +135,14 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 if (sender := self._senders.get(c.seq.req_id)) is not None:
                     sender.began()
             return
+        on_host = self._groups[group][layer][0].device.type == "cpu"
         for c in chunks:
-            if (sender := self._senders.get(c.seq.req_id)) is not None:
+            if (sender := self._senders.get(c.seq.req_id)) is None:
+                continue
+            if on_host:  # copied once, out of the cache into the chunks' gRPC messages
+                runs = shm.slot_runs(c.slots.numpy())
+                sender.send_rows(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
+            else:
                 sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
 
     def _after_step(self, ok: bool) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from pdserve.engine.disagg import KVGroupLayout
@@ -64,6 +64,9 @@ class KVData:
     data: bytes | memoryview
     crc32c: int  # CRC-32C of the chunk's bytes (K of every token, then V)
     src_runs: tuple[int, ...] = ()  # shared memory: (first slot, number of slots) pairs in token order
+    # the chunk already framed as its gRPC message (`grpc_transport.data_chunk_in_place`), `data`
+    # a view of its data field: the sender then makes no copy of its own
+    wire: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 from typing import AsyncIterator
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from pdserve.serving.convert import logprobs_message, parse_logprobs
@@ -107,15 +109,42 @@ def _varint(n: int) -> bytes:
 
 
 def encode_chunk(msg: KVMessage) -> bytes:
-    """A message's `KVChunk` wire bytes; a data chunk's bytes are copied once, into the result."""
+    """A message's `KVChunk` wire bytes; a data chunk's bytes are copied once, into the result,
+    unless the chunk was made in its message already (`data_chunk_in_place`)."""
+    if isinstance(msg, KVData) and msg.wire is not None:
+        return msg.wire
     if not isinstance(msg, KVData) or not len(msg.data):
         return to_proto(msg).SerializeToString()
-    meta = worker_pb2.KVData(seq=msg.seq, group=msg.group, layer=msg.layer, token_start=msg.token_start,
-                             num_tokens=msg.num_tokens, crc32c=msg.crc32c).SerializeToString()
-    n = len(msg.data)
+    head = _data_head(msg.seq, msg.group, msg.layer, msg.token_start, msg.num_tokens, msg.crc32c, len(msg.data))
+    return b"".join((head, msg.data))
+
+
+def _data_head(seq: int, group: int, layer: int, token_start: int, num_tokens: int, crc: int, n: int) -> bytes:
+    """A data chunk's `KVChunk` bytes before its n data bytes."""
+    meta = worker_pb2.KVData(seq=seq, group=group, layer=layer, token_start=token_start, num_tokens=num_tokens,
+                             crc32c=crc).SerializeToString()
     field_head = bytes([_DATA_FIELD]) + _varint(n)
-    inner_len = len(meta) + len(field_head) + n
-    return b"".join((bytes([_DATA_PART]), _varint(inner_len), meta, field_head, msg.data))
+    return b"".join((bytes([_DATA_PART]), _varint(len(meta) + len(field_head) + n), meta, field_head))
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize  # (NULL, n): n bytes to fill before use
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def data_chunk_in_place(seq: int, group: int, layer: int, token_start: int, num_tokens: int, crc: int,
+                        num_bytes: int) -> tuple[bytes, np.ndarray]:
+    """A data chunk's `KVChunk` message made at its final size with its data not yet written, and
+    a writable uint8 array over the data field: the sender copies the K/V out of its cache
+    straight into the message gRPC sends (`encode_chunk` returns it as is), where building the
+    chunk first and framing it after copied every byte twice. The checksum goes before the data
+    on the wire, so it is computed first, where the K/V lie. The message is a new bytes object
+    that nothing else has seen: it is filled here and by the caller, then only read."""
+    head = _data_head(seq, group, layer, token_start, num_tokens, crc, num_bytes)
+    wire = _new_bytes(None, len(head) + num_bytes)
+    address = ctypes.cast(ctypes.c_char_p(wire), ctypes.c_void_p).value
+    buf = np.ctypeslib.as_array((ctypes.c_uint8 * len(wire)).from_address(address))
+    buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    return wire, buf[len(head):]
 
 
 def encode_batch(encoded: list[bytes]) -> bytes:

@@ -8,11 +8,14 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+import torch
 
-from pdserve.engine.disagg import KVGroupLayout
+from pdserve.engine.disagg import KVGroupLayout, raw_layer, read_kv
+from pdserve.engine.kv_copy import crc32c
+from pdserve.prefill_worker.kv_sender import host_chunks
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVShm, KVTrailer, TransferError
 from pdserve.serving.kv_transfer.grpc_transport import (BATCH_BYTES, GrpcTransport, _Batches, add_decode_worker_servicer,
-                                                         decode_chunk, from_proto)
+                                                         data_chunk_in_place, decode_chunk, encode_chunk, from_proto)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 HEADER = KVHeader("ticket", 6, "float32", (KVGroupLayout("target", 2, 2, 8),), KVShm(("seg",), 64))
@@ -140,3 +143,35 @@ def test_a_push_that_ends_early_leaves_no_task_reading_its_source(how):
     outcome, left = asyncio.run(go())
     assert isinstance(outcome, TransferError if how == "refused" else asyncio.CancelledError)
     assert left == []
+
+
+# ---- chunks made in their messages (the prefill side's one copy) --------------------------------
+def test_a_chunk_made_in_its_message_is_the_message_a_copy_makes():
+    data = np.arange(3000, dtype=np.uint16).view(np.uint8)
+    wire, payload = data_chunk_in_place(5, 1, 3, 16, 6, 0xDEADBEEF, len(data))
+    payload[:] = data
+    made = KVData(5, 1, 3, 16, 6, memoryview(payload), 0xDEADBEEF, wire=wire)
+    assert isinstance(wire, bytes) and encode_chunk(made) is wire  # sent as made: no copy
+    assert wire == encode_chunk(KVData(5, 1, 3, 16, 6, data.tobytes(), 0xDEADBEEF))  # byte for byte
+    got = decode_chunk(wire)
+    assert (got.seq, got.group, got.layer, got.token_start, got.num_tokens, got.crc32c) == (5, 1, 3, 16, 6, 0xDEADBEEF)
+    assert bytes(got.data) == data.tobytes()
+    parsed = worker_pb2.KVChunk.FromString(wire).data  # protobuf's own parser agrees
+    assert parsed.data == data.tobytes() and parsed.crc32c == 0xDEADBEEF and parsed.token_start == 16
+
+
+def test_host_chunks_copy_the_slots_rows_into_checked_messages():
+    """A layer's K/V by (first slot, slots) runs, split to stay under the chunk size: each chunk
+    holds K of its tokens then V, as read_kv lays them out, with their CRC-32C, numbered on."""
+    torch.manual_seed(0)
+    layer = (torch.randn(4, 16, 2, 8), torch.randn(4, 16, 2, 8))  # [blocks, block size, kv heads, head dim]
+    runs = [(3, 5), (20, 7), (40, 2)]  # 14 tokens in three runs
+    slots = torch.tensor([s for start, n in runs for s in range(start, start + n)])
+    per_token = 2 * 2 * 8 * 4
+    chunks = host_chunks(7, 0, 1, 100, runs, *raw_layer([layer], 0), max_chunk_bytes=4 * per_token)
+    assert [c.seq for c in chunks] == [7, 8, 9, 10] and [c.num_tokens for c in chunks] == [4, 4, 4, 2]
+    assert [c.token_start for c in chunks] == [100, 104, 108, 112]
+    for c in chunks:
+        expect = read_kv([layer], 0, slots[c.token_start - 100:c.token_start - 100 + c.num_tokens])
+        assert bytes(c.data) == expect.tobytes() and c.crc32c == crc32c(expect)
+        assert bytes(decode_chunk(encode_chunk(c)).data) == expect.tobytes()

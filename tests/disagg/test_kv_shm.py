@@ -50,9 +50,13 @@ def pair(serving_model, tmp_path_factory, dirs):
         wait_ready(_start(c, "P", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024",
                           "--max-num-batched-tokens", "16"),
                    _start(c, "D", "decode-worker", a, *worker),
-                   _start(c, "DX", "decode-worker", b, *worker))
+                   _start(c, "DX", "decode-worker", b, *worker),
+                   # no shared memory at all: its chunks are copied out of its own cache into their messages
+                   _start(c, "PN", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024",
+                          "--max-num-batched-tokens", "16", "--no-kv-shm"))
         wait_ready(_start(c, "R", "router", a, "--prefill", c.address("P"), "--decode", c.address("D")),
-                   _start(c, "RX", "router", a, "--prefill", c.address("P"), "--decode", c.address("DX")))
+                   _start(c, "RX", "router", a, "--prefill", c.address("P"), "--decode", c.address("DX")),
+                   _start(c, "RN", "router", a, "--prefill", c.address("PN"), "--decode", c.address("D")))
         yield c
     finally:
         c.stop()
@@ -73,7 +77,10 @@ def test_same_node_pair_uses_shm_and_the_other_falls_back_to_grpc(pair, dirs):
     assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
     assert via_shm == via_grpc and len(via_shm) == 12  # the same cache contents decode the same tokens
     assert pair.stats("DX").kv_transfer_bytes_total > 0
-    pair.wait_all_free(("P", "D", "DX"))
+    bytes_before = pair.stats("D").kv_transfer_bytes_total
+    assert _generate(pair, "RN") == via_shm  # from a prefill worker without shared memory: bytes over gRPC
+    assert pair.stats("PN").kv_transfer_shm_total == 0 and pair.stats("D").kv_transfer_bytes_total > bytes_before
+    pair.wait_all_free(("P", "PN", "D", "DX"))
     names = sorted(os.listdir(dirs[0]))
     assert any(n.startswith("pdserve-kv-") for n in names) and any(n.startswith("pdserve-probe-") for n in names)
 
