@@ -64,6 +64,7 @@ from pdserve.serving.kv_transfer.shm import KVArena, PeerSegments, copy_runs, sl
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport  # noqa: E402
 from pdserve.engine.disagg import KVGroupLayout, raw_layer  # noqa: E402
 from pdserve.prefill_worker.kv_sender import host_chunks  # noqa: E402
+from pdserve.serving.allocator import keep_freed_memory  # noqa: E402
 from pdserve.v1 import generation_pb2 as gen  # noqa: E402
 from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
@@ -449,6 +450,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.runs, args.layers, args.prompt_tokens = 5, 4, 512
+    keep_freed_memory()  # as a worker process does (`serve_worker`): this process is the pushes' prefill side
     result = dict(command=" ".join(["python", "benchmarks/kv_transfer.py", *sys.argv[1:]]), args=vars(args),
                   machine=machine())
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=args.runs * (1 if args.skip_ttft else 2),

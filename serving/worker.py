@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.disagg import describe
+from pdserve.serving.allocator import keep_freed_memory
 from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import worker_info
 from pdserve.serving.engine_thread import EngineLoop
@@ -172,6 +173,7 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
     `advertise`: the address other processes reach it at (default: the one it bound). Loading and
     warming up report their progress (`serving.logs.progress`)."""
 
+    keep_freed_memory()  # the KV path's large message buffers reused, not page-faulted in again each time
     until = asyncio.ensure_future(until)
     sec = service.security
     server = AioServer(host, port, extra_options=service.server_options(), interceptors=sec.interceptors(),
