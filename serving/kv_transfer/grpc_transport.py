@@ -141,8 +141,9 @@ def data_chunk_in_place(seq: int, group: int, layer: int, token_start: int, num_
     that nothing else has seen: it is filled here and by the caller, then only read."""
     head = _data_head(seq, group, layer, token_start, num_tokens, crc, num_bytes)
     wire = _new_bytes(None, len(head) + num_bytes)
-    address = ctypes.cast(ctypes.c_char_p(wire), ctypes.c_void_p).value
-    buf = np.ctypeslib.as_array((ctypes.c_uint8 * len(wire)).from_address(address))
+    raw = (ctypes.c_uint8 * len(wire)).from_address(ctypes.cast(ctypes.c_char_p(wire), ctypes.c_void_p).value)
+    raw.message = wire  # every view of the buffer keeps the message alive
+    buf = np.ctypeslib.as_array(raw)
     buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
     return wire, buf[len(head):]
 

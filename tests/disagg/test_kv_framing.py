@@ -158,6 +158,11 @@ def test_a_chunk_made_in_its_message_is_the_message_a_copy_makes():
     assert bytes(got.data) == data.tobytes()
     parsed = worker_pb2.KVChunk.FromString(wire).data  # protobuf's own parser agrees
     assert parsed.data == data.tobytes() and parsed.crc32c == 0xDEADBEEF and parsed.token_start == 16
+    view = made.data
+    del made, wire, got, parsed, payload  # a view of the data alone keeps the message alive
+    import gc
+    gc.collect()
+    assert bytes(view) == data.tobytes()
 
 
 def test_host_chunks_copy_the_slots_rows_into_checked_messages():
