@@ -115,8 +115,11 @@ def main() -> None:
     p.add_argument("--rate-low", type=float, default=None, help="req/s (default 0.25 / unloaded median e2e)")
     p.add_argument("--rate-high", type=float, default=None, help="req/s (default 12 / unloaded median e2e)")
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--out", default=str(RESULTS / "disagg_vs_colocated"))
+    p.add_argument("--out", default=None, help="path stem of the JSON and PNG (default: "
+                   "benchmarks/results/disagg_vs_colocated, with _quick after it for --quick)")
     args = p.parse_args()
+    if args.out is None:  # a smoke run leaves the measured files alone
+        args.out = str(RESULTS / ("disagg_vs_colocated_quick" if args.quick else "disagg_vs_colocated"))
     if args.quick:
         args.repeats, args.num_requests, args.search_steps = 1, 12, 1
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:

@@ -466,11 +466,12 @@ def main() -> None:
         finally:
             procs.stop()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kv_transfer.json").write_text(json.dumps(result, indent=2))
+    stem = "kv_transfer_quick" if args.quick else "kv_transfer"  # a smoke run leaves the measured files alone
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     if result["ttft"] is None:
         result["ttft"] = dict(prompt_tokens=0, disagg_s=Spread.of([0]).as_dict(), colocated_s=Spread.of([0]).as_dict(),
                               ratio=Goal("TTFT (skipped)", Spread.of([0]), 1.1, False).as_dict())
-    plot(result, RESULTS / "kv_transfer.png")
+    plot(result, RESULTS / f"{stem}.png")
     text = markdown(result)
     print(text)
     if args.markdown:

@@ -115,8 +115,11 @@ def main() -> None:
     p.add_argument("--load-fractions", default="0.5,0.8", help="of the predicted goodput, for the latency rows")
     p.add_argument("--search-steps", type=int, default=3)
     p.add_argument("--no-calibrate", action="store_true")
-    p.add_argument("--out", default=str(RESULTS / "planner_validation"))
+    p.add_argument("--out", default=None, help="path stem of the JSON and PNG (default: "
+                   "benchmarks/results/planner_validation, with _quick after it for --quick)")
     args = p.parse_args()
+    if args.out is None:  # a smoke run leaves the measured files alone
+        args.out = str(RESULTS / ("planner_validation_quick" if args.quick else "planner_validation"))
     if args.quick:
         args.repeats, args.num_requests, args.load_fractions, args.search_steps = 1, 12, "0.6", 1
     profile = get_profile(args)

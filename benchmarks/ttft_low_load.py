@@ -114,10 +114,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-requests", type=int, default=20, help="per arm and repeat")
     p.add_argument("--block", type=int, default=5, help="requests per arm before the other arm's turn")
-    p.add_argument("--out", default=str(RESULTS / "ttft_low_load"))
+    p.add_argument("--out", default=None, help="path stem of the JSON and PNG (default: "
+                   "benchmarks/results/ttft_low_load, with _quick after it for --quick)")
     p.add_argument("--output-len", default=OUTPUT_LEN, help="output lengths (fixed:1: answers that end at the "
                    "first token); only the default run rewrites BENCHMARKS.md")
     args = p.parse_args()
+    if args.out is None:  # a smoke run leaves the measured files alone
+        args.out = str(RESULTS / ("ttft_low_load_quick" if args.quick else "ttft_low_load"))
     if args.quick:
         args.repeats, args.num_requests, args.block = 2, 4, 2
     runs = []
