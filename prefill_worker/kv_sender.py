@@ -30,7 +30,7 @@ import numpy as np
 from pdserve.engine.kv_copy import copy_rows, crc32c, rows_crc32c
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
 from pdserve.serving.kv_transfer.grpc_transport import data_chunk_in_place
-from pdserve.serving.kv_transfer.shm import split_runs
+from pdserve.serving.kv_transfer.shm import copy_pieces, split_runs
 
 _END = object()
 
@@ -89,13 +89,10 @@ class KVSender:
         the decode side can verify its copy. The caches are raw [num_slots, num_kv_heads, head_dim]
         views of one layer."""
         self.began()
-        per_token = 2 * k_cache[0].nbytes
-        step = max(1, self._max_chunk_bytes // per_token)  # a peer off this node gets these as bytes chunks
-        for s, part in enumerate(split_runs(runs, step)):
-            num_tokens = sum(n for _, n in part)
-            crc = rows_crc32c(k_cache, v_cache, part)  # the same tokens' checksum as bytes (K, then V)
-            self._data(group, layer, token_start + s * step, num_tokens, b"", crc,
-                       tuple(x for run in part for x in run), num_bytes=num_tokens * per_token)
+        # a peer off this node gets these as bytes chunks: the same cut and the same checksums
+        for offset, part, num_tokens, num_bytes, crc in checked_parts(runs, k_cache, v_cache, self._max_chunk_bytes):
+            self._data(group, layer, token_start + offset, num_tokens, b"", crc, tuple(x for run in part for x in run),
+                       num_bytes=num_bytes)
 
     def began(self) -> None:
         """The prefill computed this request's first K/V (their messages may come later)."""
@@ -178,6 +175,17 @@ class KVSender:
             yield item
 
 
+def checked_parts(runs: list[tuple[int, int]], k_cache: np.ndarray, v_cache: np.ndarray, max_chunk_bytes: int):
+    """The slots' runs (in token order) cut into chunks of at most max_chunk_bytes: per chunk its
+    first token's offset, its runs, tokens, bytes, and the CRC-32C of its rows where they lie (K of
+    every token, then V: the bytes' checksum)."""
+    per_token = 2 * k_cache[0].nbytes
+    step = max(1, max_chunk_bytes // per_token)
+    for s, part in enumerate(split_runs(runs, step)):
+        num_tokens = sum(n for _, n in part)
+        yield s * step, part, num_tokens, num_tokens * per_token, rows_crc32c(k_cache, v_cache, part)
+
+
 def host_chunks(first_seq: int, group: int, layer: int, token_start: int, runs: list[tuple[int, int]],
                 k_cache: np.ndarray, v_cache: np.ndarray, max_chunk_bytes: int) -> list[KVData]:
     """One layer's K/V for the slots' runs (in token order) as data chunks of at most
@@ -186,21 +194,12 @@ def host_chunks(first_seq: int, group: int, layer: int, token_start: int, runs: 
     engine thread gathered the rows (`read_kv`) and checksummed them, a layer over
     max_chunk_bytes was copied again per chunk, and the transport copied every chunk into its
     message: three copies of a long prompt's K/V on the prefill worker, now one."""
-    per_token = 2 * k_cache[0].nbytes
-    step = max(1, max_chunk_bytes // per_token)
     out = []
-    for s, part in enumerate(split_runs(runs, step)):
-        num_tokens = sum(n for _, n in part)
-        crc = rows_crc32c(k_cache, v_cache, part)
-        wire, payload = data_chunk_in_place(first_seq + s, group, layer, token_start + s * step, num_tokens, crc,
-                                            num_tokens * per_token)
+    for seq, (offset, part, num_tokens, num_bytes, crc) in enumerate(
+            checked_parts(runs, k_cache, v_cache, max_chunk_bytes), first_seq):
+        wire, payload = data_chunk_in_place(seq, group, layer, token_start + offset, num_tokens, crc, num_bytes)
         kv = payload.view(k_cache.dtype).reshape(2, num_tokens, *k_cache.shape[1:])
-        rows, pieces = 0, []
-        for start, n in part:
-            pieces.append((start, rows, n))
-            rows += n
-        if copy_rows((k_cache, v_cache), (kv[0], kv[1]), pieces) != crc:
-            raise RuntimeError(f"KV chunk {first_seq + s} changed while it was copied into its message")
-        out.append(KVData(first_seq + s, group, layer, token_start + s * step, num_tokens, memoryview(payload), crc,
-                          wire=wire))
+        if copy_rows((k_cache, v_cache), (kv[0], kv[1]), copy_pieces(part, np.arange(num_tokens))) != crc:
+            raise RuntimeError(f"KV chunk {seq} changed while it was copied into its message")
+        out.append(KVData(seq, group, layer, token_start + offset, num_tokens, memoryview(payload), crc, wire=wire))
     return out
