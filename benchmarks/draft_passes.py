@@ -5,8 +5,9 @@ pass, side by side in one process.
 
 Two engines on the demo pair with the draft at fixed depth k = 4 and the tuned options
 (`graph_capture="compile"`, one torch thread), differing only in `ModelRunner.passes`: the
-default (a batch drafting to one depth runs its passes after the catch-up as one call; greedy and
-temperature-only sampled batches) and None (every pass built on the host and sampled by the
+default (a batch drafting to one depth runs its passes as one call, the catch-up pass included
+once it is one or two tokens, as after every verification; greedy and temperature-only sampled
+batches) and None (every pass built on the host and sampled by the
 sampler, as before 2bb21d1). Plain decoding is measured beside them. Cases: batch 1 greedy and at
 temperature 1 (4 prompts of code, 128 tokens each, one after another), and batch 8 at
 temperature 1 (one batch of 8 prompts). The engines run in turn within each repeat, the order

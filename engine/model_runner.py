@@ -74,7 +74,7 @@ class ModelRunner:
                                    uniform_plans=capture == "compile", native_plans=native_attention)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
-        # a draft's passes after its first (`draft_passes`): the native attention's plans only
+        # a draft's passes run as graphs (`draft_passes`): the native attention's plans only
         self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
                        if native_attention and capture in ("off", "compile") else None)
 
@@ -110,39 +110,48 @@ class ModelRunner:
         self.last_pass = (len(step.input_ids), time.perf_counter() - start)
         return logits
 
+    def can_draft_passes(self, seqs: list[Sequence], positions: list[int], num_passes: int) -> bool:
+        """Whether `draft_passes` can run these passes: this runner has them (native attention),
+        and every block table already reaches the last position."""
+        return self.passes is not None and all(p + num_passes - 1 < len(s.block_table) * self.block_size
+                                               for s, p in zip(seqs, positions))
+
     @torch.inference_mode()
     def draft_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], num_passes: int,
-                     temperatures: list[float] | None = None, noise: torch.Tensor | None = None
-                     ) -> list[list[int]] | None:
+                     temperatures: list[float] | None = None, noise: torch.Tensor | None = None,
+                     previous_ids: list[int] | None = None) -> list[list[int]] | None:
         """Each sequence's next num_passes tokens (`capture.DraftPasses`): token_ids[i] at
         positions[i] goes in first, then each pick at the next position, their K/V written into
-        the sequence's blocks. Greedy picks, unless temperatures (0: greedy) and noise
-        [num_passes, len(seqs), vocab_size] (each pass's Exp(1) draws) are given. None where this
-        runner cannot (no native attention), or a block table does not yet reach the last
-        position: the caller then runs passes one by one."""
-        last = [p + num_passes - 1 for p in positions]
-        if self.passes is None or any(p >= len(s.block_table) * self.block_size for s, p in zip(seqs, last)):
+        the sequence's blocks. With previous_ids, the first pass is a catch-up: previous_ids[i]
+        goes in at positions[i] - 1 beside token_ids[i]. Greedy picks, unless temperatures (0:
+        greedy) and noise [num_passes, len(seqs), vocab_size] (each pass's Exp(1) draws) are
+        given. None where `can_draft_passes` says no: the caller then runs passes one by one."""
+        if not self.can_draft_passes(seqs, positions, num_passes):
             return None
-        width = max(last) // self.block_size + 1
-        state = np.zeros((len(seqs), 2 + width), dtype=np.int64)
-        state[:, 0], state[:, 1] = token_ids, positions
+        width = (max(positions) + num_passes - 1) // self.block_size + 1
+        head = [token_ids, positions] if previous_ids is None else [previous_ids, token_ids, positions]
+        state = np.zeros((len(seqs), len(head) + width), dtype=np.int64)
+        for col, values in enumerate(head):
+            state[:, col] = values
         for row, seq in zip(state, seqs):
             table = seq.block_table[:width]
-            row[2:2 + len(table)] = table
+            row[len(head):len(head) + len(table)] = table
         temperature = None
         if temperatures is not None:
             temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
-        return self.passes(torch.from_numpy(state).to(self.device), num_passes, temperature, noise).t().tolist()
+        return self.passes(torch.from_numpy(state).to(self.device), num_passes, temperature, noise,
+                           catch_up=previous_ids is not None).t().tolist()
 
     def warm_up_draft_passes(self) -> None:
-        """Compile both kinds of pass now, on one dummy sequence in block 0, as the forward's
+        """Compile every kind of pass now, on one dummy sequence in block 0, as the forward's
         warm-up does (a first sampled request would otherwise wait seconds for its graph)."""
         if self.passes is not None:
             noise = torch.ones(1, 1, self.cfg.vocab_size, device=self.device)  # made as the proposer makes it: outside
             with torch.inference_mode():                                        # inference mode (Dynamo guards on that)
-                state = torch.zeros((1, 3), dtype=torch.int64, device=self.device)
-                self.passes(state, 1)
-                self.passes(state, 1, torch.ones(1, device=self.device), noise)
+                for state, catch_up in ((torch.zeros((1, 3), dtype=torch.int64, device=self.device), False),
+                                        (torch.tensor([[0, 0, 1, 0]], device=self.device), True)):
+                    self.passes(state, 1, catch_up=catch_up)
+                    self.passes(state, 1, torch.ones(1, device=self.device), noise, catch_up=catch_up)
 
 
 def _dummy_prefill(block_size: int) -> BatchEntry:

@@ -4,7 +4,9 @@ autoregressively, batched across sequences.
 The draft has its own KV tensors but shares the target's block tables: block b holds the
 target's K/V in the target cache and the draft's K/V in the draft cache. Each sequence tracks
 `num_draft_computed_tokens`; the first proposal step catches the draft up on whatever it has
-not seen (a fresh prompt, the last step's accepted and bonus tokens) in one pass.
+not seen (a fresh prompt, the last step's accepted and bonus tokens) in one pass. In steady
+decoding every pass of a proposal runs as a graph (`ModelRunner.draft_passes`), the catch-up
+included.
 
 A sampled request's draft tokens are drawn by the same exponential race as every other token,
 with the noise the verifier asks for: the target's own (seed, position) noise for the coupled
@@ -35,6 +37,8 @@ class DraftProposer:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
+        if active and self._run_at_once(seqs, active, ks, tokens, catch_up=True):
+            return [Proposal(t, None) for t in tokens]
         entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
@@ -47,42 +51,58 @@ class DraftProposer:
                     probs[i].append(q[row])
             step += 1
             active = [i for i in active if ks[i] > step]
-            if step == 1 and active and self._run_rest_at_once(seqs, active, ks, tokens):
+            if step == 1 and active and self._run_at_once(seqs, active, ks, tokens, catch_up=False):
                 break
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
-    def _run_rest_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]]) -> bool:
-        """After the first pass (which catches the draft up), the remaining passes as one call
-        (`ModelRunner.draft_passes`) when every sequence still drafting drafts to the same depth
-        and is greedy or samples by temperature alone, and no q is kept (the rejection sampler's);
-        False when not, or the runner cannot. A sampled pass races the same noise as `_run` would
-        draw (the stream, seed and position of the token it picks)."""
+    def _run_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]],
+                     catch_up: bool) -> bool:
+        """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
+        drafting drafts to the same depth and is greedy or samples by temperature alone, and no q
+        is kept (the rejection sampler's); False when not, or the runner cannot. With catch_up,
+        every pass of the proposal, the first catching the draft up on the sequence's last two
+        tokens, where none has more than two tokens the draft has not seen (after a verification,
+        one or two; a fresh prompt, or a sequence back from plain steps, catches up pass by
+        pass); without, the passes after the first. A sampled pass races the same noise as `_run`
+        would draw (the stream, seed and position of the token it picks)."""
         depth = ks[active[0]]
-        params = [seqs[i].params for i in active]
+        group = [seqs[i] for i in active]
+        params = [s.params for s in group]
         if any(ks[i] != depth for i in active):
+            return False
+        if not all(p.is_greedy for p in params) and (
+                self.keep_probs or not all(p.is_greedy or p.filters_by_temperature_only for p in params)):
+            return False
+        if catch_up:
+            if any(not 1 <= s.num_tokens - s.num_draft_computed_tokens <= 2 or s.num_tokens < 2 for s in group):
+                return False
+            first, num_passes = 0, depth  # pass j picks the token at num_tokens + j
+            previous, last_ids = map(list, zip(*(s.token_ids[-2:] for s in group)))
+            positions = [s.num_tokens - 1 for s in group]
+        else:
+            first, num_passes = 1, depth - 1
+            last_ids, previous = [tokens[i][-1] for i in active], None
+            positions = [s.num_tokens for s in group]
+        if not self.runner.can_draft_passes(group, positions, num_passes):
             return False
         start = time.perf_counter()
         temperatures = noise = None
         if not all(p.is_greedy for p in params):
-            if self.keep_probs or not all(p.is_greedy or p.filters_by_temperature_only for p in params):
-                return False
             temperatures = [0.0 if p.is_greedy else float(p.temperature) for p in params]
-            rest = depth - 1  # passes j = 1 .. depth - 1 pick the tokens at num_tokens + j
-            positions = [seqs[i].num_tokens + j for j in range(1, depth) for i in active]
-            noise = race_noise(params * rest, [seqs[i].seed for i in active] * rest, positions,
+            picked_at = [s.num_tokens + j for j in range(first, depth) for s in group]
+            noise = race_noise(params * num_passes, [s.seed for s in group] * num_passes, picked_at,
                                self.runner.cfg.vocab_size, self.noise_stream, self.runner.device,
-                               self.sampler.hash_fn).view(rest, len(active), -1)
-        picks = self.runner.draft_passes([seqs[i] for i in active], [tokens[i][-1] for i in active],
-                                         [seqs[i].num_tokens for i in active], depth - 1, temperatures, noise)
+                               self.sampler.hash_fn).view(num_passes, len(active), -1)
+        picks = self.runner.draft_passes(group, last_ids, positions, num_passes, temperatures, noise, previous)
         if picks is None:
             return False
         for i, more in zip(active, picks):
             tokens[i].extend(more)
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
-        per_pass = (time.perf_counter() - start) / (depth - 1)
-        for _ in range(depth - 1):
+        per_pass = (time.perf_counter() - start) / num_passes
+        for _ in range(num_passes):
             self.cost.observe(len(active), per_pass)
         return True
 

@@ -70,37 +70,43 @@ def test_greedy_with_speculation_equals_without(target, useless_draft, baseline,
 
 
 @pytest.mark.parametrize("graph_capture", ["off", "compile"])
-def test_draft_passes_after_the_first_run_at_once(target, useless_draft, baseline, graph_capture):
+def test_draft_passes_run_at_once(target, useless_draft, baseline, graph_capture):
     """A batch drafting to one depth, greedy or sampling by temperature alone, runs the draft's
-    passes after its catch-up pass as one call (`ModelRunner.draft_passes`): the same drafts as
-    pass by pass, the same output, one compiled graph per kind of pass for every batch size and
-    context, and pass by pass again where depths differ or a request filters (top-p)."""
+    passes as one call (`ModelRunner.draft_passes`): all of them, the catch-up on the last two
+    tokens first, once the draft has seen all but one or two tokens (every proposal after a
+    verification); those after its catch-up pass when the catch-up is longer (a fresh prompt).
+    The same drafts as pass by pass, the same output, one compiled graph per kind of pass for
+    every batch size and context, and pass by pass again where depths differ or a request
+    filters (top-p)."""
     options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False,
                    graph_capture=graph_capture)
     at_once, one_by_one = LLM(target, **options), LLM(target, **options)
     one_by_one.engine.draft_runner.passes = None
     runner, calls = at_once.engine.draft_runner, []
     original = runner.draft_passes
-    runner.draft_passes = lambda *a: calls.append((a[3], a[4] is not None)) or original(*a)
+    runner.draft_passes = lambda *a: calls.append((a[3], a[4] is not None, a[6] is not None)) or original(*a)
     sampled = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=3 + i)
                for i, t in enumerate((1.0, 0.0, 0.7, 1.3, 1.0))]  # a greedy row among sampled ones
     for prompts, params in ((PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS[:1], sampled[0]), (PROMPTS, sampled)):
         assert [o.token_ids for o in at_once.generate(prompts, params)] == \
             [o.token_ids for o in one_by_one.generate(prompts, params)]
-    assert calls and {n for n, _ in calls} <= {1, 2, 3}  # k = 4: three passes after the first, fewer near max_tokens
-    assert {kind for _, kind in calls} == {False, True}  # greedy batches, and batches that sample
+    # k = 4: after a fresh prompt's catch-up, three passes; after a verification, all four; fewer near max_tokens
+    assert {n for n, _, catch_up in calls if not catch_up} <= {1, 2, 3}
+    assert {n for n, _, catch_up in calls if catch_up} >= {4}
+    assert {(kind, catch_up) for _, kind, catch_up in calls} == {(False, False), (True, False), (False, True),
+                                                                 (True, True)}  # greedy and sampled batches
     assert_all_free(at_once)
     mine, theirs = copy.copy(at_once.engine.speculator.stats), one_by_one.engine.speculator.stats
     assert [o.token_ids for o in at_once.generate(PROMPTS, GREEDY)] == baseline
-    if graph_capture == "off":  # the same ops on the same rows: the same drafts, the same acceptance
+    if graph_capture == "off":  # the same ops on the same rows: the same acceptance
         assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
     else:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
         assert not runner.passes.is_broken
-        for kind in ("greedy", "sampled"):
+        for kind in runner.passes.KINDS:
             code = runner.passes.compiled(kind)._torchdynamo_orig_callable.__code__
-            assert len(_debug_get_cache_entry_list(code)) == 1
+            assert len(_debug_get_cache_entry_list(code)) == 1, kind
     # a request that filters by top-p, and depths that differ, draft pass by pass
     calls.clear()
     at_once.generate(PROMPTS[:2], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=3))
@@ -117,10 +123,10 @@ def test_sampled_draft_passes_race_the_noise_of_the_tokens_they_pick(target):
     llm = LLM(target, draft_model=target, num_speculative_tokens=4, spec_adaptive=False)
     calls = []
     original = llm.engine.draft_runner.draft_passes
-    llm.engine.draft_runner.draft_passes = lambda *a: calls.append(a[4] is not None) or original(*a)
+    llm.engine.draft_runner.draft_passes = lambda *a: calls.append((a[4] is not None, a[6] is not None)) or original(*a)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
     st = llm.engine.speculator.stats
-    assert any(calls) and st.num_draft_tokens > 50
+    assert (True, True) in calls and st.num_draft_tokens > 50  # sampled passes, catch-ups among them
     assert st.acceptance_rate > 0.9, st.acceptance_rate  # rounding apart, the draft is the target
     assert_all_free(llm)
 
@@ -133,6 +139,8 @@ def test_draft_passes_at_once_decline_past_the_block_table(target):
         runner = llm.engine.draft_runner
         assert runner.draft_passes([seq], [5], [15], 2) is None  # position 16 has no slot yet
         assert len(runner.draft_passes([seq], [5], [14], 2)[0]) == 2
+        assert runner.draft_passes([seq], [5], [15], 2, previous_ids=[4]) is None  # a catch-up: the same
+        assert len(runner.draft_passes([seq], [5], [14], 2, previous_ids=[4])[0]) == 2
     finally:
         llm.engine.block_manager.free(seq)
 
