@@ -1,19 +1,22 @@
 """The draft's passes run at once (`capture.DraftPasses`) against the same engine drafting pass by
 pass, side by side in one process.
 
-    python benchmarks/draft_passes.py [--repeats 10] [--no-markdown]
+    python benchmarks/draft_passes.py [--repeats 10] [--adaptive] [--no-markdown]
 
-Two engines on the demo pair with the draft at fixed depth k = 4 and the tuned options
-(`graph_capture="compile"`, one torch thread), differing only in `ModelRunner.passes`: the
-default (a batch drafting to one depth runs its passes as one call, the catch-up pass included
-once it is one or two tokens, as after every verification; greedy and temperature-only sampled
-batches) and None (every pass built on the host and sampled by the
-sampler, as before 2bb21d1). Plain decoding is measured beside them. Cases: batch 1 greedy and at
-temperature 1 (4 prompts of code, 128 tokens each, one after another), and batch 8 at
-temperature 1 (one batch of 8 prompts). The engines run in turn within each repeat, the order
-reversing every repeat. Per case: tokens/s of each engine, and the ratios at once / pass by pass
-and each against plain in the same repeat, as min / median / max. Writes
-benchmarks/results/draft_passes.json and .png and, unless --no-markdown, its BENCHMARKS.md section.
+Engines on the demo pair with the draft at fixed depth k = 4 (with --adaptive, adaptive depth up
+to 4) and the tuned options (`graph_capture="compile"`, one torch thread), differing only in how
+the draft's passes run: "at once", the default (a batch drafting to one depth runs its passes as
+one call, the catch-up pass included once it is one or two tokens, as after every verification;
+greedy and temperature-only sampled batches); "catch-up apart" (`proposer.catch_up_at_once =
+False`: the catch-up pass through `execute` and the sampler, the passes after it at once, as
+before 3668ba0); "pass by pass" (`ModelRunner.passes` None: every pass built on the host and
+sampled by the sampler, as before 2bb21d1). Plain decoding is measured beside them. Cases: batch
+1 greedy and at temperature 1 (4 prompts of code, 128 tokens each, one after another), and batch
+8 at temperature 1 (one batch of 8 prompts). The engines run in turn within each repeat, the
+order reversing every repeat. Per case: tokens/s of each engine, and the ratios of at once to each
+other engine in the same repeat and of pass by pass to plain, as min / median / max. Writes
+benchmarks/results/draft_passes.json and .png (draft_passes_adaptive.* with --adaptive) and, unless
+--no-markdown, its BENCHMARKS.md section.
 """
 from __future__ import annotations
 
@@ -38,15 +41,17 @@ from spec_decode import code_prompts  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Draft passes at once (`benchmarks/draft_passes.py`)"
+SECTION_ADAPTIVE = "Draft passes at once, adaptive depth (`benchmarks/draft_passes.py --adaptive`)"
 CASES = ((1, 0.0), (1, 1.0), (8, 1.0))  # (batch, temperature)
-ENGINES = ("at once", "pass by pass", "plain")
+ENGINES = ("at once", "catch-up apart", "pass by pass", "plain")
 
 
-def build(model: str, draft: str, capture: str, num_kv_blocks: int) -> dict[str, LLM]:
+def build(model: str, draft: str, capture: str, num_kv_blocks: int, adaptive: bool = False) -> dict[str, LLM]:
     common = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=16, enable_prefix_caching=False, graph_capture=capture)
-    spec = dict(draft_model=draft, num_speculative_tokens=4, spec_adaptive=False)
-    llms = {"at once": LLM(model, **common, **spec), "pass by pass": LLM(model, **common, **spec),
-            "plain": LLM(model, **common)}
+    spec = dict(draft_model=draft, num_speculative_tokens=4, spec_adaptive=adaptive)
+    llms = {name: LLM(model, **common, **spec) for name in ENGINES[:-1]}
+    llms["plain"] = LLM(model, **common)
+    llms["catch-up apart"].engine.speculator.proposer.catch_up_at_once = False  # the catch-up through `execute`
     llms["pass by pass"].engine.draft_runner.passes = None  # every pass through `execute` and the sampler
     return llms
 
@@ -62,9 +67,9 @@ def generate(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingPar
 
 
 def run(model: str, draft: str, repeats: int, max_tokens: int, capture: str = "compile", threads: int = 1,
-        progress: bool = True) -> dict:
+        progress: bool = True, adaptive: bool = False) -> dict:
     torch.set_num_threads(threads)
-    llms = build(model, draft, capture, num_kv_blocks=16 * (-(-(128 + max_tokens + 8) // 16)) + 16)
+    llms = build(model, draft, capture, num_kv_blocks=16 * (-(-(128 + max_tokens + 8) // 16)) + 16, adaptive=adaptive)
     prompts = code_prompts(llms["plain"].engine.tokenizer, max(b for b, _ in CASES))
     for llm in llms.values():  # warm up: first passes allocate and fill caches
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -82,10 +87,17 @@ def run(model: str, draft: str, repeats: int, max_tokens: int, capture: str = "c
         r = {name: rates[(batch, temp, name)] for name in ENGINES}
         rows.append(dict(batch=batch, temperature=temp,
                          tokens_per_s={name: Spread.of(v).as_dict() for name, v in r.items()},
-                         at_once_vs_pass_by_pass=Spread.of(a / b for a, b in zip(r["at once"], r["pass by pass"])).as_dict(),
-                         at_once_vs_plain=Spread.of(a / b for a, b in zip(r["at once"], r["plain"])).as_dict(),
-                         pass_by_pass_vs_plain=Spread.of(a / b for a, b in zip(r["pass by pass"], r["plain"])).as_dict()))
-    return dict(rows=rows, repeats=repeats, max_tokens=max_tokens, capture=capture, threads=threads, machine=machine())
+                         **{f"{_key(a)}_vs_{_key(b)}": Spread.of(x / y for x, y in zip(r[a], r[b])).as_dict()
+                            for a, b in RATIOS}))
+    return dict(rows=rows, repeats=repeats, max_tokens=max_tokens, capture=capture, threads=threads, adaptive=adaptive,
+                machine=machine())
+
+
+RATIOS = (("at once", "catch-up apart"), ("at once", "pass by pass"), ("at once", "plain"), ("pass by pass", "plain"))
+
+
+def _key(engine: str) -> str:
+    return engine.replace(" ", "_").replace("-", "_")
 
 
 def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
@@ -93,18 +105,20 @@ def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
 
 
 def markdown(result: dict, command: str) -> str:
-    lines = [f"Command: `{command}`. Demo pair, draft k = 4 fixed, `graph_capture=\"{result['capture']}\"`, "
+    depth = "adaptive depth up to 4" if result.get("adaptive") else "k = 4 fixed"
+    lines = [f"Command: `{command}`. Demo pair, draft {depth}, `graph_capture=\"{result['capture']}\"`, "
              f"{result['threads']} torch thread, on {host(result['machine'])}; {result['repeats']} repeats, engines in "
-             "turn, the order reversing every repeat; min / median / max, ratios within a repeat. \"Pass by pass\" is "
-             "the same engine with `draft_runner.passes = None`.", "",
-             "| batch | temp | tokens/s at once | tokens/s pass by pass | tokens/s plain | at once / pass by pass | "
-             "at once / plain | pass by pass / plain |", "|---|---|---|---|---|---|---|---|"]
+             "turn, the order reversing every repeat; min / median / max, ratios within a repeat. \"Catch-up apart\" "
+             "runs the draft's catch-up pass through `execute` (`proposer.catch_up_at_once = False`), \"pass by pass\" "
+             "every pass (`draft_runner.passes = None`).", "",
+             "| batch | temp | " + " | ".join(f"tokens/s {e}" for e in ENGINES) + " | "
+             + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |", "|---|---|" + "---|" * (len(ENGINES) + len(RATIOS))]
     for r in result["rows"]:
         t = r["tokens_per_s"]
-        lines.append(f"| {r['batch']} | {r['temperature']:g} | {_fmt(t['at once'], 0)} | {_fmt(t['pass by pass'], 0)} | "
-                     f"{_fmt(t['plain'], 0)} | {_fmt(r['at_once_vs_pass_by_pass'], 3, '×')} | "
-                     f"{_fmt(r['at_once_vs_plain'], 2, '×')} | {_fmt(r['pass_by_pass_vs_plain'], 2, '×')} |")
-    lines += ["", "Files: `benchmarks/results/draft_passes.json`, `benchmarks/results/draft_passes.png`."]
+        lines.append(f"| {r['batch']} | {r['temperature']:g} | " + " | ".join(_fmt(t[e], 0) for e in ENGINES) + " | "
+                     + " | ".join(_fmt(r[f"{_key(a)}_vs_{_key(b)}"], 3, "×") for a, b in RATIOS) + " |")
+    stem = "draft_passes_adaptive" if result.get("adaptive") else "draft_passes"
+    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
     return "\n".join(lines) + "\n"
 
 
@@ -113,13 +127,15 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"batch {r['batch']}, temp {r['temperature']:g}" for r in result["rows"]]
-    for i, key in enumerate(("at_once_vs_pass_by_pass", "at_once_vs_plain", "pass_by_pass_vs_plain")):
+    width = 0.8 / len(RATIOS)
+    for i, (a, b) in enumerate(RATIOS):
+        key = f"{_key(a)}_vs_{_key(b)}"
         med = [r[key]["median"] for r in result["rows"]]
         err = [[r[key]["median"] - r[key]["min"] for r in result["rows"]], [r[key]["max"] - r[key]["median"] for r in result["rows"]]]
-        ax.bar([x + 0.27 * (i - 1) for x in range(len(labels))], med, 0.27, yerr=err, capsize=3,
-               label=key.replace("_", " ").replace(" vs ", " / "))
+        ax.bar([x + width * (i - (len(RATIOS) - 1) / 2) for x in range(len(labels))], med, width, yerr=err, capsize=3,
+               label=f"{a} / {b}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("tokens/s ratio (median, min–max)")
@@ -135,14 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--graph-capture", default="compile", choices=["off", "compile"])
+    parser.add_argument("--adaptive", action="store_true", help="the drafting engines at adaptive depth up to 4")
     parser.add_argument("--no-markdown", action="store_true", help="do not rewrite BENCHMARKS.md")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.max_tokens < 1:
         parser.error("--repeats and --max-tokens must be at least 1")
-    result = run(args.model, args.draft, args.repeats, args.max_tokens, args.graph_capture)
+    result = run(args.model, args.draft, args.repeats, args.max_tokens, args.graph_capture, adaptive=args.adaptive)
     publish(result, "draft_passes", argv if argv is not None else sys.argv[1:], args.out, markdown, plot,
-            None if args.no_markdown else SECTION)
+            None if args.no_markdown else SECTION_ADAPTIVE if args.adaptive else SECTION,
+            stem="draft_passes_adaptive" if args.adaptive else None)
 
 if __name__ == "__main__":
     main()

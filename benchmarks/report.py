@@ -131,16 +131,18 @@ def update_section(path: Path, title: str, body: str) -> None:
     path.write_text(text)
 
 
-def publish(result: dict, name: str, script_args: list[str], out_dir: Path, markdown, plot, section: str | None) -> str:
+def publish(result: dict, name: str, script_args: list[str], out_dir: Path, markdown, plot, section: str | None,
+            stem: str | None = None) -> str:
     """A benchmark's outputs: its command (the script and `script_args`) into `result`, then
-    `out_dir/<name>.json` and `.png` (`plot(result, path)`), and its Markdown (`markdown(result,
-    command)`) printed and, unless `section` is None, written as that section of BENCHMARKS.md.
-    Returns the Markdown."""
+    `out_dir/<stem>.json` and `.png` (`plot(result, path)`; stem defaults to name), and its
+    Markdown (`markdown(result, command)`) printed and, unless `section` is None, written as that
+    section of BENCHMARKS.md. Returns the Markdown."""
     command = f"python benchmarks/{name}.py" + "".join(f" {a}" for a in script_args)
     result["command"] = command
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot(result, out_dir / f"{name}.png")
+    stem = stem or name
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out_dir / f"{stem}.png")
     text = markdown(result, command)
     print(text)
     if section is not None:

@@ -31,13 +31,16 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, sampler: Sampler, cost: LinearCost, noise_stream: int, keep_probs: bool):
         self.runner, self.sampler, self.cost = runner, sampler, cost
         self.noise_stream, self.keep_probs = noise_stream, keep_probs
+        # False: the catch-up pass always runs through `execute`, and only the passes after it
+        # at once (`benchmarks/draft_passes.py` measures the two side by side)
+        self.catch_up_at_once = True
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """Per sequence: draft tokens and, when kept, their distributions q [k, vocab_size]."""
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        if active and self._run_at_once(seqs, active, ks, tokens, catch_up=True):
+        if active and self.catch_up_at_once and self._run_at_once(seqs, active, ks, tokens, catch_up=True):
             return [Proposal(t, None) for t in tokens]
         entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
                               start=seqs[i].num_draft_computed_tokens) for i in active]

@@ -1,6 +1,6 @@
-"""benchmarks/draft_passes.py on one short repeat: both drafting engines and plain decoding run
-every case, the pass-by-pass engine really drafts pass by pass, and the results are written. No
-timing is asserted."""
+"""benchmarks/draft_passes.py on one short repeat: the three drafting engines and plain decoding
+run every case, each drafting engine drafts as it says, and the results are written (under their
+own name with --adaptive). No timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -14,9 +14,15 @@ def test_draft_passes_benchmark_runs_every_case(tmp_path, load_benchmark):
     llms = bench.build(str(ROOT / "models" / "demo"), str(ROOT / "models" / "demo-draft"), "off", 64)
     assert llms["pass by pass"].engine.draft_runner.passes is None
     assert llms["at once"].engine.draft_runner.passes is not None  # the native attention built here
-    bench.main(["--repeats", "1", "--max-tokens", "4", "--graph-capture", "off", "--no-markdown", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "draft_passes.json").read_text())
-    assert [(r["batch"], r["temperature"]) for r in result["rows"]] == list(bench.CASES)
-    for r in result["rows"]:
-        assert set(r["tokens_per_s"]) == set(bench.ENGINES) and all(v["min"] > 0 for v in r["tokens_per_s"].values())
-    assert (tmp_path / "draft_passes.png").stat().st_size > 0
+    assert llms["at once"].engine.speculator.proposer.catch_up_at_once
+    assert not llms["catch-up apart"].engine.speculator.proposer.catch_up_at_once
+    for extra, stem in (([], "draft_passes"), (["--adaptive"], "draft_passes_adaptive")):
+        bench.main(["--repeats", "1", "--max-tokens", "4", "--graph-capture", "off", "--no-markdown",
+                    "--out", str(tmp_path), *extra])
+        result = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert result["adaptive"] == bool(extra)
+        assert [(r["batch"], r["temperature"]) for r in result["rows"]] == list(bench.CASES)
+        for r in result["rows"]:
+            assert set(r["tokens_per_s"]) == set(bench.ENGINES) and all(v["min"] > 0 for v in r["tokens_per_s"].values())
+            assert r["at_once_vs_catch_up_apart"]["min"] > 0
+        assert (tmp_path / f"{stem}.png").stat().st_size > 0
