@@ -59,6 +59,11 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def last_token_ids(self, n: int) -> list[int]:
+        """The last n tokens, without joining the prompt and the output where the output holds them."""
+        out = self.output_token_ids
+        return out[-n:] if len(out) >= n else (self.prompt_token_ids + out)[-n:]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

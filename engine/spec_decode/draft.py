@@ -82,7 +82,7 @@ class DraftProposer:
             if any(not 1 <= s.num_tokens - s.num_draft_computed_tokens <= 2 or s.num_tokens < 2 for s in group):
                 return False
             first, num_passes = 0, depth  # pass j picks the token at num_tokens + j
-            previous, last_ids = map(list, zip(*(s.token_ids[-2:] for s in group)))
+            previous, last_ids = map(list, zip(*(s.last_token_ids(2) for s in group)))
             positions = [s.num_tokens - 1 for s in group]
         else:
             first, num_passes = 1, depth - 1
