@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -14,6 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
+from native_variants import Builder
 from tinymodels import build_checkpoint, build_tokenizer
 
 torch.set_num_threads(1)
@@ -26,14 +29,36 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def pytest_collection_modifyitems(items):
-    """`@pytest.mark.gpu` tests, wherever they live, skip on a machine without CUDA."""
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests, wherever they live, skip on a machine without CUDA. When a
+    selected test builds a native variant, the background build starts now (`native_variants.py`)."""
+    if any("native_variant" in item.fixturenames for item in items):
+        config._pdserve_native_builder = Builder(Path(tempfile.mkdtemp(prefix="pdserve-native-variants-")))
+        config._pdserve_native_builder.start()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    builder = getattr(config, "_pdserve_native_builder", None)
+    if builder is not None:
+        builder.stop()
+        shutil.rmtree(builder.build_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def native_variant(request):
+    """native_variant(name) -> its op namespace (`native_variants.VARIANTS`), built beside the suite."""
+    from pdserve.kernels import native
+
+    assert native.load(), native.error()
+    builder = getattr(request.config, "_pdserve_native_builder", None)
+    assert builder is not None, "the background build starts when a collected test uses this fixture"
+    return builder.ops
 
 
 @pytest.fixture(scope="session")

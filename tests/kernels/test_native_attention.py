@@ -73,19 +73,12 @@ def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa,flags", [("avx2", ["-mno-avx512f"]), ("plain", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])])
-def test_narrower_instruction_sets_match_dense_attention(isa, flags, tmp_path):
+@pytest.mark.parametrize("isa", ["avx2", "plain"])
+def test_narrower_instruction_sets_match_dense_attention(isa, native_variant):
     """The AVX2 and plain loops, which a CPU with AVX-512 never runs: the same source built
-    again without those instructions (as `native.py` builds it, other flags), under a namespace
-    of its own beside the loaded library."""
-    from torch.utils import cpp_extension
-
-    assert native.load(), native.error()
-    name = f"pdserve_test_{isa}"
-    cpp_extension.load(name, [str(native.SOURCES[0])], extra_cflags=[*native.FLAGS, *flags,
-                       f"-DPDSERVE_OP_NAMESPACE={name}"], is_python_module=False, verbose=False,
-                       build_directory=str(tmp_path))
-    op = getattr(torch.ops, name).paged_attention_cpu
+    again without those instructions (`native_variants.py`), under a namespace of its own
+    beside the loaded library."""
+    op = native_variant(f"pdserve_test_{isa}").paged_attention_cpu
     for case in CASES:
         for num_heads, num_kv_heads, head_dim in [(8, 4, 32), (4, 1, 64), (6, 3, 24)]:
             context_lens, query_lens = CASES[case]

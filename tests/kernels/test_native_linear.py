@@ -74,31 +74,20 @@ def test_packed_linear_runs_under_torch_compile(vector):
         torch.testing.assert_close(fn(x), F.linear(x, w, b).relu(), rtol=1e-5, atol=1e-4)
 
 
-def _build(name: str, flags: list[str], tmp_path):
-    """linear.cpp built again with other flags, under a namespace of its own beside the loaded library."""
-    from torch.utils import cpp_extension
-
-    assert native.load(), native.error()
-    source = next(s for s in native.SOURCES if s.name == "linear.cpp")
-    cpp_extension.load(name, [str(source)], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
-                       is_python_module=False, verbose=False, build_directory=str(tmp_path))
-    return getattr(torch.ops, name)
-
-
-def test_avx2_loops_match_f_linear(tmp_path):
+def test_avx2_loops_match_f_linear(native_variant):
     """The AVX2 loops, which a CPU with AVX-512 never runs: one row over the whole panel, more
     rows over its two halves, three at a time, then the one or two left."""
     if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
         pytest.skip("this CPU cannot run AVX2 with FMA")
-    ops = _build("pdserve_test_linear_avx2", ["-mno-avx512f"], tmp_path)
+    ops = native_variant("pdserve_test_linear_avx2")  # built with -mno-avx512f
     assert ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
 
 
-def test_build_without_vector_loops_falls_back_to_the_blas(tmp_path):
+def test_build_without_vector_loops_falls_back_to_the_blas(native_variant):
     """Built with neither AVX-512 nor AVX2 the op says it is unavailable (the engine then keeps
     nn.Linear) and still answers right, one BLAS call per panel."""
-    ops = _build("pdserve_test_linear_plain", ["-mno-avx512f", "-mno-avx2", "-mno-fma"], tmp_path)
+    ops = native_variant("pdserve_test_linear_plain")  # -mno-avx512f -mno-avx2 -mno-fma
     assert not ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
 
