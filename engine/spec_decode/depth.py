@@ -7,8 +7,14 @@ costs
 
     cost = T_target(Σ (k_i + 1)) + Σ_{j=1..max k_i} T_draft(#{i: k_i ≥ j})
 
-with T(n) the measured time of a forward pass over n tokens: the target verifies every draft
-token in one pass, the draft runs one pass per depth over the sequences still drafting. The
+with T_target(n) the measured time of a step's target side over n tokens (the step's wall time
+less the draft's proposal: the forward, the verification's sampling and the step's bookkeeping)
+and T_draft(n) that of a draft pass: the target verifies every draft token in one pass, the draft
+runs one pass per depth over the sequences still drafting. Fit on the target's forward alone,
+T_target left out the sampling and bookkeeping that also grow with the tokens verified, so deep
+verification looked cheaper than it was: at batch 8, temperature 1 on the demo pair (Sapphire
+Rapids Xeon) adaptive depth ran 0.95x plain at the median where fixed k = 2 ran 1.17x, and 1.10x
+fit on the whole target side (a scratch A/B, three interleaved runs). The
 passes' fixed cost is shared by the batch, so depths are chosen for the batch, not sequence by
 sequence (each sequence choosing alone, as if the whole batch were at its depth, mixed depths in
 one batch and cost more than either fixed depth: at batch 32, temperature 1 on the demo pair,

@@ -8,6 +8,8 @@ was accepted; the blocks past it are freed by the engine).
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +84,7 @@ class Speculator:
         self._regime = (0, False)  # the gate's: this step's batch size, and whether any request samples
         self._cohort: set[str] = set()  # the requests running when the gate was last renewed
         self._decode_run = 0  # pure-decode steps since the last step with prefill tokens
+        self._propose_seconds = 0.0  # this step's, so far
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): the target's forward
@@ -92,9 +95,14 @@ class Speculator:
         exploring causes, not of speculating: the gate gets it apart (`observe_switch`) and spaces
         its exploring by it. Later catch-ups (a fresh
         prompt, a sequence whose depth was 0) are part of speculating and count."""
+        proposing, self._propose_seconds = self._propose_seconds, 0.0
         if shape is None:
             return
-        self.depth.target_cost.observe(*target_pass)
+        # the target's side of the step: its wall time less the draft's proposal (the forward
+        # alone left out the verification's sampling and the step's bookkeeping, which also grow
+        # with the tokens verified)
+        num_tokens, forward = target_pass
+        self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward))
         switching = self.catches_up and self._speculated and not self._speculated_before
         self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
         if self.depth.adaptive and self._decode_run > self.WARMUP_STEPS:
@@ -130,7 +138,9 @@ class Speculator:
         return self._ks.get(seq.req_id, 0)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        start = time.perf_counter()
         proposals = self.proposer.propose(seqs, ks)
+        self._propose_seconds += time.perf_counter() - start
         self._speculated = any(p.token_ids for p in proposals)
         return proposals
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 
@@ -13,6 +14,8 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
+from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.speculator import Speculator, StepShape
 
 
 # ---- the depth model ------------------------------------------------------------------------
@@ -260,3 +263,33 @@ def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid
     for _ in range(40):
         gate.observe(32, True, seconds=0.0096, num_tokens=32, sampled=True)
     assert all(gate.allow(32, True) for _ in range(Gate.PERIOD))
+
+
+# ---- what the depth model is fed ---------------------------------------------------------------
+class _SlowNgram(NgramProposer):
+    """An n-gram proposer whose proposals take at least 20 ms, as a draft model's passes take time."""
+
+    def propose(self, seqs, ks):
+        time.sleep(0.02)
+        return super().propose(seqs, ks)
+
+
+def test_the_target_cost_is_the_steps_wall_time_less_the_proposal():
+    """The depth model prices a step by its target side: the step's wall time less the draft's
+    proposal, so the verification's sampling and the bookkeeping count, not the forward alone
+    (which left them out and made deep verification look cheaper than it is)."""
+    spec = Speculator(NgramProposer(1, 3), AdaptiveDepth(4, True, LinearCost(5e-3, 5e-4), None), verifier=None,
+                      catches_up=False)
+    decode = StepShape(is_decode_only=True)
+    for _ in range(300):
+        for n in (1, 9):  # the forward is 1 ms whatever n; the step 10 ms + 2 ms a token
+            spec.observe_step(decode, 0.010 + 0.002 * n, [], target_pass=(n, 0.001))
+    cost = spec.depth.target_cost
+    assert cost.a == pytest.approx(0.010, rel=0.05) and cost.b == pytest.approx(0.002, rel=0.05)
+    slow = Speculator(_SlowNgram(1, 3), AdaptiveDepth(4, True, LinearCost(5e-3, 5e-4), None), verifier=None,
+                      catches_up=False)
+    slow.propose([seq_()], [2])
+    assert slow._propose_seconds >= 0.02
+    slow.observe_step(decode, 0.021, [], target_pass=(3, 0.004))  # never less than the forward itself
+    assert slow._propose_seconds == 0.0
+    assert slow.depth.target_cost(3) < LinearCost(5e-3, 5e-4)(3)  # it saw 4 ms, under the prior's 6.5 ms
