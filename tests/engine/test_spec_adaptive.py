@@ -293,3 +293,26 @@ def test_the_target_cost_is_the_steps_wall_time_less_the_proposal():
     slow.observe_step(decode, 0.021, [], target_pass=(3, 0.004))  # never less than the forward itself
     assert slow._propose_seconds == 0.0
     assert slow.depth.target_cost(3) < LinearCost(5e-3, 5e-4)(3)  # it saw 4 ms, under the prior's 6.5 ms
+
+
+def test_a_new_regime_starts_from_its_decided_neighbour():
+    """A batch that drains from 32 to 31 (or fills from 31 to 32) keeps the verdict of the
+    bucket next to it instead of spending a burst of each mode; it still measures the other
+    mode itself after PERIOD steps. Far buckets and the other kind are not neighbours."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(32, sampled=True)
+    for _ in range(Gate.BURST):
+        gate.observe(32, True, seconds=0.30, num_tokens=40, sampled=True)
+        gate.observe(32, False, seconds=0.10, num_tokens=32, sampled=True)
+    assert gate.allow(32, sampled=True) is False  # plain wins at 32-63
+    drained = []
+    for _ in range(Gate.PERIOD + Gate.BURST):
+        drained.append(gate.allow(31, sampled=True))
+        gate.observe(31, drained[-1], seconds=0.10 if not drained[-1] else 0.30, num_tokens=31 if not drained[-1] else 40,
+                     sampled=True)
+    assert drained[:Gate.PERIOD - 1] == [False] * (Gate.PERIOD - 1)  # no opening burst of speculation
+    assert True in drained[Gate.PERIOD - 1:]  # its own measurement of speculation, later
+    assert gate.allow(31, sampled=True) is False
+    assert [gate.allow(31) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # greedy: a kind of its own
+    assert [gate.allow(4, sampled=True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # 4-7: next to neither
