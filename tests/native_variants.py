@@ -2,7 +2,7 @@
 AVX-512 never runs (AVX2, plain, the CRC fallbacks) are tested here too. Each variant is one
 source with other flags, under an op namespace of its own beside the loaded library.
 
-A variant takes about 20 s to compile on these 2 cores, seven in all: the suite's longest stretch
+A variant takes 7 to 12 s to compile on these 2 cores, seven in all: the suite's longest stretch
 of pure compiling. So when a selected test asks for one, `conftest.py` starts this module as a
 background process at the start of the session (`nice`, one job at a time) and the builds
 mostly use the core the tests leave idle. A test then waits until its variant is built (with a

@@ -15,7 +15,9 @@
 // AVX2 (eight keys, and the softmax eight lanes at a time), else plain loops. The softmax was
 // half of a decode layer's compute before it ran in vector registers: its scalar exp did not
 // vectorize.
-#include <ATen/ATen.h>
+// Tensor and the few ops used, not <ATen/ATen.h>: every op's header took half the compile time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
