@@ -262,7 +262,9 @@ class LLMEngine:
         return self._postprocess(batch, logits, proposals)
 
     def _schedule(self) -> SchedulerOutput:
-        self._speculate = self.speculator is not None and self.speculator.allow(self.scheduler.running)
+        sched = self.scheduler
+        self._speculate = self.speculator is not None and self.speculator.allow(
+            sched.running, min(len(sched.waiting) + len(sched.held), sched.config.max_num_seqs - len(sched.running)))
         if self._speculate:
             self.speculator.plan([s for s in self.scheduler.running if s.num_uncomputed_tokens == 1],
                                  self.max_model_len)

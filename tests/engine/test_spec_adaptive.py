@@ -316,3 +316,26 @@ def test_a_new_regime_starts_from_its_decided_neighbour():
     assert gate.allow(31, sampled=True) is False
     assert [gate.allow(31) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # greedy: a kind of its own
     assert [gate.allow(4, sampled=True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # 4-7: next to neither
+
+
+def test_a_filling_batch_takes_the_verdict_of_the_batch_it_becomes():
+    """Right after a prefill, while a batch of 32 is still being admitted (22 running, 10 more
+    waiting), the step takes the verdict of the 32-sequence bucket, not of the 16–31 one the
+    running sequences alone would name; once settled, the running batch names its bucket."""
+    spec = Speculator(NgramProposer(1, 3), AdaptiveDepth(4, True, LinearCost(5e-3, 5e-4), None), verifier=None,
+                      catches_up=False)
+    gate = spec.gate
+    for size, spec_seconds in ((32, 0.30), (22, 0.05)):  # plain wins at 32-63, speculation at 16-31
+        for _ in range(2 * Gate.BURST):
+            gate.allow(size, sampled=True)
+        for _ in range(Gate.BURST):
+            gate.observe(size, True, seconds=spec_seconds, num_tokens=40, sampled=True)
+            gate.observe(size, False, seconds=0.10, num_tokens=size, sampled=True)
+    assert gate.allow(32, sampled=True) is False and gate.allow(22, sampled=True) is True
+    running = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(temperature=1.0), seed=i) for i in range(22)]
+    spec.observe_step(StepShape(is_decode_only=False), 0.5, [], target_pass=(100, 0.4))  # a prefill: unsettled
+    assert spec.allow(running, filling=10) is False
+    assert spec.allow(running) is True  # nothing more to come: the running batch's own bucket
+    for _ in range(Speculator.WARMUP_STEPS):
+        spec.observe_step(StepShape(is_decode_only=True), 0.02, [], target_pass=(22, 0.01))
+    assert spec.allow(running, filling=10) is True  # settled: measured as what runs
