@@ -123,8 +123,8 @@ class Speculator:
         or for their K/V) make together: a batch of 32 admitted over two steps is 22 running at
         the second, and at temperature 1 on the demo pair the 16–31 bucket (measured on the
         draining tails of earlier runs) said speculate where the 32–63 bucket said plain, so
-        each run's second step ran the draft over 22 whole prompts for nothing (about 5% of a
-        128-token run)."""
+        each run's second step ran the draft over 22 whole prompts for nothing (300–430 ms
+        against 220–310 ms plain, 2–4% of a 128-token run)."""
         self._speculated = False
         if not self.depth.adaptive:
             return True
