@@ -262,9 +262,9 @@ class LLMEngine:
         return self._postprocess(batch, logits, proposals)
 
     def _schedule(self) -> SchedulerOutput:
-        sched = self.scheduler
+        sched = self.scheduler  # filling: the sequences waiting or held that the batch still has room for
         self._speculate = self.speculator is not None and self.speculator.allow(
-            sched.running, min(len(sched.waiting) + len(sched.held), sched.config.max_num_seqs - len(sched.running)))
+            sched.running, min(sched.num_seqs, sched.config.max_num_seqs) - len(sched.running))
         if self._speculate:
             self.speculator.plan([s for s in self.scheduler.running if s.num_uncomputed_tokens == 1],
                                  self.max_model_len)
