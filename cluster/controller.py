@@ -84,10 +84,12 @@ class Controller:
 
     # ---- pools ---------------------------------------------------------------------------
     async def start(self) -> None:
-        """Place every worker of both pools and wait until each serves. PlacementFailed (saying
-        what is missing) when the cluster cannot place them within the placement timeout."""
-        await self._grow("prefill", self.config.prefill.workers)
-        await self._grow("decode", self.config.decode.workers)
+        """Place every worker of both pools, then start them all at once and wait until each
+        serves. PlacementFailed (saying what is missing) when the cluster cannot place them
+        within the placement timeout; then no worker was started, so a pool the cluster cannot
+        hold costs no model load (placing and starting one pool before the next loaded the
+        prefill workers' models before finding there was no room for the decode pool)."""
+        await self._grow(*((role, self._pool(role).workers) for role in ("prefill", "decode")))
 
     async def scale(self, prefill: int | None, decode: int | None) -> dict[str, int]:
         """Absolute worker counts; None leaves a pool as it is. Returns the counts now."""
@@ -101,7 +103,7 @@ class Controller:
                                  "(colocated and disaggregated routers differ): restart with the new config")
             current = self.count(role)
             if target > current:
-                await self._grow(role, target - current)
+                await self._grow((role, target - current))
             elif target < current:
                 await self._shrink(role, current - target)
         return {role: self.count(role) for role in ("prefill", "decode")}
@@ -120,29 +122,44 @@ class Controller:
         """Drain and stop every worker, then free their placement groups."""
         await asyncio.gather(*(self._remove(p) for p in list(self.placed.values())))
 
-    async def _grow(self, role: str, n: int) -> None:
-        if n == 0:
+    def _pool(self, role: str):
+        return self.config.prefill if role == "prefill" else self.config.decode
+
+    async def _grow(self, *counts: tuple[str, int]) -> None:
+        """More workers, (role, how many) each: a placement group per pool, all placed within
+        one placement timeout before any worker starts, then every new worker started at once."""
+        groups: list[tuple[str, int, object]] = []
+        deadline = asyncio.get_running_loop().time() + self.config.placement_timeout
+        try:
+            for role, n in counts:
+                if n:
+                    groups.append((role, n, placement_group([self._pool(role).bundle()] * n, strategy="SPREAD")))
+            for role, n, pg in groups:
+                try:
+                    await asyncio.wait_for(pg.ready(), max(deadline - asyncio.get_running_loop().time(), 0.0))
+                except asyncio.TimeoutError:
+                    raise PlacementFailed(self._missing(role, n, self._pool(role).bundle())) from None
+        except BaseException:
+            for _, _, pg in groups:
+                remove_placement_group(pg)
+            raise
+        if not groups:
             return
-        pool = self.config.prefill if role == "prefill" else self.config.decode
-        pg = placement_group([pool.bundle()] * n, strategy="SPREAD")
-        try:
-            await asyncio.wait_for(pg.ready(), self.config.placement_timeout)
-        except asyncio.TimeoutError:
-            remove_placement_group(pg)
-            raise PlacementFailed(self._missing(role, n, pool.bundle())) from None
-        new = [self._create(role, pg, i, pool.num_threads) for i in range(n)]
-        try:
-            await asyncio.gather(*(p.actor.ready.remote(self.config.start_timeout) for p in new))
-        except Exception as e:  # noqa: BLE001 - Ray wraps the worker's error: keep its message
-            cause = getattr(e, "cause", e)
-            raise PlacementFailed(f"a {role} worker failed to start: {cause}") from None
+        new = [self._create(role, pg, i, self._pool(role).num_threads) for role, n, pg in groups for i in range(n)]
+        waiting = {asyncio.ensure_future(p.actor.ready.remote(self.config.start_timeout)): p for p in new}
+        done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if (e := task.exception()) is not None:  # Ray wraps the worker's error: keep its message
+                raise PlacementFailed(f"a {waiting[task].role} worker failed to start: {getattr(e, 'cause', e)}")
 
     def _create(self, role: str, pg, bundle: int, num_threads: int) -> Placed:
         worker_id = f"{role}-{next(self._numbers[role])}"
         c = self.config
         spec = WorkerSpec(worker_id, role, c.engine_options(role), num_threads, c.kv_transfer_timeout,
                           c.stream_timeout, c.router.drain_timeout, self.security, self.telemetry, c.kv_shm, c.name)
-        pool = c.prefill if role == "prefill" else c.decode
+        pool = self._pool(role)
         actor = ray.remote(WorkerActor).options(
             name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.cpus, num_gpus=pool.gpus,
             max_restarts=-1, max_concurrency=4,

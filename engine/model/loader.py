@@ -87,7 +87,7 @@ def build_model(cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.
     the model float32 on the CPU: `kernels.native.resolve_linear`)."""
     with torch.device("meta"):
         model = CausalLM(cfg, ops)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, device, dtype)
     model.tie_weights()
     load_weights(model, model_dir)
     if packed_linears:
@@ -96,6 +96,16 @@ def build_model(cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.
         _column_major_linears(model)
     model.init_rope(cfg.max_model_len, device)
     return model.eval().requires_grad_(False)
+
+
+def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give each parameter built on the meta device uninitialized storage of `dtype` on `device`
+    (the checkpoint fills it). `Module.to_empty` would do the same through `empty_like` of a meta
+    tensor, whose reference implementation imports sympy: a second of every worker's start."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                          requires_grad=False)
 
 
 def _column_major_linears(model: CausalLM) -> None:
