@@ -163,6 +163,7 @@ def test_a_placement_that_cannot_be_satisfied_fails_saying_what_is_missing(servi
     assert proc.popen.wait(60) == 2
     log = proc.log.read_text()
     assert "cannot place 1 decode worker of {'CPU': 0.5, 'GPU': 1} each" in log and "GPU 0" in log, log[-2000:]
+    assert "worker: loading" not in log  # both pools are placed before any worker starts
 
 
 def test_the_documented_config_file_is_the_defaults():
