@@ -187,7 +187,7 @@ def _serve_system(args: argparse.Namespace) -> int:
 
     print("starting Ray" if args.ray_address is None else f"joining Ray at {args.ray_address}", file=sys.stderr,
           flush=True)
-    connection = system.start_ray(args.ray_address, args.num_cpus)
+    connection = system.start_ray(args.ray_address, args.num_cpus, args.ray_dashboard)
     conn_file = system.write_connection_file(connection, embedded=args.ray_address is None)
     try:
         return _serve("", lambda until, ready: system.serve(config, args.ray_address, telemetry(args), until, ready))
@@ -358,6 +358,9 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto' or HOST:PORT) instead "
                     "of starting a private local one")
     sv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray (default: all)")
+    sv.add_argument("--no-ray-dashboard", dest="ray_dashboard", action="store_false",
+                    help="start the embedded Ray without its dashboard's modules: about 2 s less to start and ten "
+                    "processes fewer, but no `ray list actors` (Ray's state API is one of them)")
     add_logging_args(sv, otlp=True)
     for flag, kind, what in [
             ("--model", str, "checkpoint directory (default: the demo model)"),

@@ -53,7 +53,7 @@ def system(serving_model, tmp_path_factory):
     (tmp / "cluster.token").write_text(CLUSTER_TOKEN)
     config = serve_config(serving_model, prefill=2, decode=2, spec=False, cpus=0.4, placement_timeout=10)
     config["security"] = {"cluster_token_file": str(tmp / "cluster.token")}
-    s = start_system(tmp, "failover", config)
+    s = start_system(tmp, "failover", config, "--no-ray-dashboard")
     yield s
     s.stop()
 
@@ -153,6 +153,13 @@ def test_scaling_beyond_the_cluster_says_what_is_missing(system):
     out = system.cli("scale", "--decode=9", timeout_s=200)
     assert out.returncode == 2 and out.stderr.startswith("pdserve: error: cannot place"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_without_the_ray_dashboard_none_of_its_modules_runs(system):
+    """--no-ray-dashboard: the serve system in test_serve.py, started without it, answers `ray list
+    actors` through those modules."""
+    tree = [" ".join(p.cmdline()) for p in psutil.Process(system.proc.popen.pid).children(recursive=True)]
+    assert any("gcs_server" in c for c in tree) and not any("ray-dashboard-" in c for c in tree), tree
 
 
 def test_sigterm_stops_everything_it_started(system):

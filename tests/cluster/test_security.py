@@ -24,7 +24,7 @@ REQUEST = gen.GenerateRequest(prompt="def f(x):", sampling_params=gen.SamplingPa
 def system(serving_model, tmp_path_factory):
     config = serve_config(serving_model, spec=False)
     config["security"] = {"api_keys": [KEY, OTHER_KEY], "api_key_max_concurrency": 1, "api_key_rate_limit": 2.0}
-    s = start_system(tmp_path_factory.mktemp("security"), "security", config)
+    s = start_system(tmp_path_factory.mktemp("security"), "security", config, "--no-ray-dashboard")
     yield s
     s.stop()
 

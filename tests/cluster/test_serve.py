@@ -156,7 +156,7 @@ def test_a_placement_that_cannot_be_satisfied_fails_saying_what_is_missing(servi
     import yaml
 
     path.write_text(yaml.safe_dump(config))
-    proc = LocalProcess("nogpu", "serve", ["--config", str(path)], tmp_path / "nogpu.log",
+    proc = LocalProcess("nogpu", "serve", ["--config", str(path), "--no-ray-dashboard"], tmp_path / "nogpu.log",
                         env={"PDSERVE_RUNTIME_DIR": str(tmp_path)}).start()
     with pytest.raises(ProcessFailed):
         proc.wait_ready(120)
