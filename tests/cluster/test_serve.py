@@ -166,6 +166,34 @@ def test_a_placement_that_cannot_be_satisfied_fails_saying_what_is_missing(servi
     assert "worker: loading" not in log  # both pools are placed before any worker starts
 
 
+def test_a_worker_that_cannot_load_its_model_fails_the_start_saying_why(serving_model, tmp_path):
+    """A checkpoint the config check cannot see is broken (a tensor missing) fails in the workers:
+    `pdserve serve` exits 2 with the worker's reason as soon as the first worker fails, well
+    before the start timeout."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "broken"
+    shutil.copytree(serving_model, model)
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, model / "model.safetensors")
+    config = serve_config(model, spec=False)
+    config["start_timeout"] = 600
+    path = tmp_path / "broken.yaml"
+    path.write_text(json.dumps(config))
+    from pdserve.cluster.local import LocalProcess, ProcessFailed
+
+    proc = LocalProcess("broken", "serve", ["--config", str(path), "--no-ray-dashboard"], tmp_path / "broken.log",
+                        env={"PDSERVE_RUNTIME_DIR": str(tmp_path)}).start()
+    with pytest.raises(ProcessFailed):
+        proc.wait_ready(300)
+    assert proc.popen.wait(60) == 2
+    error = [line for line in proc.log.read_text().splitlines() if line.startswith("pdserve: error:")]
+    assert len(error) == 1 and "worker failed to start" in error[0] and "model.norm.weight" in error[0], error
+
+
 def test_the_documented_config_file_is_the_defaults():
     """deploy/pdserve.yaml documents every field with its default value."""
     import dataclasses
