@@ -152,8 +152,9 @@ class Progress:
 async def follow_membership(controller, pool, targets: TargetsFile, on_change=lambda members: None) -> None:
     """Keep the router's pool (and the targets file) equal to the controller's membership. A
     worker that joins is health-checked at once, not at the pool's next round: it registers
-    once it serves, and waiting for the round (every second by default) kept a restarted
-    worker out of traffic for half a second on average."""
+    once it serves, and the round (every second by default) could keep a restarted or added
+    worker out of traffic that long (`benchmarks/recovery.py` did not see the difference beyond
+    its noise: BENCHMARKS.md, Recovery)."""
     version, known, checks = 0, {}, set()
     while True:
         version, members = await controller.watch.remote(version)
