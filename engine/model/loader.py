@@ -101,11 +101,15 @@ def build_model(cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.
 def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Give each parameter built on the meta device uninitialized storage of `dtype` on `device`
     (the checkpoint fills it). `Module.to_empty` would do the same through `empty_like` of a meta
-    tensor, whose reference implementation imports sympy: a second of every worker's start."""
+    tensor, whose reference implementation imports sympy: a second of every worker's start. A
+    parameter shared by two modules (a tied `lm_head`) gets one storage, not one each."""
+    made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            module._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
-                                                          requires_grad=False)
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                     requires_grad=False)
+            module._parameters[name] = made[id(param)]
 
 
 def _column_major_linears(model: CausalLM) -> None:
