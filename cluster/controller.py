@@ -22,7 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pdserve.cluster.config import ServeConfig
-from pdserve.cluster.worker_actor import Member, WorkerActor, WorkerSpec
+from pdserve.cluster.worker_actor import Member, StartFailed, WorkerActor, WorkerSpec
 from pdserve.serving.logs import Telemetry, setup_logging
 
 log = logging.getLogger("pdserve.cluster")
@@ -152,7 +152,9 @@ class Controller:
             task.cancel()
         for task in done:
             if (e := task.exception()) is not None:  # Ray wraps the worker's error: keep its message
-                raise PlacementFailed(f"a {waiting[task].role} worker failed to start: {getattr(e, 'cause', e)}")
+                cause = getattr(e, "cause", e)
+                raise PlacementFailed(str(cause) if isinstance(cause, StartFailed) else
+                                      f"worker {waiting[task].worker_id} failed to start: {cause}")
 
     def _create(self, role: str, pg, bundle: int, num_threads: int) -> Placed:
         worker_id = f"{role}-{next(self._numbers[role])}"

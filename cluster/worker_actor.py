@@ -22,6 +22,10 @@ from pdserve.serving.logs import Telemetry
 log = logging.getLogger("pdserve.cluster")
 
 
+class StartFailed(RuntimeError):
+    """A worker did not come to serve; the message names it and says why."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     worker_id: str  # "prefill-0", "decode-3": the pool and a number never reused
@@ -69,11 +73,11 @@ class WorkerActor:
 
     # ---- called through Ray --------------------------------------------------------------
     def ready(self, timeout_s: float) -> Member:
-        """The registration, once the worker serves; RuntimeError if it failed to start."""
+        """The registration, once the worker serves; StartFailed if it failed to start."""
         if not self._ready.wait(timeout_s):
-            raise RuntimeError(f"worker {self.spec.worker_id} not serving after {timeout_s:g} s")
+            raise StartFailed(f"worker {self.spec.worker_id} not serving after {timeout_s:g} s")
         if self.error is not None:
-            raise RuntimeError(f"worker {self.spec.worker_id} failed to start: {self.error}")
+            raise StartFailed(f"worker {self.spec.worker_id} failed to start: {self.error}")
         return self.member
 
     def stop(self, timeout_s: float) -> None:
@@ -91,8 +95,12 @@ class WorkerActor:
         try:
             self._loop.run_until_complete(self._serve())
         except Exception as e:  # noqa: BLE001 - reported through `ready`
-            log.exception("worker %s failed", self.spec.worker_id)
-            self.error = repr(e)
+            if isinstance(e, ValueError):  # what it was given is wrong (a checkpoint, an option): its message says what
+                log.error("worker %s cannot start: %s", self.spec.worker_id, e)
+                self.error = str(e)
+            else:
+                log.exception("worker %s failed", self.spec.worker_id)
+                self.error = repr(e)
             self._ready.set()
             if self._is_restart:  # a restart that cannot serve: let Ray try again, not too fast
                 time.sleep(5)
