@@ -148,21 +148,24 @@ def test_cli_reports_a_bad_config_and_a_taken_port_in_one_line(serving_model, tm
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Ray" not in out.stderr
 
 
+def failed_start(tmp_path, name: str, config: dict) -> str:
+    """`pdserve serve` on `config`, which must fail: it exits 2 without ever saying ready. Its log."""
+    from pdserve.cluster.local import LocalProcess, ProcessFailed
+
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    proc = LocalProcess(name, "serve", ["--config", str(path), "--no-ray-dashboard"], tmp_path / f"{name}.log",
+                        env={"PDSERVE_RUNTIME_DIR": str(tmp_path)}).start()
+    with pytest.raises(ProcessFailed):
+        proc.wait_ready(300)
+    assert proc.popen.wait(60) == 2
+    return proc.log.read_text()
+
+
 def test_a_placement_that_cannot_be_satisfied_fails_saying_what_is_missing(serving_model, tmp_path):
     config = serve_config(serving_model, decode=1, spec=False, placement_timeout=3)
     config["decode"]["gpus"] = 1  # there is no GPU here
-    from pdserve.cluster.local import LocalProcess, ProcessFailed
-
-    path = tmp_path / "c.yaml"
-    import yaml
-
-    path.write_text(yaml.safe_dump(config))
-    proc = LocalProcess("nogpu", "serve", ["--config", str(path), "--no-ray-dashboard"], tmp_path / "nogpu.log",
-                        env={"PDSERVE_RUNTIME_DIR": str(tmp_path)}).start()
-    with pytest.raises(ProcessFailed):
-        proc.wait_ready(120)
-    assert proc.popen.wait(60) == 2
-    log = proc.log.read_text()
+    log = failed_start(tmp_path, "nogpu", config)
     assert "cannot place 1 decode worker of {'CPU': 0.5, 'GPU': 1} each" in log and "GPU 0" in log, log[-2000:]
     assert "worker: loading" not in log  # both pools are placed before any worker starts
 
@@ -180,18 +183,7 @@ def test_a_worker_that_cannot_load_its_model_fails_the_start_saying_why(serving_
     tensors = load_file(model / "model.safetensors")
     del tensors["model.norm.weight"]
     save_file(tensors, model / "model.safetensors")
-    config = serve_config(model, spec=False)
-    config["start_timeout"] = 600
-    path = tmp_path / "broken.yaml"
-    path.write_text(json.dumps(config))
-    from pdserve.cluster.local import LocalProcess, ProcessFailed
-
-    proc = LocalProcess("broken", "serve", ["--config", str(path), "--no-ray-dashboard"], tmp_path / "broken.log",
-                        env={"PDSERVE_RUNTIME_DIR": str(tmp_path)}).start()
-    with pytest.raises(ProcessFailed):
-        proc.wait_ready(300)
-    assert proc.popen.wait(60) == 2
-    log = proc.log.read_text()
+    log = failed_start(tmp_path, "broken", {**serve_config(model, spec=False), "start_timeout": 600})
     error = [line for line in log.splitlines() if line.startswith("pdserve: error:")]
     assert len(error) == 1 and re.fullmatch(r"pdserve: error: worker (prefill|decode)-0 failed to start: "
                                             r"\S+/broken: checkpoint lacks tensors \['model.norm.weight'\]", error[0]), error
