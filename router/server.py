@@ -388,8 +388,15 @@ class Router:
                         yield ids, event.tokens.finish_reason, logprobs
                 event = await call.read()
         except grpc.aio.AioRpcError as e:
-            # the prefill worker's first token ended the request, and its cancelled push ended the
-            # reservation before that token reached us: the token is still the answer
+            # the prefill worker's first token ended the request, and its abandoned push ended the
+            # reservation before that token reached us: the token is still the answer. The two
+            # come on separate streams, so the decode side's ABORTED can overtake the token: then
+            # the prefill worker's word is waited for (it ends its stream right after), at most
+            # FIRST_TOKEN_GRACE_S; without the wait, such a request failed over on every pair
+            # whenever the ABORTED came first, and ended UNAVAILABLE.
+            if (early is None and first is not None and not first.done()
+                    and e.code() == grpc.StatusCode.ABORTED):
+                await asyncio.wait({first}, timeout=FIRST_TOKEN_GRACE_S)
             if early is None and first is not None and (last := _final_first_token(first)) is not None:
                 yield last
                 return
@@ -404,6 +411,9 @@ class Router:
             if flight.abort_reason is not None:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, flight.abort_reason) from None
             raise
+
+
+FIRST_TOKEN_GRACE_S = 10.0  # for the prefill worker's first token once the decode side says its sender gave up
 
 
 def _final_first_token(first: asyncio.Future) -> tuple | None:
