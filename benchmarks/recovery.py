@@ -136,7 +136,7 @@ def wait_until(metrics: str, predicate, timeout_s: float) -> float | None:
 
 
 def wait_full(metrics: str, full: dict | None, timeout_s: float) -> dict[str, float]:
-    """The healthy counts once every pool is at `full` (None: at least one each, and steady)."""
+    """The healthy counts once every pool is at `full` (None: at least one worker in each)."""
     deadline = time.monotonic() + timeout_s
     while True:
         h = healthy(metrics)

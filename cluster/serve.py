@@ -150,12 +150,8 @@ class Progress:
 
 
 async def follow_membership(controller, pool, targets: TargetsFile, on_change=lambda members: None) -> None:
-    """Keep the router's pool (and the targets file) equal to the controller's membership. A
-    worker that joins is health-checked at once, not at the pool's next round: it registers
-    once it serves, and the round (every second by default) could keep a restarted or added
-    worker out of traffic that long (`benchmarks/recovery.py` did not see the difference beyond
-    its noise: BENCHMARKS.md, Recovery)."""
-    version, known, checks = 0, {}, set()
+    """Keep the router's pool (and the targets file) equal to the controller's membership."""
+    version, known = 0, {}
     while True:
         version, members = await controller.watch.remote(version)
         now = {m.worker_id: m for m in members}
@@ -163,9 +159,7 @@ async def follow_membership(controller, pool, targets: TargetsFile, on_change=la
             pool.remove(worker_id)
         for m in members:
             if known.get(m.worker_id) != m:
-                check = asyncio.ensure_future(pool.check(pool.add(m.worker_id, m.role, m.address)))
-                checks.add(check)
-                check.add_done_callback(checks.discard)
+                pool.add(m.worker_id, m.role, m.address)
         if now != known:
             targets.write(members)
             on_change(members)

@@ -394,12 +394,12 @@ class Router:
             # the prefill worker's word is waited for (it ends its stream right after), at most
             # FIRST_TOKEN_GRACE_S; without the wait, such a request failed over on every pair
             # whenever the ABORTED came first, and ended UNAVAILABLE.
-            if (early is None and first is not None and not first.done()
-                    and e.code() == grpc.StatusCode.ABORTED):
-                await asyncio.wait({first}, timeout=FIRST_TOKEN_GRACE_S)
-            if early is None and first is not None and (last := _final_first_token(first)) is not None:
-                yield last
-                return
+            if early is None and first is not None:
+                if not first.done() and e.code() == grpc.StatusCode.ABORTED:
+                    await asyncio.wait({first}, timeout=FIRST_TOKEN_GRACE_S)
+                if (last := _final_first_token(first)) is not None:
+                    yield last
+                    return
             if failure:
                 raise failure[0] from None
             if e.code() == grpc.StatusCode.UNAVAILABLE:

@@ -103,6 +103,7 @@ class WorkerPool:
         self.check_timeout_s = check_timeout_s
         self.workers: dict[str, Worker] = {}
         self._mismatch_logged: set[tuple[str, str]] = set()
+        self._joined = asyncio.Event()  # a worker joined since the last round of health checks
 
     @classmethod
     def static(cls, prefill_addresses: list[str], decode_addresses: list[str],
@@ -131,6 +132,7 @@ class WorkerPool:
         w = Worker(worker_id, role, address, channel, stub, health_pb2_grpc.HealthStub(channel),
                    prefixes=PrefixIndex() if role == "prefill" else None)
         self.workers[worker_id] = w
+        self._joined.set()
         log.info("worker %s %s joined at %s", role, worker_id, address)
         return w
 
@@ -202,10 +204,18 @@ class WorkerPool:
         w.healthy = False
 
     async def watch(self, interval_s: float) -> None:
-        """Health-check every worker every `interval_s`, whatever the length of an outage."""
+        """Health-check every worker every `interval_s`, whatever the length of an outage, and
+        at once when a worker joins: a worker registers once it serves, and the wait for the
+        next round could keep a restarted or added one out of traffic that long
+        (`benchmarks/recovery.py` did not see the difference beyond its noise: BENCHMARKS.md,
+        Recovery)."""
         while True:
+            self._joined.clear()
             await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
-            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.wait_for(self._joined.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def connect(self, timeout_s: float) -> None:
         """Static pools: wait until every worker is SERVING and has said what it runs, then check
