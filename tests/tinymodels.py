@@ -22,7 +22,11 @@ ARCH_CONFIGS = {
 
 
 def build_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides):
+    """overrides: config fields, and save_dtype ("bfloat16": the weights saved as most published
+    checkpoints are; float32 by default)."""
     import transformers
+
+    save_dtype = overrides.pop("save_dtype", None)
 
     cfg_name, model_name, extra = ARCH_CONFIGS[arch]
     config = getattr(transformers, cfg_name)(**{**TINY, **extra, **overrides})
@@ -33,6 +37,8 @@ def build_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+    if save_dtype is not None:
+        model.to(getattr(torch, save_dtype))
     model.save_pretrained(path)
     return path
 

@@ -1,5 +1,8 @@
 // pdserve::linear_packed: a float32 linear layer, y = x W^T + b, over a weight packed once at
-// load time into column panels, for the CPU.
+// load time into column panels, for the CPU. The panels are float32 or bfloat16: a bfloat16 panel
+// holds a weight whose every value is a bfloat16 (a bfloat16 checkpoint computed in float32), at
+// half the bytes, and each value is widened exactly to float32 as it is read, so the sums are the
+// float32 panel's, bit for bit.
 //
 // Why: a decode step multiplies a few rows (1 at batch 1, k + 1 in a speculative verification,
 // the batch size at most) by every weight matrix. The BLAS's small-M path streams the weight at
@@ -7,12 +10,19 @@
 // (measured on the demo target's shapes with the weights out of cache). Here every weight row is
 // read once per step whatever M, from memory laid out in the order the loop reads it.
 //
+// Why bfloat16 panels: at batch 1 the step reads every weight once and does little else with it,
+// so it runs at the memory's speed: the demo target's 29 MB of float32 projections took 3.5 ms
+// at M = 1 (8.4 GB/s), what a plain sum over the same bytes reads at on this VM (9.0 GB/s; a
+// 1 MB panel set that stays in L2 ran at 48 GB/s). Half the bytes, half the time.
+//
 // Layout: W [N, K] becomes [ceil(N / 64), K, 64]: panel j holds output columns [64 j, 64 j + 64)
-// as K contiguous rows of 64 floats (zero beyond N). One pass over a panel computes up to six rows
+// as K contiguous rows of 64 values (zero beyond N). One pass over a panel computes up to six rows
 // of x against its 64 columns: 24 vector accumulators, four loads and six broadcasts per k. Rows
 // beyond six take further passes, reading the panel from L2. Panels are split between threads.
 // Each output sums k = 0 .. K-1 in order, with fused multiply-adds, then adds the bias: the same
-// sum as the BLAS's up to float rounding.
+// sum as the BLAS's up to float rounding. A bfloat16 panel is widened in registers by the passes
+// of up to six rows; with more rows (a prefill) it is widened once into a float32 copy that stays
+// in L2, and the float32 loops run over that, so no pass pays the widening again.
 //
 // The vector loops need AVX-512, or AVX2 with FMA (eight 8-float vectors span a panel; with
 // sixteen registers one row takes the whole panel, more rows take it in two 32-column halves,
@@ -27,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -44,11 +55,38 @@ constexpr int64_t kPanel = 64;  // output columns per panel: four 16-float vecto
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
+// A bfloat16 panel row pairs its columns so that widening needs no shuffle: each half of the row
+// (32 columns) is 16 32-bit words, word i holding column i in its low 16 bits and column 16 + i in
+// its high 16 bits. A bfloat16 is the top half of a float32, so one 64-byte load gives columns
+// 0-15 by a shift left and 16-31 by a mask: two cheap ops where widening 16 consecutive bfloat16
+// takes a cross-lane shuffle each (the batch-1 pass over a panel was bound by those: 0.77x the
+// float32 time at half the bytes, against 0.55x paired; scratch timing of the demo target's shapes).
+constexpr int64_t kHalf = 32;  // columns per paired group
+
+// `count` values of paired panel rows (a multiple of kPanel) widened to float32 rows in column order.
+void widen(const uint16_t* src, int64_t count, float* dst) {
+#ifdef PDSERVE_LINEAR_AVX512
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t g = 0; g < count; g += kHalf, src += kHalf, dst += kHalf) {
+    const __m512i words = _mm512_loadu_si512(src);
+    _mm512_storeu_si512(dst, _mm512_slli_epi32(words, 16));
+    _mm512_storeu_si512(dst + kHalf / 2, _mm512_and_si512(words, high));
+  }
+  return;
+#endif
+  for (int64_t g = 0; g < count; g += kHalf, src += kHalf, dst += kHalf)
+    for (int i = 0; i < kHalf / 2; ++i) {
+      const uint32_t lo = uint32_t(src[2 * i]) << 16, hi = uint32_t(src[2 * i + 1]) << 16;
+      std::memcpy(dst + i, &lo, sizeof lo);
+      std::memcpy(dst + kHalf / 2 + i, &hi, sizeof hi);
+    }
+}
+
 at::Tensor linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be [out_features, in_features], got ",
               weight.sizes());
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "linear_pack: weight must be float32, got ",
-              weight.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
+              "linear_pack: weight must be float32 or bfloat16, got ", weight.scalar_type());
   const int64_t n = weight.size(0), k = weight.size(1);
   at::Tensor packed = at::zeros({num_panels(n), k, kPanel}, weight.options());
   const at::Tensor wt = weight.t();  // [K, N]
@@ -56,10 +94,20 @@ at::Tensor linear_pack(const at::Tensor& weight) {
     const int64_t cols = std::min(kPanel, n - j * kPanel);
     packed[j].narrow(1, 0, cols).copy_(wt.narrow(1, j * kPanel, cols));
   }
+  if (weight.scalar_type() == at::kBFloat16)  // pair the columns: (half, i) -> word i of the half
+    packed = packed.view({packed.size(0), k, 2, 2, kHalf / 2}).transpose(3, 4).contiguous().view(packed.sizes());
   return packed;
 }
 
 #ifdef PDSERVE_LINEAR_AVX512
+
+// Columns [16 v, 16 v + 16) of a panel row as floats.
+inline __m512 load16(const float* row, int v) { return _mm512_loadu_ps(row + 16 * v); }
+inline __m512 load16(const uint16_t* row, int v) {
+  const __m512i words = _mm512_loadu_si512(row + kHalf * (v / 2));
+  return _mm512_castsi512_ps(v % 2 == 0 ? _mm512_slli_epi32(words, 16)
+                                        : _mm512_and_si512(words, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
 
 // The four store masks of a panel with `cols` valid columns.
 struct PanelMasks {
@@ -81,15 +129,20 @@ inline void store_row(float* y, const __m512* acc, const float* bias, const Pane
 }
 
 // MR rows of x [.., K] (row stride ldx) against one panel b [K, 64]; y rows have stride ldy.
-template <int MR>
-void panel_rows(const float* x, int64_t ldx, const float* b, int64_t k_len, float* y, int64_t ldy,
-                const float* bias, const PanelMasks& masks) {
+// `wide`, when given, gets the panel widened to float32 rows as it is read (for the passes after).
+template <int MR, typename W>
+void panel_rows(const float* x, int64_t ldx, const W* b, int64_t k_len, float* y, int64_t ldy,
+                const float* bias, const PanelMasks& masks, float* wide = nullptr) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k, b += kPanel) {
-    const __m512 w0 = _mm512_loadu_ps(b), w1 = _mm512_loadu_ps(b + 16), w2 = _mm512_loadu_ps(b + 32),
-                 w3 = _mm512_loadu_ps(b + 48);
+    const __m512 w0 = load16(b, 0), w1 = load16(b, 1), w2 = load16(b, 2), w3 = load16(b, 3);
+    if (wide != nullptr) {
+      float* row = wide + k * kPanel;
+      _mm512_storeu_ps(row, w0), _mm512_storeu_ps(row + 16, w1), _mm512_storeu_ps(row + 32, w2);
+      _mm512_storeu_ps(row + 48, w3);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 xm = _mm512_set1_ps(x[m * ldx + k]);
       acc[m][0] = _mm512_fmadd_ps(xm, w0, acc[m][0]);
@@ -103,7 +156,8 @@ void panel_rows(const float* x, int64_t ldx, const float* b, int64_t k_len, floa
 
 // One row: even and odd k in separate accumulators (eight independent chains, not four), summed
 // at the end. The one case whose order differs from k = 0 .. K-1, by float rounding only.
-void panel_row(const float* x, const float* b, int64_t k_len, float* y, const float* bias,
+template <typename W>
+void panel_row(const float* x, const W* b, int64_t k_len, float* y, const float* bias,
                const PanelMasks& masks) {
   __m512 even[4], odd[4];
   for (int v = 0; v < 4; ++v) even[v] = odd[v] = _mm512_setzero_ps();
@@ -111,23 +165,23 @@ void panel_row(const float* x, const float* b, int64_t k_len, float* y, const fl
   for (; k + 2 <= k_len; k += 2, b += 2 * kPanel) {
     const __m512 x0 = _mm512_set1_ps(x[k]), x1 = _mm512_set1_ps(x[k + 1]);
     for (int v = 0; v < 4; ++v) {
-      even[v] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + 16 * v), even[v]);
-      odd[v] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(b + kPanel + 16 * v), odd[v]);
+      even[v] = _mm512_fmadd_ps(x0, load16(b, v), even[v]);
+      odd[v] = _mm512_fmadd_ps(x1, load16(b + kPanel, v), odd[v]);
     }
   }
   if (k < k_len) {
     const __m512 x0 = _mm512_set1_ps(x[k]);
-    for (int v = 0; v < 4; ++v) even[v] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(b + 16 * v), even[v]);
+    for (int v = 0; v < 4; ++v) even[v] = _mm512_fmadd_ps(x0, load16(b, v), even[v]);
   }
   for (int v = 0; v < 4; ++v) even[v] = _mm512_add_ps(even[v], odd[v]);
   store_row(y, even, bias, masks);
 }
 
-// Every row of x [M, K] against one panel; y points at the panel's first column, row stride ldy.
-void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const float* panel, float* y, int64_t ldy,
-                    int64_t cols, const float* bias) {
-  const PanelMasks masks(cols);
-  if (m_len == 1) return panel_row(x, panel, k_len, y, bias, masks);
+// Rows of x [M, K] against one panel, six at a time, then the rest in one pass (each row summed
+// k = 0 .. K-1 in order); y points at the panel's first column, row stride ldy.
+template <typename W>
+void panel_blocks(const float* x, int64_t m_len, int64_t k_len, const W* panel, float* y, int64_t ldy,
+                  const float* bias, const PanelMasks& masks) {
   int64_t m = 0;
   for (; m + 6 <= m_len; m += 6) panel_rows<6>(x + m * k_len, k_len, panel, k_len, y + m * ldy, ldy, bias, masks);
   const float* xr = x + m * k_len;
@@ -142,9 +196,27 @@ void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const float* p
   }
 }
 
+// Every row of x [M, K] against one panel; y points at the panel's first column, row stride ldy.
+template <typename W>
+void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel, float* y, int64_t ldy,
+                    int64_t cols, const float* bias) {
+  const PanelMasks masks(cols);
+  if (m_len == 1) return panel_row(x, panel, k_len, y, bias, masks);
+  panel_blocks(x, m_len, k_len, panel, y, ldy, bias, masks);
+}
+
 #endif  // PDSERVE_LINEAR_AVX512
 
 #ifdef PDSERVE_LINEAR_AVX2
+
+// Columns [8 v, 8 v + 8) of a panel row (or of a paired half, from its start) as floats.
+inline __m256 load8(const float* row, int v) { return _mm256_loadu_ps(row + 8 * v); }
+inline __m256 load8(const uint16_t* row, int v) {
+  const int w = v % 4;  // within its half: words [8 (w % 2), + 8), low (w < 2) or high halves
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kHalf * (v / 4) + 16 * (w % 2)));
+  return _mm256_castsi256_ps(w < 2 ? _mm256_slli_epi32(words, 16)
+                                   : _mm256_and_si256(words, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
 
 // The eight store masks of a panel with `cols` valid columns (lanes with the sign bit set).
 struct PanelMasks8 {
@@ -164,9 +236,9 @@ struct PanelMasks8 {
 // are fetched beside this half's, so the panel streams from memory once, in order. Without it the
 // second half streamed from memory again: five rows of the demo target's projections took 2.4x
 // the time of one row, against 1.8x with it (AMD EPYC, `benchmarks/cpu_linear.py`).
-template <int MR, int NV>
-void panel_rows8(const float* x, int64_t ldx, const float* b, int64_t k_len, float* y, int64_t ldy,
-                 const float* bias, const __m256i* masks, const float* other = nullptr) {
+template <int MR, int NV, typename W>
+void panel_rows8(const float* x, int64_t ldx, const W* b, int64_t k_len, float* y, int64_t ldy,
+                 const float* bias, const __m256i* masks, const W* other = nullptr) {
   __m256 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
@@ -178,7 +250,7 @@ void panel_rows8(const float* x, int64_t ldx, const float* b, int64_t k_len, flo
     __m256 xm[MR];
     for (int m = 0; m < MR; ++m) xm[m] = _mm256_broadcast_ss(x + m * ldx + k);
     for (int v = 0; v < NV; ++v) {
-      const __m256 w = _mm256_loadu_ps(b + 8 * v);
+      const __m256 w = load8(b, v);
       for (int m = 0; m < MR; ++m) acc[m][v] = _mm256_fmadd_ps(xm[m], w, acc[m][v]);
     }
   }
@@ -191,17 +263,18 @@ void panel_rows8(const float* x, int64_t ldx, const float* b, int64_t k_len, flo
 }
 
 // Every row of x [M, K] against one panel; y points at the panel's first column, row stride ldy.
-void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const float* panel, float* y, int64_t ldy,
+template <typename W>
+void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel, float* y, int64_t ldy,
                     int64_t cols, const float* bias) {
   const PanelMasks8 masks(cols);
   if (m_len == 1) return panel_rows8<1, 8>(x, k_len, panel, k_len, y, ldy, bias, masks.m);
   for (int half = 0; half < 2; ++half) {
     const int64_t c0 = 32 * half;
     if (c0 >= cols) break;
-    const float* b = panel + c0;
+    const W* b = panel + c0;
     const float* bh = bias == nullptr ? nullptr : bias + c0;
     // the first pass over the first half brings the second half in too (when it has columns)
-    const float* other = half == 0 && cols > 32 ? panel + 32 : nullptr;
+    const W* other = half == 0 && cols > 32 ? panel + 32 : nullptr;
     int64_t m = 0;
     for (; m + 3 <= m_len; m += 3, other = nullptr)
       panel_rows8<3, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other);
@@ -216,6 +289,27 @@ void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const float* p
 
 #if defined(PDSERVE_LINEAR_AVX512) || defined(PDSERVE_LINEAR_AVX2)
 #define PDSERVE_LINEAR_VECTOR 1
+
+constexpr int64_t kWidenInRegisters = 6;  // rows up to which a bfloat16 panel is widened as it is read
+
+// One panel, bfloat16: widened as read for a few rows; for more, once, into a float32 copy.
+void panel_all_rows_bf16(const float* x, int64_t m_len, int64_t k_len, const uint16_t* panel, float* y,
+                         int64_t ldy, int64_t cols, const float* bias) {
+  if (m_len <= kWidenInRegisters) return panel_all_rows(x, m_len, k_len, panel, y, ldy, cols, bias);
+  thread_local std::vector<float> wide;
+  wide.resize(k_len * kPanel);
+#ifdef PDSERVE_LINEAR_AVX512
+  // the first six rows read the panel from memory and leave it widened for the rest, as a
+  // float32 panel's first pass leaves it in L2 (widening it first, apart, cost a prefill ~5%)
+  const PanelMasks masks(cols);
+  panel_rows<6>(x, k_len, panel, k_len, y, ldy, bias, masks, wide.data());
+  panel_blocks(x + 6 * k_len, m_len - 6, k_len, static_cast<const float*>(wide.data()), y + 6 * ldy, ldy, bias,
+               masks);
+#else
+  widen(panel, k_len * kPanel, wide.data());
+  panel_all_rows(x, m_len, k_len, static_cast<const float*>(wide.data()), y, ldy, cols, bias);
+#endif
+}
 #endif
 
 bool linear_packed_available() {
@@ -229,9 +323,10 @@ bool linear_packed_available() {
 // x [..., K] float32; packed from `linear_pack` of a [N, K] weight; bias [N] or none.
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+  const bool half = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (half || packed.scalar_type() == at::kFloat) &&
                   packed.is_contiguous(),
-              "linear_packed: packed must be a contiguous float32 [panels, in_features, ", kPanel,
+              "linear_packed: packed must be a contiguous float32 or bfloat16 [panels, in_features, ", kPanel,
               "] tensor from linear_pack");
   TORCH_CHECK(n >= 1 && num_panels(n) == packed.size(0), "linear_packed: ", n, " output features do not fit ",
               packed.size(0), " panels");
@@ -249,19 +344,29 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
   if (m_len == 0) return y.view(out_shape);
 #ifdef PDSERVE_LINEAR_VECTOR
   const float* xp = x2.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
+  const void* pp = packed.data_ptr();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
-    for (int64_t j = first; j < last; ++j)
-      panel_all_rows(xp, m_len, k_len, pp + j * k_len * kPanel, yp + j * kPanel, n, std::min(kPanel, n - j * kPanel),
-                     bp == nullptr ? nullptr : bp + j * kPanel);
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t cols = std::min(kPanel, n - j * kPanel), offset = j * k_len * kPanel;
+      const float* bj = bp == nullptr ? nullptr : bp + j * kPanel;
+      if (half)
+        panel_all_rows_bf16(xp, m_len, k_len, static_cast<const uint16_t*>(pp) + offset, yp + j * kPanel, n, cols, bj);
+      else
+        panel_all_rows(xp, m_len, k_len, static_cast<const float*>(pp) + offset, yp + j * kPanel, n, cols, bj);
+    }
   });
 #else
   for (int64_t j = 0; j < packed.size(0); ++j) {
     const int64_t cols = std::min(kPanel, n - j * kPanel);
     at::Tensor out = y.narrow(1, j * kPanel, cols);
-    at::mm_out(out, x2, packed[j].narrow(1, 0, cols));
+    at::Tensor panel = packed[j];
+    if (half) {
+      panel = at::empty({k_len, kPanel}, x.options());
+      widen(static_cast<const uint16_t*>(packed[j].data_ptr()), k_len * kPanel, panel.data_ptr<float>());
+    }
+    at::mm_out(out, x2, panel.narrow(1, 0, cols));
   }
   if (b.defined()) y.add_(b);
 #endif

@@ -69,6 +69,29 @@ def test_packed_projections_match_nn_linear(checkpoint, arch):
     assert engine_identity(packed.engine) != engine_identity(LLM(checkpoint("mistral")).engine)
 
 
+def test_a_bfloat16_checkpoint_keeps_its_projections_in_bfloat16_panels(checkpoint):
+    """Computed in float32, a bfloat16 checkpoint's projections are packed in bfloat16: half the
+    bytes, the same values. Its logits are transformers' float32 logits, its greedy tokens
+    transformers' tokens; a float32 checkpoint's panels stay float32."""
+    if not native.load() or not torch.ops.pdserve.linear_packed_available():
+        pytest.skip(f"native projections unavailable here: {native.error() or 'no AVX-512 or AVX2'}")
+    path, ids = checkpoint("llama", save_dtype="bfloat16"), list(range(3, 40))
+    llm = LLM(path)
+    model = llm.engine.runner.model
+    assert llm.engine.dtype == torch.float32
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                model.lm_head):
+        assert lin.packed.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(engine_logits(llm, ids), ref, rtol=1e-4, atol=1e-4)
+    prompts = [ids[:9], ids[5:30]]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert LLM(checkpoint("llama")).engine.runner.model.lm_head.packed.dtype == torch.float32
+
+
 def test_half_precision_projections_stay_row_major(checkpoint):
     """The column-major layout is a float32 gain only (the half-precision CPU kernels lose ~5x)."""
     layer = LLM(checkpoint("llama"), dtype="bfloat16").engine.runner.model.model.layers[0]

@@ -1,7 +1,8 @@
 """The native float32 projections (`kernels/cpu/linear.cpp`) against `F.linear`: every row count
 the loops split differently (one row, a six-row pass, the rest), output widths that end mid-panel,
 biases, threads, the AVX2 loops and the build with neither (built again with narrower flags),
-torch.compile, and refusals of malformed calls."""
+torch.compile, and refusals of malformed calls. Weights that are bfloat16 values packed in
+bfloat16 give the float32 panels' results bit for bit, in every build."""
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,28 @@ def _check(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
                 torch.testing.assert_close(op_linear(x, packed, bias, n), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
+def _check_bfloat16(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
+    """bfloat16 panels of weights that are bfloat16 values: the float32 panels' outputs exactly
+    (the widening is exact and the sums run in the same order), whatever the row count."""
+    gen = torch.Generator().manual_seed(1)
+    for n, k in shapes:
+        w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        half, full = op_pack(w), op_pack(w.float())
+        assert half.dtype == torch.bfloat16 and half.shape == full.shape == (-(-n // 64), k, 64)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            for bias in (None, b):
+                out = op_linear(x, half, bias, n)
+                assert torch.equal(out, op_linear(x, full, bias, n)), (n, k, m, bias is None)
+                torch.testing.assert_close(out, F.linear(x, w.float(), bias), rtol=1e-5, atol=1e-4)
+
+
 def test_packed_linear_matches_f_linear(vector):
     _check(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed)
+
+
+def test_bfloat16_panels_give_the_float32_panels_results_bit_for_bit(vector):
+    _check_bfloat16(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed, rows=ROWS + [3, 4, 8, 18])
 
 
 def test_packed_linear_takes_any_weight_layout_and_leading_dims(vector):
@@ -82,6 +103,7 @@ def test_avx2_loops_match_f_linear(native_variant):
     ops = native_variant("pdserve_test_linear_avx2")  # built with -mno-avx512f
     assert ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
+    _check_bfloat16(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
 
 
 def test_build_without_vector_loops_falls_back_to_the_blas(native_variant):
@@ -90,6 +112,7 @@ def test_build_without_vector_loops_falls_back_to_the_blas(native_variant):
     ops = native_variant("pdserve_test_linear_plain")  # -mno-avx512f -mno-avx2 -mno-fma
     assert not ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
+    _check_bfloat16(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
 
 
 def _cpu_flags() -> set[str]:
@@ -111,5 +134,7 @@ def test_packed_linear_refuses_malformed_calls(vector):
         op(torch.randn(3, 32), packed, torch.randn(99), 100)
     with pytest.raises(RuntimeError, match="from linear_pack"):
         op(torch.randn(3, 32), w, None, 100)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.pdserve.linear_pack(w.double())
+    with pytest.raises(RuntimeError, match="from linear_pack"):  # panels of another type
+        op(torch.randn(3, 32), packed.half(), None, 100)
