@@ -1,0 +1,195 @@
+"""Plain and speculative decoding of this checkout against another revision, side by side: what a
+change to the engine bought in tokens per second, not only in the ratio speculation gets.
+
+    python benchmarks/spec_by_revision.py --baseline REV [--rounds 8]
+
+`spec_decode.py` reports speculation's speed as a ratio to plain decoding on the same code. A
+change that makes the target's step cheaper moves that ratio down even when every mode got
+faster; this script measures the modes themselves against the revision before the change.
+
+Two long-lived processes, one per revision (the baseline exported with `git archive` and put
+first on PYTHONPATH, as `recovery.py` does), each with a plain engine and a speculative one (the
+demo pair, draft k = 4, `graph_capture="compile"`, one torch thread), warmed up on every case.
+They take turns: each round runs every case once in each process, the order of the processes
+alternating round by round, so only one process computes at a time and the host's drift lands on
+both. A case is one `generate` of 128 tokens per request (EOS ignored) at its batch size and
+temperature. Per case: tokens/s of each revision (min / median / max over rounds) and this
+checkout's over the baseline's, per round. Writes benchmarks/results/spec_by_revision.json and
+.png and the "Speculation by revision" section of BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from report import Spread, host, machine, publish  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+SECTION = "Speculation by revision (`benchmarks/spec_by_revision.py`)"
+CASES = [("plain", 1, 0.0), ("spec", 1, 0.0), ("plain", 8, 1.0), ("spec", 8, 1.0)]
+MAX_TOKENS = 128
+
+
+def serve() -> None:
+    """The child: build both engines, warm them up, then run each case named on stdin."""
+    import torch
+
+    torch.set_num_threads(1)
+    from pdserve.engine import LLM, SamplingParams
+    from spec_decode import code_prompts
+
+    models = REPO / "models"
+    options = dict(graph_capture="compile", num_kv_blocks=512, max_num_seqs=32, enable_prefix_caching=False)
+    engines = {"plain": LLM(str(models / "demo"), **options),
+               "spec": LLM(str(models / "demo"), draft_model=str(models / "demo-draft"), num_speculative_tokens=4,
+                           **options)}
+    sizes = sorted({b for _, b, _ in CASES})
+    prompts = {b: code_prompts(engines["plain"].engine.tokenizer, b) for b in sizes}
+    params = {t: SamplingParams(temperature=t, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1)
+              for t in {t for _, _, t in CASES}}
+    for name, b, t in CASES:
+        engines[name].generate(prompts[b], params[t])
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name, b, t = line.split()
+        start = time.perf_counter()
+        engines[name].generate(prompts[int(b)], params[float(t)])
+        print(json.dumps(MAX_TOKENS * int(b) / (time.perf_counter() - start)), flush=True)
+
+
+def start(env: dict, timeout_s: float = 600) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.monotonic() + timeout_s
+    while (line := proc.stdout.readline()) and line.strip() != "ready":
+        if time.monotonic() > deadline:
+            break
+    if line.strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"an engine process ({env.get('PYTHONPATH') or 'this checkout'}) did not start")
+    return proc
+
+
+def ask(proc: subprocess.Popen, case: tuple) -> float:
+    proc.stdin.write(" ".join(map(str, case)) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"an engine process died running {case}")
+    return float(line)
+
+
+def case_name(case: tuple) -> str:
+    name, b, t = case
+    return f"{name}, batch {b}, temp {t:g}"
+
+
+def measure(baseline: str, rounds: int) -> dict:
+    from recovery import export
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {"this": dict(os.environ),
+                "baseline": dict(os.environ, PYTHONPATH=str(export(baseline, Path(tmp) / "baseline")))}
+        procs = {}
+        try:
+            for arm, env in arms.items():
+                procs[arm] = start(env)
+            rates = {arm: {case_name(c): [] for c in CASES} for arm in arms}
+            with tqdm(total=rounds * len(CASES) * 2, desc="spec_by_revision", unit="run") as bar:
+                for r in range(rounds):
+                    order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+                    for case in CASES:
+                        for arm in order:
+                            rates[arm][case_name(case)].append(ask(procs[arm], case))
+                            bar.update(1)
+        finally:
+            for proc in procs.values():
+                proc.stdin.close()
+                proc.kill()
+    cases = {}
+    for case in CASES:
+        key = case_name(case)
+        this, base = rates["this"][key], rates["baseline"][key]
+        cases[key] = dict(this=Spread.of(this).as_dict(), baseline=Spread.of(base).as_dict(),
+                          ratio=Spread.of(t / b for t, b in zip(this, base)).as_dict())
+    for b, t in sorted({(b, t) for _, b, t in CASES}):
+        plain, spec = rates["this"][case_name(("plain", b, t))], rates["this"][case_name(("spec", b, t))]
+        bplain, bspec = rates["baseline"][case_name(("plain", b, t))], rates["baseline"][case_name(("spec", b, t))]
+        cases[f"speculation / plain, batch {b}, temp {t:g}"] = dict(
+            this=Spread.of(s / p for s, p in zip(spec, plain)).as_dict(),
+            baseline=Spread.of(s / p for s, p in zip(bspec, bplain)).as_dict())
+    return dict(baseline=baseline, head=_head(), rounds=rounds, cases=cases)
+
+
+def _head() -> str:
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+
+
+def markdown(result: dict, command: str) -> str:
+    fmt = lambda d, digits=0: Spread(**d).fmt(digits)  # noqa: E731
+    lines = [f"Command: `{command}`. This checkout ({result['head']}) against {result['baseline']}: the demo pair, "
+             f"draft k = 4, `graph_capture=\"compile\"`, 1 torch thread, {MAX_TOKENS} tokens per request; "
+             f"{result['rounds']} rounds, the two revisions' processes taking turns; min / median / max. "
+             f"Machine: {host(result['machine'])}.", "",
+             "| case | tokens/s, this checkout | tokens/s, baseline | this / baseline |", "|---|---|---|---|"]
+    for case in CASES:
+        c = result["cases"][case_name(case)]
+        lines.append(f"| {case_name(case)} | {fmt(c['this'])} | {fmt(c['baseline'])} | {fmt(c['ratio'], 2)}× |")
+    lines += ["", "| speculation / plain | this checkout | baseline |", "|---|---|---|"]
+    for key, c in result["cases"].items():
+        if key.startswith("speculation"):
+            lines.append(f"| {key.split(', ', 1)[1]} | {fmt(c['this'], 2)}× | {fmt(c['baseline'], 2)}× |")
+    lines += ["", "Files: `benchmarks/results/spec_by_revision.json`, `benchmarks/results/spec_by_revision.png`."]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [case_name(c) for c in CASES]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, (arm, label) in enumerate((("this", result["head"]), ("baseline", result["baseline"]))):
+        med = [result["cases"][n][arm]["median"] for n in names]
+        lo = [m - result["cases"][n][arm]["min"] for m, n in zip(med, names)]
+        hi = [result["cases"][n][arm]["max"] - m for m, n in zip(med, names)]
+        ax.bar([x + 0.4 * i for x in range(len(names))], med, width=0.4, yerr=[lo, hi], capsize=3, label=label)
+    ax.set_xticks([x + 0.2 for x in range(len(names))], names, rotation=15, fontsize=8)
+    ax.set_ylabel("tokens/s (median, min-max)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        return serve()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", required=True, help="the git revision to measure beside this checkout")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    result = measure(args.baseline, args.rounds) | dict(machine=machine())
+    publish(result, "spec_by_revision", sys.argv[1:], RESULTS, markdown, plot, None if args.no_markdown else SECTION)
+
+
+if __name__ == "__main__":
+    main()
