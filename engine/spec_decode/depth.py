@@ -35,16 +35,28 @@ from pdserve.engine.sequence import Sequence
 
 class LinearCost:
     """seconds ≈ a + b·n, fit by exponentially weighted least squares over observed passes,
-    starting from a weak prior (two pseudo-observations on the prior line)."""
+    starting from a weak prior (two pseudo-observations on the prior line).
+
+    An observation counts as at most CLIP times the line's prediction, as a step does in the
+    gate: a stall of the host (a collection pass, another process on the core) is not a cost of
+    the pass. Unclipped, one 384 ms stall of a 5-token verification (the demo target's take
+    4-6 ms) moved the target's line to 19 ms + 0.12 ms/token; on the draft's line such a stall
+    makes every depth look dearer than plain decoding, the plan then drafts nothing, and with no
+    draft pass observed the line never comes back (a 128-token batch-1 greedy run then went at
+    plain speed, six runs in a row in one benchmark process)."""
+
+    CLIP = 3.0
 
     def __init__(self, a: float, b: float, decay: float = 0.97):
         self.decay = decay
         self._s = [0.0] * 5  # weighted sums of 1, n, n², t, n·t
+        self.a, self.b = a, b
         for n in (1, 64):
             self.observe(n, a + b * n, weight=0.5)
-        self.a, self.b = a, b
 
     def observe(self, n: int, seconds: float, weight: float = 1.0) -> None:
+        if (predicted := self(n)) > 0:
+            seconds = min(seconds, self.CLIP * predicted)
         s = [x * self.decay for x in self._s]
         for i, v in enumerate((1.0, n, n * n, seconds, n * seconds)):
             s[i] += weight * v

@@ -101,6 +101,23 @@ def test_linear_cost_learns_a_line():
     assert cost.a == pytest.approx(0.01, rel=0.05) and cost.b == pytest.approx(0.002, rel=0.05)
 
 
+def test_linear_cost_is_not_moved_by_one_stall_but_follows_a_real_change():
+    """A stalled pass counts as at most CLIP times the prediction: one 400 ms verification among
+    5 ms ones barely moves the line (unclipped it would multiply it by five, and a draft line
+    moved so makes plain decoding look cheaper for good: nothing drafts to correct it)."""
+    cost = LinearCost(0.005, 0.0005)
+    for _ in range(100):
+        for n in (1, 5):
+            cost.observe(n, 0.003 + 0.0004 * n)
+    before = cost(1), cost(5)
+    cost.observe(5, 0.4)  # counts as 15 ms: +11% at n = 5 (unclipped, 5 ms would become 28)
+    assert cost(1) == pytest.approx(before[0], rel=0.05) and cost(5) == pytest.approx(before[1], rel=0.15)
+    for _ in range(100):  # the passes really got dearer: twice the cost
+        for n in (1, 5):
+            cost.observe(n, 2 * (0.003 + 0.0004 * n))
+    assert cost.a == pytest.approx(0.006, rel=0.05) and cost.b == pytest.approx(0.0008, rel=0.05)
+
+
 # ---- the gate ----------------------------------------------------------------------------------
 def _bursts(decisions: list[bool], mode: bool) -> list[tuple[int, int]]:
     """(start index, length) of each run of `mode` in decisions."""
