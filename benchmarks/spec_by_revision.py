@@ -9,7 +9,8 @@ faster; this script measures the modes themselves against the revision before th
 
 Two long-lived processes, one per revision (the baseline exported with `git archive` and put
 first on PYTHONPATH, as `recovery.py` does), each with a plain engine and a speculative one (the
-demo pair, draft k = 4, `graph_capture="compile"`, one torch thread), warmed up on every case.
+demo pair, the draft at adaptive depth up to 4 (the engine's default), `graph_capture="compile"`,
+one torch thread), warmed up on every case.
 They take turns: each round runs every case once in each process, the order of the processes
 alternating round by round, so only one process computes at a time and the host's drift lands on
 both. A case is one `generate` of 128 tokens per request (EOS ignored) at its batch size and
@@ -133,15 +134,15 @@ def measure(baseline: str, rounds: int) -> dict:
 
 def _head() -> str:
     out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", "*.py", "*.cpp"],
+                           capture_output=True, text=True).stdout.strip()  # results and notes do not count
+    return out.stdout.strip() + (" (with uncommitted code)" if dirty else "")
 
 
 def markdown(result: dict, command: str) -> str:
     fmt = lambda d, digits=0: Spread(**d).fmt(digits)  # noqa: E731
     lines = [f"Command: `{command}`. This checkout ({result['head']}) against {result['baseline']}: the demo pair, "
-             f"draft k = 4, `graph_capture=\"compile\"`, 1 torch thread, {MAX_TOKENS} tokens per request; "
+             f"the draft at adaptive depth up to 4 (the default), `graph_capture=\"compile\"`, 1 torch thread, {MAX_TOKENS} tokens per request; "
              f"{result['rounds']} rounds, the two revisions' processes taking turns; min / median / max. "
              f"Machine: {host(result['machine'])}.", "",
              "| case | tokens/s, this checkout | tokens/s, baseline | this / baseline |", "|---|---|---|---|"]
