@@ -40,10 +40,10 @@ class LinearCost:
     An observation counts as at most CLIP times the line's prediction, as a step does in the
     gate: a stall of the host (a collection pass, another process on the core) is not a cost of
     the pass. Unclipped, one 384 ms stall of a 5-token verification (the demo target's take
-    4-6 ms) moved the target's line to 19 ms + 0.12 ms/token; on the draft's line such a stall
-    makes every depth look dearer than plain decoding, the plan then drafts nothing, and with no
-    draft pass observed the line never comes back (a 128-token batch-1 greedy run then went at
-    plain speed, six runs in a row in one benchmark process)."""
+    4-6 ms) moved the target's line to 19 ms + 0.12 ms/token (logged in a batch-1 greedy run).
+    On the draft's line such a stall would make every depth look dearer than plain decoding;
+    the plan would then draft nothing, and with no draft pass observed the line would not come
+    back."""
 
     CLIP = 3.0
 
