@@ -83,6 +83,24 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+class _ClientGoneFilter(logging.Filter):
+    """grpc.aio logs an ERROR with a traceback ("ExecuteBatchError raised in core by servicer
+    method") when a handler writes a response to a call whose client has already gone, cancelled
+    or past its deadline, between the handler's last await and the write. Nothing failed here:
+    the call is over, and the handler is cancelled as for any client that leaves. The record
+    becomes one debug line, without the traceback. Seen once in ~1000 fuzzed requests (the fuzz
+    test's check that no process logs a traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0] if record.exc_info else None
+        if exc is None or exc.__name__ != "ExecuteBatchError":
+            return True
+        record.msg, record.args = f"{record.getMessage()}: the client had gone before the write", ()
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.exc_info = record.exc_text = None
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         if record.name == _progress_log.name:
@@ -125,6 +143,9 @@ def setup_logging(level: str = "warning", fmt: str = "text") -> None:
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     _progress_log.setLevel(logging.INFO)  # start-up progress is shown at any level
+    grpc_core = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _ClientGoneFilter) for f in grpc_core.filters):
+        grpc_core.addFilter(_ClientGoneFilter())
     logging.captureWarnings(True)
 
 

@@ -137,6 +137,33 @@ def test_json_logs_are_one_object_per_line():
     assert json.loads(progress)["progress"] is True
 
 
+def _grpc_client_gone_record(level: str) -> list[str]:
+    """What grpc.aio logs when a handler writes to a call whose client has gone."""
+    from grpc._cython import cygrpc
+
+    stream = io.StringIO()
+    setup_logging(level)
+    (handler,) = [h for h in logging.getLogger().handlers if getattr(h, "is_pdserve", False)]
+    handler.setStream(stream)
+    try:
+        raise cygrpc.ExecuteBatchError('Failed "execute_batch"')
+    except cygrpc.ExecuteBatchError:
+        logging.getLogger("grpc._cython.cygrpc").exception(
+            "%s raised in core by servicer method [%s]", "ExecuteBatchError", "/pdserve.v1.Generation/Generate")
+    logging.getLogger("grpc._cython.cygrpc").error("another core error")
+    setup_logging()
+    return stream.getvalue().splitlines()
+
+
+def test_a_write_to_a_client_that_has_gone_is_one_debug_line_not_a_traceback():
+    (quiet,) = _grpc_client_gone_record("warning")  # the default level: only the other error
+    assert "level=ERROR" in quiet and "another core error" in quiet
+    debug = _grpc_client_gone_record("debug")
+    assert "Traceback" not in "\n".join(debug)
+    assert any("level=DEBUG" in line and "the client had gone before the write" in line for line in debug)
+    assert any("level=ERROR" in line and "another core error" in line for line in debug)  # others untouched
+
+
 def test_text_logs_are_key_value():
     line, progress = _records("text")
     assert "level=INFO logger=pdserve.test req_id=abc123 msg=request status=ok ttft_s=0.25 client=\"a b\"" in line
