@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, machine, update_section  # noqa: E402
+from report import Spread, grouped_bars, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Step cost by change (issue 14)"
@@ -212,14 +212,8 @@ def plot(result: dict, path: Path) -> None:
 
     names = list(result["variants"])
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.5))
-    for i, key in enumerate(("wall_ms", "cpu_ms")):
-        spreads = [result["variants"][n][key] for n in names]
-        med = [s["median"] for s in spreads]
-        err = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
-        ax.bar([x + (i - 0.5) * 0.38 for x in range(len(names))], med, 0.38, yerr=err, capsize=3, label=key)
-    ax.set_xticks(range(len(names)), names)
+    grouped_bars(ax, names, [(key, [result["variants"][n][key] for n in names]) for key in ("wall_ms", "cpu_ms")])
     ax.set_ylabel("ms per decode step")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -113,6 +113,19 @@ def measure_read_bandwidth(num_mb: int = 256, repeats: int = 5) -> float:
 NOTES_MARK = "<!-- notes below are written by hand: kept when the script rewrites this section -->"
 
 
+def grouped_bars(ax, names: list[str], series: list[tuple[str, list[dict]]]) -> None:
+    """Per name, one bar for each (label, spreads) series side by side: the median, with whiskers
+    to the min and max (`Spread.as_dict()`s)."""
+    width = 0.8 / len(series)
+    for i, (label, spreads) in enumerate(series):
+        med = [s["median"] for s in spreads]
+        err = [[s["median"] - s["min"] for s in spreads], [s["max"] - s["median"] for s in spreads]]
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(names))], med, width, yerr=err, capsize=3,
+               label=label)
+    ax.set_xticks(range(len(names)), names)
+    ax.legend()
+
+
 def update_section(path: Path, title: str, body: str) -> None:
     """Replace (or append) the `## title` section of a Markdown file with `body`, keeping the
     section's hand-written notes (`NOTES_MARK` onwards) below it."""

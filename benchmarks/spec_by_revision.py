@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, host, machine, publish  # noqa: E402
+from report import Spread, grouped_bars, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Speculation by revision (`benchmarks/spec_by_revision.py`)"
@@ -165,14 +165,10 @@ def plot(result: dict, path: Path) -> None:
 
     names = [case_name(c) for c in CASES]
     fig, ax = plt.subplots(figsize=(8, 4))
-    for i, (arm, label) in enumerate((("this", result["head"]), ("baseline", result["baseline"]))):
-        med = [result["cases"][n][arm]["median"] for n in names]
-        lo = [m - result["cases"][n][arm]["min"] for m, n in zip(med, names)]
-        hi = [result["cases"][n][arm]["max"] - m for m, n in zip(med, names)]
-        ax.bar([x + 0.4 * i for x in range(len(names))], med, width=0.4, yerr=[lo, hi], capsize=3, label=label)
-    ax.set_xticks([x + 0.2 for x in range(len(names))], names, rotation=15, fontsize=8)
+    grouped_bars(ax, names, [(label, [result["cases"][n][arm] for n in names])
+                             for arm, label in (("this", result["head"]), ("baseline", result["baseline"]))])
+    ax.tick_params(axis="x", labelrotation=15, labelsize=8)
     ax.set_ylabel("tokens/s (median, min-max)")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
