@@ -13,7 +13,8 @@
 // Why bfloat16 panels: at batch 1 the step reads every weight once and does little else with it,
 // so it runs at the memory's speed: the demo target's 29 MB of float32 projections took 3.5 ms
 // at M = 1 (8.4 GB/s), what a plain sum over the same bytes reads at on this VM (9.0 GB/s; a
-// 1 MB panel set that stays in L2 ran at 48 GB/s). Half the bytes, half the time.
+// 1 MB panel set that stays in L2 ran at 48 GB/s). Half the bytes: at one row the bfloat16 panels
+// took 0.34-0.62x the float32 time (scratch timings; BENCHMARKS.md, step cost by change).
 //
 // Layout: W [N, K] becomes [ceil(N / 64), K, 64]: panel j holds output columns [64 j, 64 j + 64)
 // as K contiguous rows of 64 values (zero beyond N). One pass over a panel computes up to six rows
