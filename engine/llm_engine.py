@@ -6,6 +6,7 @@ finish). Single-threaded: callers (the offline `LLM`, a worker's loop) own the t
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import time
@@ -82,6 +83,14 @@ class LLMEngine:
         self.kv_hook: KVHook | None = None
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
+        if self.capture == "compile":
+            # Compiling leaves thousands of dead objects in reference cycles. Collected now, at
+            # start, not by the full collection they would otherwise set off in the first
+            # requests' steps: 400-430 ms inside one step of the demo pair's first 128-token
+            # request. Inside the speculation gate's first burst, that step made speculation
+            # measure 18 ms a token against plain's 5, and at batch 1 greedy the gate then kept
+            # plain decoding for hundreds of steps (BENCHMARKS.md, Speculation by revision).
+            gc.collect()
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks:
