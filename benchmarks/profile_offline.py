@@ -36,12 +36,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, grouped_bars, machine, update_section  # noqa: E402
+from report import Spread, export_revision, grouped_bars, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Step cost by change (issue 14)"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
-FOLDERS = ("engine", "kernels", "serving", "prefill_worker", "decode_worker", "router", "cluster")
 
 
 # ---- one engine: where the time goes -------------------------------------------------------
@@ -116,21 +115,10 @@ def worker(model: str, options: dict, new_tokens: int) -> None:
 
 
 def unpack(revision: str, into: Path) -> tuple[Path, str]:
-    """The revision's sources laid out as the `pdserve` package (as the wheel maps them); its subject line."""
-    src = into / "src"
-    src.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", revision], cwd=REPO, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    pkg = into / "pkg" / "pdserve"
-    pkg.mkdir(parents=True)
-    for item in (src / "proto" / "pdserve").iterdir():
-        os.symlink(item, pkg / item.name)
-    for folder in FOLDERS:
-        if (src / folder).is_dir():
-            os.symlink(src / folder, pkg / folder)
+    """The revision's sources laid out as the `pdserve` package (`report.export_revision`); its subject line."""
     subject = subprocess.run(["git", "log", "-1", "--format=%h %s", revision], cwd=REPO, check=True,
                              capture_output=True, text=True).stdout.strip()
-    return into / "pkg", subject
+    return export_revision(revision, into), subject
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

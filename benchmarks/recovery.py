@@ -24,12 +24,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from report import export_revision
 from tqdm import tqdm
 
 from pdserve.cluster.local import PDSERVE, LocalProcess
@@ -53,7 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-recovery-") as tmp:
         arms = {"this checkout": {}}
         if args.baseline:
-            arms[f"baseline {args.baseline}"] = {"PYTHONPATH": str(export(args.baseline, Path(tmp) / "baseline"))}
+            arms[f"baseline {args.baseline}"] = {"PYTHONPATH": str(export_revision(args.baseline, Path(tmp) / "baseline"))}
         results: dict[str, list[dict]] = {arm: [] for arm in arms}
         bar = tqdm(total=args.rounds * len(arms) * args.kills, desc="kills", unit="kill")
         for r in range(args.rounds):
@@ -64,23 +64,6 @@ def main() -> None:
                 results[arm].append(measure(run_dir, arms[arm], args.kills, args.timeout, bar))
         bar.close()
     report(args, results)
-
-
-def export(rev: str, into: Path) -> Path:
-    """`rev`'s sources laid out as the installed package is: the repository root as `pdserve`, with
-    proto/pdserve (`__init__`, `v1`) inside it. Returns the directory to put on PYTHONPATH."""
-    package = into / "pdserve"
-    package.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=True).stdout
-    with tempfile.TemporaryFile() as f:
-        f.write(archive)
-        f.seek(0)
-        with tarfile.open(fileobj=f) as tar:
-            tar.extractall(package, filter="data")
-    proto = package / "proto" / "pdserve"
-    for item in proto.iterdir():
-        os.rename(item, package / item.name)
-    return into
 
 
 def measure(run_dir: Path, env: dict, kills: int, timeout_s: float, bar) -> dict:

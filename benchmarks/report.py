@@ -10,6 +10,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,6 +114,24 @@ def measure_read_bandwidth(num_mb: int = 256, repeats: int = 5) -> float:
 # In a section a script writes, this line and what follows it to the section's end are notes
 # written by hand (what changed, what the figures mean): kept, after the new body, on every rewrite.
 NOTES_MARK = "<!-- notes below are written by hand: kept when the script rewrites this section -->"
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    """`rev`'s sources laid out as the installed package is: the repository root as `pdserve`,
+    with proto/pdserve (`__init__`, `v1`) inside it. Returns the directory to put first on
+    PYTHONPATH (a process there, and any it starts, imports that revision)."""
+    package = into / "pdserve"
+    package.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", rev],
+                             capture_output=True, check=True).stdout
+    with tempfile.TemporaryFile() as f:
+        f.write(archive)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as tar:
+            tar.extractall(package, filter="data")
+    for item in (package / "proto" / "pdserve").iterdir():
+        os.rename(item, package / item.name)
+    return into
 
 
 def grouped_bars(ax, names: list[str], series: list[tuple[str, list[dict]]]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, grouped_bars, host, machine, publish  # noqa: E402
+from report import Spread, export_revision, grouped_bars, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Speculation by revision (`benchmarks/spec_by_revision.py`)"
@@ -68,25 +69,30 @@ def serve() -> None:
 
 
 def start(env: dict, timeout_s: float = 600) -> subprocess.Popen:
+    # unbuffered bytes: what `select` says is waiting is all there is (no line held in a buffer)
     proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
+                            stderr=subprocess.DEVNULL, bufsize=0, env=env)
     deadline = time.monotonic() + timeout_s
-    while (line := proc.stdout.readline()) and line.strip() != "ready":
-        if time.monotonic() > deadline:
-            break
-    if line.strip() != "ready":
-        proc.kill()
-        raise RuntimeError(f"an engine process ({env.get('PYTHONPATH') or 'this checkout'}) did not start")
+    while (line := read_line(proc, deadline - time.monotonic())) != "ready":
+        if not line:
+            proc.kill()
+            raise RuntimeError(f"an engine process ({env.get('PYTHONPATH') or 'this checkout'}) did not start")
     return proc
 
 
-def ask(proc: subprocess.Popen, case: tuple) -> float:
-    proc.stdin.write(" ".join(map(str, case)) + "\n")
-    proc.stdin.flush()
-    line = proc.stdout.readline()
+def ask(proc: subprocess.Popen, case: tuple, timeout_s: float = 300) -> float:
+    proc.stdin.write((" ".join(map(str, case)) + "\n").encode())
+    line = read_line(proc, timeout_s)
     if not line:
-        raise RuntimeError(f"an engine process died running {case}")
+        raise RuntimeError(f"an engine process died or hung running {case}")
     return float(line)
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The child's next line of output ("" once it has ended, or after timeout_s without one)."""
+    if timeout_s <= 0 or not select.select([proc.stdout], [], [], timeout_s)[0]:
+        return ""
+    return proc.stdout.readline().decode().strip()
 
 
 def case_name(case: tuple) -> str:
@@ -95,12 +101,11 @@ def case_name(case: tuple) -> str:
 
 
 def measure(baseline: str, rounds: int) -> dict:
-    from recovery import export
     from tqdm import tqdm
 
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"this": dict(os.environ),
-                "baseline": dict(os.environ, PYTHONPATH=str(export(baseline, Path(tmp) / "baseline")))}
+                "baseline": dict(os.environ, PYTHONPATH=str(export_revision(baseline, Path(tmp) / "baseline")))}
         procs = {}
         try:
             for arm, env in arms.items():

@@ -73,14 +73,14 @@ void widen(const uint16_t* src, int64_t count, float* dst) {
     _mm512_storeu_si512(dst, _mm512_slli_epi32(words, 16));
     _mm512_storeu_si512(dst + kHalf / 2, _mm512_and_si512(words, high));
   }
-  return;
-#endif
+#else
   for (int64_t g = 0; g < count; g += kHalf, src += kHalf, dst += kHalf)
     for (int i = 0; i < kHalf / 2; ++i) {
       const uint32_t lo = uint32_t(src[2 * i]) << 16, hi = uint32_t(src[2 * i + 1]) << 16;
       std::memcpy(dst + i, &lo, sizeof lo);
       std::memcpy(dst + kHalf / 2 + i, &hi, sizeof hi);
     }
+#endif
 }
 
 at::Tensor linear_pack(const at::Tensor& weight) {
