@@ -8,7 +8,12 @@ adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temp
 the rejection sampler beside the default coupled verifier) generates --max-tokens tokens per
 prompt (ignore_eos, so every run emits the same number) for batches of 1, 8 and 32 prompts,
 greedy and at temperature 1. The prompts are 64–128-token cuts of this repository's own engine/
-and kernels/ sources, which the demo models never saw. Every configuration runs with the tuned
+and kernels/ sources, which the demo models never saw. Each configuration's engine lives in a
+process of its own, as a served engine does (with every engine in one process, the same plain
+configuration built first, second and third ran its steps 1-6% faster the earlier it was built,
+so the methods built after plain were measured slower than they are); a second plain engine in
+a process of its own is measured like a method, as a control: how far two processes running the
+same configuration differ. Every configuration runs with the tuned
 options (--graph-capture, --threads); a "newcomer" pair (README's `LLM("models/demo",
 draft_model="models/demo-draft", num_speculative_tokens=4)` and plain `LLM("models/demo")`, default
 options, default torch threads) is measured beside them at batch 1.
@@ -31,9 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
+import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
 from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -60,10 +69,12 @@ class Method:
     options: dict = field(default_factory=dict)  # LLM options beyond the shared ones
     temperatures: tuple[float, ...] | None = None  # None: every temperature
     is_newcomer: bool = False  # README's options, default torch threads, batch 1 only
+    is_control: bool = False  # plain decoding measured like a method: another process's plain engine
 
     @property
     def is_plain(self) -> bool:
-        return "num_speculative_tokens" not in self.options
+        """A baseline: the plain engine the methods' runs are divided by."""
+        return "num_speculative_tokens" not in self.options and not self.is_control
 
     @property
     def uses_draft(self) -> bool:
@@ -82,6 +93,7 @@ METHODS = (
                                        spec_verifier="rejection"), temperatures=(1.0,)),
     Method("draft adaptive rejection", dict(draft="draft", num_speculative_tokens=4, spec_adaptive=True,
                                             spec_verifier="rejection"), temperatures=(1.0,)),
+    Method("plain, another process", is_control=True),
 )
 NEWCOMER = (
     Method("newcomer plain", dict(), is_newcomer=True),
@@ -194,36 +206,103 @@ def cases_of(method: Method, batch_sizes: list[int], temperatures: list[float]) 
 def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: list[float], max_tokens: int,
                   runs: int, methods: tuple[Method, ...] = METHODS + NEWCOMER, tuned: dict | None = None,
                   threads: int = 1, progress: bool = True) -> dict:
-    """The whole measurement: every method × batch × temperature, `runs` interleaved repeats."""
+    """The whole measurement: every method × batch × temperature, `runs` interleaved repeats,
+    each method's engine in a process of its own (`EngineProcess`)."""
     max_b = max(batch_sizes)
     setup = Setup(model, draft, max_b * (-(-(128 + max_tokens + 8) // 16)) + 16, max_b,
                   tuned if tuned is not None else {"graph_capture": "compile"}, threads, torch.get_num_threads())
-    torch.set_num_threads(threads)
-    built = {m.name: build(m, setup) for m in methods}
-    llms = {name: llm for name, (llm, _) in built.items()}
-    timers = {name: (ForwardTimer(llm.engine.runner), ForwardTimer(llm.engine.draft_runner)
-                     if llm.engine.draft_runner else None) for name, llm in llms.items()}
-    prompts = code_prompts(llms[methods[0].name].engine.tokenizer, max_b)
-    warm = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for llm in llms.values():  # warm up: first passes allocate and fill caches
-        llm.generate(prompts[:2], warm)
+    prompts = code_prompts(Tokenizer.from_dir(model), max_b)
+    warm = dict(temperature=0, max_tokens=16, ignore_eos=True)
     cases = [(b, t) for t in temperatures for b in batch_sizes]
     raw: dict[tuple, list[dict]] = {}
     total = runs * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
                                         lambda m: dict(seconds=1.0, token_ids=None)))) for b, t in cases)
-    with tqdm(total=total, desc="spec_decode", unit="gen", disable=not progress) as bar:
-        for rep in range(runs):
-            for b, temp in cases:
-                params = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
-                measured = [m for m in methods if (b, temp) in cases_of(m, batch_sizes, temperatures)]
-                order = measured if rep % 2 == 0 else measured[::-1]  # alternate who runs first
-                for m, r in _paired(order, lambda m: _timed_run(llms[m.name], timers[m.name], prompts[:b],
-                                                                     params, m, setup)):
-                    raw.setdefault((b, temp, m.name), []).append(r)
-                    bar.update(1)
-    torch.set_num_threads(threads)
-    return dict(rows=collect(raw, methods, cases), startup_seconds={n: s for n, (_, s) in built.items()},
+    engines: dict[str, EngineProcess] = {}
+    try:
+        for m in tqdm(methods, desc="spec_decode: engines", unit="engine", disable=not progress):
+            engines[m.name] = EngineProcess(m, setup)  # one at a time: start-up seconds are each one's own
+            engines[m.name].run(prompts[:2], warm)  # first passes allocate and fill caches
+        with tqdm(total=total, desc="spec_decode", unit="gen", disable=not progress) as bar:
+            for rep in range(runs):
+                for b, temp in cases:
+                    params = dict(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
+                    measured = [m for m in methods if (b, temp) in cases_of(m, batch_sizes, temperatures)]
+                    order = measured if rep % 2 == 0 else measured[::-1]  # alternate who runs first
+                    for m, r in _paired(order, lambda m: engines[m.name].run(prompts[:b], params)):
+                        raw.setdefault((b, temp, m.name), []).append(r)
+                        bar.update(1)
+    finally:
+        for e in engines.values():
+            e.close()
+    return dict(rows=collect(raw, methods, cases), startup_seconds={n: e.startup_seconds for n, e in engines.items()},
                 threads=threads, default_threads=setup.default_threads, tuned_options=setup.tuned)
+
+
+class EngineProcess:
+    """One method's engine in a process of its own (this script with --serve), driven by a JSON
+    line each way: a run's prompts and sampling parameters in, `_timed_run`'s record out. Every
+    wait has a timeout; an engine that dies or hangs fails the benchmark, naming the method."""
+
+    def __init__(self, method: Method, setup: Setup, timeout_s: float = 900):
+        self.name, self._buf = method.name, b""
+        spec = json.dumps(dict(method=method.name, setup=dataclasses.asdict(setup)))
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", spec], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0)
+        try:
+            self.startup_seconds = self._read(timeout_s)["startup_seconds"]
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, prompts: list[list[int]], params: dict, timeout_s: float = 600) -> dict:
+        try:
+            self.proc.stdin.write((json.dumps(dict(prompts=prompts, params=params)) + "\n").encode())
+        except BrokenPipeError:
+            raise RuntimeError(f"the {self.name!r} engine process ended (exit code {self.proc.wait()})") from None
+        return self._read(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _read(self, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                raise RuntimeError(f"the {self.name!r} engine process gave no answer in {timeout_s:.0f} s")
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the {self.name!r} engine process ended (exit code {self.proc.wait()})")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+
+def serve(spec: str) -> None:
+    """An `EngineProcess`'s side: build the method's engine, then answer runs until stdin closes.
+    Replies go to the original stdout; anything else printed goes to stderr."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    cfg = json.loads(spec)
+    method = {m.name: m for m in METHODS + NEWCOMER}[cfg["method"]]
+    setup = Setup(**cfg["setup"])
+    torch.set_num_threads(setup.default_threads if method.is_newcomer else setup.threads)
+    llm, startup = build(method, setup)
+    timers = (ForwardTimer(llm.engine.runner),
+              ForwardTimer(llm.engine.draft_runner) if llm.engine.draft_runner else None)
+    out.write(json.dumps(dict(startup_seconds=startup)) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        out.write(json.dumps(_timed_run(llm, timers, req["prompts"], SamplingParams(**req["params"]), method, setup))
+                  + "\n")
+        out.flush()
 
 
 def _paired(order: list[Method], run):
@@ -376,9 +455,11 @@ def markdown(result: dict) -> str:
     start = ", ".join(f"{k} {v:.1f}" for k, v in result["startup_seconds"].items())
     return "\n".join([
         f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
-        f"over them; a speedup divides by the two plain runs right before and after the method's run, and "
-        f"plain's row gives in that column, marked A/A, a plain run against the one before it, one method's "
-        f"run apart: the host's drift alone). Tuned options: "
+        f"over them; each method's engine runs in a process of its own; a speedup divides by the two plain runs "
+        f"right before and after the method's run, and plain's row gives in that column, marked A/A, a plain run "
+        f"against the one before it, one method's run apart: the host's drift alone; \"plain, another process\" "
+        f"is plain decoding in a second process, measured like a method: how far two processes of the same "
+        f"configuration differ). Tuned options: "
         f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "
         f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({host(m)}).", "",
         markdown_table(rows), "",
@@ -434,7 +515,10 @@ def main() -> None:
     ap.add_argument("--graph-capture", default="compile", help="graph_capture of the tuned configurations")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
     ap.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--serve", metavar="JSON", help=argparse.SUPPRESS)  # an engine process (`EngineProcess`)
     args = ap.parse_args()
+    if args.serve:
+        return serve(args.serve)
     if args.quick:
         args.batch_sizes, args.max_tokens, args.runs, args.graph_capture = [1, 8], 32, 2, "off"
     load_start = os.getloadavg()[0]

@@ -1,6 +1,7 @@
-"""benchmarks/spec_decode.py's core on tiny sizes: every row has its keys, greedy outputs with
-speculation equal those without, and so do coupled-verifier outputs at temperature 1. No timing
-is asserted; the benchmark does the measuring."""
+"""benchmarks/spec_decode.py's core on tiny sizes, each method's engine in a process of its own:
+every row has its keys, greedy outputs with speculation equal those without, and so do
+coupled-verifier outputs at temperature 1 and the control (plain decoding in another process).
+No timing is asserted; the benchmark does the measuring."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +26,7 @@ def test_demo_models_are_committed():
 def test_core_runs_and_outputs_match(bench):
     methods = tuple(m for m in bench.METHODS + bench.NEWCOMER
                     if m.name in ("plain", "draft k=2", "ngram adaptive", "draft k=4 rejection", "newcomer plain",
-                                  "newcomer draft k=4"))
+                                  "newcomer draft k=4", "plain, another process"))
     result = bench.run_benchmark(str(DEMO), str(DEMO_DRAFT), batch_sizes=[1, 2], temperatures=[0.0, 1.0],
                                  max_tokens=8, runs=2, methods=methods, tuned={"graph_capture": "off"}, progress=False)
     rows = result["rows"]
@@ -35,8 +36,8 @@ def test_core_runs_and_outputs_match(bench):
     for r in rows:
         assert {"method", "batch_size", "temperature", "tokens_per_s", "num_tokens"} <= r.keys()
         assert r["num_tokens"] == 8 * r["batch_size"]  # ignore_eos: every prompt emits max_tokens
-        if "plain" in r["method"]:  # a plain run before each method's and after it, and one A/A pair per method
-            others = [m for m in methods if m.is_newcomer == r["is_newcomer"] and "plain" not in m.name
+        if r["method"] in ("plain", "newcomer plain"):  # a run before each method's and after it, one A/A pair each
+            others = [m for m in methods if m.is_newcomer == r["is_newcomer"] and not m.is_plain
                       and (r["batch_size"], r["temperature"]) in bench.cases_of(m, [1, 2], [0.0, 1.0])]
             assert len(r["tokens_per_s"]["values"]) == 2 * (len(others) + 1)
             assert len(r["a_a"]["values"]) == 2 * len(others)
@@ -48,6 +49,9 @@ def test_core_runs_and_outputs_match(bench):
             assert "same_tokens_as_plain" not in r  # the rejection sampler's tokens depend on the draft
         else:
             assert r["same_tokens_as_plain"] is True, r  # greedy, or the coupled verifier
+    control = [r for r in rows if r["method"] == "plain, another process"]
+    assert len(control) == 4 and all(r["num_drafts"] == 0 for r in control)
+    assert result["startup_seconds"].keys() == {m.name for m in methods}
     drafts = [r for r in rows if r["method"] == "draft k=2"]
     assert all(r["c"] is not None and r["c"] > 0 for r in drafts)
     assert all("share_of_ideal" in r for r in drafts if r["num_drafts"])
@@ -86,3 +90,21 @@ def test_each_method_runs_between_two_runs_of_its_baseline(bench):
     assert by_name["draft k=2"]["baseline_seconds"] == (4 + 6) / 2 and by_name["draft k=4"]["baseline_seconds"] == (6 + 8) / 2
     pairs = [(r["previous_baseline_seconds"], r["seconds"]) for _, r in runs if "previous_baseline_seconds" in r]
     assert pairs == [(1.0, 3.0), (4.0, 6.0), (6.0, 8.0)]  # none from newcomer plain (3) to plain (4)
+
+
+def test_an_engine_process_that_dies_is_named_not_waited_on(bench):
+    """An engine process that ends (here: killed) fails the run with the method's name at once,
+    instead of the benchmark waiting on its pipe."""
+    plain = bench.METHODS[0]
+    setup = bench.Setup(str(DEMO), str(DEMO_DRAFT), 32, 2, {"graph_capture": "off"}, 1, 1)
+    engine = bench.EngineProcess(plain, setup)
+    try:
+        assert engine.startup_seconds > 0
+        first = engine.run([[1, 2, 3]], dict(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(first["token_ids"][0]) == 4
+        engine.proc.kill()
+        engine.proc.wait()
+        with pytest.raises(RuntimeError, match="'plain' engine process ended"):
+            engine.run([[1, 2, 3]], dict(temperature=0, max_tokens=4, ignore_eos=True), timeout_s=60)
+    finally:
+        engine.close()
