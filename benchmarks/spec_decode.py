@@ -384,6 +384,8 @@ def summarize(method: Method, runs: list[dict], c: float | None) -> dict:
             out["a_a"] = Spread.of(pairs).as_dict()
         return out
     speedup = Spread.of(r["baseline_seconds"] / r["seconds"] for r in runs)  # same tokens, neighbouring runs
+    if method.is_control:  # plain decoding: nothing speculative to report
+        return out | dict(speedup=speedup.as_dict())
     drafts = sum(r["num_drafts"] for r in runs)
     draft_tokens = sum(r["num_draft_tokens"] for r in runs)
     accepted = sum(r["num_accepted_tokens"] for r in runs)
@@ -514,7 +516,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the tuned configurations")
     ap.add_argument("--graph-capture", default="compile", help="graph_capture of the tuned configurations")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
-    ap.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--no-markdown", action="store_true",
+                    help="do not update BENCHMARKS.md; results go to benchmarks/results/spec_decode_partial.*")
     ap.add_argument("--serve", metavar="JSON", help=argparse.SUPPRESS)  # an engine process (`EngineProcess`)
     args = ap.parse_args()
     if args.serve:
@@ -528,7 +531,8 @@ def main() -> None:
                   runs=args.runs, machine=machine() | {"load_avg_1m_start": load_start,
                                                        "load_avg_1m_end": os.getloadavg()[0]}, **result)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "spec_decode_quick" if args.quick else "spec_decode"
+    # the file BENCHMARKS.md's table comes from is written only by a run that writes the table
+    stem = "spec_decode_quick" if args.quick else "spec_decode_partial" if args.no_markdown else "spec_decode"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result["rows"], RESULTS / f"{stem}.png")
     text = markdown(result)

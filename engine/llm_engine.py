@@ -331,7 +331,7 @@ class LLMEngine:
         for e in batch:
             if not e.num_logits:
                 self.block_manager.commit(e.seq)
-            elif self.speculator is not None and not e.seq.is_finished:
+            elif self._speculate and not e.seq.is_finished:  # only a step that may speculate reserves any
                 self.block_manager.truncate(e.seq, e.seq.num_tokens)  # unused lookahead slots
         return outputs
 

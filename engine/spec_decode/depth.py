@@ -80,21 +80,28 @@ class _Acceptance:
 
 class AdaptiveDepth:
     PRIOR, PRIOR_WEIGHT, DECAY, DRIFT = 0.7, 2.0, 0.8, 0.97
+    KIND_DECAY, MIN_KIND_TRIALS = 0.98, 8.0  # a kind's acceptance: per verified sequence, over all of them
 
     def __init__(self, max_k: int, adaptive: bool, target_cost: LinearCost, draft_cost: LinearCost | None):
         self.max_k, self.adaptive = max_k, adaptive
         self.target_cost, self.draft_cost = target_cost, draft_cost
         self._acc: dict[str, _Acceptance] = {}
+        self._kinds: dict[bool, _Acceptance] = {}  # sampled -> acceptance over every sequence of that kind
 
-    def alpha(self, req_id: str) -> float:
-        """The sequence's recent acceptance, pulled towards PRIOR; 1 for one that has never been
-        planned. An untried sequence drafts at the depth perfect acceptance would earn, once, and
-        so shows its own rate: started at PRIOR instead, it stayed plain from its first step
-        wherever the fitted costs made PRIOR not worth a draft token, and it never drafted, so
-        its real acceptance (about 0.97 on the demo pair, greedy) was never seen."""
+    def alpha(self, req_id: str, sampled: bool = False) -> float:
+        """The sequence's recent acceptance, pulled towards PRIOR. One never planned starts at
+        the recent acceptance of its kind (greedy or sampled: on the demo pair about 0.97 against
+        0.65), or 1 before its kind has MIN_KIND_TRIALS: an untried sequence drafts at the depth
+        its kind earns, once, and so shows its own rate. Started at PRIOR instead, it stayed
+        plain from its first step wherever the fitted costs made PRIOR not worth a draft token,
+        and it never drafted, so its real acceptance (about 0.97 on the demo pair, greedy) was
+        never seen. Started at 1 every time, each exploring burst of the gate (`gate.py`) opened
+        with every new sequence at the full depth: at batch 8, temperature 1, the n-gram
+        proposer (acceptance about 0.01) verified 4 tokens a sequence in a burst's first step."""
         acc = self._acc.get(req_id)
         if acc is None:
-            return 1.0
+            kind = self._kinds.get(sampled)
+            return 1.0 if kind is None or kind.trials < self.MIN_KIND_TRIALS else kind.accepted / kind.trials
         return (acc.accepted + self.PRIOR * self.PRIOR_WEIGHT) / (acc.trials + self.PRIOR_WEIGHT)
 
     def expected_tokens(self, alpha: float, k: int) -> float:
@@ -106,7 +113,7 @@ class AdaptiveDepth:
         tops = [max(0, min(self.max_k, r)) for r in rooms]
         if not self.adaptive or not seqs:
             return tops
-        alphas = [self.alpha(s.req_id) for s in seqs]
+        alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
         slope = self.target_cost.b + (self.draft_cost.b if self.draft_cost else 0.0)
         best_ks, best_rate = [0] * len(seqs), 0.0
         for k in range(max(tops, default=0) + 1):
@@ -136,10 +143,14 @@ class AdaptiveDepth:
         """Predicted tokens per second."""
         return sum(self.expected_tokens(a, k) for a, k in zip(alphas, ks)) / max(self.step_cost(ks), 1e-9)
 
-    def record(self, req_id: str, k: int, num_accepted: int) -> None:
+    def record(self, req_id: str, k: int, num_accepted: int, sampled: bool = False) -> None:
+        trials = num_accepted + (1 if num_accepted < k else 0)
         acc = self._acc.setdefault(req_id, _Acceptance())
         acc.accepted = acc.accepted * self.DECAY + num_accepted
-        acc.trials = acc.trials * self.DECAY + num_accepted + (1 if num_accepted < k else 0)
+        acc.trials = acc.trials * self.DECAY + trials
+        kind = self._kinds.setdefault(sampled, _Acceptance())
+        kind.accepted = kind.accepted * self.KIND_DECAY + num_accepted
+        kind.trials = kind.trials * self.KIND_DECAY + trials
 
     def forget(self, req_id: str) -> None:
         self._acc.pop(req_id, None)

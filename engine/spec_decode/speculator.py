@@ -157,7 +157,7 @@ class Speculator:
         tokens = self.verifier.verify(seqs, proposals, rows)
         for seq, prop, out in zip(seqs, proposals, tokens):
             self.stats.record(len(prop.token_ids), len(out) - 1)
-            self.depth.record(seq.req_id, len(prop.token_ids), len(out) - 1)
+            self.depth.record(seq.req_id, len(prop.token_ids), len(out) - 1, not seq.params.is_greedy)
         return tokens
 
     def rollback(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:

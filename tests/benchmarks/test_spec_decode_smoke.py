@@ -43,6 +43,8 @@ def test_core_runs_and_outputs_match(bench):
             assert len(r["a_a"]["values"]) == 2 * len(others)
             continue
         assert len(r["tokens_per_s"]["values"]) == 2
+        if r["method"] == "plain, another process":
+            continue
         assert {"speedup", "alpha", "mean_accepted_length", "mean_k", "c"} <= r.keys()
         assert 0 <= r["alpha"] <= 1 and r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
         if "rejection" in r["method"]:
@@ -50,7 +52,7 @@ def test_core_runs_and_outputs_match(bench):
         else:
             assert r["same_tokens_as_plain"] is True, r  # greedy, or the coupled verifier
     control = [r for r in rows if r["method"] == "plain, another process"]
-    assert len(control) == 4 and all(r["num_drafts"] == 0 for r in control)
+    assert len(control) == 4 and all("alpha" not in r and r["same_tokens_as_plain"] for r in control)
     assert result["startup_seconds"].keys() == {m.name for m in methods}
     drafts = [r for r in rows if r["method"] == "draft k=2"]
     assert all(r["c"] is not None and r["c"] > 0 for r in drafts)

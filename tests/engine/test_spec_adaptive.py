@@ -93,6 +93,27 @@ def test_an_untried_sequence_drafts_once_and_shows_its_acceptance():
     assert fresh.alpha("other") < fresh.PRIOR < fresh.alpha("never-planned") == 1.0
 
 
+def test_an_untried_sequence_starts_from_its_kinds_acceptance():
+    """Once a kind (greedy or sampled) has a record, a new sequence of that kind is planned at the
+    kind's acceptance, not at 1: a sampled batch the proposer fails (n-gram at temperature 1,
+    about 0.01) no longer opens with every new sequence at the full depth. The other kind is
+    untouched, and a kind with too short a record still starts at 1."""
+    depth = make_depth(a_d=0.02)
+    sampled = Sequence("new-sampled", [1, 2, 3], SamplingParams(temperature=1.0), seed=0)
+    greedy = Sequence("new-greedy", [1, 2, 3], SamplingParams(temperature=0), seed=0)
+    depth.record("old-sampled", 4, 0, sampled=True)
+    assert depth.alpha("new-sampled", sampled=True) == 1.0  # one record is not enough
+    for i in range(20):
+        depth.record(f"old-{i}", 4, 0, sampled=True)
+    assert depth.alpha("new-sampled", sampled=True) == 0.0
+    assert depth.plan([sampled], [10]) == [0]
+    assert depth.alpha("new-greedy") == 1.0 and depth.plan([greedy], [10]) == [4]
+    for i in range(20):
+        depth.record(f"old-greedy-{i}", 4, 3)  # greedy: three of four accepted, about 0.75
+    assert 0.7 < depth.alpha("another-greedy") < 0.8
+    assert depth.plan([Sequence("another-greedy", [1, 2, 3], SamplingParams(temperature=0), seed=0)], [10])[0] >= 1
+
+
 def test_linear_cost_learns_a_line():
     cost = LinearCost(1.0, 1.0)
     for _ in range(200):
