@@ -34,6 +34,7 @@ JSON and a PNG under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import select
@@ -41,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
