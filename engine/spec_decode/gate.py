@@ -49,7 +49,7 @@ class SpeculationGate:
     RENEW_MARGIN = 0.2  # new requests bring the next burst forward only while the loser lost by less than this
 
     def __init__(self) -> None:
-        self._sums: dict[tuple[int, bool, bool], list[float]] = {}  # (*regime, speculated) -> [seconds, tokens]
+        self._sums: dict[tuple[int, bool, bool], list] = {}  # (*regime, speculated) -> [seconds, tokens, steps]
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
         self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
 
@@ -171,12 +171,18 @@ class SpeculationGate:
         times its mode's running seconds per token counts as that (a stall of the host, a
         collection pass, another process on the core): unclipped, one such step could make the
         winning mode look the loser, and with the waits doubling, for hundreds of steps; a real
-        change still shows within a few steps."""
-        sums = self._sums.setdefault((*self.regime(batch_size, sampled), speculated), [0.0, 0.0])
+        change still shows within a few steps. A mode's first step has no figure to be clipped
+        by, so the second step clips it: a collection pass of 400 ms inside the first step of
+        speculation's first burst (before faa571f) made speculation measure 18 ms a token against
+        plain's 5 at batch 1 greedy, and the gate kept plain decoding for hundreds of steps."""
+        sums = self._sums.setdefault((*self.regime(batch_size, sampled), speculated), [0.0, 0.0, 0])
         if sums[1] > 0:
+            if sums[2] == 1 and sums[0] / sums[1] > self.CLIP * seconds / max(num_tokens, 1):
+                sums[0] = self.CLIP * seconds / max(num_tokens, 1) * sums[1]  # the first step, clipped by the second
             seconds = min(seconds, self.CLIP * sums[0] / sums[1] * max(num_tokens, 1))
         sums[0] = sums[0] * self.DECAY + seconds
         sums[1] = sums[1] * self.DECAY + num_tokens
+        sums[2] += 1
 
     def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
         sums = self._sums.get((*self.regime(batch_size, sampled), speculated))

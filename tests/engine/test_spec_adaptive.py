@@ -270,6 +270,26 @@ def test_gate_is_not_turned_by_one_stalled_step_but_follows_a_real_change():
     assert gate.seconds_per_token(1, True) > gate.seconds_per_token(1, False)
 
 
+def test_a_stall_in_a_modes_first_step_does_not_decide_the_first_verdict():
+    """The first step of a mode has no figure to be clipped by; the second clips it. Here the
+    first speculative step stalled (a collection pass, say) and speculation still wins."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(1)
+    gate.observe(1, True, seconds=0.400, num_tokens=5)  # the stall: 80 ms per token
+    for _ in range(Gate.BURST - 1):
+        gate.observe(1, True, seconds=0.015, num_tokens=5)  # 3 ms per token
+    for _ in range(Gate.BURST):
+        gate.observe(1, False, seconds=0.009, num_tokens=1)  # 9 ms per token
+    assert gate.seconds_per_token(1, True) < gate.seconds_per_token(1, False)
+    assert all(gate.allow(1) for _ in range(Gate.PERIOD - 1))
+    # a first step that was only a little dearer than the second is kept as it was
+    fair = Gate()
+    fair.observe(1, True, seconds=0.020, num_tokens=5)
+    fair.observe(1, True, seconds=0.015, num_tokens=5)
+    assert fair.seconds_per_token(1, True) == pytest.approx((0.020 * Gate.DECAY + 0.015) / (5 * Gate.DECAY + 5))
+
+
 def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid():
     """A draft that must catch up before speculating again makes each switch cost seconds: while
     plain decoding wins, bursts of speculation come only as often as keeps that under
