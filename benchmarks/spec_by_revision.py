@@ -21,9 +21,7 @@ checkout's over the baseline's, per round. Writes benchmarks/results/spec_by_rev
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from child_process import ChildProcess, replies, reply, requests  # noqa: E402
 from report import Spread, export_revision, grouped_bars, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -43,6 +42,7 @@ MAX_TOKENS = 128
 
 def serve() -> None:
     """The child: build both engines, warm them up, then run each case named on stdin."""
+    out = replies()
     import torch
 
     torch.set_num_threads(1)
@@ -60,39 +60,11 @@ def serve() -> None:
               for t in {t for _, _, t in CASES}}
     for name, b, t in CASES:
         engines[name].generate(prompts[b], params[t])
-    print("ready", flush=True)
-    for line in sys.stdin:
-        name, b, t = line.split()
+    reply(out, "ready")
+    for name, b, t in requests():
         start = time.perf_counter()
-        engines[name].generate(prompts[int(b)], params[float(t)])
-        print(json.dumps(MAX_TOKENS * int(b) / (time.perf_counter() - start)), flush=True)
-
-
-def start(env: dict, timeout_s: float = 600) -> subprocess.Popen:
-    # unbuffered bytes: what `select` says is waiting is all there is (no line held in a buffer)
-    proc = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, bufsize=0, env=env)
-    deadline = time.monotonic() + timeout_s
-    while (line := read_line(proc, deadline - time.monotonic())) != "ready":
-        if not line:
-            proc.kill()
-            raise RuntimeError(f"an engine process ({env.get('PYTHONPATH') or 'this checkout'}) did not start")
-    return proc
-
-
-def ask(proc: subprocess.Popen, case: tuple, timeout_s: float = 300) -> float:
-    proc.stdin.write((" ".join(map(str, case)) + "\n").encode())
-    line = read_line(proc, timeout_s)
-    if not line:
-        raise RuntimeError(f"an engine process died or hung running {case}")
-    return float(line)
-
-
-def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
-    """The child's next line of output ("" once it has ended, or after timeout_s without one)."""
-    if timeout_s <= 0 or not select.select([proc.stdout], [], [], timeout_s)[0]:
-        return ""
-    return proc.stdout.readline().decode().strip()
+        engines[name].generate(prompts[b], params[t])
+        reply(out, MAX_TOKENS * b / (time.perf_counter() - start))
 
 
 def case_name(case: tuple) -> str:
@@ -108,20 +80,20 @@ def measure(baseline: str, rounds: int) -> dict:
                 "baseline": dict(os.environ, PYTHONPATH=str(export_revision(baseline, Path(tmp) / "baseline")))}
         procs = {}
         try:
-            for arm, env in arms.items():
-                procs[arm] = start(env)
+            for arm, env in arms.items():  # the child's first line says it is ready
+                procs[arm] = ChildProcess(f"engine ({env.get('PYTHONPATH') or 'this checkout'})", __file__, ["--serve"],
+                                          env=env, quiet=True)
             rates = {arm: {case_name(c): [] for c in CASES} for arm in arms}
             with tqdm(total=rounds * len(CASES) * 2, desc="spec_by_revision", unit="run") as bar:
                 for r in range(rounds):
                     order = list(arms) if r % 2 == 0 else list(arms)[::-1]
                     for case in CASES:
                         for arm in order:
-                            rates[arm][case_name(case)].append(ask(procs[arm], case))
+                            rates[arm][case_name(case)].append(procs[arm].ask(case, timeout_s=300))
                             bar.update(1)
         finally:
             for proc in procs.values():
-                proc.stdin.close()
-                proc.kill()
+                proc.close()
     cases = {}
     for case in CASES:
         key = case_name(case)

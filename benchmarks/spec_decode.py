@@ -37,9 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
-import select
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,6 +53,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
+from child_process import ChildProcess, replies, reply, requests  # noqa: E402
 from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -207,7 +206,7 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
                   runs: int, methods: tuple[Method, ...] = METHODS + NEWCOMER, tuned: dict | None = None,
                   threads: int = 1, progress: bool = True) -> dict:
     """The whole measurement: every method × batch × temperature, `runs` interleaved repeats,
-    each method's engine in a process of its own (`EngineProcess`)."""
+    each method's engine in a process of its own (`start_engine`)."""
     max_b = max(batch_sizes)
     setup = Setup(model, draft, max_b * (-(-(128 + max_tokens + 8) // 16)) + 16, max_b,
                   tuned if tuned is not None else {"graph_capture": "compile"}, threads, torch.get_num_threads())
@@ -217,78 +216,38 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
     raw: dict[tuple, list[dict]] = {}
     total = runs * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
                                         lambda m: dict(seconds=1.0, token_ids=None)))) for b, t in cases)
-    engines: dict[str, EngineProcess] = {}
+    engines: dict[str, ChildProcess] = {}
+    run = lambda m, b, params: engines[m.name].ask(dict(prompts=prompts[:b], params=params))  # noqa: E731
     try:
         for m in tqdm(methods, desc="spec_decode: engines", unit="engine", disable=not progress):
-            engines[m.name] = EngineProcess(m, setup)  # one at a time: start-up seconds are each one's own
-            engines[m.name].run(prompts[:2], warm)  # first passes allocate and fill caches
+            engines[m.name] = start_engine(m, setup)  # one at a time: start-up seconds are each one's own
+            run(m, 2, warm)  # first passes allocate and fill caches
         with tqdm(total=total, desc="spec_decode", unit="gen", disable=not progress) as bar:
             for rep in range(runs):
                 for b, temp in cases:
                     params = dict(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
                     measured = [m for m in methods if (b, temp) in cases_of(m, batch_sizes, temperatures)]
                     order = measured if rep % 2 == 0 else measured[::-1]  # alternate who runs first
-                    for m, r in _paired(order, lambda m: engines[m.name].run(prompts[:b], params)):
+                    for m, r in _paired(order, lambda m: run(m, b, params)):
                         raw.setdefault((b, temp, m.name), []).append(r)
                         bar.update(1)
     finally:
         for e in engines.values():
             e.close()
-    return dict(rows=collect(raw, methods, cases), startup_seconds={n: e.startup_seconds for n, e in engines.items()},
+    return dict(rows=collect(raw, methods, cases), startup_seconds={n: e.hello for n, e in engines.items()},
                 threads=threads, default_threads=setup.default_threads, tuned_options=setup.tuned)
 
 
-class EngineProcess:
-    """One method's engine in a process of its own (this script with --serve), driven by a JSON
-    line each way: a run's prompts and sampling parameters in, `_timed_run`'s record out. Every
-    wait has a timeout; an engine that dies or hangs fails the benchmark, naming the method."""
-
-    def __init__(self, method: Method, setup: Setup, timeout_s: float = 900):
-        self.name, self._buf = method.name, b""
-        spec = json.dumps(dict(method=method.name, setup=dataclasses.asdict(setup)))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", spec], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, bufsize=0)
-        try:
-            self.startup_seconds = self._read(timeout_s)["startup_seconds"]
-        except BaseException:
-            self.close()
-            raise
-
-    def run(self, prompts: list[list[int]], params: dict, timeout_s: float = 600) -> dict:
-        try:
-            self.proc.stdin.write((json.dumps(dict(prompts=prompts, params=params)) + "\n").encode())
-        except BrokenPipeError:
-            raise RuntimeError(f"the {self.name!r} engine process ended (exit code {self.proc.wait()})") from None
-        return self._read(timeout_s)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def _read(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
-                raise RuntimeError(f"the {self.name!r} engine process gave no answer in {timeout_s:.0f} s")
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                raise RuntimeError(f"the {self.name!r} engine process ended (exit code {self.proc.wait()})")
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return json.loads(line)
+def start_engine(method: Method, setup: Setup) -> ChildProcess:
+    """The method's engine in a process of its own (this script with --serve): it answers a run's
+    prompts and sampling parameters with `_timed_run`'s record. Its hello is its start-up seconds."""
+    spec = json.dumps(dict(method=method.name, setup=dataclasses.asdict(setup)))
+    return ChildProcess(f"{method.name!r} engine", __file__, ["--serve", spec])
 
 
 def serve(spec: str) -> None:
-    """An `EngineProcess`'s side: build the method's engine, then answer runs until stdin closes.
-    Replies go to the original stdout; anything else printed goes to stderr."""
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    """`start_engine`'s child: build the method's engine, then answer runs until stdin closes."""
+    out = replies()
     cfg = json.loads(spec)
     method = {m.name: m for m in METHODS + NEWCOMER}[cfg["method"]]
     setup = Setup(**cfg["setup"])
@@ -296,13 +255,9 @@ def serve(spec: str) -> None:
     llm, startup = build(method, setup)
     timers = (ForwardTimer(llm.engine.runner),
               ForwardTimer(llm.engine.draft_runner) if llm.engine.draft_runner else None)
-    out.write(json.dumps(dict(startup_seconds=startup)) + "\n")
-    out.flush()
-    for line in sys.stdin:
-        req = json.loads(line)
-        out.write(json.dumps(_timed_run(llm, timers, req["prompts"], SamplingParams(**req["params"]), method, setup))
-                  + "\n")
-        out.flush()
+    reply(out, startup)
+    for req in requests():
+        reply(out, _timed_run(llm, timers, req["prompts"], SamplingParams(**req["params"]), method, setup))
 
 
 def _paired(order: list[Method], run):
@@ -518,7 +473,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
     ap.add_argument("--no-markdown", action="store_true",
                     help="do not update BENCHMARKS.md; results go to benchmarks/results/spec_decode_partial.*")
-    ap.add_argument("--serve", metavar="JSON", help=argparse.SUPPRESS)  # an engine process (`EngineProcess`)
+    ap.add_argument("--serve", metavar="JSON", help=argparse.SUPPRESS)  # an engine process (`start_engine`)
     args = ap.parse_args()
     if args.serve:
         return serve(args.serve)

@@ -99,14 +99,14 @@ def test_an_engine_process_that_dies_is_named_not_waited_on(bench):
     instead of the benchmark waiting on its pipe."""
     plain = bench.METHODS[0]
     setup = bench.Setup(str(DEMO), str(DEMO_DRAFT), 32, 2, {"graph_capture": "off"}, 1, 1)
-    engine = bench.EngineProcess(plain, setup)
+    engine = bench.start_engine(plain, setup)
     try:
-        assert engine.startup_seconds > 0
-        first = engine.run([[1, 2, 3]], dict(temperature=0, max_tokens=4, ignore_eos=True))
+        assert engine.hello > 0
+        first = engine.ask(dict(prompts=[[1, 2, 3]], params=dict(temperature=0, max_tokens=4, ignore_eos=True)))
         assert len(first["token_ids"][0]) == 4
         engine.proc.kill()
         engine.proc.wait()
         with pytest.raises(RuntimeError, match="'plain' engine process ended"):
-            engine.run([[1, 2, 3]], dict(temperature=0, max_tokens=4, ignore_eos=True), timeout_s=60)
+            engine.ask(dict(prompts=[[1, 2, 3]], params=dict(temperature=0, max_tokens=4, ignore_eos=True)), timeout_s=60)
     finally:
         engine.close()
