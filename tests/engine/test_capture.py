@@ -6,6 +6,7 @@ seeded sampling, through the two graphs it traces (planned steps, and steps with
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 import torch
@@ -87,6 +88,33 @@ def test_graph_capture_option_is_validated():
         EngineConfig(model="m", cpu_attention="fast")
     with pytest.raises(ValueError, match="cpu_linear"):
         EngineConfig(model="m", cpu_linear="fast")
+
+
+def test_a_kept_graph_is_called_straight_only_while_it_is_its_functions_one_graph():
+    """`_KeptGraph` (a draft's passes call their graphs through it): the graph called straight,
+    on inputs it was not traced with, computes what the function does; a second graph of the same
+    function (a kept guard failed) turns the straight call off; an input it cannot name keeps it off."""
+    from pdserve.engine.capture import _KeptGraph
+
+    model = torch.nn.Linear(3, 4)
+
+    def project(self, state: torch.Tensor) -> torch.Tensor:
+        return self(state.float()).sum(-1) + state.shape[1]
+
+    kept = _KeptGraph({})
+    fn = torch.compile(types.MethodType(project, model), backend=kept, fullgraph=True)
+    traced = torch.arange(6).view(2, 3)
+    torch._dynamo.decorators.mark_unbacked(traced, 0)
+    assert torch.equal(fn(traced), project(model, traced))
+    assert kept.num_graphs == 1 and kept.call is not None
+    other = torch.arange(15).view(5, 3) - 7  # another batch size, never traced
+    assert torch.allclose(kept.call({"state": other}), project(model, other))
+    fn(traced.double())  # a kept guard (the dtype) fails: Dynamo compiles a second graph
+    assert kept.num_graphs == 2 and kept.call is None
+
+    unnamed = _KeptGraph({})
+    torch.compile(lambda x, y: x + y, backend=unnamed, fullgraph=True)(torch.ones(2), torch.ones(2))
+    assert unnamed.num_graphs == 1 and unnamed.call is None  # 'x' and 'y' are no pass's inputs
 
 
 def test_native_attention_gives_the_torch_tokens(target):

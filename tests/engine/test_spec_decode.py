@@ -105,6 +105,7 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, graph_capture
 
         assert not runner.passes.is_broken
         for kind in runner.passes.KINDS:
+            assert runner.passes.calls_straight(kind), kind  # the tokens above came from graphs called straight
             code = runner.passes.compiled(kind)._torchdynamo_orig_callable.__code__
             assert len(_debug_get_cache_entry_list(code)) == 1, kind
     # a request that filters by top-p, and depths that differ, draft pass by pass
