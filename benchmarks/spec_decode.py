@@ -405,7 +405,7 @@ def goals(rows: list[dict]) -> list[Goal]:
     return out
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, stem: str = "spec_decode") -> str:
     rows = [r for r in result["rows"] if not r["is_newcomer"]]
     newcomer = [r for r in result["rows"] if r["is_newcomer"]]
     m = result["machine"]
@@ -426,7 +426,7 @@ def markdown(result: dict) -> str:
         markdown_table(newcomer), "",
         *GOAL_HEADER, *(g.row() for g in goals(result["rows"])), "",
         f"Start-up seconds (weights, caches, graph capture; not in any timed run): {start}.", "",
-        "Files: `benchmarks/results/spec_decode.json`, `benchmarks/results/spec_decode.png`.",
+        f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`.",
     ])
 
 
@@ -490,7 +490,7 @@ def main() -> None:
     stem = "spec_decode_quick" if args.quick else "spec_decode_partial" if args.no_markdown else "spec_decode"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result["rows"], RESULTS / f"{stem}.png")
-    text = markdown(result)
+    text = markdown(result, stem)
     if not (args.quick or args.no_markdown):
         update_section(MARKDOWN, SECTION, text)
     print(f"## {SECTION}\n\n{text}")
