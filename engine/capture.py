@@ -116,7 +116,8 @@ class DraftPasses:
     three counts a depth of 4 needs, against 7 s for this one graph. A batch that samples runs
     other graphs (the pick differs), which also take the place of the sampler's separate noise,
     filter and race calls per pass: at batch 1, temperature 1, those cost about 0.17 ms a pass.
-    Four graphs in all: greedy or sampled, catch-up or not.
+    Four graphs in all: greedy or sampled, catch-up or not. Once compiled, each is called
+    straight, not through Dynamo (`_KeptGraph`): a third of a pass was Dynamo's.
 
     Needs the native attention (its plans are block ids, lengths and query starts, which a pass
     can compute) and every sequence's block table to hold the slots of the tokens to come (the
