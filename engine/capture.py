@@ -290,12 +290,13 @@ class _KeptGraph:
 
     `call` exists once exactly one graph was compiled and every input the graph takes is either a
     pass's own input (`state`, `temperature`, `noise`), one of their sizes, or a tensor of the
-    model (`self`) or of `kv_caches`, taken as fixed for the object's life: the trust the dropped
-    guards already place in them. Any other input (a tensor it cannot name) leaves `call` off. The checks the guards would make on the pass's own
-    inputs hold by construction: `DraftPasses` makes them, always int64 / float32 tensors of the
-    same ranks on the same device, under the inference mode the engine steps in. A second graph
-    for the same kind (something changed that a kept guard checks) turns `call` off, and the pass
-    goes through Dynamo from then on."""
+    model (`self`) or of `kv_caches`, taken as fixed for the object's life (the runner allocates
+    both once): the trust the dropped guards already place in them. Any other input (one it
+    cannot name) leaves `call` off. The checks the guards would make on the pass's own inputs hold
+    by construction: `DraftPasses` makes them, always int64 / float32 tensors of the same ranks on
+    the same device, under the inference mode the engine steps in. A second graph for the same
+    kind (something changed that a kept guard checks) turns `call` off, and the pass goes through
+    Dynamo from then on."""
 
     _INPUT = re.compile(r"L\['(state|temperature|noise)'\](?:\.size\(\)\[(\d+)\])?$")
     _FIXED = ("L['self']", "L['kv_caches']")  # the model's tensors, the KV caches: their guards are dropped
