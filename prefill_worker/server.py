@@ -222,6 +222,11 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                         ends_request=reason is not None,
                         finish_reason=FINISH_REASONS[reason.value] if reason is not None else 0))
                     if reason is not None:  # the push was abandoned when the token came (`_on_output`)
+                        # it ends once the decode side reads that; a push stalled in transit
+                        # cannot say so, and is cut after ABANDON_WAIT_S rather than holding the
+                        # blocks until its transfer timeout
+                        if not (await asyncio.wait({push}, timeout=ABANDON_WAIT_S))[0]:
+                            push.cancel()
                         (pushed,) = await asyncio.gather(push, return_exceptions=True)
                         r.ended, ack = PrefillState.DONE, pushed if isinstance(pushed, KVAck) else KVAck(0, 0)
             if ack is None:

@@ -311,7 +311,9 @@ def test_the_first_token_reaches_the_client_before_the_transfer_ends(text_checkp
             # the whole answer while the K/V are still held: nothing waits for the decode worker
             only = await asyncio.wait_for(collect(single), 30)
             assert gated.held == 2 and not gated.gate.is_set()
-            await system.wait_all_free()  # the held push was cancelled, the reservation with it
+            # the held push was cut after ABANDON_WAIT_S (1 s), the reservation with it, well
+            # before its transfer timeout (10 s here), which until then was what freed them
+            await system.wait_all_free(timeout_s=5.0)
             return first, rest, only
 
     first, rest, only = run(scenario())
