@@ -9,8 +9,9 @@ token and sends the trailer (sending), and the call returns once the decode side
 the transfer (done). Whatever happens (done, failed, cancelled), the request's blocks are then
 released. The states are `PrefillState`, derived from the request's progress. On
 `PrefillStream`, a first token that ends the request (a stop token, max_tokens 1) says how, and
-its push is abandoned (unless it already ended): the router has all it needs, and the decode
-worker's reservation ends with the abandoned push or the router's cancelled Decode call.
+its push is abandoned (unless it already ended; one stalled in transit is cut after
+ABANDON_WAIT_S): the router has all it needs, and the decode worker's reservation ends with the
+abandoned push or the router's cancelled Decode call.
 """
 from __future__ import annotations
 
