@@ -78,6 +78,16 @@ class PrefillRequest:
         return PrefillState.PREFILLING if self.sender.first_layer_at is not None else PrefillState.QUEUED
 
 
+async def _cut(push: asyncio.Future):
+    """An abandoned push's end (its result, or what it raised): it ends once the decode side reads
+    the abandonment; one stalled in transit cannot, and is cancelled after ABANDON_WAIT_S rather
+    than holding the request's blocks until its transfer timeout."""
+    await asyncio.wait({push}, timeout=ABANDON_WAIT_S)
+    push.cancel()  # a no-op once the decode side took the abandonment
+    (ended,) = await asyncio.gather(push, return_exceptions=True)
+    return ended
+
+
 class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer):
     role = "prefill"
 
@@ -223,12 +233,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                         ends_request=reason is not None,
                         finish_reason=FINISH_REASONS[reason.value] if reason is not None else 0))
                     if reason is not None:  # the push was abandoned when the token came (`_on_output`)
-                        # it ends once the decode side reads that; a push stalled in transit
-                        # cannot say so, and is cut after ABANDON_WAIT_S rather than holding the
-                        # blocks until its transfer timeout
-                        if not (await asyncio.wait({push}, timeout=ABANDON_WAIT_S))[0]:
-                            push.cancel()
-                        (pushed,) = await asyncio.gather(push, return_exceptions=True)
+                        pushed = await _cut(push)
                         r.ended, ack = PrefillState.DONE, pushed if isinstance(pushed, KVAck) else KVAck(0, 0)
             if ack is None:
                 ack = await push
@@ -237,9 +242,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         finally:
             if push is not None and not push.done():  # the caller went away: give the push up
                 r.sender.abandon()
-                await asyncio.wait({push}, timeout=ABANDON_WAIT_S)
-                push.cancel()  # a no-op once the decode side took the abandonment
-                await asyncio.gather(push, return_exceptions=True)
+                await _cut(push)
             elif push is not None and not push.cancelled():
                 # done, and maybe failed, after the caller went away between the first token and
                 # the push's end: its error is read here, or asyncio logs it as never retrieved
