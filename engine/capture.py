@@ -8,8 +8,10 @@ what is left goes. Two captures, one interface (`covers`, `__call__`, `warm_up`)
   size or lengths: the K/V write and the attention are one opaque op (`write_and_attend` for steps
   planned by a `GatherPlan`: decode, speculative verification, a draft's passes;
   `write_and_split_attend` for steps with prefill chunks), and every size a step varies in is
-  marked unbacked, so two graphs serve every step and nothing recompiles as contexts grow. Steps
-  that stream K/V layer by layer (a prefill worker's) run eagerly.
+  marked unbacked, so two graphs serve every step and nothing recompiles as contexts grow. Once
+  compiled, a planned step calls its graph straight, without Dynamo (`_KeptGraph`); steps with
+  prefill chunks go through Dynamo. Steps that stream K/V layer by layer (a prefill worker's) run
+  eagerly.
 - **cuda_graphs** (CUDA): one CUDA graph per batch-size bucket of decode-only steps, replayed from
   static input buffers (`cuda_graphs.py`).
 
@@ -49,14 +51,19 @@ def resolve_capture(name: str, device: torch.device, kernels: str) -> str:
 
 class CompiledForward:
     """`torch.compile` of `model.forward` for steps planned by a uniform `GatherPlan`, and (with
-    `prefill`) for steps with prefill chunks: one graph each."""
+    `prefill`) for steps with prefill chunks: one graph each. A planned step calls its graph
+    straight once it is compiled (`_KeptGraphs`, keyed by `kind`): Dynamo's frame hook, guards and
+    bytecode were about a fifth of the demo target's batch-1 decode forward. The prefill graph
+    takes a stride among its inputs (a size Dynamo keeps a guard on), so it stays behind Dynamo."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, prefill: bool = True):
         """prefill: also steps without a plan (their op runs the torch references: CPU only)."""
         self.model, self.kv_caches, self.prefill = model, kv_caches, prefill
         forward = _own_forward(model)
         self._code = forward.__code__
-        self._compiled = torch.compile(forward, fullgraph=True, dynamic=False, options=_COMPILE_OPTIONS)
+        self._kept = _KeptGraphs(_INDUCTOR_FORWARD_OPTIONS, roots=("input_ids", "positions", "meta"))
+        self._compiled = torch.compile(forward, fullgraph=True, dynamic=False, backend=self._kept,
+                                       options={"guard_filter_fn": _guard_step_inputs_only})
         self.is_broken = False  # compiling failed once (no C++ compiler, say): eager from then on
         self.compile_seconds = 0.0
         # steps run through each graph: planned, and with prefill chunks (alone, or beside decode tokens)
@@ -72,11 +79,26 @@ class CompiledForward:
     def covers(self, step: StepInputs, has_layer_callback: bool) -> bool:
         return not self.is_broken and not has_layer_callback and (step.meta.plan is not None or self.prefill)
 
+    @staticmethod
+    def kind(step: StepInputs) -> str:
+        """Which graph a step runs: what Dynamo's kept guards tell apart (whether the step has a
+        plan, and whether the plan is the native op's)."""
+        plan = step.meta.plan
+        return "prefill" if plan is None else "planned" if plan.query_starts is not None else "planned (torch)"
+
+    def calls_straight(self, kind: str) -> bool:
+        """Whether a step of this kind calls its compiled graph without Dynamo (`_KeptGraph`)."""
+        return self._kept.call(kind) is not None
+
     def __call__(self, step: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
-        _mark_sizes_unbacked(step)
         meta = step.meta
         self.num_steps["planned" if meta.plan is not None else "mixed" if meta.num_decode_tokens else "prefill"] += 1
+        kind = self.kind(step)
         try:
+            if (call := self._kept.call(kind)) is not None:  # compiled: straight to the graph
+                return call(dict(input_ids=step.input_ids, positions=step.positions, meta=meta))
+            _mark_sizes_unbacked(step)
+            self._kept.kind = kind
             return self._compiled(step.input_ids, step.positions, self.kv_caches, step.meta)
         except Exception as e:  # compilation failed: say so once and stay eager
             self.is_broken = True
@@ -265,7 +287,7 @@ def _guard_step_inputs_only(entries) -> list[bool]:
     return [not (e.name.startswith("self.") or e.name.startswith("kv_caches[")) for e in entries]
 
 
-# Inductor's options for both captures. Its generated code checks, on every call, every input's
+# Inductor's options for the forward and the draft's passes. Its generated code checks, on every call, every input's
 # sizes, strides and alignment: the model's parameters included, about 50 checks a call. The
 # guards above already check the step's own inputs and the parameters never change, so the checks
 # are off: about 15 µs a call on the AMD EPYC (a draft pass's 0.15 ms, a draft forward's 0.20 ms;
@@ -274,66 +296,100 @@ def _guard_step_inputs_only(entries) -> list[bool]:
 # with the Python wrapper (medians of 2000 calls, three interleaved processes each). The forward
 # itself gained nothing measurable from it and would pay its longer first compile (the C++
 # wrapper adds about 7 s to a start with an empty Inductor cache).
-_COMPILE_OPTIONS = {"guard_filter_fn": _guard_step_inputs_only, "size_asserts": False, "alignment_asserts": False}
+_INDUCTOR_FORWARD_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 _INDUCTOR_PASS_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "cpp_wrapper": True}
 
 
 class _KeptGraph:
     """A `torch.compile` backend that compiles as Inductor does and keeps what it compiled, so a
-    draft's pass can call its graph straight, without Dynamo on the way.
+    draft's pass (and a step's forward, through `_KeptGraphs`) can call its graph straight,
+    without Dynamo on the way.
 
     Why: a call through `torch.compile` passes Dynamo's frame hook, its guards (those left after
     `_guard_step_inputs_only`) and the bytecode around the graph before Inductor's code starts.
     On the demo draft at batch 1 that was about a third of a pass: 0.30 ms a pass through Dynamo
     against 0.21 ms for the same graph called straight (medians of 2000 calls in one process, the
-    Sapphire Rapids Xeon, one thread). A pass runs four or five times a speculative step.
+    Sapphire Rapids Xeon, one thread). A pass runs four or five times a speculative step. On the
+    demo target's batch-1 decode forward (AMD EPYC) it was 0.47-0.55 ms against 0.34-0.45 ms.
 
-    `call` exists once exactly one graph was compiled and every input the graph takes is either a
-    pass's own input (`state`, `temperature`, `noise`), one of their sizes, or a tensor of the
-    model (`self`) or of `kv_caches`, taken as fixed for the object's life (the runner allocates
-    both once): the trust the dropped guards already place in them. Any other input (one it
-    cannot name) leaves `call` off. The checks the guards would make on the pass's own inputs hold
-    by construction: `DraftPasses` makes them, always int64 / float32 tensors of the same ranks on
-    the same device, under the inference mode the engine steps in. A second graph for the same
-    kind (something changed that a kept guard checks) turns `call` off, and the pass goes through
-    Dynamo from then on."""
+    `call` exists once exactly one graph was compiled and every input the graph takes is either
+    one of the call's own inputs (`roots`: a pass's `state`, `temperature`, `noise`; a step's
+    `input_ids`, `positions`, `meta`), a tensor reached from one by attributes
+    (`meta.plan.block_ids`), one of their sizes, or a tensor of the model (`self`) or of
+    `kv_caches`, taken as fixed for the object's life (the runner allocates both once): the
+    trust the dropped guards already place in them. Any other input (one it cannot name, a
+    stride, a size Dynamo did not mark unbacked) leaves `call` off. The checks the guards would
+    make on the call's own inputs hold by construction: `DraftPasses` and `InputBuffers` make
+    them, always tensors of the same dtypes and ranks on the same device, under the inference
+    mode the engine steps in. A second graph for the same function (something changed that a
+    kept guard checks) turns `call` off, and the call goes through Dynamo from then on."""
 
-    _INPUT = re.compile(r"L\['(state|temperature|noise)'\](?:\.size\(\)\[(\d+)\])?$")
     _FIXED = ("L['self']", "L['kv_caches']")  # the model's tensors, the KV caches: their guards are dropped
 
-    def __init__(self, options: dict):
+    def __init__(self, options: dict, roots: tuple[str, ...] = ("state", "temperature", "noise")):
         self.options, self.num_graphs = options, 0
+        self._input = re.compile(r"L\['(" + "|".join(roots) + r")'\]((?:\.[A-Za-z_]\w*)*?)(?:\.size\(\)\[(\d+)\])?$")
         self.call = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
         from torch._inductor.compile_fx import compile_fx
 
+        inputs = self._inputs(gm, example_inputs)  # before compiling, which may rewrite the graph's nodes
         compiled = compile_fx(gm, example_inputs, config_patches=dict(self.options))
         self.num_graphs += 1
-        self.call = self._straight(gm, example_inputs, compiled) if self.num_graphs == 1 else None
+        self.call = self._straight(*inputs, compiled) if inputs is not None and self.num_graphs == 1 else None
         return compiled
 
-    @classmethod
-    def _straight(cls, gm: torch.fx.GraphModule, example_inputs: list, compiled):
-        fixed, slots = [], []  # fixed[i]: the graph's i-th input when fixed; slots: (i, name, dim) of the rest
+    def _inputs(self, gm: torch.fx.GraphModule, example_inputs: list):
+        """(fixed, slots): fixed[i] the graph's i-th input when fixed, slots (i, root, attributes,
+        dim) of the rest; None when an input cannot be named."""
+        fixed, slots = [], []
         for i, (node, value) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
             arg = node.meta.get("grapharg")
-            match = cls._INPUT.match(arg.source.name) if arg is not None else None
+            match = self._input.match(arg.source.name) if arg is not None else None
             if match is not None:
                 fixed.append(None)
-                slots.append((i, match[1], None if match[2] is None else int(match[2])))
-            elif isinstance(value, torch.Tensor) and arg is not None and arg.source.name.startswith(cls._FIXED):
+                slots.append((i, match[1], tuple(a for a in match[2].split(".") if a),
+                              None if match[3] is None else int(match[3])))
+            elif isinstance(value, torch.Tensor) and arg is not None and arg.source.name.startswith(self._FIXED):
                 fixed.append(value)
             else:  # an input it cannot name: through Dynamo
                 return None
+        return fixed, slots
 
-        def call(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    @staticmethod
+    def _straight(fixed: list, slots: list, compiled):
+        def call(inputs: dict) -> torch.Tensor:
             args = list(fixed)
-            for i, name, dim in slots:
-                args[i] = inputs[name] if dim is None else inputs[name].shape[dim]
+            for i, root, attrs, dim in slots:
+                value = inputs[root]
+                for name in attrs:
+                    value = getattr(value, name)
+                args[i] = value if dim is None else value.shape[dim]
             out = compiled(*args)
             return out[0]
         return call
+
+
+class _KeptGraphs:
+    """One function's graphs told apart by their kind, each kept by a `_KeptGraph`: the caller
+    names the kind (`kind`) before a call through Dynamo, and the graph Dynamo compiles in that
+    call is that kind's. A step's forward has two: steps with a plan (decode, verification) and
+    steps with prefill chunks; Dynamo tells them apart by guards on `meta.plan`, which a straight
+    call does not check, so `CompiledForward.kind` makes the same distinction first."""
+
+    def __init__(self, options: dict, roots: tuple[str, ...]):
+        self.options, self.roots = options, roots
+        self.kind: str | None = None
+        self.graphs: dict[str | None, _KeptGraph] = {}
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
+        graph = self.graphs.setdefault(self.kind, _KeptGraph(self.options, self.roots))
+        return graph(gm, example_inputs)
+
+    def call(self, kind: str):
+        graph = self.graphs.get(kind)
+        return None if graph is None else graph.call
 
 
 def _mark_sizes_unbacked(step: StepInputs) -> None:

@@ -38,6 +38,10 @@ def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
             assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     assert not capture.is_broken and compiled.engine.speculator.stats.num_drafts > 0
     assert capture.num_steps["prefill"] > 1 and capture.num_steps["planned"] > 1  # both graphs ran (37-token prompts)
+    # planned steps called their graph straight, not through Dynamo; the prefill graph takes a
+    # stride among its inputs, which a straight call would not check, so it stays behind Dynamo
+    assert capture.calls_straight("planned" if cpu_attention == "native" else "planned (torch)")
+    assert not capture.calls_straight("prefill")
     # one graph for every batch size and length, and for buffers grown mid-request: nothing
     # recompiled after the warm-up
     assert capture.num_graphs == graphs >= 1
@@ -115,6 +119,22 @@ def test_a_kept_graph_is_called_straight_only_while_it_is_its_functions_one_grap
     unnamed = _KeptGraph({})
     torch.compile(lambda x, y: x + y, backend=unnamed, fullgraph=True)(torch.ones(2), torch.ones(2))
     assert unnamed.num_graphs == 1 and unnamed.call is None  # 'x' and 'y' are no pass's inputs
+
+    # a step's forward: tensors reached from an input by attributes, and their sizes
+    def gather(self, ids: torch.Tensor, meta) -> torch.Tensor:
+        return self(meta.plan.table[ids].float()).sum(-1) + meta.plan.table.shape[0]
+
+    by_attribute = _KeptGraph({}, roots=("ids", "meta"))
+    fn = torch.compile(types.MethodType(gather, model), backend=by_attribute, fullgraph=True)
+    meta = types.SimpleNamespace(plan=types.SimpleNamespace(table=torch.arange(12).view(4, 3)))
+    ids = torch.tensor([0, 2])
+    for t in (ids, meta.plan.table):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    assert torch.equal(fn(ids, meta), gather(model, ids, meta))
+    assert by_attribute.call is not None
+    other = types.SimpleNamespace(plan=types.SimpleNamespace(table=torch.arange(21).view(7, 3) - 5))
+    assert torch.allclose(by_attribute.call({"ids": torch.tensor([6, 1, 3]), "meta": other}),
+                          gather(model, torch.tensor([6, 1, 3]), other))
 
 
 def test_native_attention_gives_the_torch_tokens(target):
