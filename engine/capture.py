@@ -56,9 +56,11 @@ class CompiledForward:
     bytecode were about a fifth of the demo target's batch-1 decode forward. The prefill graph
     takes a stride among its inputs (a size Dynamo keeps a guard on), so it stays behind Dynamo."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, prefill: bool = True):
-        """prefill: also steps without a plan (their op runs the torch references: CPU only)."""
-        self.model, self.kv_caches, self.prefill = model, kv_caches, prefill
+    def __init__(self, model: torch.nn.Module, kv_caches: list, prefill: bool = True, straight: bool = True):
+        """prefill: also steps without a plan (their op runs the torch references: CPU only).
+        straight: False sends every step through Dynamo, guards and all: a check that one
+        planned graph serves every planned step, which is what a straight call assumes."""
+        self.model, self.kv_caches, self.prefill, self.straight = model, kv_caches, prefill, straight
         forward = _own_forward(model)
         self._code = forward.__code__
         self._kept = _KeptGraphs(_INDUCTOR_FORWARD_OPTIONS, roots=("input_ids", "positions", "meta"))
@@ -88,14 +90,14 @@ class CompiledForward:
 
     def calls_straight(self, kind: str) -> bool:
         """Whether a step of this kind calls its compiled graph without Dynamo (`_KeptGraph`)."""
-        return self._kept.call(kind) is not None
+        return self.straight and self._kept.call(kind) is not None
 
     def __call__(self, step: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
         meta = step.meta
         self.num_steps["planned" if meta.plan is not None else "mixed" if meta.num_decode_tokens else "prefill"] += 1
         kind = self.kind(step)
         try:
-            if (call := self._kept.call(kind)) is not None:  # compiled: straight to the graph
+            if self.straight and (call := self._kept.call(kind)) is not None:  # compiled: straight to the graph
                 return call(dict(input_ids=step.input_ids, positions=step.positions, meta=meta))
             _mark_sizes_unbacked(step)
             self._kept.kind = kind

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.capture import CompiledForward
 from pdserve.engine.config import EngineConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10]
@@ -42,6 +43,17 @@ def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
     # stride among its inputs, which a straight call would not check, so it stays behind Dynamo
     assert capture.calls_straight("planned" if cpu_attention == "native" else "planned (torch)")
     assert not capture.calls_straight("prefill")
+    if cpu_attention == "native":  # the same steps through Dynamo, guards and all: still one planned graph
+        runner = compiled.engine.runner
+        checked = runner.capture = CompiledForward(runner.model, runner.kv_caches, straight=False)
+        params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)
+        for prompts in (PROMPTS[:1], PROMPTS * 7):
+            assert [o.token_ids for o in compiled.generate(prompts, params)] == \
+                [o.token_ids for o in eager.generate(prompts, params)]
+        assert checked.num_steps["planned"] > 1 and not checked.calls_straight("planned")
+        # one graph for every planned step it ran (and one for prefill chunks, if any ran: the
+        # prompts' blocks are cached by now, so their prefill steps may all be planned)
+        assert checked.num_graphs == 1 + bool(checked.num_steps["prefill"] + checked.num_steps["mixed"])
     # one graph for every batch size and length, and for buffers grown mid-request: nothing
     # recompiled after the warm-up
     assert capture.num_graphs == graphs >= 1
