@@ -69,7 +69,8 @@ def serve(specs: list[str]) -> None:
     from spec_decode import code_prompts
 
     models = REPO / "models"
-    options = dict(graph_capture="compile", num_kv_blocks=640, max_num_seqs=32, enable_prefix_caching=False)  # batch 32 without preemption
+    # 640 blocks: batch 32 without preemption
+    options = dict(graph_capture="compile", num_kv_blocks=640, max_num_seqs=32, enable_prefix_caching=False)
     engines = {"plain": LLM(str(models / "demo"), **options),
                "spec": LLM(str(models / "demo"), draft_model=str(models / "demo-draft"), num_speculative_tokens=4,
                            **options)}

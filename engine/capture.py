@@ -289,8 +289,8 @@ def _guard_step_inputs_only(entries) -> list[bool]:
     return [not (e.name.startswith("self.") or e.name.startswith("kv_caches[")) for e in entries]
 
 
-# Inductor's options for the forward and the draft's passes. Its generated code checks, on every call, every input's
-# sizes, strides and alignment: the model's parameters included, about 50 checks a call. The
+# Inductor's options for the forward and the draft's passes. Its generated code checks, on every
+# call, every input's sizes, strides and alignment: the model's parameters included, about 50 checks a call. The
 # guards above already check the step's own inputs and the parameters never change, so the checks
 # are off: about 15 µs a call on the AMD EPYC (a draft pass's 0.15 ms, a draft forward's 0.20 ms;
 # five calls a speculative step at depth 4). A draft's passes also get Inductor's C++ wrapper (the graph's

@@ -8,7 +8,8 @@ import pytest
 
 def test_cases_are_plain_and_speculating_per_batch_and_temperature(load_benchmark):
     bench = load_benchmark("spec_by_revision")
-    assert bench.cases_of(bench.DEFAULT_CASES) == [("plain", 1, 0.0), ("spec", 1, 0.0), ("plain", 8, 1.0), ("spec", 8, 1.0)]
+    assert bench.cases_of(bench.DEFAULT_CASES) == [("plain", 1, 0.0), ("spec", 1, 0.0),
+                                                   ("plain", 8, 1.0), ("spec", 8, 1.0)]
     assert bench.cases_of(["32:0"]) == [("plain", 32, 0.0), ("spec", 32, 0.0)]
 
 
