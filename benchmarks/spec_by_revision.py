@@ -95,6 +95,7 @@ def case_name(case: tuple) -> str:
 def measure(baseline: str, rounds: int, specs: list[str]) -> dict:
     from tqdm import tqdm
 
+    measured = cases_of(specs)
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"this": dict(os.environ),
                 "baseline": dict(os.environ, PYTHONPATH=str(export_revision(baseline, Path(tmp) / "baseline")))}
@@ -103,11 +104,11 @@ def measure(baseline: str, rounds: int, specs: list[str]) -> dict:
             for arm, env in arms.items():  # the child's first line says it is ready
                 procs[arm] = ChildProcess(f"engine ({env.get('PYTHONPATH') or 'this checkout'})", __file__,
                                           ["--serve", *specs], env=env, quiet=True)
-            rates = {arm: {case_name(c): [] for c in cases_of(specs)} for arm in arms}
-            with tqdm(total=rounds * len(cases_of(specs)) * 2, desc="spec_by_revision", unit="run") as bar:
+            rates = {arm: {case_name(c): [] for c in measured} for arm in arms}
+            with tqdm(total=rounds * len(measured) * 2, desc="spec_by_revision", unit="run") as bar:
                 for r in range(rounds):
                     order = list(arms) if r % 2 == 0 else list(arms)[::-1]
-                    for case in cases_of(specs):
+                    for case in measured:
                         for arm in order:
                             rates[arm][case_name(case)].append(procs[arm].ask(case, timeout_s=300))
                             bar.update(1)
@@ -115,12 +116,12 @@ def measure(baseline: str, rounds: int, specs: list[str]) -> dict:
             for proc in procs.values():
                 proc.close()
     cases = {}
-    for case in cases_of(specs):
+    for case in measured:
         key = case_name(case)
         this, base = rates["this"][key], rates["baseline"][key]
         cases[key] = dict(this=Spread.of(this).as_dict(), baseline=Spread.of(base).as_dict(),
                           ratio=Spread.of(t / b for t, b in zip(this, base)).as_dict())
-    for b, t in sorted({(b, t) for _, b, t in cases_of(specs)}):
+    for b, t in sorted({(b, t) for _, b, t in measured}):
         plain, spec = rates["this"][case_name(("plain", b, t))], rates["this"][case_name(("spec", b, t))]
         bplain, bspec = rates["baseline"][case_name(("plain", b, t))], rates["baseline"][case_name(("spec", b, t))]
         cases[f"speculation / plain, batch {b}, temp {t:g}"] = dict(

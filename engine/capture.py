@@ -22,6 +22,7 @@ relative in float32), so tests check that greedy tokens are the same with and wi
 from __future__ import annotations
 
 import logging
+import operator
 import re
 import time
 import types
@@ -343,15 +344,16 @@ class _KeptGraph:
         return compiled
 
     def _inputs(self, gm: torch.fx.GraphModule, example_inputs: list):
-        """(fixed, slots): fixed[i] the graph's i-th input when fixed, slots (i, root, attributes,
-        dim) of the rest; None when an input cannot be named."""
+        """(fixed, slots): fixed[i] the graph's i-th input when fixed, slots (i, root, getter of
+        the attributes from the root or None, dim) of the rest; None when an input cannot be named."""
         fixed, slots = [], []
         for i, (node, value) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
             arg = node.meta.get("grapharg")
             match = self._input.match(arg.source.name) if arg is not None else None
             if match is not None:
                 fixed.append(None)
-                slots.append((i, match[1], tuple(a for a in match[2].split(".") if a),
+                path = match[2].lstrip(".")  # the attributes from the root to the tensor, as "plan.block_ids"
+                slots.append((i, match[1], operator.attrgetter(path) if path else None,
                               None if match[3] is None else int(match[3])))
             elif isinstance(value, torch.Tensor) and arg is not None and arg.source.name.startswith(self._FIXED):
                 fixed.append(value)
@@ -363,10 +365,8 @@ class _KeptGraph:
     def _straight(fixed: list, slots: list, compiled):
         def call(inputs: dict) -> torch.Tensor:
             args = list(fixed)
-            for i, root, attrs, dim in slots:
-                value = inputs[root]
-                for name in attrs:
-                    value = getattr(value, name)
+            for i, root, get, dim in slots:
+                value = inputs[root] if get is None else get(inputs[root])
                 args[i] = value if dim is None else value.shape[dim]
             out = compiled(*args)
             return out[0]
