@@ -8,13 +8,16 @@ Two modes:
         engine's Python functions over a batch-1 generation.
 
     python benchmarks/profile_offline.py --variant base=cc75024 --variant step=HEAD \\
-        --variant compiled=HEAD:graph_capture=compile [--repeats 7]
+        --variant compiled=HEAD:graph_capture=compile [--repeats 7] [--prompt-lens 32,128,512]
         The same batch-1 greedy decode on several git revisions (each unpacked with `git archive`
         and imported from there, in its own process, with its own engine options), measured side
         by side: the processes take turns, one measurement each per repeat. Per variant: the decode
         step's wall and CPU milliseconds (min / median / max over repeats), the ratio to the first
         variant per repeat, and aten ops per step. Prints the Markdown table it writes to
         BENCHMARKS.md (section "Step cost by change"), JSON and PNG under benchmarks/results/.
+        With --prompt-lens, each repeat also times one prefill per length (a request for one
+        token on a prompt of that many tokens, new token ids each time, so no prefix is cached)
+        and writes a second table, section "Prefill cost by change" (`prefill_by_change.*`).
 
 The decode step is (time for N tokens - time for 1 token) / (N - 1) of one request, one torch
 thread, so prefill and start-up are out of it.
@@ -40,6 +43,7 @@ from report import Spread, export_revision, grouped_bars, machine, update_sectio
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Step cost by change (issue 14)"
+PREFILL_SECTION = "Prefill cost by change (issue 14)"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
@@ -87,8 +91,9 @@ def profile_one(model: str, threads: int, rows: int) -> None:
 
 # ---- several revisions, side by side -------------------------------------------------------
 
-def worker(model: str, options: dict, new_tokens: int) -> None:
-    """Run in a variant's process: load, count ops, then time one decode per line on stdin."""
+def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int]) -> None:
+    """Run in a variant's process: load, count ops, then time one decode (and one prefill per
+    prompt length) per line on stdin."""
     import torch
 
     from pdserve.engine import LLM, SamplingParams
@@ -104,14 +109,28 @@ def worker(model: str, options: dict, new_tokens: int) -> None:
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - w, time.process_time() - c
 
+    vocab = llm.engine.model_config.vocab_size
+    calls = iter(range(1 << 30))
+
+    def prefill_ms(length: int) -> float:
+        """One prompt of `length` token ids never used before in this process (no cached prefix)."""
+        first = next(calls) * 7919
+        prompt = [3 + (first + 31 * i) % (vocab - 3) for i in range(length)]
+        w = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        return (time.perf_counter() - w) * 1e3
+
     timed(8)
     timed(new_tokens)
+    for length in prompt_lens:  # first prompts of each length (a graph may specialize once)
+        prefill_ms(length)
     ops = aten_ops_per_step(llm, SamplingParams) if options.get("graph_capture", "off") in ("off", "auto") else None
     print(json.dumps(dict(startup_seconds=startup, aten_ops_per_step=ops)), flush=True)
     for _ in sys.stdin:
         full, first = timed(new_tokens), timed(1)
         print(json.dumps(dict(wall_ms=(full[0] - first[0]) / (new_tokens - 1) * 1e3,
-                              cpu_ms=(full[1] - first[1]) / (new_tokens - 1) * 1e3)), flush=True)
+                              cpu_ms=(full[1] - first[1]) / (new_tokens - 1) * 1e3,
+                              prefill_ms={str(n): prefill_ms(n) for n in prompt_lens})), flush=True)
 
 
 def unpack(revision: str, into: Path) -> tuple[Path, str]:
@@ -140,7 +159,7 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
     return name, revision, options
 
 
-def compare(variants: list[str], model: str, repeats: int, new_tokens: int) -> dict:
+def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prompt_lens: list[int] = ()) -> dict:
     parsed = [parse_variant(v) for v in variants]
     model = str(Path(model).resolve())  # the workers run elsewhere
     load_start = os.getloadavg()[0]
@@ -149,7 +168,8 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int) -> d
         for i, (name, revision, options) in enumerate(parsed):
             path, subject = unpack(revision, Path(tmp) / f"v{i}")
             env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS="1")
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, json.dumps(options), str(new_tokens)]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, json.dumps(options), str(new_tokens),
+                   json.dumps(list(prompt_lens))]
             procs[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             info[name] = dict(revision=revision, subject=subject, options=options)
         for name, proc in procs.items():
@@ -168,7 +188,12 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int) -> d
         for key in ("wall_ms", "cpu_ms"):
             info[name][key] = Spread.of(s[key] for s in samples[name]).as_dict()
             info[name][f"{key}_speedup"] = Spread.of(a[key] / b[key] for a, b in zip(samples[first], samples[name])).as_dict()
-    return dict(model=model, repeats=repeats, new_tokens=new_tokens, variants=info,
+        info[name]["prefill_ms"] = {
+            n: dict(ms=Spread.of(s["prefill_ms"][n] for s in samples[name]).as_dict(),
+                    speedup=Spread.of(a["prefill_ms"][n] / b["prefill_ms"][n]
+                                      for a, b in zip(samples[first], samples[name])).as_dict())
+            for n in map(str, prompt_lens)}
+    return dict(model=model, repeats=repeats, new_tokens=new_tokens, prompt_lens=list(prompt_lens), variants=info,
                 machine=machine() | {"load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]})
 
 
@@ -192,6 +217,25 @@ def markdown(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def prefill_markdown(result: dict, command: str) -> str:
+    """Per variant and prompt length: ms to prefill one prompt (and pick its one token), and the
+    speedup against the first variant within each repeat."""
+    sp = lambda d: Spread(d["min"], d["median"], d["max"], tuple(d["values"]))  # noqa: E731
+    lens = [str(n) for n in result["prompt_lens"]]
+    lines = [f"Command: `{command}`. One request for one token on a prompt of each length (token ids never used "
+             f"before in the process, so nothing is cached), batch 1, one torch thread, each variant in its own "
+             f"process, {result['repeats']} repeats taken in turn; ms per request, then the first variant's time "
+             f"over this one's in the same repeat, min / median / max. Load average (1 min) at the start and end: "
+             f"{result['machine']['load_avg_1m_start']:.2f}, {result['machine']['load_avg_1m_end']:.2f}.", "",
+             "| variant | options | " + " | ".join(f"{n} tokens: ms" for n in lens) + " | "
+             + " | ".join(f"{n} tokens: speedup" for n in lens) + " |", "|---|---|" + "---|" * (2 * len(lens))]
+    for name, v in result["variants"].items():
+        p = v["prefill_ms"]
+        lines.append(f"| {name} | `{v['options'] or '{}'}` | " + " | ".join(sp(p[n]["ms"]).fmt(1) for n in lens) + " | "
+                     + " | ".join(sp(p[n]["speedup"]).fmt(2, "×") for n in lens) + " |")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -207,9 +251,26 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_prefill(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, lens = list(result["variants"]), [str(n) for n in result["prompt_lens"]]
+    fig, ax = plt.subplots(figsize=(1.2 * len(lens) * len(names) / 2 + 3, 3.5))
+    grouped_bars(ax, [f"{n} tokens" for n in lens],
+                 [(name, [result["variants"][name]["prefill_ms"][n]["ms"] for n in lens]) for name in names])
+    ax.set_ylabel("ms per one-token request")
+    ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))
+        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(REPO / "models" / "demo"))
@@ -218,12 +279,14 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], help="NAME=REV[:key=value,...] (repeatable)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--new-tokens", type=int, default=129)
+    p.add_argument("--prompt-lens", type=_lengths, default=[],
+                   help="comma-separated prompt lengths: also time one prefill of each per repeat")
     p.add_argument("--no-markdown", action="store_true")
     args = p.parse_args()
     if not args.variant:
         profile_one(args.model, args.threads, args.rows)
         return
-    result = compare(args.variant, args.model, args.repeats, args.new_tokens)
+    result = compare(args.variant, args.model, args.repeats, args.new_tokens, args.prompt_lens)
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -233,6 +296,24 @@ def main() -> None:
     if not args.no_markdown:
         update_section(REPO / "BENCHMARKS.md", SECTION, text)
     print(f"## {SECTION}\n\n{text}")
+    if args.prompt_lens:
+        (RESULTS / "prefill_by_change.json").write_text(json.dumps(result, indent=2))
+        plot_prefill(result, RESULTS / "prefill_by_change.png")
+        text = prefill_markdown(result, command)
+        if not args.no_markdown:
+            update_section(REPO / "BENCHMARKS.md", PREFILL_SECTION, text)
+        print(f"## {PREFILL_SECTION}\n\n{text}")
+
+
+def _lengths(text: str) -> list[int]:
+    """"32,128,512" -> [32, 128, 512]; anything else is refused by argparse with the reason."""
+    try:
+        lens = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be comma-separated integers, got {text!r}") from None
+    if not lens or min(lens) < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be positive, got {text!r}")
+    return lens
 
 
 if __name__ == "__main__":

@@ -89,7 +89,13 @@ class ModelRunner:
             capture = CudaGraphForward(self.model, self.kv_caches, self.inputs, max_batch)
         with torch.inference_mode():
             if kind == "compile":
-                capture.warm_up(self.inputs.build([_dummy_entry()]), self.inputs.build([_dummy_prefill(self.block_size)]))
+                step = self.inputs.build([_dummy_entry()])
+                self.inputs.native_chunks = False  # the dummy prefill must reach the prefill graph
+                try:
+                    prefill = self.inputs.build([_dummy_prefill(self.block_size)])
+                finally:
+                    self.inputs.native_chunks = True
+                capture.warm_up(step, prefill)
             else:
                 capture.warm_up(self.inputs.build([_dummy_entry()]))
         return capture

@@ -26,6 +26,13 @@ from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.kernels.gathered_attention import plan_gather
 
 MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `extend_attention`
+# A native plan (`paged_attention_cpu`) also takes longer chunks while each one's queries times its
+# context stay within this. The native op scores every query against every key of its context
+# (no causal skip), in one buffer of heads x queries x context floats; below this it beat the
+# per-sequence SDPA path at every prompt length tried: 3.4x at a 100-token prompt, 1.9x at 128,
+# 1.35x at 256, and at 512 still 1.4x, but at 1024 it took 2.9x as long (its scores no longer stay
+# in cache). Demo target's heads, one thread, AMD EPYC; write included in both; scratch timing.
+MAX_NATIVE_SCORES = 256 * 256
 
 _INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")  # per token
 _INT32 = ("context_lens", "cu_seqlens_q")  # per sequence (+1)
@@ -47,6 +54,9 @@ class InputBuffers:
         self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
         self.native_plans = native_plans  # plans for `paged_attention_cpu` (kernels/native.py)
+        # chunks past MAX_GATHERED_QUERY_LEN take a native plan up to MAX_NATIVE_SCORES (off while
+        # a compiled forward warms its prefill graph up on a short chunk)
+        self.native_chunks = True
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
         self._grow(256, 16)
@@ -137,11 +147,19 @@ class InputBuffers:
             extend_block_tables=tables[nd:], extend_cu_seqlens_q=self._out("cu_seqlens_q", ns - nd + 1),
             extend_context_lens=lens[nd:],
         )
-        if self.plan_on_host and max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
+        if self.plan_on_host and self._plannable(entries):
             meta.plan = plan_gather(tables, [e.start + e.num_new_tokens for e in entries],
                                     [e.num_new_tokens for e in entries], self.block_size, self.uniform_plans,
                                     self.native_plans)
         return meta
+
+    def _plannable(self, entries: list) -> bool:
+        """Whether the step's attention runs by one plan: every chunk short, or with native plans,
+        every chunk's queries x context within MAX_NATIVE_SCORES."""
+        if max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
+            return True
+        return self.native_plans and self.native_chunks and all(
+            e.num_new_tokens * (e.start + e.num_new_tokens) <= MAX_NATIVE_SCORES for e in entries)
 
     def _out(self, name: str, n: int) -> torch.Tensor:
         """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;

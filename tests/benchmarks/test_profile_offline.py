@@ -27,3 +27,30 @@ def test_a_revision_unpacks_as_the_pdserve_package(tmp_path, load_benchmark):
     out = subprocess.run([sys.executable, "-c", "import pdserve.engine as e; print(e.__file__)"], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(str(path)), out.stderr  # not the installed checkout
+
+
+def test_prompt_lengths_parse_or_are_refused_by_name(load_benchmark):
+    import argparse
+
+    import pytest
+
+    po = load_benchmark("profile_offline")
+    assert po._lengths("32,128, 512") == [32, 128, 512]
+    for bad in ("", "0,8", "32,abc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="prompt lengths"):
+            po._lengths(bad)
+
+
+def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark, checkpoint):
+    """One variant (this checkout's HEAD) on a tiny checkpoint, two repeats: every prompt length
+    gets a prefill time per repeat and a speedup of 1 against itself, and both tables render."""
+    po = load_benchmark("profile_offline")
+    result = po.compare(["head=HEAD"], checkpoint("llama"), repeats=2, new_tokens=5, prompt_lens=[20, 40])
+    prefill = result["variants"]["head"]["prefill_ms"]
+    assert set(prefill) == {"20", "40"}
+    for n in prefill.values():
+        assert len(n["ms"]["values"]) == 2 and min(n["ms"]["values"]) > 0
+        assert n["speedup"]["values"] == [1.0, 1.0]
+    text = po.prefill_markdown(result, "cmd")
+    assert "| head |" in text and "40 tokens: speedup" in text
+    assert "| head |" in po.markdown(result, "cmd")

@@ -16,6 +16,8 @@ from pdserve.engine.capture import CompiledForward
 from pdserve.engine.config import EngineConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10]
+# prompts whose one chunk is past a native plan (`step_inputs.MAX_NATIVE_SCORES`): prefill steps
+LONG = [list(range(3, 40)) * 8, [11, 12, 13, 14] * 70]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,13 @@ def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
     assert capture is not None and capture.compile_seconds > 0  # compiled at start-up, not in a request
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)):
-        for prompts in (PROMPTS[:1], PROMPTS, PROMPTS * 7):  # 21 sequences: the input buffers grow
+        # 21 sequences and more: the input buffers grow
+        for prompts in (PROMPTS[:1], PROMPTS + LONG[:1], LONG[1:] + PROMPTS * 7):
             want = [o.token_ids for o in eager.generate(prompts, params)]
             assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     assert not capture.is_broken and compiled.engine.speculator.stats.num_drafts > 0
-    assert capture.num_steps["prefill"] > 1 and capture.num_steps["planned"] > 1  # both graphs ran (37-token prompts)
+    # both graphs ran: prefill for the long prompts (and, with torch plans, for any chunk past 16 tokens)
+    assert capture.num_steps["prefill"] > 1 and capture.num_steps["planned"] > 1
     # planned steps called their graph straight, not through Dynamo; the prefill graph takes a
     # stride among its inputs, which a straight call would not check, so it stays behind Dynamo
     assert capture.calls_straight("planned" if cpu_attention == "native" else "planned (torch)")
@@ -82,14 +86,16 @@ def test_compiled_prefill_steps_mix_chunks_and_decode_tokens(target):
     """With a small token budget, prompts arrive in chunks beside other sequences' decode tokens:
     those steps run through the compiled prefill graph (`write_and_split_attend`) and give the
     eager tokens. The engine starts with compiling's garbage already collected."""
-    options = dict(max_num_batched_tokens=64)
+    # chunks of a few hundred tokens, past a native plan (`step_inputs.MAX_NATIVE_SCORES`), beside
+    # decode tokens; no prefix caching, so the repeated prompts are chunked again
+    options = dict(max_num_batched_tokens=400, enable_prefix_caching=False)
     eager = LLM(target, **options)
     gc.collect()
     compiled = LLM(target, graph_capture="compile", **options)
     # the garbage compiling left was collected at start, not left for a full collection inside
     # the first requests' steps (400 ms in one step of the demo pair's first request)
     assert gc.collect() < 50
-    prompts = [[5, 6, 7] * 30, list(range(3, 40)), [11, 12, 13] * 10] * 3
+    prompts = [[5, 6, 7] * 150, list(range(3, 40)) * 12, [11, 12, 13] * 10] * 3
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert [o.token_ids for o in compiled.generate(prompts, params)] == want
@@ -195,3 +201,34 @@ def test_cuda_graph_bucket_padding_computes_the_same_rows(target):
     for (k, _), k_before in zip(runner.kv_caches, before):  # only the real tokens' slots were written
         changed = (k != k_before).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
         assert changed == sorted(slots)
+
+
+def test_native_plans_take_chunks_up_to_their_scores_limit():
+    """A native plan (`paged_attention_cpu`) takes a prefill chunk while its queries times its
+    context stay within MAX_NATIVE_SCORES; past that, or with torch plans past 16 tokens, the step
+    has no plan and runs the per-sequence path (`write_and_split_attend` when compiled)."""
+    from pdserve.engine.model_runner import BatchEntry
+    from pdserve.engine.sequence import Sequence
+    from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, MAX_NATIVE_SCORES, InputBuffers
+
+    def step(buffers, *chunks):  # (start, num_new_tokens) per sequence
+        batch = []
+        for i, (start, n) in enumerate(chunks):
+            seq = Sequence(f"r{i}", [1] * (start + n), SamplingParams(), seed=0,
+                           block_table=list(range(i * 80, i * 80 + (start + n + 15) // 16)))
+            batch.append(BatchEntry(seq, n, 1, start=start))
+        return buffers.build(batch).meta
+
+    native = InputBuffers(16, 128, torch.device("cpu"), plan_on_host=True, native_plans=True)
+    torch_plans = InputBuffers(16, 128, torch.device("cpu"), plan_on_host=True)
+    side = int(MAX_NATIVE_SCORES ** 0.5)
+    assert step(native, (0, 100)).plan is not None
+    assert step(native, (0, side)).plan is not None and step(native, (0, side + 1)).plan is None
+    # a later chunk counts its whole context; decode tokens beside it do not change the verdict
+    assert step(native, (500, 1), (0, 100)).plan is not None
+    assert step(native, (MAX_NATIVE_SCORES // 64 - 64, 64)).plan is not None
+    assert step(native, (MAX_NATIVE_SCORES // 64 - 63, 64)).plan is None
+    assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN)).plan is not None
+    assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN + 1)).plan is None
+    native.native_chunks = False  # as while the compiled forward warms its prefill graph up
+    assert step(native, (0, 100)).plan is None and step(native, (0, 16)).plan is not None
