@@ -50,7 +50,7 @@ def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark,
     assert set(prefill) == {"20", "40"}
     for n in prefill.values():
         assert len(n["ms"]["values"]) == 2 and min(n["ms"]["values"]) > 0
-        assert n["speedup"]["values"] == [1.0, 1.0]
+        assert list(n["speedup"]["values"]) == [1.0, 1.0]
     text = po.prefill_markdown(result, "cmd")
     assert "| head |" in text and "40 tokens: speedup" in text
     assert "| head |" in po.markdown(result, "cmd")
