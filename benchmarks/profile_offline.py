@@ -17,7 +17,8 @@ Two modes:
         BENCHMARKS.md (section "Step cost by change"), JSON and PNG under benchmarks/results/.
         With --prompt-lens, each repeat also times one prefill per length (a request for one
         token on a prompt of that many tokens, new token ids each time, so no prefix is cached)
-        and writes a second table, section "Prefill cost by change" (`prefill_by_change.*`).
+        and writes a second table, section "Prefill cost by change" (`prefill_by_change.*`), in
+        place of the decode step's (printed, and kept in the same JSON).
 
 The decode step is (time for N tokens - time for 1 token) / (N - 1) of one request, one torch
 thread, so prefill and start-up are out of it.
@@ -298,11 +299,12 @@ def main() -> None:
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "step_by_change.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "step_by_change.png")
     text = markdown(result, command)
-    if not args.no_markdown:
-        update_section(REPO / "BENCHMARKS.md", SECTION, text)
+    if not args.prompt_lens:  # a prefill run prints its decode table but leaves the decode section as it is
+        (RESULTS / "step_by_change.json").write_text(json.dumps(result, indent=2))
+        plot(result, RESULTS / "step_by_change.png")
+        if not args.no_markdown:
+            update_section(REPO / "BENCHMARKS.md", SECTION, text)
     print(f"## {SECTION}\n\n{text}")
     if args.prompt_lens:
         (RESULTS / "prefill_by_change.json").write_text(json.dumps(result, indent=2))

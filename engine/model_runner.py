@@ -71,7 +71,8 @@ class ModelRunner:
             ]
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
-                                   uniform_plans=capture == "compile", native_plans=native_attention)
+                                   uniform_plans=capture == "compile", native_plans=native_attention,
+                                   num_heads=cfg.num_heads)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
         # a draft's passes run as graphs (`draft_passes`): the native attention's plans only
@@ -90,11 +91,11 @@ class ModelRunner:
         with torch.inference_mode():
             if kind == "compile":
                 step = self.inputs.build([_dummy_entry()])
-                self.inputs.native_chunks = False  # the dummy prefill must reach the prefill graph
+                limit, self.inputs.max_native_scores = self.inputs.max_native_scores, 0  # to the prefill graph
                 try:
                     prefill = self.inputs.build([_dummy_prefill(self.block_size)])
                 finally:
-                    self.inputs.native_chunks = True
+                    self.inputs.max_native_scores = limit
                 capture.warm_up(step, prefill)
             else:
                 capture.warm_up(self.inputs.build([_dummy_entry()]))

@@ -13,7 +13,8 @@ The flat batch is ordered as the model wants it: decode tokens first (one per se
 the other sequences' chunks, each kind by context length; `logits_index` lists, in the caller's
 order, the rows to score.
 On the CPU, when every chunk is short (decode, speculative verification, a draft catching up),
-the whole batch's attention runs as one dense call per layer by a `GatherPlan` made here once.
+the whole batch's attention runs as one dense call per layer by a `GatherPlan` made here once;
+with the native attention, so do prefill chunks up to MAX_NATIVE_SCORES (heads x queries x context).
 """
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.kernels.gathered_attention import plan_gather
 
 MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `extend_attention`
-# A native plan (`paged_attention_cpu`) also takes longer chunks while each one's queries times its
-# context stay within this. The native op scores every query against every key of its context
-# (no causal skip), in one buffer of heads x queries x context floats; below this it beat the
-# per-sequence SDPA path at every prompt length tried: 3.4x at a 100-token prompt, 1.9x at 128,
-# 1.35x at 256, and at 512 still 1.4x, but at 1024 it took 2.9x as long (its scores no longer stay
-# in cache). Demo target's heads, one thread, AMD EPYC; write included in both; scratch timing.
-MAX_NATIVE_SCORES = 256 * 256
+# A native plan (`paged_attention_cpu`) also takes longer chunks while each one's scores (heads x
+# queries x context floats, one buffer per sequence) stay within this many: 8 MB. Skipping what
+# the causal mask hides, the native op then beat the per-sequence SDPA path at every prompt length
+# tried on the demo target's 8 heads, one thread, AMD EPYC (write included in both; scratch
+# timing): 3.5x at a 100-token prompt, 4.1x at 128, 2.8x at 256, 2.6x at 512, the limit; at 1024
+# (32 MB of scores, out of cache) it took 3x as long.
+MAX_NATIVE_SCORES = 1 << 21
 
 _INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")  # per token
 _INT32 = ("context_lens", "cu_seqlens_q")  # per sequence (+1)
@@ -49,14 +50,14 @@ class StepInputs:
 
 class InputBuffers:
     def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device, plan_on_host: bool,
-                 uniform_plans: bool = False, native_plans: bool = False):
+                 uniform_plans: bool = False, native_plans: bool = False, num_heads: int = 1):
         self.block_size, self.max_blocks, self.device = block_size, max_blocks_per_seq, device
         self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
         self.native_plans = native_plans  # plans for `paged_attention_cpu` (kernels/native.py)
-        # chunks past MAX_GATHERED_QUERY_LEN take a native plan up to MAX_NATIVE_SCORES (off while
-        # a compiled forward warms its prefill graph up on a short chunk)
-        self.native_chunks = True
+        # chunks past MAX_GATHERED_QUERY_LEN take a native plan while heads x queries x context is
+        # within this (0 while a compiled forward warms its prefill graph up on a short chunk)
+        self.max_native_scores, self.num_heads = MAX_NATIVE_SCORES, num_heads
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
         self._grow(256, 16)
@@ -155,11 +156,11 @@ class InputBuffers:
 
     def _plannable(self, entries: list) -> bool:
         """Whether the step's attention runs by one plan: every chunk short, or with native plans,
-        every chunk's queries x context within MAX_NATIVE_SCORES."""
+        every chunk's scores (heads x queries x context) within `max_native_scores`."""
         if max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
             return True
-        return self.native_plans and self.native_chunks and all(
-            e.num_new_tokens * (e.start + e.num_new_tokens) <= MAX_NATIVE_SCORES for e in entries)
+        return self.native_plans and all(
+            self.num_heads * e.num_new_tokens * (e.start + e.num_new_tokens) <= self.max_native_scores for e in entries)
 
     def _out(self, name: str, n: int) -> torch.Tensor:
         """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;

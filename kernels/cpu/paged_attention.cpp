@@ -1,5 +1,6 @@
 // pdserve::paged_attention_cpu: a step's K/V write and its attention over the paged cache, as one
-// native call per layer, for short queries (decode, speculative verification, a draft's passes).
+// native call per layer, for short queries (decode, speculative verification, a draft's passes)
+// and prefill chunks up to `step_inputs.MAX_NATIVE_SCORES` (queries x context).
 //
 // The torch path (`gathered_attention.py`) does the same in about twenty ATen ops per layer,
 // whose fixed costs are most of a small model's batch-1 step on a CPU. Here each sequence's
@@ -130,9 +131,9 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-// A row of scores in place: softmax over its first `visible`, zero for the rest up to ctx
+// A row of scores in place: softmax over its first `visible`, zero for the rest up to `end`
 // (eight lanes at a time, the last few in scalar code).
-inline void softmax_row8(float* row, int64_t visible, int64_t ctx) {
+inline void softmax_row8(float* row, int64_t visible, int64_t end) {
   const int64_t full = visible & ~int64_t{7};
   __m256 mv = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < full; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + j));
@@ -151,7 +152,7 @@ inline void softmax_row8(float* row, int64_t visible, int64_t ctx) {
   const __m256 iv = _mm256_set1_ps(inv);
   for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), iv));
   for (int64_t j = full; j < visible; ++j) row[j] *= inv;
-  for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
+  for (int64_t j = visible; j < end; ++j) row[j] = 0.f;
 }
 
 // acc (HD floats) += sum over the n rows of w[j] * values[j * stride]: the accumulator in
@@ -226,8 +227,8 @@ struct Lanes16 {
   static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
 };
 
-// A row of scores in place: softmax over its first `visible`, zero for the rest up to ctx.
-inline void softmax_row16(float* row, int64_t visible, int64_t ctx) {
+// A row of scores in place: softmax over its first `visible`, zero for the rest up to `end`.
+inline void softmax_row16(float* row, int64_t visible, int64_t end) {
   const int64_t full = visible & ~int64_t{15};
   const __mmask16 tail = static_cast<__mmask16>((1u << (visible - full)) - 1);
   __m512 m = _mm512_set1_ps(-INFINITY);
@@ -248,7 +249,7 @@ inline void softmax_row16(float* row, int64_t visible, int64_t ctx) {
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
   for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
   if (tail) _mm512_mask_storeu_ps(row + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), inv));
-  for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
+  for (int64_t j = visible; j < end; ++j) row[j] = 0.f;
 }
 
 template <int HD>
@@ -334,7 +335,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t x = 0; x < kv_row; x += 64 / sizeof(float)) __builtin_prefetch(next + jj * kv_row + x);
       };
       scores.resize(rows * ctx);
-      for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // every row against every key
+      // Causal skipping: query i sees keys 0 .. ctx - nq + i, so the keys from `key` on are seen
+      // only by queries from first_row(key) on. Scores a row does not see are never computed and
+      // the values they would weigh never read (past its last block they are not even zeroed):
+      // a fresh prompt's chunk (nq = ctx) costs about half of every row against every key.
+      const auto first_row = [&](int64_t key) { return std::max<int64_t>(0, key - (ctx - nq)); };
+      for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {  // every row against the keys it sees
         const float* blk = rows_at(false, j0);
         const int64_t n = std::min(block_size, ctx - j0);
         // the next block (keys, or the first values) starts coming in while this one is used
@@ -346,8 +352,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           constexpr int64_t W = decltype(width)::value;
           for (; jj + W <= n; jj += W) {
             for (int64_t x = 0; x < W; ++x) prefetch_row(next, next_n, jj + x);
+            const int64_t i0 = first_row(j0 + jj);
             for (int64_t h = 0; h < num_heads; ++h)
-              for (int64_t i = 0; i < nq; ++i)
+              for (int64_t i = i0; i < nq; ++i)
                 dot(qf.data() + (h * nq + i) * head_dim, blk + jj * kv_row + (h / group) * head_dim, kv_row,
                     scores.data() + (h * nq + i) * ctx + j0 + jj);
           }
@@ -364,7 +371,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* key = blk + jj * kv_row + (h / group) * head_dim;
-            for (int64_t i = 0; i < nq; ++i) {
+            for (int64_t i = first_row(j0 + jj); i < nq; ++i) {
               const float* qr = qf.data() + (h * nq + i) * head_dim;
               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -374,13 +381,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees (zero beyond)
+      for (int64_t r = 0; r < rows; ++r) {  // softmax over the keys the row sees (zero beyond, in its last block)
         float* row = scores.data() + r * ctx;
         const int64_t visible = ctx - nq + r % nq + 1;
+        const int64_t read = std::min(ctx, (visible + block_size - 1) / block_size * block_size);
 #if defined(PDSERVE_AVX512)
-        softmax_row16(row, visible, ctx);
+        softmax_row16(row, visible, read);
 #elif defined(PDSERVE_AVX2)
-        softmax_row8(row, visible, ctx);
+        softmax_row8(row, visible, read);
 #else
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -395,7 +403,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float inv = 1.f / sum;
 #pragma omp simd
         for (int64_t j = 0; j < visible; ++j) row[j] *= inv;
-        for (int64_t j = visible; j < ctx; ++j) row[j] = 0.f;
+        for (int64_t j = visible; j < read; ++j) row[j] = 0.f;
 #endif
       }
       acc.assign(rows * head_dim, 0.f);
@@ -404,10 +412,22 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t n = std::min(block_size, ctx - j0);
         const float* next = j0 + block_size < ctx ? rows_at(true, j0 + block_size) : nullptr;
         const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
+        const int64_t i0 = first_row(j0);  // rows before it see none of this block
 #ifdef PDSERVE_AVX512
         if constexpr (kWide) {  // the rows of one KV head (contiguous: row = h * nq + i) two at a time
           for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
           const int64_t per_kv = group * nq;
+          if (i0 > 0) {  // some rows see none of it: each head's rows that do, two at a time
+            for (int64_t h = 0; h < num_heads; ++h) {
+              const float* vals = blk + (h / group) * HD;
+              int64_t r = h * nq + i0;
+              for (; r + 2 <= (h + 1) * nq; r += 2)
+                axpy_rows2<HD>(scores.data() + r * ctx + j0, scores.data() + (r + 1) * ctx + j0, vals, kv_row, n,
+                               acc.data() + r * HD, acc.data() + (r + 1) * HD);
+              if (r < (h + 1) * nq) axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
+            }
+            continue;
+          }
           for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
             const float* vals = blk + kh * HD;
             int64_t r = kh * per_kv;
@@ -423,7 +443,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         if constexpr (kVector) {  // a block's values into each row's accumulator, held in registers
           for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h)
-            for (int64_t i = 0; i < nq; ++i)
+            for (int64_t i = i0; i < nq; ++i)
               axpy_rows<HD>(scores.data() + (h * nq + i) * ctx + j0, blk + (h / group) * HD, kv_row, n,
                             acc.data() + (h * nq + i) * HD);
           continue;
@@ -433,7 +453,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           prefetch_row(next, next_n, jj);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* val = blk + jj * kv_row + (h / group) * head_dim;
-            for (int64_t i = 0; i < nq; ++i) {
+            for (int64_t i = i0; i < nq; ++i) {
               const float w = scores[(h * nq + i) * ctx + j0 + jj];
               float* a = acc.data() + (h * nq + i) * head_dim;
 #pragma omp simd

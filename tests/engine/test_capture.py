@@ -16,8 +16,15 @@ from pdserve.engine.capture import CompiledForward
 from pdserve.engine.config import EngineConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10]
-# prompts whose one chunk is past a native plan (`step_inputs.MAX_NATIVE_SCORES`): prefill steps
+# prompts whose one chunk is past a native plan's limit as `_short_native_plans` lowers it:
+# prefill steps (the tiny model's 4 heads and 512 positions never reach MAX_NATIVE_SCORES)
 LONG = [list(range(3, 40)) * 8, [11, 12, 13, 14] * 70]
+
+
+def _short_native_plans(*llms: LLM) -> None:
+    """Native plans for chunks of up to 200 x 200 (queries x context) on the tiny model's 4 heads."""
+    for llm in llms:
+        llm.engine.runner.inputs.max_native_scores = 4 * 200 * 200
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +38,7 @@ def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
     options = dict(speculative_method="ngram", num_speculative_tokens=3, spec_adaptive=False,
                    cpu_attention=cpu_attention)
     eager, compiled = LLM(target, **options), LLM(target, graph_capture="compile", **options)
+    _short_native_plans(eager, compiled)
     capture = compiled.engine.runner.capture
     graphs = capture.num_graphs  # the warm-up compiled them
     assert capture is not None and capture.compile_seconds > 0  # compiled at start-up, not in a request
@@ -86,12 +94,13 @@ def test_compiled_prefill_steps_mix_chunks_and_decode_tokens(target):
     """With a small token budget, prompts arrive in chunks beside other sequences' decode tokens:
     those steps run through the compiled prefill graph (`write_and_split_attend`) and give the
     eager tokens. The engine starts with compiling's garbage already collected."""
-    # chunks of a few hundred tokens, past a native plan (`step_inputs.MAX_NATIVE_SCORES`), beside
-    # decode tokens; no prefix caching, so the repeated prompts are chunked again
+    # chunks of a few hundred tokens, past a native plan (`_short_native_plans`), beside decode
+    # tokens; no prefix caching, so the repeated prompts are chunked again
     options = dict(max_num_batched_tokens=400, enable_prefix_caching=False)
     eager = LLM(target, **options)
     gc.collect()
     compiled = LLM(target, graph_capture="compile", **options)
+    _short_native_plans(eager, compiled)
     # the garbage compiling left was collected at start, not left for a full collection inside
     # the first requests' steps (400 ms in one step of the demo pair's first request)
     assert gc.collect() < 50
@@ -204,9 +213,9 @@ def test_cuda_graph_bucket_padding_computes_the_same_rows(target):
 
 
 def test_native_plans_take_chunks_up_to_their_scores_limit():
-    """A native plan (`paged_attention_cpu`) takes a prefill chunk while its queries times its
-    context stay within MAX_NATIVE_SCORES; past that, or with torch plans past 16 tokens, the step
-    has no plan and runs the per-sequence path (`write_and_split_attend` when compiled)."""
+    """A native plan (`paged_attention_cpu`) takes a prefill chunk while its scores (heads x queries
+    x context) stay within MAX_NATIVE_SCORES; past that, or with torch plans past 16 tokens, the
+    step has no plan and runs the per-sequence path (`write_and_split_attend` when compiled)."""
     from pdserve.engine.model_runner import BatchEntry
     from pdserve.engine.sequence import Sequence
     from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, MAX_NATIVE_SCORES, InputBuffers
@@ -215,20 +224,25 @@ def test_native_plans_take_chunks_up_to_their_scores_limit():
         batch = []
         for i, (start, n) in enumerate(chunks):
             seq = Sequence(f"r{i}", [1] * (start + n), SamplingParams(), seed=0,
-                           block_table=list(range(i * 80, i * 80 + (start + n + 15) // 16)))
+                           block_table=list(range(i * 400, i * 400 + (start + n + 15) // 16)))
             batch.append(BatchEntry(seq, n, 1, start=start))
         return buffers.build(batch).meta
 
-    native = InputBuffers(16, 128, torch.device("cpu"), plan_on_host=True, native_plans=True)
-    torch_plans = InputBuffers(16, 128, torch.device("cpu"), plan_on_host=True)
-    side = int(MAX_NATIVE_SCORES ** 0.5)
+    heads = 8
+    native = InputBuffers(16, 400, torch.device("cpu"), plan_on_host=True, native_plans=True, num_heads=heads)
+    torch_plans = InputBuffers(16, 400, torch.device("cpu"), plan_on_host=True, num_heads=heads)
+    per_head = MAX_NATIVE_SCORES // heads
+    side = int(per_head ** 0.5)
     assert step(native, (0, 100)).plan is not None
     assert step(native, (0, side)).plan is not None and step(native, (0, side + 1)).plan is None
     # a later chunk counts its whole context; decode tokens beside it do not change the verdict
     assert step(native, (500, 1), (0, 100)).plan is not None
-    assert step(native, (MAX_NATIVE_SCORES // 64 - 64, 64)).plan is not None
-    assert step(native, (MAX_NATIVE_SCORES // 64 - 63, 64)).plan is None
+    assert step(native, (per_head // 64 - 64, 64)).plan is not None
+    assert step(native, (per_head // 64 - 63, 64)).plan is None
+    # a model with more heads takes shorter chunks
+    assert step(InputBuffers(16, 400, torch.device("cpu"), plan_on_host=True, native_plans=True,
+                             num_heads=4 * heads), (0, side)).plan is None
     assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN)).plan is not None
     assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN + 1)).plan is None
-    native.native_chunks = False  # as while the compiled forward warms its prefill graph up
+    native.max_native_scores = 0  # as while the compiled forward warms its prefill graph up
     assert step(native, (0, 100)).plan is None and step(native, (0, 16)).plan is not None

@@ -17,6 +17,9 @@ CASES = {  # (context_lens, query_lens)
     "verify": ([20, 37, 9], [5, 5, 5]),
     "verify-ragged": ([20, 37, 9, 3], [5, 1, 3, 2]),  # adaptive depth: each sequence its own query count
     "long": ([700, 5], [2, 5]),  # many blocks; a context that is all queries
+    # prefill chunks (step_inputs.MAX_NATIVE_SCORES): a fresh prompt, whose rows skip the keys the
+    # causal mask hides, beside a later chunk of another prompt and a decode token
+    "prefill": ([100, 83, 40], [100, 37, 1]),
 }
 
 
@@ -64,7 +67,7 @@ def test_native_matches_dense_attention(case, num_heads, num_kv_heads, head_dim)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 32), (4, 1, 64)])
 def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads, num_kv_heads, head_dim):
     """Blocks shorter than the vector loops' sixteen keys, and blocks of several sixteens and a rest."""
-    for case in ("verify-ragged", "long"):
+    for case in ("verify-ragged", "long", "prefill"):
         context_lens, query_lens = CASES[case]
         q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(
             context_lens, query_lens, num_heads, num_kv_heads, head_dim, torch.float32, block_size=block_size)
