@@ -11,7 +11,8 @@ from pdserve.cluster.cli_options import (HelpFormatter, add, add_cluster_securit
 
 def engine_options(args: argparse.Namespace, speculates: bool = True) -> dict:
     return dict(dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
-                cpu_attention=args.cpu_attention, cpu_linear=args.cpu_linear, max_model_len=args.max_model_len,
+                cpu_attention=args.cpu_attention, cpu_linear=args.cpu_linear, graph_capture=args.graph_capture,
+                max_model_len=args.max_model_len,
                 draft_model=args.draft_model,
                 num_speculative_tokens=speculation_depth(args, speculates),
                 speculative_method=args.speculative_method, spec_adaptive=args.spec_adaptive)

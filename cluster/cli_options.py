@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "native", "torch"],
                    help="float32 projections on the CPU: packed weights and the native op where it builds with "
                    "AVX-512 or AVX2 (auto), insist on it, or torch's nn.Linear")
+    p.add_argument("--graph-capture", default="auto", choices=["auto", "off", "compile", "cuda_graphs"],
+                   help="the forward pass as one captured graph: CUDA graphs on CUDA, off on the CPU (auto); "
+                   "compile (torch.compile: a faster CPU step, tens of seconds per model at start-up)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     add(p, "--draft-model", help="draft checkpoint for speculative decoding")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=None,

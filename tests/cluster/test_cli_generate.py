@@ -32,6 +32,16 @@ def test_generate_with_speculation_prints_its_stats(text_checkpoint):
     assert "speculative:" in out.stderr and "draft tokens accepted" in out.stderr
 
 
+def test_generate_with_a_compiled_forward_gives_the_same_completion(text_checkpoint):
+    """--graph-capture reaches the engine: compiled, the greedy completion is the eager one."""
+    args = ("generate", "--model", str(text_checkpoint), "--prompt", "def ", "--max-tokens", "8", "--temperature", "0")
+    eager, compiled = run_cli(*args), run_cli(*args, "--graph-capture", "compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == eager.stdout
+    bad = run_cli(*args, "--graph-capture", "sometimes")
+    assert bad.returncode == 2 and "--graph-capture" in bad.stderr and "invalid choice" in bad.stderr
+
+
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, text_checkpoint):
     missing = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr

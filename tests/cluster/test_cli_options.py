@@ -77,14 +77,16 @@ def test_speculation_flags_are_never_silent(text_checkpoint, capsys):
     assert engine_options(ngram)["num_speculative_tokens"] == 2
 
 
-@pytest.mark.parametrize("option", ["cpu_attention", "cpu_linear"])
-def test_cpu_kernel_flags_reach_the_engine_options(option):
+@pytest.mark.parametrize("option,value", [("cpu_attention", "torch"), ("cpu_linear", "torch"),
+                                          ("graph_capture", "compile")])
+@pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "generate"])
+def test_engine_flags_reach_the_engine_options(option, value, command):
     from pdserve.cluster.cli import engine_options
 
-    assert engine_options(build_parser().parse_args(["decode-worker", "--model", "m"]))[option] == "auto"
-    flag = "--" + option.replace("_", "-")
-    forced = build_parser().parse_args(["decode-worker", "--model", "m", flag, "torch"])
-    assert engine_options(forced)[option] == "torch"
+    base = [command, "--model", "m"] + (["--prompt", "x"] if command == "generate" else [])
+    assert engine_options(build_parser().parse_args(base))[option] == "auto"
+    forced = build_parser().parse_args(base + ["--" + option.replace("_", "-"), value])
+    assert engine_options(forced)[option] == value
 
 
 @pytest.mark.parametrize("command", ["decode-worker", "prefill-worker", "router"])
