@@ -63,18 +63,22 @@ class DraftProposer:
     def _run_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]],
                      catch_up: bool) -> bool:
         """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
-        drafting drafts to the same depth and is greedy or samples by temperature alone, and no q
-        is kept (the rejection sampler's); False when not, or the runner cannot. With catch_up,
+        drafting is greedy or samples by temperature alone, and no q is kept (the rejection
+        sampler's); False when not, or the runner cannot. Sequences of mixed depths (adaptive depth
+        trims each to the positions worth verifying) all run to the deepest, where every block
+        table already holds those slots, and each keeps its own depth's tokens: the passes' cost
+        is mostly fixed, and pass by pass through `execute` and the sampler, the catch-up alone cost
+        about two passes at once (at batch 8, temperature 1 on the demo pair, a scratch trace had
+        mixed depths in 8 to 18% of the steps). The extra K/V lie beyond what verification can
+        accept, as a rejected draft's do, and go the same way (`Speculator.rollback`). With catch_up,
         every pass of the proposal, the first catching the draft up on the sequence's last two
         tokens, where none has more than two tokens the draft has not seen (after a verification,
         one or two; a fresh prompt, or a sequence back from plain steps, catches up pass by
         pass); without, the passes after the first. A sampled pass races the same noise as `_run`
         would draw (the stream, seed and position of the token it picks)."""
-        depth = ks[active[0]]
+        depth = max(ks[i] for i in active)
         group = [seqs[i] for i in active]
         params = [s.params for s in group]
-        if any(ks[i] != depth for i in active):
-            return False
         if not all(p.is_greedy for p in params) and (
                 self.keep_probs or not all(p.is_greedy or p.filters_by_temperature_only for p in params)):
             return False
@@ -102,7 +106,7 @@ class DraftProposer:
         if picks is None:
             return False
         for i, more in zip(active, picks):
-            tokens[i].extend(more)
+            tokens[i].extend(more[:ks[i] - first])  # its own depth
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
         per_pass = (time.perf_counter() - start) / num_passes
         for _ in range(num_passes):

@@ -76,8 +76,7 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, graph_capture
     tokens first, once the draft has seen all but one or two tokens (every proposal after a
     verification); those after its catch-up pass when the catch-up is longer (a fresh prompt).
     The same drafts as pass by pass, the same output, one compiled graph per kind of pass for
-    every batch size and context, and pass by pass again where depths differ or a request
-    filters (top-p)."""
+    every batch size and context, and pass by pass again where a request filters (top-p)."""
     options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False,
                    graph_capture=graph_capture)
     at_once, one_by_one = LLM(target, **options), LLM(target, **options)
@@ -108,10 +107,38 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, graph_capture
             assert runner.passes.calls_straight(kind), kind  # the tokens above came from graphs called straight
             code = runner.passes.compiled(kind)._torchdynamo_orig_callable.__code__
             assert len(_debug_get_cache_entry_list(code)) == 1, kind
-    # a request that filters by top-p, and depths that differ, draft pass by pass
+    # a request that filters by top-p drafts pass by pass
     calls.clear()
     at_once.generate(PROMPTS[:2], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, ignore_eos=True, seed=3))
     assert not calls
+
+
+def test_mixed_depths_draft_at_once_to_the_deepest(target, useless_draft):
+    """Sequences planned to different depths (adaptive depth trims each) run the draft's passes
+    as one call to the deepest, each keeping its own depth's tokens: the same drafts, tokens and
+    acceptance as drafting pass by pass, and no block leaked."""
+    def mixed(llm: LLM) -> None:  # PROMPTS' depths 4, 1, 2, 1, 1 (by prompt), at most each one's room
+        spec = llm.engine.speculator
+
+        def plan(seqs, max_model_len):
+            spec._ks = {s.req_id: min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
+                                      s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
+        spec.plan = plan
+
+    options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False)
+    at_once, one_by_one = LLM(target, **options), LLM(target, **options)
+    one_by_one.engine.draft_runner.passes = None
+    mixed(at_once), mixed(one_by_one)
+    runner, calls = at_once.engine.draft_runner, []
+    original = runner.draft_passes
+    runner.draft_passes = lambda *a: calls.append((a[3], a[6] is not None)) or original(*a)
+    for params in (GREEDY, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=9)):
+        assert [o.token_ids for o in at_once.generate(PROMPTS, params)] == \
+            [o.token_ids for o in one_by_one.generate(PROMPTS, params)]
+    mine, theirs = at_once.engine.speculator.stats, one_by_one.engine.speculator.stats
+    assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
+    assert any(catch_up and n == 4 for n, catch_up in calls)  # after verifications: all to the deepest at once
+    assert_all_free(at_once)
 
 
 def test_sampled_draft_passes_race_the_noise_of_the_tokens_they_pick(target):
