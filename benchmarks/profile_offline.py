@@ -306,7 +306,7 @@ def main() -> None:
         if not args.no_markdown:
             update_section(REPO / "BENCHMARKS.md", SECTION, text)
     print(f"## {SECTION}\n\n{text}")
-    if args.prompt_lens:
+    if args.prompt_lens:  # the prefill table, in its own files and section
         (RESULTS / "prefill_by_change.json").write_text(json.dumps(result, indent=2))
         plot_prefill(result, RESULTS / "prefill_by_change.png")
         text = prefill_markdown(result, command)

@@ -1,6 +1,6 @@
 // pdserve::paged_attention_cpu: a step's K/V write and its attention over the paged cache, as one
 // native call per layer, for short queries (decode, speculative verification, a draft's passes)
-// and prefill chunks up to `step_inputs.MAX_NATIVE_SCORES` (queries x context).
+// and prefill chunks up to `step_inputs.MAX_NATIVE_SCORES` (heads x queries x context).
 //
 // The torch path (`gathered_attention.py`) does the same in about twenty ATen ops per layer,
 // whose fixed costs are most of a small model's batch-1 step on a CPU. Here each sequence's
