@@ -20,7 +20,7 @@
 // as K contiguous rows of 64 values (zero beyond N). One pass over a panel computes up to six rows
 // of x against its 64 columns: 24 vector accumulators, four loads and six broadcasts per k. Rows
 // beyond six take further passes, reading the panel from L2. Panels are split between threads.
-// With AVX-512 each k also prefetches the panel 8 KB ahead (kAheadBytes).
+// Each k of a pass that reads the panel from memory also prefetches it 8 KB ahead (kAheadBytes).
 // Each output sums k = 0 .. K-1 in order, with fused multiply-adds, then adds the bias: the same
 // sum as the BLAS's up to float rounding. A bfloat16 panel is widened in registers by the passes
 // of up to six rows; with more rows (a prefill) it is widened once into a float32 copy that stays
@@ -101,6 +101,27 @@ at::Tensor linear_pack(const at::Tensor& weight) {
   return packed;
 }
 
+#if defined(PDSERVE_LINEAR_AVX512) || defined(PDSERVE_LINEAR_AVX2)
+
+// Software prefetch: each k asks for the panel bytes kAheadBytes past its row, into L1. The
+// hardware prefetchers alone left a step's panels arriving late: with the weights out of cache
+// (a 32 MB sweep before each pass over the demo target's 33 projections, bfloat16 panels, AMD EPYC,
+// scratch A/B of five interleaved repeats), 8 KB ahead took one row 1.05-1.24x, five rows
+// 1.23-1.62x and 32 rows 1.21-1.36x faster than none, and 256 rows 0.91-1.09x; with the weights
+// in cache, 0.89-1.27x, 0.92-1.41x and 1.18-1.54x. 1, 2 and 4 KB gained less, 16 and 32 KB (into
+// L1 or L2) about the same at five rows and less at one.
+constexpr int64_t kAheadBytes = 8192;
+
+// Asks for the panel row kAheadBytes past row b (past the panel's end, the next panel's: panels
+// are contiguous), so memory streams in while the rows before it are multiplied.
+template <typename W>
+inline void prefetch_ahead(const W* b) {
+  const char* p = reinterpret_cast<const char*>(b) + kAheadBytes;
+  for (int64_t c = 0; c < kPanel * int64_t(sizeof(W)); c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+}
+
+#endif
+
 #ifdef PDSERVE_LINEAR_AVX512
 
 // Columns [16 v, 16 v + 16) of a panel row as floats.
@@ -128,23 +149,6 @@ inline void store_row(float* y, const __m512* acc, const float* bias, const Pane
     if (bias != nullptr) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(masks.m[v], bias + 16 * v));
     _mm512_mask_storeu_ps(y + 16 * v, masks.m[v], r);
   }
-}
-
-// Software prefetch: each k asks for the panel bytes kAheadBytes past its row, into L1. The
-// hardware prefetchers alone left a step's panels arriving late: with the weights out of cache
-// (a 32 MB sweep before each pass over the demo target's 33 projections, bfloat16 panels, AMD EPYC,
-// scratch A/B of five interleaved repeats), 8 KB ahead took one row 1.05-1.24x, five rows
-// 1.23-1.62x and 32 rows 1.21-1.36x faster than none, and 256 rows 0.91-1.09x; with the weights
-// in cache, 0.89-1.27x, 0.92-1.41x and 1.18-1.54x. 1, 2 and 4 KB gained less, 16 and 32 KB (into
-// L1 or L2) about the same at five rows and less at one.
-constexpr int64_t kAheadBytes = 8192;
-
-// Asks for the panel row kAheadBytes past row b (past the panel's end, the next panel's: panels
-// are contiguous), so memory streams in while the rows before it are multiplied.
-template <typename W>
-inline void prefetch_ahead(const W* b) {
-  const char* p = reinterpret_cast<const char*>(b) + kAheadBytes;
-  for (int64_t c = 0; c < kPanel * int64_t(sizeof(W)); c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
 // MR rows of x [.., K] (row stride ldx) against one panel b [K, 64]; y rows have stride ldy.
@@ -260,11 +264,12 @@ struct PanelMasks8 {
 // the time of one row, against 1.8x with it (AMD EPYC, `benchmarks/cpu_linear.py`).
 template <int MR, int NV, typename W>
 void panel_rows8(const float* x, int64_t ldx, const W* b, int64_t k_len, float* y, int64_t ldy,
-                 const float* bias, const __m256i* masks, const W* other = nullptr) {
+                 const float* bias, const __m256i* masks, const W* other = nullptr, bool ahead = false) {
   __m256 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k, b += kPanel) {
+    if (ahead) prefetch_ahead(b);
     if (other != nullptr) {
       _mm_prefetch(reinterpret_cast<const char*>(other + k * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(other + k * kPanel + 16), _MM_HINT_T0);
@@ -285,11 +290,15 @@ void panel_rows8(const float* x, int64_t ldx, const W* b, int64_t k_len, float* 
 }
 
 // Every row of x [M, K] against one panel; y points at the panel's first column, row stride ldy.
+// The first pass over the panel prefetches ahead (`prefetch_ahead`) when it reads it from memory;
+// the passes after it find it in L2, where prefetching cost 32 and 256 rows 6-13%. First pass only,
+// with the weights out of cache: one row 1.14-1.48x, five rows 0.92-1.23x (median 1.09x), 32 and
+// 256 rows 0.93-1.07x against none (this AVX2 build on the AMD EPYC, scratch A/B, five repeats).
 template <typename W>
 void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel, float* y, int64_t ldy,
-                    int64_t cols, const float* bias) {
+                    int64_t cols, const float* bias, bool from_memory = true) {
   const PanelMasks8 masks(cols);
-  if (m_len == 1) return panel_rows8<1, 8>(x, k_len, panel, k_len, y, ldy, bias, masks.m);
+  if (m_len == 1) return panel_rows8<1, 8, W>(x, k_len, panel, k_len, y, ldy, bias, masks.m, nullptr, from_memory);
   for (int half = 0; half < 2; ++half) {
     const int64_t c0 = 32 * half;
     if (c0 >= cols) break;
@@ -298,12 +307,13 @@ void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel
     // the first pass over the first half brings the second half in too (when it has columns)
     const W* other = half == 0 && cols > 32 ? panel + 32 : nullptr;
     int64_t m = 0;
-    for (; m + 3 <= m_len; m += 3, other = nullptr)
-      panel_rows8<3, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other);
+    bool ahead = from_memory && half == 0;  // the first pass: it brings the whole panel in
+    for (; m + 3 <= m_len; m += 3, other = nullptr, ahead = false)
+      panel_rows8<3, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other, ahead);
     if (m_len - m == 2)
-      panel_rows8<2, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other);
+      panel_rows8<2, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other, ahead);
     else if (m_len - m == 1)
-      panel_rows8<1, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other);
+      panel_rows8<1, 4>(x + m * k_len, k_len, b, k_len, y + m * ldy + c0, ldy, bh, masks.m + 4 * half, other, ahead);
   }
 }
 
@@ -329,7 +339,7 @@ void panel_all_rows_bf16(const float* x, int64_t m_len, int64_t k_len, const uin
                masks);
 #else
   widen(panel, k_len * kPanel, wide.data());
-  panel_all_rows(x, m_len, k_len, static_cast<const float*>(wide.data()), y, ldy, cols, bias);
+  panel_all_rows(x, m_len, k_len, static_cast<const float*>(wide.data()), y, ldy, cols, bias, false);
 #endif
 }
 #endif
