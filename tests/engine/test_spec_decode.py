@@ -128,7 +128,8 @@ def test_mixed_depths_draft_at_once_to_the_deepest(target, useless_draft):
     options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False)
     at_once, one_by_one = LLM(target, **options), LLM(target, **options)
     one_by_one.engine.draft_runner.passes = None
-    mixed(at_once), mixed(one_by_one)
+    mixed(at_once)
+    mixed(one_by_one)
     runner, calls = at_once.engine.draft_runner, []
     original = runner.draft_passes
     runner.draft_passes = lambda *a: calls.append((a[3], a[6] is not None)) or original(*a)
