@@ -129,7 +129,7 @@ def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
 
 
 def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
-    return Spread(d["min"], d["median"], d["max"], tuple(d["values"])).fmt(digits, unit)
+    return Spread.from_dict(d).fmt(digits, unit)
 
 
 def markdown(result: dict, command: str) -> str:

@@ -368,7 +368,7 @@ def bench_ttft(args, model: Path, procs, bar) -> dict:
 
 
 def _spread(d: dict) -> Spread:
-    return Spread(d["min"], d["median"], d["max"], tuple(d["values"]))
+    return Spread.from_dict(d)
 
 
 def _goal(d: dict) -> Goal:

@@ -323,11 +323,11 @@ def run_benchmark(cfg: BenchConfig, progress: bool = True) -> dict:
 
 def _goal(d: dict) -> Goal:
     s = d["spread"]
-    return Goal(d["name"], Spread(s["min"], s["median"], s["max"], tuple(s["values"])), d["target"], d["is_floor"])
+    return Goal(d["name"], Spread.from_dict(s), d["target"], d["is_floor"])
 
 
 def _spread(d: dict) -> Spread:
-    return Spread(d["min"], d["median"], d["max"], tuple(d["values"]))
+    return Spread.from_dict(d)
 
 
 def table_rows(result: dict) -> list[str]:

@@ -207,7 +207,7 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
 
 
 def markdown(result: dict, command: str) -> str:
-    sp = lambda d: Spread(d["min"], d["median"], d["max"], tuple(d["values"]))  # noqa: E731
+    sp = Spread.from_dict
     model = Path(result["model"])
     model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
     lines = [f"Command: `{command}`. Batch-1 greedy decode step of `{model}` (one request, "
@@ -229,7 +229,7 @@ def markdown(result: dict, command: str) -> str:
 def prefill_markdown(result: dict, command: str) -> str:
     """Per variant and prompt length: ms to prefill one prompt (and pick its one token), and the
     speedup against the first variant within each repeat."""
-    sp = lambda d: Spread(d["min"], d["median"], d["max"], tuple(d["values"]))  # noqa: E731
+    sp = Spread.from_dict
     lens = [str(n) for n in result["prompt_lens"]]
     lines = [f"Command: `{command}`. One request for one token on a prompt of each length (token ids never used "
              f"before in the process, so nothing is cached), batch 1, one torch thread, each variant in its own "
@@ -299,20 +299,16 @@ def main() -> None:
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)
-    text = markdown(result, command)
-    if not args.prompt_lens:  # a prefill run prints its decode table but leaves the decode section as it is
-        (RESULTS / "step_by_change.json").write_text(json.dumps(result, indent=2))
-        plot(result, RESULTS / "step_by_change.png")
-        if not args.no_markdown:
-            update_section(REPO / "BENCHMARKS.md", SECTION, text)
-    print(f"## {SECTION}\n\n{text}")
-    if args.prompt_lens:  # the prefill table, in its own files and section
-        (RESULTS / "prefill_by_change.json").write_text(json.dumps(result, indent=2))
-        plot_prefill(result, RESULTS / "prefill_by_change.png")
-        text = prefill_markdown(result, command)
-        if not args.no_markdown:
-            update_section(REPO / "BENCHMARKS.md", PREFILL_SECTION, text)
-        print(f"## {PREFILL_SECTION}\n\n{text}")
+    # a prefill run prints its decode table but writes only its prefill table's files and section
+    stem, section, draw, table = (("prefill_by_change", PREFILL_SECTION, plot_prefill, prefill_markdown)
+                                  if args.prompt_lens else ("step_by_change", SECTION, plot, markdown))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    draw(result, RESULTS / f"{stem}.png")
+    if not args.no_markdown:
+        update_section(REPO / "BENCHMARKS.md", section, table(result, command))
+    if args.prompt_lens:
+        print(f"## {SECTION}\n\n{markdown(result, command)}\n")
+    print(f"## {section}\n\n{table(result, command)}")
 
 
 def _lengths(text: str) -> list[int]:

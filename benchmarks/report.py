@@ -34,6 +34,11 @@ class Spread:
             raise ValueError("a spread needs at least one value")
         return cls(min(values), statistics.median(values), max(values), values)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Spread:
+        """The spread back from `as_dict()` (a result JSON's)."""
+        return cls(d["min"], d["median"], d["max"], tuple(d["values"]))
+
     def fmt(self, digits: int = 2, unit: str = "") -> str:
         f = f"{{:.{digits}f}}"
         return f"{f.format(self.min)} / {f.format(self.median)} / {f.format(self.max)}{unit}"

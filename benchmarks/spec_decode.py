@@ -359,7 +359,7 @@ def summarize(method: Method, runs: list[dict], c: float | None) -> dict:
 # ---- reporting -----------------------------------------------------------------------------
 
 def _sp(d: dict | None) -> Spread | None:
-    return None if d is None else Spread(d["min"], d["median"], d["max"], tuple(d["values"]))
+    return None if d is None else Spread.from_dict(d)
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -1,7 +1,7 @@
 """The coupled verifier (`spec_decode/coupled.py`) end to end: a seeded sampled request's tokens
 are a pure function of (seed, position), the same with or without speculation, at any depth,
 with any proposer and in any batch. (Its exactness in distribution is tested beside the
-rejection sampler's in test_spec_decode.py.)"""
+rejection sampler's in test_spec_decode.py, its rules by hand in test_verification_rules.py.)"""
 from __future__ import annotations
 
 import pytest
