@@ -90,33 +90,19 @@ def start_system(tmp_path: Path, name: str, config: dict, *args: str, env: dict 
 
 
 # ---- clients --------------------------------------------------------------------------------
-async def stream_all(address: str, requests: list[gen.GenerateRequest], timeout_s: float = 180,
-                     on_first=None) -> list[list[gen.GenerateResponse] | grpc.aio.AioRpcError]:
-    """Each request's messages (or its error); `on_first()` runs once every stream has a token."""
+async def stream_all(address: str, requests: list[gen.GenerateRequest],
+                     timeout_s: float = 180) -> list[list[gen.GenerateResponse] | grpc.aio.AioRpcError]:
+    """Each request's messages (or its error)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        started = asyncio.Event()
-        count = [0]
 
         async def one(req):
-            msgs = []
             try:
-                async for m in stub.Generate(req, timeout=timeout_s):
-                    msgs.append(m)
-                    if len(msgs) == 1:
-                        count[0] += 1
-                        if count[0] == len(requests):
-                            started.set()
-                return msgs
+                return [m async for m in stub.Generate(req, timeout=timeout_s)]
             except grpc.aio.AioRpcError as e:
-                started.set()
                 return e
 
-        tasks = [asyncio.create_task(one(r)) for r in requests]
-        if on_first is not None:
-            await started.wait()
-            await asyncio.to_thread(on_first)
-        return await asyncio.gather(*tasks)
+        return await asyncio.gather(*(one(r) for r in requests))
 
 
 def tokens(msgs) -> list[int]:
