@@ -72,7 +72,7 @@ class ModelRunner:
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile", native_plans=native_attention,
-                                   num_heads=cfg.num_heads)
+                                   group_size=cfg.num_heads // cfg.num_kv_heads)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
         # a draft's passes run as graphs (`draft_passes`): the native attention's plans only

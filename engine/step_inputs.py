@@ -14,7 +14,8 @@ the other sequences' chunks, each kind by context length; `logits_index` lists, 
 order, the rows to score.
 On the CPU, when every chunk is short (decode, speculative verification, a draft catching up),
 the whole batch's attention runs as one dense call per layer by a `GatherPlan` made here once;
-with the native attention, so do prefill chunks up to MAX_NATIVE_SCORES (heads x queries x context).
+with the native attention, so do prefill chunks up to MAX_NATIVE_SCORES (the heads of one KV head x
+queries x context).
 """
 from __future__ import annotations
 
@@ -27,13 +28,15 @@ from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.kernels.gathered_attention import plan_gather
 
 MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `extend_attention`
-# A native plan (`paged_attention_cpu`) also takes longer chunks while each one's scores (heads x
-# queries x context floats, one buffer per sequence) stay within this many: 8 MB. Skipping what
-# the causal mask hides, the native op then beat the per-sequence SDPA path at every prompt length
-# tried on the demo target's 8 heads, one thread, AMD EPYC (write included in both; scratch
-# timing): 3.5x at a 100-token prompt, 4.1x at 128, 2.8x at 256, 2.6x at 512, the limit; at 1024
-# (32 MB of scores, out of cache) it took 3x as long. With two threads, where SDPA splits a
-# sequence's heads between them and the native op splits sequences: 1.7x at 256, 1.6x at 512.
+# A native plan (`paged_attention_cpu`) also takes longer chunks while the scores of each of its
+# work items stay within this many floats: 8 MB. The op splits a chunk of more than 16 queries by
+# KV head, so an item's scores are (heads per KV head) x queries x context. Skipping what the
+# causal mask hides, the native op then beat the per-sequence SDPA path at every prompt length
+# tried on the demo target (8 heads, 4 KV heads; AMD EPYC, write included in both; scratch
+# timing): one thread 3.5x at a 100-token prompt, 2.7x at 256, 2.8x at 512, 1.7x at 1024, the
+# limit; two threads (SDPA splits heads, the native op KV heads) 3.0x at 256, 2.3x at 512, 1.6x
+# at 1024. At 1536 tokens (19 MB an item) it still won by 1.4x on one thread and tied on two; at
+# 2048 (34 MB, out of cache) it took 1.3-1.9x as long.
 MAX_NATIVE_SCORES = 1 << 21
 
 _INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")  # per token
@@ -51,14 +54,15 @@ class StepInputs:
 
 class InputBuffers:
     def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device, plan_on_host: bool,
-                 uniform_plans: bool = False, native_plans: bool = False, num_heads: int = 1):
+                 uniform_plans: bool = False, native_plans: bool = False, group_size: int = 1):
         self.block_size, self.max_blocks, self.device = block_size, max_blocks_per_seq, device
         self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
         self.native_plans = native_plans  # plans for `paged_attention_cpu` (kernels/native.py)
-        # chunks past MAX_GATHERED_QUERY_LEN take a native plan while heads x queries x context is
-        # within this (0 while a compiled forward warms its prefill graph up on a short chunk)
-        self.max_native_scores, self.num_heads = MAX_NATIVE_SCORES, num_heads
+        # chunks past MAX_GATHERED_QUERY_LEN take a native plan while group_size (heads per KV head)
+        # x queries x context is within this (0 while a compiled forward warms its prefill graph
+        # up on a short chunk)
+        self.max_native_scores, self.group_size = MAX_NATIVE_SCORES, group_size
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
         self._grow(256, 16)
@@ -157,11 +161,11 @@ class InputBuffers:
 
     def _plannable(self, entries: list) -> bool:
         """Whether the step's attention runs by one plan: every chunk short, or with native plans,
-        every chunk's scores (heads x queries x context) within `max_native_scores`."""
+        every chunk's scores per KV head (group_size x queries x context) within `max_native_scores`."""
         if max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
             return True
         return self.native_plans and all(
-            self.num_heads * e.num_new_tokens * (e.start + e.num_new_tokens) <= self.max_native_scores for e in entries)
+            self.group_size * e.num_new_tokens * (e.start + e.num_new_tokens) <= self.max_native_scores for e in entries)
 
     def _out(self, name: str, n: int) -> torch.Tensor:
         """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;

@@ -37,7 +37,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp")]
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+# -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
+# range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
+# Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever
+# torch.set_num_threads said. The library links libgomp.so.1, which resolves to the copy torch
+# has loaded already, so the ops share torch's thread pool and its thread count.
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 CPU_ATTENTIONS = CPU_LINEARS = ("auto", "native", "torch")
 
 _lock = threading.Lock()
@@ -48,7 +54,7 @@ def _build_name() -> str:
     """One build per sources, torch version and CPU (the code is compiled for this CPU's features)."""
     h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join(FLAGS + LDFLAGS).encode())
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
@@ -83,12 +89,19 @@ def error() -> str | None:
 STALE_LOCK_S = 300.0  # a build lock older than this was left by a process that died building
 
 
-def _build_and_load() -> None:
+def library_path() -> Path:
+    """Where this machine's build of the sources lives (or will)."""
     from torch.utils import cpp_extension
 
     name = _build_name()
-    build_dir = Path(cpp_extension.get_default_build_root()) / name
-    library = build_dir / f"{name}.so"
+    return Path(cpp_extension.get_default_build_root()) / name / f"{name}.so"
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    library = library_path()
+    name, build_dir = library.stem, library.parent
     try:  # built already: load it without the loader's lock and ninja run
         torch.ops.load_library(str(library))
     except OSError:  # not built yet, or being written by another process: build (or wait for it)
@@ -102,7 +115,8 @@ def _build_and_load() -> None:
                 lock.unlink()
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("building native CPU ops %s (once per machine, 10-20 s)", name)
-        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=FLAGS, is_python_module=False, verbose=False,
+        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                           is_python_module=False, verbose=False,
                            build_directory=str(build_dir))
     torch.library.register_fake("pdserve::paged_attention_cpu", _fake)
     torch.library.register_fake("pdserve::linear_packed", _fake_linear)

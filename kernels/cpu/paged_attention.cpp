@@ -1,6 +1,6 @@
 // pdserve::paged_attention_cpu: a step's K/V write and its attention over the paged cache, as one
 // native call per layer, for short queries (decode, speculative verification, a draft's passes)
-// and prefill chunks up to `step_inputs.MAX_NATIVE_SCORES` (heads x queries x context).
+// and prefill chunks up to `step_inputs.MAX_NATIVE_SCORES` (heads per KV head x queries x context).
 //
 // The torch path (`gathered_attention.py`) does the same in about twenty ATen ops per layer,
 // whose fixed costs are most of a small model's batch-1 step on a CPU. Here each sequence's
@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -38,6 +39,10 @@
 #endif
 
 namespace {
+
+// A sequence with more queries than this (a prefill chunk) is split into one work item per KV head
+// (as many as step_inputs.MAX_GATHERED_QUERY_LEN: past it, MAX_NATIVE_SCORES bounds one item's scores).
+constexpr int64_t kWholeQueries = 16;
 
 template <typename T>
 void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
@@ -296,21 +301,37 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     }
   }
 
-  // One work item per sequence: its blocks are read front to back, every head of a key row at
-  // once (a block is block_size * kv_row contiguous values), so the hardware prefetcher sees
-  // long runs instead of one head's 128 bytes per row. Row r = h * nq + i: head h, query i.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  // Work items: a sequence of up to kWholeQueries queries (decode, verification, a draft's
+  // passes) is one item, its blocks read front to back, every head of a key row at once (a block
+  // is block_size * kv_row contiguous values), so the hardware prefetcher sees long runs instead
+  // of one head's 128 bytes per row. A longer chunk (a prefill) is one item per KV head: its
+  // work dwarfs the split's, threads share a single long prompt (one item per sequence left a
+  // prompt on one thread while SDPA split its heads), and each item's scores are 1/num_kv_heads
+  // of the sequence's, nearer the core's cache. Row r = (h - h0) * nq + i: head h of the item's
+  // heads [h0, h1), query i.
+  std::vector<std::array<int64_t, 3>> items;  // (sequence, first KV head, end KV head)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t nq = query_starts[s + 1] - query_starts[s];
+    if (nq == 0) continue;
+    if (nq <= kWholeQueries)
+      items.push_back({s, 0, num_kv_heads});
+    else
+      for (int64_t kh = 0; kh < num_kv_heads; ++kh) items.push_back({s, kh, kh + 1});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, acc, kv;
-    for (int64_t s = begin; s < end; ++s) {
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [s, kh0, kh1] = items[item];
+      const int64_t h0 = kh0 * group, h1 = kh1 * group;
       const int64_t first = query_starts[s], nq = query_starts[s + 1] - first, ctx = context_lens[s];
-      if (nq == 0) continue;
-      const int64_t rows = num_heads * nq;
+      const int64_t rows = (h1 - h0) * nq;
+      const auto row = [&](int64_t h, int64_t i) { return (h - h0) * nq + i; };
       const int64_t* table = ids + s * ids_stride;
       qf.resize(rows * head_dim);
-      for (int64_t h = 0; h < num_heads; ++h)
+      for (int64_t h = h0; h < h1; ++h)
         for (int64_t i = 0; i < nq; ++i) {
           const T* src = qp + (first + i) * q_stride + h * head_dim;
-          float* dst = qf.data() + (h * nq + i) * head_dim;
+          float* dst = qf.data() + row(h, i) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * sc;
         }
       // float32 caches are read in place; others are converted once into `kv`, laid out as a
@@ -332,7 +353,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       // asks for row jj of the block at `next` (n rows) while the current block's row jj is used
       auto prefetch_row = [&](const float* next, int64_t n, int64_t jj) {
         if (jj < n)
-          for (int64_t x = 0; x < kv_row; x += 64 / sizeof(float)) __builtin_prefetch(next + jj * kv_row + x);
+          for (int64_t x = kh0 * head_dim; x < kh1 * head_dim; x += 64 / sizeof(float))
+            __builtin_prefetch(next + jj * kv_row + x);
       };
       scores.resize(rows * ctx);
       // Causal skipping: query i sees keys 0 .. ctx - nq + i, so the keys from `key` on are seen
@@ -353,10 +375,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (; jj + W <= n; jj += W) {
             for (int64_t x = 0; x < W; ++x) prefetch_row(next, next_n, jj + x);
             const int64_t i0 = first_row(j0 + jj);
-            for (int64_t h = 0; h < num_heads; ++h)
+            for (int64_t h = h0; h < h1; ++h)
               for (int64_t i = i0; i < nq; ++i)
-                dot(qf.data() + (h * nq + i) * head_dim, blk + jj * kv_row + (h / group) * head_dim, kv_row,
-                    scores.data() + (h * nq + i) * ctx + j0 + jj);
+                dot(qf.data() + row(h, i) * head_dim, blk + jj * kv_row + (h / group) * head_dim, kv_row,
+                    scores.data() + row(h, i) * ctx + j0 + jj);
           }
         };
 #ifdef PDSERVE_AVX512
@@ -369,14 +391,14 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #endif
         for (; jj < n; ++jj) {
           prefetch_row(next, next_n, jj);
-          for (int64_t h = 0; h < num_heads; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             const float* key = blk + jj * kv_row + (h / group) * head_dim;
             for (int64_t i = first_row(j0 + jj); i < nq; ++i) {
-              const float* qr = qf.data() + (h * nq + i) * head_dim;
+              const float* qr = qf.data() + row(h, i) * head_dim;
               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
               for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * key[d];
-              scores[(h * nq + i) * ctx + j0 + jj] = dot;
+              scores[row(h, i) * ctx + j0 + jj] = dot;
             }
           }
         }
@@ -414,27 +436,28 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
         const int64_t i0 = first_row(j0);  // rows before it see none of this block
 #ifdef PDSERVE_AVX512
-        if constexpr (kWide) {  // the rows of one KV head (contiguous: row = h * nq + i) two at a time
+        if constexpr (kWide) {  // the rows of one KV head (contiguous: row = (h - h0) * nq + i) two at a time
           for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
           const int64_t per_kv = group * nq;
           if (i0 > 0) {  // some rows see none of it: each head's rows that do, two at a time
-            for (int64_t h = 0; h < num_heads; ++h) {
+            for (int64_t h = h0; h < h1; ++h) {
               const float* vals = blk + (h / group) * HD;
-              int64_t r = h * nq + i0;
-              for (; r + 2 <= (h + 1) * nq; r += 2)
+              int64_t r = row(h, i0);
+              for (; r + 2 <= row(h, nq); r += 2)
                 axpy_rows2<HD>(scores.data() + r * ctx + j0, scores.data() + (r + 1) * ctx + j0, vals, kv_row, n,
                                acc.data() + r * HD, acc.data() + (r + 1) * HD);
-              if (r < (h + 1) * nq) axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
+              if (r < row(h, nq)) axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
             }
             continue;
           }
-          for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+          for (int64_t kh = kh0; kh < kh1; ++kh) {
             const float* vals = blk + kh * HD;
-            int64_t r = kh * per_kv;
-            for (; r + 2 <= (kh + 1) * per_kv; r += 2)
+            int64_t r = (kh - kh0) * per_kv;
+            for (; r + 2 <= (kh - kh0 + 1) * per_kv; r += 2)
               axpy_rows2<HD>(scores.data() + r * ctx + j0, scores.data() + (r + 1) * ctx + j0, vals, kv_row, n,
                              acc.data() + r * HD, acc.data() + (r + 1) * HD);
-            if (r < (kh + 1) * per_kv) axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
+            if (r < (kh - kh0 + 1) * per_kv)
+              axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
           }
           continue;
         }
@@ -442,30 +465,30 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #ifdef PDSERVE_AVX2
         if constexpr (kVector) {  // a block's values into each row's accumulator, held in registers
           for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
-          for (int64_t h = 0; h < num_heads; ++h)
+          for (int64_t h = h0; h < h1; ++h)
             for (int64_t i = i0; i < nq; ++i)
-              axpy_rows<HD>(scores.data() + (h * nq + i) * ctx + j0, blk + (h / group) * HD, kv_row, n,
-                            acc.data() + (h * nq + i) * HD);
+              axpy_rows<HD>(scores.data() + row(h, i) * ctx + j0, blk + (h / group) * HD, kv_row, n,
+                            acc.data() + row(h, i) * HD);
           continue;
         }
 #endif
         for (int64_t jj = 0; jj < n; ++jj) {
           prefetch_row(next, next_n, jj);
-          for (int64_t h = 0; h < num_heads; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             const float* val = blk + jj * kv_row + (h / group) * head_dim;
             for (int64_t i = i0; i < nq; ++i) {
-              const float w = scores[(h * nq + i) * ctx + j0 + jj];
-              float* a = acc.data() + (h * nq + i) * head_dim;
+              const float w = scores[row(h, i) * ctx + j0 + jj];
+              float* a = acc.data() + row(h, i) * head_dim;
 #pragma omp simd
               for (int64_t d = 0; d < head_dim; ++d) a[d] += w * val[d];
             }
           }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h)
+      for (int64_t h = h0; h < h1; ++h)
         for (int64_t i = 0; i < nq; ++i) {
           T* dst = op + (first + i) * num_heads * head_dim + h * head_dim;
-          const float* a = acc.data() + (h * nq + i) * head_dim;
+          const float* a = acc.data() + row(h, i) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(a[d]);
         }
     }

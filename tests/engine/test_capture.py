@@ -17,14 +17,15 @@ from pdserve.engine.config import EngineConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10]
 # prompts whose one chunk is past a native plan's limit as `_short_native_plans` lowers it:
-# prefill steps (the tiny model's 4 heads and 512 positions never reach MAX_NATIVE_SCORES)
+# prefill steps (the tiny model's 2 heads per KV head and 512 positions never reach MAX_NATIVE_SCORES)
 LONG = [list(range(3, 40)) * 8, [11, 12, 13, 14] * 70]
 
 
 def _short_native_plans(*llms: LLM) -> None:
-    """Native plans for chunks of up to 200 x 200 (queries x context) on the tiny model's 4 heads."""
+    """Native plans for chunks of up to 200 x 200 (queries x context) on the tiny model's 2 heads
+    per KV head."""
     for llm in llms:
-        llm.engine.runner.inputs.max_native_scores = 4 * 200 * 200
+        llm.engine.runner.inputs.max_native_scores = 2 * 200 * 200
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +214,10 @@ def test_cuda_graph_bucket_padding_computes_the_same_rows(target):
 
 
 def test_native_plans_take_chunks_up_to_their_scores_limit():
-    """A native plan (`paged_attention_cpu`) takes a prefill chunk while its scores (heads x queries
-    x context) stay within MAX_NATIVE_SCORES; past that, or with torch plans past 16 tokens, the
-    step has no plan and runs the per-sequence path (`write_and_split_attend` when compiled)."""
+    """A native plan (`paged_attention_cpu`) takes a prefill chunk while its scores per KV head
+    (heads per KV head x queries x context) stay within MAX_NATIVE_SCORES; past that, or with torch
+    plans past 16 tokens, the step has no plan and runs the per-sequence path
+    (`write_and_split_attend` when compiled)."""
     from pdserve.engine.model_runner import BatchEntry
     from pdserve.engine.sequence import Sequence
     from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, MAX_NATIVE_SCORES, InputBuffers
@@ -224,14 +226,14 @@ def test_native_plans_take_chunks_up_to_their_scores_limit():
         batch = []
         for i, (start, n) in enumerate(chunks):
             seq = Sequence(f"r{i}", [1] * (start + n), SamplingParams(), seed=0,
-                           block_table=list(range(i * 400, i * 400 + (start + n + 15) // 16)))
+                           block_table=list(range(i * 1100, i * 1100 + (start + n + 15) // 16)))
             batch.append(BatchEntry(seq, n, 1, start=start))
         return buffers.build(batch).meta
 
-    heads = 8
-    native = InputBuffers(16, 400, torch.device("cpu"), plan_on_host=True, native_plans=True, num_heads=heads)
-    torch_plans = InputBuffers(16, 400, torch.device("cpu"), plan_on_host=True, num_heads=heads)
-    per_head = MAX_NATIVE_SCORES // heads
+    group = 2  # heads per KV head
+    native = InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, native_plans=True, group_size=group)
+    torch_plans = InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, group_size=group)
+    per_head = MAX_NATIVE_SCORES // group
     side = int(per_head ** 0.5)
     assert step(native, (0, 100)).plan is not None
     assert step(native, (0, side)).plan is not None and step(native, (0, side + 1)).plan is None
@@ -239,9 +241,9 @@ def test_native_plans_take_chunks_up_to_their_scores_limit():
     assert step(native, (500, 1), (0, 100)).plan is not None
     assert step(native, (per_head // 64 - 64, 64)).plan is not None
     assert step(native, (per_head // 64 - 63, 64)).plan is None
-    # a model with more heads takes shorter chunks
-    assert step(InputBuffers(16, 400, torch.device("cpu"), plan_on_host=True, native_plans=True,
-                             num_heads=4 * heads), (0, side)).plan is None
+    # a model with more heads per KV head takes shorter chunks
+    assert step(InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, native_plans=True,
+                             group_size=4 * group), (0, side)).plan is None
     assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN)).plan is not None
     assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN + 1)).plan is None
     native.max_native_scores = 0  # as while the compiled forward warms its prefill graph up

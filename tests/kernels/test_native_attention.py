@@ -63,6 +63,28 @@ def test_native_matches_dense_attention(case, num_heads, num_kv_heads, head_dim)
     assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_gives_the_same_bits_on_any_number_of_threads(dtype):
+    """A prefill chunk is split into one work item per KV head and the items spread over torch's
+    threads (the library is built with OpenMP: without it at::parallel_for ran everything on the
+    calling thread); each output is computed by one item in one order, so the bits do not depend
+    on the thread count."""
+    assert b"GOMP_parallel" in native.library_path().read_bytes()  # built with OpenMP
+    context_lens, query_lens = [300, 83, 40, 17], [300, 37, 1, 17]
+    q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 8, 4, 32, dtype, seed=5)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_native(q, k, v, k_cache.clone(), v_cache.clone(), tables, slots, context_lens, query_lens))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    if dtype == torch.float32:
+        assert_matches_dense(outs[0], q, k_dense, v_dense, query_lens, 0.2)
+
+
 @pytest.mark.parametrize("block_size", [8, 32, 48])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 32), (4, 1, 64)])
 def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads, num_kv_heads, head_dim):
