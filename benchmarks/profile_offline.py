@@ -8,7 +8,7 @@ Two modes:
         engine's Python functions over a batch-1 generation.
 
     python benchmarks/profile_offline.py --variant base=cc75024 --variant step=HEAD \\
-        --variant compiled=HEAD:graph_capture=compile [--repeats 7] [--prompt-lens 32,128,512]
+        --variant compiled=HEAD:graph_capture=compile [--repeats 7] [--prompt-lens 32,128,512] [--threads 1]
         The same batch-1 greedy decode on several git revisions (each unpacked with `git archive`
         and imported from there, in its own process, with its own engine options), measured side
         by side: the processes take turns, one measurement each per repeat. Per variant: the decode
@@ -20,8 +20,8 @@ Two modes:
         and writes a second table, section "Prefill cost by change" (`prefill_by_change.*`), in
         place of the decode step's (printed, and kept in the same JSON).
 
-The decode step is (time for N tokens - time for 1 token) / (N - 1) of one request, one torch
-thread, so prefill and start-up are out of it.
+The decode step is (time for N tokens - time for 1 token) / (N - 1) of one request, on --threads
+torch threads (one by default), so prefill and start-up are out of it.
 """
 from __future__ import annotations
 
@@ -100,14 +100,14 @@ def profile_one(model: str, threads: int, rows: int) -> None:
 
 # ---- several revisions, side by side -------------------------------------------------------
 
-def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int]) -> None:
+def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], threads: int) -> None:
     """Run in a variant's process: load, count ops, then time one decode (and one prefill per
     prompt length) per line on stdin."""
     import torch
 
     from pdserve.engine import LLM, SamplingParams
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     start = time.perf_counter()
     llm = LLM(model, **options)
     startup = time.perf_counter() - start
@@ -168,7 +168,8 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
     return name, revision, options
 
 
-def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prompt_lens: list[int] = ()) -> dict:
+def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prompt_lens: list[int] = (),
+            threads: int = 1) -> dict:
     parsed = [parse_variant(v) for v in variants]
     model = str(Path(model).resolve())  # the workers run elsewhere
     load_start = os.getloadavg()[0]
@@ -176,9 +177,9 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
         procs, info = {}, {}
         for i, (name, revision, options) in enumerate(parsed):
             path, subject = unpack(revision, Path(tmp) / f"v{i}")
-            env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS="1")
+            env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS=str(threads))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, json.dumps(options), str(new_tokens),
-                   json.dumps(list(prompt_lens))]
+                   json.dumps(list(prompt_lens)), str(threads)]
             procs[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             info[name] = dict(revision=revision, subject=subject, options=options)
         for name, proc in procs.items():
@@ -202,7 +203,8 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
                     speedup=Spread.of(a["prefill_ms"][n] / b["prefill_ms"][n]
                                       for a, b in zip(samples[first], samples[name])).as_dict())
             for n in map(str, prompt_lens)}
-    return dict(model=model, repeats=repeats, new_tokens=new_tokens, prompt_lens=list(prompt_lens), variants=info,
+    return dict(model=model, repeats=repeats, new_tokens=new_tokens, prompt_lens=list(prompt_lens), threads=threads,
+                variants=info,
                 machine=machine() | {"load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]})
 
 
@@ -211,7 +213,7 @@ def markdown(result: dict, command: str) -> str:
     model = Path(result["model"])
     model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
     lines = [f"Command: `{command}`. Batch-1 greedy decode step of `{model}` (one request, "
-             f"{result['new_tokens']} new tokens minus one, one torch thread), each variant in its own process, "
+             f"{result['new_tokens']} new tokens minus one, {_threads(result)}), each variant in its own process, "
              f"{result['repeats']} repeats taken in turn; min / median / max, speedups per repeat against the first "
              f"variant. Load average (1 min) at the start and end: {result['machine']['load_avg_1m_start']:.2f}, "
              f"{result['machine']['load_avg_1m_end']:.2f}.", "",
@@ -226,13 +228,18 @@ def markdown(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def _threads(result: dict) -> str:
+    n = result.get("threads", 1)  # older results: one thread
+    return "one torch thread" if n == 1 else f"{n} torch threads"
+
+
 def prefill_markdown(result: dict, command: str) -> str:
     """Per variant and prompt length: ms to prefill one prompt (and pick its one token), and the
     speedup against the first variant within each repeat."""
     sp = Spread.from_dict
     lens = [str(n) for n in result["prompt_lens"]]
     lines = [f"Command: `{command}`. One request for one token on a prompt of each length (token ids never used "
-             f"before in the process, so nothing is cached), batch 1, one torch thread, each variant in its own "
+             f"before in the process, so nothing is cached), batch 1, {_threads(result)}, each variant in its own "
              f"process, {result['repeats']} repeats taken in turn; ms per request, then the first variant's time "
              f"over this one's in the same repeat, min / median / max. Load average (1 min) at the start and end: "
              f"{result['machine']['load_avg_1m_start']:.2f}, {result['machine']['load_avg_1m_end']:.2f}.", "",
@@ -279,7 +286,7 @@ def plot_prefill(result: dict, path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))
+        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(REPO / "models" / "demo"))
@@ -295,7 +302,7 @@ def main() -> None:
     if not args.variant:
         profile_one(args.model, args.threads, args.rows)
         return
-    result = compare(args.variant, args.model, args.repeats, args.new_tokens, args.prompt_lens)
+    result = compare(args.variant, args.model, args.repeats, args.new_tokens, args.prompt_lens, args.threads)
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)

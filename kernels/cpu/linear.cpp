@@ -54,6 +54,7 @@
 namespace {
 
 constexpr int64_t kPanel = 64;  // output columns per panel: four 16-float vectors
+constexpr int64_t kMinTaskMultiplyAdds = int64_t{1} << 20;  // the least work worth another thread
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
@@ -379,7 +380,10 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
   const void* pp = packed.data_ptr();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t first, int64_t last) {
+  // panels per thread: at least kMinTaskMultiplyAdds each, or the fork and join cost more than
+  // they save (a batch-1 step's projections, 4 to 48 panels of a few microseconds each)
+  const int64_t grain = std::max<int64_t>(1, kMinTaskMultiplyAdds / (m_len * k_len * kPanel));
+  at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {
     for (int64_t j = first; j < last; ++j) {
       const int64_t cols = std::min(kPanel, n - j * kPanel), offset = j * k_len * kPanel;
       const float* bj = bp == nullptr ? nullptr : bp + j * kPanel;

@@ -43,6 +43,9 @@ namespace {
 // A sequence with more queries than this (a prefill chunk) is split into one work item per KV head
 // (as many as step_inputs.MAX_GATHERED_QUERY_LEN: past it, MAX_NATIVE_SCORES bounds one item's scores).
 constexpr int64_t kWholeQueries = 16;
+// Below this many multiply-adds a step's attention stays on one thread: the fork and join cost
+// about what a small batch's decode attention does.
+constexpr int64_t kMinParallelWork = int64_t{1} << 20;
 
 template <typename T>
 void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
@@ -310,15 +313,18 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // of the sequence's, nearer the core's cache. Row r = (h - h0) * nq + i: head h of the item's
   // heads [h0, h1), query i.
   std::vector<std::array<int64_t, 3>> items;  // (sequence, first KV head, end KV head)
+  int64_t work = 0;  // about the step's multiply-adds: one thread does it all below kMinParallelWork
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t nq = query_starts[s + 1] - query_starts[s];
     if (nq == 0) continue;
+    work += num_heads * nq * context_lens[s] * head_dim * 2;
     if (nq <= kWholeQueries)
       items.push_back({s, 0, num_kv_heads});
     else
       for (int64_t kh = 0; kh < num_kv_heads; ++kh) items.push_back({s, kh, kh + 1});
   }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, num_items, work < kMinParallelWork ? num_items : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, acc, kv;
     for (int64_t item = begin; item < end; ++item) {
       const auto [s, kh0, kh1] = items[item];

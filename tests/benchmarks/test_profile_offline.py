@@ -43,14 +43,15 @@ def test_prompt_lengths_parse_or_are_refused_by_name(load_benchmark):
 
 def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark, checkpoint):
     """One variant (this checkout's HEAD) on a tiny checkpoint, two repeats: every prompt length
-    gets a prefill time per repeat and a speedup of 1 against itself, and both tables render."""
+    gets a prefill time per repeat and a speedup of 1 against itself, and both tables render,
+    naming the torch threads the variants ran on."""
     po = load_benchmark("profile_offline")
-    result = po.compare(["head=HEAD"], checkpoint("llama"), repeats=2, new_tokens=5, prompt_lens=[20, 40])
+    result = po.compare(["head=HEAD"], checkpoint("llama"), repeats=2, new_tokens=5, prompt_lens=[20, 40], threads=2)
     prefill = result["variants"]["head"]["prefill_ms"]
     assert set(prefill) == {"20", "40"}
     for n in prefill.values():
         assert len(n["ms"]["values"]) == 2 and min(n["ms"]["values"]) > 0
         assert list(n["speedup"]["values"]) == [1.0, 1.0]
     text = po.prefill_markdown(result, "cmd")
-    assert "| head |" in text and "40 tokens: speedup" in text
-    assert "| head |" in po.markdown(result, "cmd")
+    assert "| head |" in text and "40 tokens: speedup" in text and "2 torch threads" in text
+    assert "| head |" in po.markdown(result, "cmd") and "2 torch threads" in po.markdown(result, "cmd")
