@@ -33,8 +33,8 @@ MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `ext
 # KV head, so an item's scores are (heads per KV head) x queries x context. Skipping what the
 # causal mask hides, the native op then beat the per-sequence SDPA path at every prompt length
 # tried on the demo target (8 heads, 4 KV heads; AMD EPYC, write included in both; scratch
-# timing): one thread 3.5x at a 100-token prompt, 2.7x at 256, 2.8x at 512, 1.7x at 1024, the
-# limit; two threads (SDPA splits heads, the native op KV heads) 3.0x at 256, 2.3x at 512, 1.6x
+# timing): one thread 3.5x at a 100-token prompt, 2.5x at 256, 2.8x at 512, 1.7x at 1024, the
+# limit; two threads (SDPA splits heads, the native op KV heads) 3.1x at 256, 2.2x at 512, 1.5x
 # at 1024. At 1536 tokens (19 MB an item) it still won by 1.4x on one thread and tied on two; at
 # 2048 (34 MB, out of cache) it took 1.3-1.9x as long.
 MAX_NATIVE_SCORES = 1 << 21
