@@ -66,7 +66,8 @@ def avx2_ops(build_dir: str):
     name = "pdserve_bench_linear_avx2"
     source = next(s for s in native.SOURCES if s.name == "linear.cpp")
     cpp_extension.load(name, [str(source)], extra_cflags=[*native.FLAGS, "-mno-avx512f", f"-DPDSERVE_OP_NAMESPACE={name}"],
-                       extra_ldflags=native.LDFLAGS, is_python_module=False, verbose=False, build_directory=build_dir)
+                       extra_ldflags=list(native.LDFLAGS), is_python_module=False, verbose=False,
+                       build_directory=build_dir)
     ops = getattr(torch.ops, name)
     return ops if ops.linear_packed_available() else None
 

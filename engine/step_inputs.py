@@ -165,7 +165,8 @@ class InputBuffers:
         if max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
             return True
         return self.native_plans and all(
-            self.group_size * e.num_new_tokens * (e.start + e.num_new_tokens) <= self.max_native_scores for e in entries)
+            self.group_size * e.num_new_tokens * (e.start + e.num_new_tokens) <= self.max_native_scores
+            for e in entries)
 
     def _out(self, name: str, n: int) -> torch.Tensor:
         """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;

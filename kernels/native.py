@@ -42,8 +42,10 @@ SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever
 # torch.set_num_threads said. The library links libgomp.so.1, which resolves to the copy torch
 # has loaded already, so the ops share torch's thread pool and its thread count.
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+# tuples: torch's cpp_extension.load appends its own flags to the lists it is given, and the build
+# name hashes these
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 CPU_ATTENTIONS = CPU_LINEARS = ("auto", "native", "torch")
 
 _lock = threading.Lock()
@@ -115,7 +117,7 @@ def _build_and_load() -> None:
                 lock.unlink()
         build_dir.mkdir(parents=True, exist_ok=True)
         log.info("building native CPU ops %s (once per machine, 10-20 s)", name)
-        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+        cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
                            is_python_module=False, verbose=False,
                            build_directory=str(build_dir))
     torch.library.register_fake("pdserve::paged_attention_cpu", _fake)

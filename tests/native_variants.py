@@ -45,7 +45,8 @@ def build(name: str, build_dir: Path):
     directory = build_dir / name
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name, [str(path)], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
-                       extra_ldflags=native.LDFLAGS, is_python_module=False, verbose=False, build_directory=str(directory))
+                       extra_ldflags=list(native.LDFLAGS), is_python_module=False, verbose=False,
+                       build_directory=str(directory))
     (directory / BUILT).touch()
     return getattr(torch.ops, name)
 

@@ -72,7 +72,8 @@ def test_native_gives_the_same_bits_on_any_number_of_threads(dtype):
     assert native.load(), native.error()
     assert b"GOMP_parallel" in native.library_path().read_bytes()  # built with OpenMP
     context_lens, query_lens = [300, 83, 40, 17], [300, 37, 1, 17]
-    q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 8, 4, 32, dtype, seed=5)
+    q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 8, 4, 32, dtype,
+                                                                        seed=5)
     outs = []
     threads = torch.get_num_threads()
     try:
