@@ -343,11 +343,16 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       // float32 caches are read in place; others are converted once into `kv`, laid out as a
       // cache block would be: [keys, then values][ctx][num_kv_heads][head_dim]
       if constexpr (!std::is_same_v<T, float>) {
+        // (only the item's KV heads: the rest of each row is never read)
         kv.resize(2 * ctx * kv_row);
+        const int64_t c0 = kh0 * head_dim, c1 = kh1 * head_dim;
         for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-          const int64_t n = std::min(block_size, ctx - j0) * kv_row, offset = table[j0 / block_size] * block_stride;
-          for (int64_t x = 0; x < n; ++x) kv[j0 * kv_row + x] = static_cast<float>(kp[offset + x]);
-          for (int64_t x = 0; x < n; ++x) kv[(ctx + j0) * kv_row + x] = static_cast<float>(vp[offset + x]);
+          const int64_t n = std::min(block_size, ctx - j0), offset = table[j0 / block_size] * block_stride;
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t x = c0; x < c1; ++x) {
+              kv[(j0 + j) * kv_row + x] = static_cast<float>(kp[offset + j * kv_row + x]);
+              kv[(ctx + j0 + j) * kv_row + x] = static_cast<float>(vp[offset + j * kv_row + x]);
+            }
         }
       }
       auto rows_at = [&](bool values, int64_t j0) -> const float* {  // key/value row j0 (a block's first)
