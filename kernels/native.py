@@ -37,6 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp")]
+HEADERS = [Path(__file__).with_name("cpu") / "attention_vectors.h"]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever
@@ -54,7 +55,7 @@ _state: dict[str, object] = {}  # "ok": bool, "error": str, once tried
 
 def _build_name() -> str:
     """One build per sources, torch version and CPU (the code is compiled for this CPU's features)."""
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     h.update(" ".join(FLAGS + LDFLAGS).encode())
     try:

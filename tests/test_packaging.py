@@ -47,7 +47,7 @@ def test_the_wheel_installs_exactly_one_top_level_package(wheel):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"pdserve"}, tops
     for folder, target in MAPPED.items():
         for f in tracked_files():
-            if f.startswith(folder + "/") and f.endswith((".py", ".proto", ".cpp")):
+            if f.startswith(folder + "/") and f.endswith((".py", ".proto", ".cpp", ".h")):
                 assert f"{target}/{f[len(folder) + 1:]}" in names, f"{f} is missing from the wheel"
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "pdserve = pdserve.cluster.cli:main" in entry_points

@@ -1,0 +1,233 @@
+// The vector math of pdserve::paged_attention_cpu (paged_attention.cpp, its only includer): the
+// exp of non-positive floats, the softmax of a row of scores, sixteen (AVX-512) or eight (AVX2)
+// keys' dot products with a query row, and value rows weighted into accumulators held in
+// registers. Each loop is a function of pointers and counts; what the attention reads, and in what
+// order, is the includer's.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#if defined(__AVX512F__)
+#define PDSERVE_AVX512 1
+#endif
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 in plain float ops the compiler vectorizes (std::exp is a scalar call):
+// 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (relative error ~2e-7);
+// anything below -87 gives 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  // round to nearest (x <= 0): truncating x * log2(e) - 0.5 toward zero; a conversion the
+  // vectorizer keeps in vector registers, where std::nearbyint is a scalar call
+  const float n = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+#ifdef PDSERVE_AVX2
+// Eight keys' dot products with one query row (float32, HD a multiple of 8): eight accumulators
+// of one FMA chain each, summed across lanes together at the end (three shuffle-add levels for
+// all eight, where one reduction per key took about as long as the key's FMAs).
+template <int HD>
+inline void dot8(const float* q, const float* keys, int64_t key_stride, float* out) {
+  __m256 a[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+  for (int d = 0; d < HD; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys + k * key_stride + d), a[k]);
+  }
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+
+// exp_nonpositive on a vector's lanes, for the lane types below (Lanes8: AVX2, Lanes16:
+// AVX-512): the same range reduction and polynomial, 2^n applied as the lanes allow
+template <typename L>
+inline typename L::V exp_lanes_nonpositive(typename L::V x) {
+  using V = typename L::V;
+  x = L::max(x, L::set1(-87.f));
+  const V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  const V r = L::fnmadd(n, L::set1(1.428606765330187045e-06f), L::fnmadd(n, L::set1(0.693145751953125f), x));
+  V p = L::set1(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = L::fmadd(p, r, L::set1(c));
+  return L::times_pow2(p, n);
+}
+
+struct Lanes8 {
+  using V = __m256;
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V times_pow2(V p, V n) {  // 2^n built in the exponent bits (n >= -126 since x >= -87: a normal float)
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+};
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// A row of scores in place: softmax over its first `visible`, zero for the rest up to `end`
+// (eight lanes at a time, the last few in scalar code).
+inline void softmax_row8(float* row, int64_t visible, int64_t end) {
+  const int64_t full = visible & ~int64_t{7};
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + j));
+  float m = hmax8(mv);
+  for (int64_t j = full; j < visible; ++j) m = std::max(m, row[j]);
+  const __m256 mx = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (int64_t j = 0; j < full; j += 8) {
+    const __m256 e = exp_lanes_nonpositive<Lanes8>(_mm256_sub_ps(_mm256_loadu_ps(row + j), mx));
+    _mm256_storeu_ps(row + j, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  float sum = hsum8(sv);
+  for (int64_t j = full; j < visible; ++j) sum += row[j] = exp_nonpositive(row[j] - m);
+  const float inv = 1.f / sum;
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), iv));
+  for (int64_t j = full; j < visible; ++j) row[j] *= inv;
+  for (int64_t j = visible; j < end; ++j) row[j] = 0.f;
+}
+
+// acc (HD floats) += sum over the n rows of w[j] * values[j * stride]: the accumulator in
+// registers for a whole block.
+template <int HD>
+inline void axpy_rows(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
+  __m256 a[HD / 8];
+  for (int d = 0; d < HD / 8; ++d) a[d] = _mm256_loadu_ps(acc + 8 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_broadcast_ss(w + j);
+    for (int d = 0; d < HD / 8; ++d) a[d] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(values + j * stride + 8 * d), a[d]);
+  }
+  for (int d = 0; d < HD / 8; ++d) _mm256_storeu_ps(acc + 8 * d, a[d]);
+}
+#endif
+
+#ifdef PDSERVE_AVX512
+// The sums of sixteen vectors, as the sixteen lanes of one (lane t: the sum of a[t]): four
+// levels of shuffle-and-add, each halving the vectors, 45 instructions for all sixteen.
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int p = 0; p < 8; ++p)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of the pair (a, b)
+    b[p] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * p], a[2 * p + 1]), _mm512_unpackhi_ps(a[2 * p], a[2 * p + 1]));
+  for (int p = 0; p < 4; ++p) {  // per 128-bit lane: that lane's sum of a[4p], ..., a[4p + 3]
+    const __m512d x = _mm512_castps_pd(b[2 * p]), y = _mm512_castps_pd(b[2 * p + 1]);
+    c[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // across the 128-bit lanes: d0 = [c0 lanes 0+1, c0 lanes 2+3, c1 lanes 0+1, c1 lanes 2+3], d1 the same of c2, c3
+  d[0] = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  d[1] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// Sixteen keys' dot products with one query row (HD a multiple of 16).
+template <int HD>
+inline void dot16(const float* q, const float* keys, int64_t key_stride, float* out) {
+  __m512 qv[HD / 16], a[16];
+  for (int d = 0; d < HD / 16; ++d) qv[d] = _mm512_loadu_ps(q + 16 * d);
+  for (int k = 0; k < 16; ++k) {
+    a[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys + k * key_stride));
+    for (int d = 1; d < HD / 16; ++d) a[k] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(keys + k * key_stride + 16 * d), a[k]);
+  }
+  _mm512_storeu_ps(out, sum16(a));
+}
+
+// Two rows' accumulators (HD floats each) += their weights times the n value rows: each value
+// row is loaded once for both (two query rows of one KV head), the accumulators stay in registers.
+template <int HD>
+inline void axpy_rows2(const float* w0, const float* w1, const float* values, int64_t stride, int64_t n, float* acc0,
+                       float* acc1) {
+  __m512 a0[HD / 16], a1[HD / 16];
+  for (int d = 0; d < HD / 16; ++d) a0[d] = _mm512_loadu_ps(acc0 + 16 * d), a1[d] = _mm512_loadu_ps(acc1 + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 x0 = _mm512_set1_ps(w0[j]), x1 = _mm512_set1_ps(w1[j]);
+    for (int d = 0; d < HD / 16; ++d) {
+      const __m512 v = _mm512_loadu_ps(values + j * stride + 16 * d);
+      a0[d] = _mm512_fmadd_ps(x0, v, a0[d]);
+      a1[d] = _mm512_fmadd_ps(x1, v, a1[d]);
+    }
+  }
+  for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc0 + 16 * d, a0[d]), _mm512_storeu_ps(acc1 + 16 * d, a1[d]);
+}
+
+struct Lanes16 {
+  using V = __m512;
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
+};
+
+// A row of scores in place: softmax over its first `visible`, zero for the rest up to `end`.
+inline void softmax_row16(float* row, int64_t visible, int64_t end) {
+  const int64_t full = visible & ~int64_t{15};
+  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - full)) - 1);
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+  m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + full));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < full; j += 16) {
+    const __m512 e = exp_lanes_nonpositive<Lanes16>(_mm512_sub_ps(_mm512_loadu_ps(row + j), mx));
+    _mm512_storeu_ps(row + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_lanes_nonpositive<Lanes16>(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), mx)));
+    _mm512_mask_storeu_ps(row + full, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
+  if (tail) _mm512_mask_storeu_ps(row + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), inv));
+  for (int64_t j = visible; j < end; ++j) row[j] = 0.f;
+}
+
+template <int HD>
+inline void axpy_rows1(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
+  __m512 a[HD / 16];
+  for (int d = 0; d < HD / 16; ++d) a[d] = _mm512_loadu_ps(acc + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 x = _mm512_set1_ps(w[j]);
+    for (int d = 0; d < HD / 16; ++d) a[d] = _mm512_fmadd_ps(x, _mm512_loadu_ps(values + j * stride + 16 * d), a[d]);
+  }
+  for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc + 16 * d, a[d]);
+}
+#endif
+
+}  // namespace
