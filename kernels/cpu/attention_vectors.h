@@ -73,6 +73,9 @@ inline typename L::V exp_lanes_nonpositive(typename L::V x) {
 
 struct Lanes8 {
   using V = __m256;
+  static constexpr int kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -122,16 +125,17 @@ inline void softmax_row8(float* row, int64_t visible, int64_t end) {
 }
 
 // acc (HD floats) += sum over the n rows of w[j] * values[j * stride]: the accumulator in
-// registers for a whole block.
-template <int HD>
-inline void axpy_rows(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
-  __m256 a[HD / 8];
-  for (int d = 0; d < HD / 8; ++d) a[d] = _mm256_loadu_ps(acc + 8 * d);
+// registers for a whole block, L::kWidth lanes at a time (Lanes8: AVX2, Lanes16: AVX-512).
+template <typename L, int HD>
+inline void axpy_row(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
+  constexpr int kW = L::kWidth;
+  typename L::V a[HD / kW];
+  for (int d = 0; d < HD / kW; ++d) a[d] = L::load(acc + kW * d);
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 wj = _mm256_broadcast_ss(w + j);
-    for (int d = 0; d < HD / 8; ++d) a[d] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(values + j * stride + 8 * d), a[d]);
+    const typename L::V wj = L::set1(w[j]);
+    for (int d = 0; d < HD / kW; ++d) a[d] = L::fmadd(wj, L::load(values + j * stride + kW * d), a[d]);
   }
-  for (int d = 0; d < HD / 8; ++d) _mm256_storeu_ps(acc + 8 * d, a[d]);
+  for (int d = 0; d < HD / kW; ++d) L::store(acc + kW * d, a[d]);
 }
 #endif
 
@@ -184,6 +188,9 @@ inline void axpy_rows2(const float* w0, const float* w1, const float* values, in
 
 struct Lanes16 {
   using V = __m512;
+  static constexpr int kWidth = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
   static V set1(float a) { return _mm512_set1_ps(a); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -218,16 +225,6 @@ inline void softmax_row16(float* row, int64_t visible, int64_t end) {
   for (int64_t j = visible; j < end; ++j) row[j] = 0.f;
 }
 
-template <int HD>
-inline void axpy_rows1(const float* w, const float* values, int64_t stride, int64_t n, float* acc) {
-  __m512 a[HD / 16];
-  for (int d = 0; d < HD / 16; ++d) a[d] = _mm512_loadu_ps(acc + 16 * d);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 x = _mm512_set1_ps(w[j]);
-    for (int d = 0; d < HD / 16; ++d) a[d] = _mm512_fmadd_ps(x, _mm512_loadu_ps(values + j * stride + 16 * d), a[d]);
-  }
-  for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc + 16 * d, a[d]);
-}
 #endif
 
 }  // namespace

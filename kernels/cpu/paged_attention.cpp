@@ -240,7 +240,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               for (; r + 2 <= row(h, nq); r += 2)
                 axpy_rows2<HD>(scores.data() + r * ctx + j0, scores.data() + (r + 1) * ctx + j0, vals, kv_row, n,
                                acc.data() + r * HD, acc.data() + (r + 1) * HD);
-              if (r < row(h, nq)) axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
+              if (r < row(h, nq))
+                axpy_row<Lanes16, HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
             }
             continue;
           }
@@ -251,7 +252,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
               axpy_rows2<HD>(scores.data() + r * ctx + j0, scores.data() + (r + 1) * ctx + j0, vals, kv_row, n,
                              acc.data() + r * HD, acc.data() + (r + 1) * HD);
             if (r < (kh - kh0 + 1) * per_kv)
-              axpy_rows1<HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
+              axpy_row<Lanes16, HD>(scores.data() + r * ctx + j0, vals, kv_row, n, acc.data() + r * HD);
           }
           continue;
         }
@@ -261,7 +262,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           for (int64_t jj = 0; jj < n; ++jj) prefetch_row(next, next_n, jj);
           for (int64_t h = h0; h < h1; ++h)
             for (int64_t i = i0; i < nq; ++i)
-              axpy_rows<HD>(scores.data() + row(h, i) * ctx + j0, blk + (h / group) * HD, kv_row, n,
+              axpy_row<Lanes8, HD>(scores.data() + row(h, i) * ctx + j0, blk + (h / group) * HD, kv_row, n,
                             acc.data() + row(h, i) * HD);
           continue;
         }
