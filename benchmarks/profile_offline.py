@@ -297,7 +297,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=129)
     p.add_argument("--prompt-lens", type=_lengths, default=[],
                    help="comma-separated prompt lengths: also time one prefill of each per repeat")
-    p.add_argument("--no-markdown", action="store_true")
+    p.add_argument("--no-markdown", action="store_true",
+                   help="do not update BENCHMARKS.md; results go to benchmarks/results/*_by_change_partial.*")
     args = p.parse_args()
     if not args.variant:
         profile_one(args.model, args.threads, args.rows)
@@ -306,9 +307,7 @@ def main() -> None:
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # a prefill run prints its decode table but writes only its prefill table's files and section
-    stem, section, draw, table = (("prefill_by_change", PREFILL_SECTION, plot_prefill, prefill_markdown)
-                                  if args.prompt_lens else ("step_by_change", SECTION, plot, markdown))
+    stem, section, draw, table = outputs(bool(args.prompt_lens), args.no_markdown)
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     draw(result, RESULTS / f"{stem}.png")
     if not args.no_markdown:
@@ -316,6 +315,16 @@ def main() -> None:
     if args.prompt_lens:
         print(f"## {SECTION}\n\n{markdown(result, command)}\n")
     print(f"## {section}\n\n{table(result, command)}")
+
+
+def outputs(prefill: bool, no_markdown: bool) -> tuple:
+    """(files' stem, BENCHMARKS section, plot, table) of a side-by-side run. A prefill run prints its
+    decode table but writes only its prefill table's files and section. With --no-markdown the
+    files are `*_partial`, as spec_decode.py's: a scratch run does not overwrite the files the
+    section's table came from."""
+    stem, section, draw, table = (("prefill_by_change", PREFILL_SECTION, plot_prefill, prefill_markdown)
+                                  if prefill else ("step_by_change", SECTION, plot, markdown))
+    return (f"{stem}_partial" if no_markdown else stem), section, draw, table
 
 
 def _lengths(text: str) -> list[int]:

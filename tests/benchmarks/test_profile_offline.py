@@ -55,3 +55,12 @@ def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark,
     text = po.prefill_markdown(result, "cmd")
     assert "| head |" in text and "40 tokens: speedup" in text and "2 torch threads" in text
     assert "| head |" in po.markdown(result, "cmd") and "2 torch threads" in po.markdown(result, "cmd")
+
+
+def test_a_run_without_markdown_writes_partial_files(load_benchmark):
+    """--no-markdown leaves the files the BENCHMARKS table came from alone, as spec_decode.py does."""
+    po = load_benchmark("profile_offline")
+    assert po.outputs(False, False)[:2] == ("step_by_change", po.SECTION)
+    assert po.outputs(True, False)[:2] == ("prefill_by_change", po.PREFILL_SECTION)
+    assert po.outputs(False, True)[0] == "step_by_change_partial"
+    assert po.outputs(True, True)[0] == "prefill_by_change_partial"
