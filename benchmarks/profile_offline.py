@@ -124,9 +124,9 @@ def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], t
     def prefill_ms(length: int) -> float:
         """One prompt of `length` token ids never used before in this process (no cached prefix)."""
         first = next(calls) * 7919
-        prompt = [3 + (first + 31 * i) % (vocab - 3) for i in range(length)]
+        ids = [3 + (first + 31 * i) % (vocab - 3) for i in range(length)]
         w = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         return (time.perf_counter() - w) * 1e3
 
     timed(8)
