@@ -15,7 +15,8 @@
 
 The sources are compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
 same compiler `torch.compile` uses on the CPU), for this CPU (`-march=native`), into torch's
-extensions cache (`TORCH_EXTENSIONS_DIR`, by default `~/.cache/torch_extensions`): 10–20 s the
+extensions cache (`~/.cache/torch_extensions`, under `$XDG_CACHE_HOME` when set; torch's
+`TORCH_EXTENSIONS_DIR` does not move it, as the build directory is given): 10–20 s the
 first time on a 2-core machine. Once built, a process loads the library directly (milliseconds,
 no lock); while one process builds, the others wait on the cache's lock, and a lock left by a
 process that died mid-build is removed after STALE_LOCK_S. Where it cannot be built, `load()`
