@@ -150,12 +150,17 @@ class DraftPasses:
 
     KINDS = ("greedy", "sampled", "greedy catch-up", "sampled catch-up")
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, compiled: bool):
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, compiled: bool,
+                 native: bool = False):
+        """native: run every pass through `NativePasses` where the model allows (projections
+        packed, float32): then nothing is compiled, and the eager passes below are only the
+        reference the native ones are tested against."""
         self.kv_caches, self.block_size = kv_caches, block_size
         self._eager = {kind: types.MethodType(fn, model) for kind, fn in zip(self.KINDS, _PASSES)}
         self._fns = dict(self._eager)
         self._graphs: dict[str, _KeptGraph] = {}
-        if compiled:  # code objects of their own, so the guards dropped are only this model's
+        self.native = NativePasses.of(model, kv_caches) if native else None
+        if compiled and self.native is None:  # code objects of their own, so the guards dropped are only this model's
             for kind, fn in zip(self.KINDS, _PASSES):
                 self._graphs[kind] = _KeptGraph(_INDUCTOR_PASS_OPTIONS)
                 self._fns[kind] = torch.compile(types.MethodType(_own_function(fn), model), fullgraph=True,
@@ -170,6 +175,8 @@ class DraftPasses:
         (at the position before), the input token, its position, the block ids. temperature
         [num_seqs] float32 (0: greedy) and noise [num_passes, num_seqs, vocab_size] Exp(1) draws,
         when any sequence samples; None when every one is greedy. The picks [num_passes, num_seqs]."""
+        if self.native is not None:
+            return self.native(state, num_passes, temperature, noise, catch_up)
         picks = []
         for j in range(num_passes):
             kind = ("greedy" if temperature is None else "sampled") + (" catch-up" if catch_up and j == 0 else "")
@@ -203,6 +210,62 @@ class DraftPasses:
             self.is_broken, self._fns = True, dict(self._eager)
             log.warning("graph capture (compile) of the draft's passes failed, running eagerly: %r", e)
             return self._eager[kind](state, *sampling, self.kv_caches, self.block_size)
+
+
+class NativePasses:
+    """A draft's passes as one call of `pdserve::draft_passes` (`kernels/cpu/decoder.cpp`): the
+    whole forward and the pick of every pass in C++, the projections through `linear_packed` and
+    the attention through `paged_attention_cpu`, called straight rather than op by op. The graph
+    of a pass (`DraftPasses` compiled) spent most of a pass on fixed costs: on the demo draft at
+    batch 1 its arithmetic is about 20 µs, the graph took about 115 µs (AMD EPYC, one thread).
+
+    The same inputs and picks as `DraftPasses`' graphs: a greedy row takes the argmax, a sampled
+    row (temperature only) races its softmax against the pass's noise. The sums run in another
+    order than the model's ops (the norms, the softmax), so a pick may differ from the graph's
+    where two logits nearly tie: a proposal only, which the target verifies."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
+        cfg = model.cfg
+        self.weights = weights
+        self.caches = [t for pair in kv_caches for t in pair]
+        self.cos, self.sin = model.rope
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, kv_caches: list) -> NativePasses | None:
+        """The model's native passes, or None where the op cannot run them: the native library not
+        loaded, a projection not packed (`cpu_linear`), or anything not float32."""
+        from pdserve.engine.model.llama import PackedLinear
+        from pdserve.kernels import native
+
+        if not native.loaded() or not hasattr(torch.ops.pdserve, "draft_passes"):
+            return None
+        inner = model.model
+        if kv_caches[0][0].dtype != torch.float32 or inner.embed_tokens.weight.dtype != torch.float32:
+            return None
+        head = model.lm_head
+        if not isinstance(head, PackedLinear):  # tied to the embedding: a packed copy of its own (a draft's is small)
+            head = PackedLinear(head)
+
+        def linear(module) -> list[torch.Tensor]:
+            bias = module.bias if module.bias is not None else torch.empty(0)
+            return [module.packed, bias.float()]
+
+        weights = [inner.embed_tokens.weight, inner.norm.weight, *linear(head)]
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not all(isinstance(m, PackedLinear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                return None
+            weights += [layer.input_layernorm.weight, *linear(attn.qkv_proj), *linear(attn.o_proj),
+                        layer.post_attention_layernorm.weight, *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
+        return cls(model, kv_caches, weights)
+
+    def __call__(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
+                 noise: torch.Tensor | None = None, catch_up: bool = False) -> torch.Tensor:
+        """As `DraftPasses.__call__`: the picks [num_passes, num_seqs]."""
+        heads, kv_heads, eps, scale = self.shape
+        return torch.ops.pdserve.draft_passes(state, num_passes, catch_up, self.weights, self.caches, self.cos,
+                                              self.sin, heads, kv_heads, eps, scale, temperature, noise)
 
 
 def _pass_logits(model, state: torch.Tensor, num_query: int, kv_caches: list, block_size: int) -> torch.Tensor:

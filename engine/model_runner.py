@@ -75,8 +75,10 @@ class ModelRunner:
                                    group_size=cfg.num_heads // cfg.num_kv_heads)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
-        # a draft's passes run as graphs (`draft_passes`): the native attention's plans only
-        self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile")
+        # a draft's passes run at once (`draft_passes`): the native attention's plans only; one
+        # native call with the projections packed too (`capture.NativePasses`), else as graphs
+        self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile",
+                                   native=native_linear)
                        if native_attention and capture in ("off", "compile") else None)
 
     def _build_capture(self, kind: str, max_batch: int, ops: KernelOps):

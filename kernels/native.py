@@ -10,6 +10,10 @@
   linears. The BLAS's small-M path reads a decode step's weights at about half the speed one core
   can, and pays about 3x for the 5 rows of a speculative verification. AVX-512 or AVX2 with FMA
   (`linear_packed_available()`); elsewhere the model keeps `nn.Linear`.
+- `torch.ops.pdserve.draft_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, ...)`
+  (`cpu/decoder.cpp`): a draft model's passes of a speculative step in one call, the whole
+  forward and the pick in C++, its ops calling the two above straight (`cpu/native_ops.h`); used
+  through `engine.capture.NativePasses`.
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 
@@ -37,8 +41,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp")]
-HEADERS = [Path(__file__).with_name("cpu") / "attention_vectors.h"]  # included by the sources: in the build name
+SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp",
+                                                                         "decoder.cpp")]
+HEADERS = [Path(__file__).with_name("cpu") / name for name in ("attention_vectors.h", "native_ops.h")]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever

@@ -38,6 +38,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_ops.h"
+
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
@@ -410,6 +412,11 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
 }
 
 }  // namespace
+
+at::Tensor pdserve_native::linear_packed(const at::Tensor& x, const at::Tensor& packed,
+                                         const c10::optional<at::Tensor>& bias, int64_t n) {
+  return ::linear_packed(x, packed, bias, n);
+}
 
 #ifndef PDSERVE_OP_NAMESPACE
 #define PDSERVE_OP_NAMESPACE pdserve

@@ -30,7 +30,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_vectors.h"  // PDSERVE_AVX2 / PDSERVE_AVX512, and the vector loops
+#include "attention_vectors.h"
+#include "native_ops.h"  // PDSERVE_AVX2 / PDSERVE_AVX512, and the vector loops
 
 namespace {
 
@@ -343,6 +344,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
 }
 
 }  // namespace
+
+at::Tensor pdserve_native::paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                           const at::Tensor& block_ids, const at::Tensor& context_lens,
+                                           const at::Tensor& query_starts, double scale) {
+  return ::paged_attention_cpu(q, k, v, k_cache, v_cache, slot_mapping, block_ids, context_lens, query_starts, scale);
+}
 
 // The op's namespace: `pdserve`, except in a test that builds the file again for a narrower
 // instruction set beside the loaded library (tests/kernels/test_native_attention.py).

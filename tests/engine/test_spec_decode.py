@@ -67,19 +67,27 @@ def test_greedy_with_speculation_equals_without(target, useless_draft, baseline,
         assert st.acceptance_rate < 0.3
 
 
-@pytest.mark.parametrize("graph_capture", ["off", "compile"])
-def test_draft_passes_run_at_once(target, useless_draft, baseline, graph_capture):
+@pytest.mark.parametrize("path", ["native", "graphs-off", "graphs-compile"])
+def test_draft_passes_run_at_once(target, useless_draft, baseline, path):
     """A batch drafting to one depth, greedy or sampling by temperature alone, runs the draft's
     passes as one call (`ModelRunner.draft_passes`): all of them, the catch-up on the last two
     tokens first, once the draft has seen all but one or two tokens (every proposal after a
     verification); those after its catch-up pass when the catch-up is longer (a fresh prompt).
-    The same drafts as pass by pass, the same output, one compiled graph per kind of pass for
-    every batch size and context, and pass by pass again where a request filters (top-p)."""
+    The same output as pass by pass; by default one native call (`capture.NativePasses`), and
+    with the projections unpacked (`cpu_linear="torch"`) the model's own passes: eager, the same
+    drafts as pass by pass, or compiled, one graph per kind of pass for every batch size and
+    context. Pass by pass again where a request filters (top-p)."""
+    graph_capture = "off" if path == "graphs-off" else "compile"
     options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False,
-                   graph_capture=graph_capture)
+                   graph_capture=graph_capture, cpu_linear="auto" if path == "native" else "torch")
     at_once, one_by_one = LLM(target, **options), LLM(target, **options)
     one_by_one.engine.draft_runner.passes = None
     runner, calls = at_once.engine.draft_runner, []
+    assert (runner.passes.native is not None) == (path == "native" and torch.ops.pdserve.linear_packed_available())
+    if runner.passes.native is not None:
+        native_calls = []
+        native_call = runner.passes.native.__call__
+        runner.passes.native = lambda *a, **k: native_calls.append(a[1]) or native_call(*a, **k)
     original = runner.draft_passes
     runner.draft_passes = lambda *a: calls.append((a[3], a[4] is not None, a[6] is not None)) or original(*a)
     sampled = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=3 + i)
@@ -95,7 +103,9 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, graph_capture
     assert_all_free(at_once)
     mine, theirs = copy.copy(at_once.engine.speculator.stats), one_by_one.engine.speculator.stats
     assert [o.token_ids for o in at_once.generate(PROMPTS, GREEDY)] == baseline
-    if graph_capture == "off":  # the same ops on the same rows: the same acceptance
+    if path == "native":
+        assert 0 < len(native_calls) <= len(calls) and not runner.passes.is_broken  # a call declined: no pass
+    elif path == "graphs-off":  # the same ops on the same rows: the same acceptance
         assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
     else:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list

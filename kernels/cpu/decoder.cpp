@@ -1,0 +1,241 @@
+// pdserve::draft_passes: a draft model's passes of a speculative step, every one in one native call:
+// pass j's pick is pass j + 1's input token, at the next position. The whole Llama forward of a
+// few rows (embedding, RMS norms, rotary, the projections through linear_packed, the K/V write and
+// attention through paged_attention_cpu, the MLP, the lm_head) and the pick, in C++.
+//
+// Why: a draft is small, so its passes are mostly fixed cost. On the demo draft (2 layers, hidden
+// 128) a pass's arithmetic takes about 20 µs, while its compiled graph took about 115 µs (AMD
+// EPYC, batch 1): eleven op calls and a dozen generated loops, each with a few microseconds of
+// dispatch. That fixed cost is c in the speculation's speedup, (1 - a^(k+1)) / ((1 - a)(1 + k c)).
+// Here a pass's ops call each other straight (native_ops.h) and its elementwise steps are loops
+// over a few rows.
+//
+// The math is the model's (engine/model/llama.py), in float32, with sums in another order (RMS
+// norm, softmax): the picks are a draft's proposals, which the target verifies, so they change how
+// many drafts are accepted, never what is emitted. Tested against the model's own passes.
+//
+// state [S, head + W] int64: per sequence the input token, its position, then its block ids (W of
+// them, those of the slots the passes write); with catch_up, head = 3: the token before the input
+// token (at the position before), the input token, its position. The first pass then runs both
+// tokens (their K/V written, the logits of the second). weights: the model's tensors in
+// `kernels/native.py`'s `draft_weights` order. temperature [S] float32 and noise [passes, S, vocab]
+// float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
+// exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
+// picks [passes, S].
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "native_ops.h"
+
+namespace {
+
+constexpr int64_t kWeightsPerLayer = 10;  // ln1, qkv (packed, bias), o (packed, bias), ln2, gate_up (.., ..), down (.., ..)
+constexpr int64_t kHeadWeights = 4;       // embedding, final norm, lm_head (packed, bias)
+
+c10::optional<at::Tensor> bias_of(const at::Tensor& t) {  // an empty tensor stands for none
+  return t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+}
+
+// out[m] = rms_norm(x[m]) * weight, over `rows` rows of `width`.
+void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t width, float* out) {
+  for (int64_t m = 0; m < rows; ++m, x += width, out += width) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < width; ++i) sum += x[i] * x[i];
+    const float r = 1.f / std::sqrt(sum / float(width) + eps);
+    for (int64_t i = 0; i < width; ++i) out[i] = weight[i] * (x[i] * r);
+  }
+}
+
+// Rotate-half rotary on `heads` heads of one row (head_dim d): x1' = x1 c - x2 s, x2' = x2 c + x1 s.
+void rotate(float* row, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h, row += d)
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = row[i], x2 = row[half + i];
+      row[i] = x1 * cos[i] - x2 * sin[i];
+      row[half + i] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+// The first index of the largest of n values.
+int64_t first_max(const float* v, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] > v[best]) best = i;
+  return best;
+}
+
+// The exponential race over softmax(logits / t): the first largest p / E.
+int64_t race(const float* logits, const float* noise, int64_t n, float t, std::vector<float>& probs) {
+  probs.resize(n);
+  float top = logits[0] / t;
+  for (int64_t i = 1; i < n; ++i) top = std::max(top, logits[i] / t);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += probs[i] = std::exp(logits[i] / t - top);
+  for (int64_t i = 0; i < n; ++i) probs[i] = probs[i] / sum / noise[i];
+  return first_max(probs.data(), n);
+}
+
+at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
+                        at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                        int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
+                        const c10::optional<at::Tensor>& noise) {
+  const int64_t head = catch_up ? 3 : 2;
+  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > head && state.size(0) >= 1,
+              "draft_passes: state must be int64 [seqs, ", head, " + block ids], got ", state.sizes());
+  TORCH_CHECK(num_passes >= 1, "draft_passes: num_passes must be at least 1, got ", num_passes);
+  const int64_t num_layers = int64_t(kv_caches.size()) / 2;
+  TORCH_CHECK(num_layers >= 1 && int64_t(kv_caches.size()) == 2 * num_layers &&
+                  int64_t(weights.size()) == kHeadWeights + kWeightsPerLayer * num_layers,
+              "draft_passes: ", weights.size(), " weights and ", kv_caches.size(), " caches do not make a model");
+  const at::Tensor& embed = weights[0];
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+              "draft_passes: the embedding must be a contiguous float32 [vocab, hidden]");
+  const int64_t vocab = embed.size(0), hidden = embed.size(1);
+  const at::Tensor& k0 = kv_caches[0];
+  TORCH_CHECK(k0.dim() == 4 && k0.scalar_type() == at::kFloat, "draft_passes: the caches must be float32 [blocks, block_size, heads, head_dim]");
+  const int64_t block_size = k0.size(1), head_dim = k0.size(3);
+  for (int64_t i = 0; i < int64_t(weights.size()); ++i) {  // the norms' weights; the projections check their own
+    const int64_t j = i < kHeadWeights ? i : (i - kHeadWeights) % kWeightsPerLayer;
+    if (i == 1 || (i >= kHeadWeights && (j == 0 || j == 5)))
+      TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == hidden,
+                  "draft_passes: weight ", i, " must be a float32 norm weight [", hidden, "]");
+  }
+  for (const at::Tensor& c : kv_caches)
+    TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == at::kFloat && c.is_contiguous(),
+                "draft_passes: every cache must be a contiguous float32 tensor shaped like the first");
+  TORCH_CHECK(k0.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+              "draft_passes: head counts do not match the cache");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == head_dim / 2 &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "draft_passes: cos and sin must be contiguous float32 [positions, head_dim / 2]");
+  const int64_t num_seqs = state.size(0), width = state.size(1) - head;
+  const bool sampled = temperature.has_value();
+  TORCH_CHECK(sampled == noise.has_value(), "draft_passes: temperature and noise come together");
+  if (sampled)
+    TORCH_CHECK(temperature->dim() == 1 && temperature->size(0) == num_seqs && temperature->scalar_type() == at::kFloat &&
+                    noise->dim() == 3 && noise->size(0) >= num_passes && noise->size(1) == num_seqs &&
+                    noise->size(2) == vocab && noise->scalar_type() == at::kFloat && noise->is_contiguous(),
+                "draft_passes: temperature must be float32 [seqs] and noise float32 [passes, seqs, vocab]");
+
+  const auto i64 = state.options();
+  const auto f32 = embed.options();
+  const at::Tensor st = state.contiguous();
+  const int64_t* sp = st.data_ptr<int64_t>();
+  const at::Tensor block_ids = st.narrow(1, head, width);
+  const int64_t* ids = sp + head;
+  const int64_t stride = st.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const float epsf = float(eps);
+
+  std::vector<int64_t> tokens(num_seqs), positions(num_seqs), prev(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    tokens[s] = sp[s * stride + head - 2];
+    positions[s] = sp[s * stride + head - 1];
+    if (catch_up) prev[s] = sp[s * stride];
+  }
+  at::Tensor picks = at::empty({num_passes, num_seqs}, i64);
+  int64_t* picks_p = picks.data_ptr<int64_t>();
+  std::vector<float> scratch;
+
+  for (int64_t pass = 0; pass < num_passes; ++pass) {
+    const int64_t nq = catch_up && pass == 0 ? 2 : 1, rows = num_seqs * nq;
+    // each row's token and position, and where its K/V go
+    at::Tensor slots = at::empty({rows}, i64), lens = at::empty({num_seqs}, i64), starts = at::empty({num_seqs + 1}, i64);
+    int64_t* slot_p = slots.data_ptr<int64_t>();
+    std::vector<int64_t> row_token(rows), row_pos(rows);
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t r = s * nq + i, pos = positions[s] - (nq - 1 - i);
+        row_token[r] = nq == 2 && i == 0 ? prev[s] : tokens[s];
+        row_pos[r] = pos;
+        TORCH_CHECK(pos >= 0 && pos < cos.size(0) && pos / block_size < width, "draft_passes: position ", pos,
+                    " of sequence ", s, " is outside its blocks or the rotary table");
+        TORCH_CHECK(row_token[r] >= 0 && row_token[r] < vocab, "draft_passes: token ", row_token[r], " out of range");
+        slot_p[r] = ids[s * stride + pos / block_size] * block_size + pos % block_size;
+      }
+      lens.data_ptr<int64_t>()[s] = positions[s] + 1;
+      starts.data_ptr<int64_t>()[s] = s * nq;
+    }
+    starts.data_ptr<int64_t>()[num_seqs] = rows;
+
+    at::Tensor residual = at::empty({rows, hidden}, f32), normed = at::empty({rows, hidden}, f32);
+    float* res = residual.data_ptr<float>();
+    float* nrm = normed.data_ptr<float>();
+    const float* emb = embed.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) std::copy(emb + row_token[r] * hidden, emb + (row_token[r] + 1) * hidden, res + r * hidden);
+
+    for (int64_t layer = 0; layer < num_layers; ++layer) {
+      const at::Tensor* w = weights.data() + kHeadWeights + layer * kWeightsPerLayer;
+      rms_norm(res, w[0].data_ptr<float>(), epsf, rows, hidden, nrm);
+      at::Tensor qkv = pdserve_native::linear_packed(normed, w[1], bias_of(w[2]), qkv_size);
+      float* qkv_p = qkv.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)  // q's and k's heads, neighbours in the row
+        rotate(qkv_p + r * qkv_size, num_heads + num_kv_heads, head_dim, cos_p + row_pos[r] * (head_dim / 2),
+               sin_p + row_pos[r] * (head_dim / 2));
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
+      at::Tensor k_cache = kv_caches[2 * layer], v_cache = kv_caches[2 * layer + 1];
+      at::Tensor attn = pdserve_native::paged_attention(q, k, v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
+      at::Tensor o = pdserve_native::linear_packed(attn.view({rows, q_size}), w[3], bias_of(w[4]), hidden);
+      const float* op = o.data_ptr<float>();
+      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
+      rms_norm(res, w[5].data_ptr<float>(), epsf, rows, hidden, nrm);
+      const int64_t inter = w[8].size(1);  // the down projection's in_features (its panels' rows)
+      at::Tensor gate_up = pdserve_native::linear_packed(normed, w[6], bias_of(w[7]), 2 * inter);
+      float* gu = gate_up.data_ptr<float>();
+      at::Tensor act = at::empty({rows, inter}, f32);
+      float* ap = act.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = gu[r * 2 * inter + i];
+          ap[r * inter + i] = g / (1.f + std::exp(-g)) * gu[r * 2 * inter + inter + i];
+        }
+      at::Tensor down = pdserve_native::linear_packed(act, w[8], bias_of(w[9]), hidden);
+      const float* dp = down.data_ptr<float>();
+      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += dp[i];
+    }
+
+    // the final norm of each sequence's last row, the logits, the pick
+    at::Tensor last = at::empty({num_seqs, hidden}, f32);
+    for (int64_t s = 0; s < num_seqs; ++s)
+      rms_norm(res + (s * nq + nq - 1) * hidden, weights[1].data_ptr<float>(), epsf, 1, hidden,
+               last.data_ptr<float>() + s * hidden);
+    at::Tensor logits = pdserve_native::linear_packed(last, weights[2], bias_of(weights[3]), vocab);
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const float t = sampled ? temperature->data_ptr<float>()[s] : 0.f;
+      const int64_t pick = t <= 0.f ? first_max(lp + s * vocab, vocab)
+                                    : race(lp + s * vocab, noise->data_ptr<float>() + (pass * num_seqs + s) * vocab,
+                                           vocab, t, scratch);
+      picks_p[pass * num_seqs + s] = pick;
+      tokens[s] = pick;
+      positions[s] += 1;
+    }
+  }
+  return picks;
+}
+
+}  // namespace
+
+#ifndef PDSERVE_OP_NAMESPACE
+#define PDSERVE_OP_NAMESPACE pdserve
+#endif
+
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
+  m.def("draft_passes(Tensor state, int num_passes, bool catch_up, Tensor[] weights, Tensor(a!)[] kv_caches, "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, Tensor? temperature, "
+        "Tensor? noise) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) { m.impl("draft_passes", &draft_passes); }
