@@ -1,22 +1,24 @@
-"""The draft's passes run at once (`capture.DraftPasses`) against the same engine drafting pass by
-pass, side by side in one process.
+"""How the draft's passes run, side by side in one process: one native call, the model's own
+passes as graphs, and the same engine drafting pass by pass.
 
     python benchmarks/draft_passes.py [--repeats 10] [--adaptive] [--no-markdown]
 
 Engines on the demo pair with the draft at fixed depth k = 4 (with --adaptive, adaptive depth up
 to 4) and the tuned options (`graph_capture="compile"`, one torch thread), differing only in how
-the draft's passes run: "at once", the default (a batch drafting to one depth runs its passes as
-one call, the catch-up pass included once it is one or two tokens, as after every verification;
-greedy and temperature-only sampled batches); "catch-up apart" (`proposer.catch_up_at_once =
-False`: the catch-up pass through `execute` and the sampler, the passes after it at once, as
-before 3668ba0); "pass by pass" (`ModelRunner.passes` None: every pass built on the host and
-sampled by the sampler, as before 2bb21d1). Plain decoding is measured beside them. Cases: batch
-1 greedy and at temperature 1 (4 prompts of code, 128 tokens each, one after another), and batch
-8 at temperature 1 (one batch of 8 prompts). The engines run in turn within each repeat, the
-order reversing every repeat. Per case: tokens/s of each engine, and the ratios of at once to each
-other engine in the same repeat and of pass by pass to plain, as min / median / max. Writes
-benchmarks/results/draft_passes.json and .png (draft_passes_adaptive.* with --adaptive) and, unless
---no-markdown, its BENCHMARKS.md section.
+the draft's passes run: "native", the default (a batch drafting to one depth runs its passes as
+one call of `pdserve::draft_passes`, `capture.NativePasses`, the catch-up pass included once it is
+one or two tokens, as after every verification; greedy and temperature-only sampled batches);
+"graphs" (the same passes at once through the model's own code, one compiled graph per pass:
+`DraftPasses(native=False)`, the default before the native call); "catch-up apart"
+(`proposer.catch_up_at_once = False`: the catch-up pass through `execute` and the sampler, the
+passes after it at once, as before 3668ba0); "pass by pass" (`ModelRunner.passes` None: every
+pass built on the host and sampled by the sampler, as before 2bb21d1). Plain decoding is measured
+beside them. Cases: batch 1 greedy and at temperature 1 (4 prompts of code, 128 tokens each, one
+after another), and batch 8 at temperature 1 (one batch of 8 prompts). The engines run in turn
+within each repeat, the order reversing every repeat. Per case: tokens/s of each engine, and the
+ratios of native to each other engine in the same repeat and of graphs and pass by pass to plain,
+as min / median / max. Writes benchmarks/results/draft_passes.json and .png
+(draft_passes_adaptive.* with --adaptive) and, unless --no-markdown, its BENCHMARKS.md section.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.capture import DraftPasses  # noqa: E402
 from report import Spread, host, machine, publish  # noqa: E402
 from spec_decode import code_prompts  # noqa: E402
 
@@ -43,7 +46,7 @@ RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Draft passes at once (`benchmarks/draft_passes.py`)"
 SECTION_ADAPTIVE = "Draft passes at once, adaptive depth (`benchmarks/draft_passes.py --adaptive`)"
 CASES = ((1, 0.0), (1, 1.0), (8, 1.0))  # (batch, temperature)
-ENGINES = ("at once", "catch-up apart", "pass by pass", "plain")
+ENGINES = ("native", "graphs", "catch-up apart", "pass by pass", "plain")
 
 
 def build(model: str, draft: str, capture: str, num_kv_blocks: int, adaptive: bool = False) -> dict[str, LLM]:
@@ -51,6 +54,11 @@ def build(model: str, draft: str, capture: str, num_kv_blocks: int, adaptive: bo
     spec = dict(draft_model=draft, num_speculative_tokens=4, spec_adaptive=adaptive)
     llms = {name: LLM(model, **common, **spec) for name in ENGINES[:-1]}
     llms["plain"] = LLM(model, **common)
+    graphs = llms["graphs"].engine.draft_runner
+    if graphs.passes is not None:  # the model's own passes, compiled as the engine did before the native call
+        graphs.passes = DraftPasses(graphs.model, graphs.kv_caches, graphs.block_size, compiled=capture == "compile",
+                                    native=False)
+        graphs.warm_up_draft_passes()
     llms["catch-up apart"].engine.speculator.proposer.catch_up_at_once = False  # the catch-up through `execute`
     llms["pass by pass"].engine.draft_runner.passes = None  # every pass through `execute` and the sampler
     return llms
@@ -93,7 +101,8 @@ def run(model: str, draft: str, repeats: int, max_tokens: int, capture: str = "c
                 machine=machine())
 
 
-RATIOS = (("at once", "catch-up apart"), ("at once", "pass by pass"), ("at once", "plain"), ("pass by pass", "plain"))
+RATIOS = (("native", "graphs"), ("native", "catch-up apart"), ("native", "pass by pass"), ("native", "plain"),
+          ("graphs", "plain"), ("pass by pass", "plain"))
 
 
 def _key(engine: str) -> str:
@@ -108,9 +117,11 @@ def markdown(result: dict, command: str) -> str:
     depth = "adaptive depth up to 4" if result.get("adaptive") else "k = 4 fixed"
     lines = [f"Command: `{command}`. Demo pair, draft {depth}, `graph_capture=\"{result['capture']}\"`, "
              f"{result['threads']} torch thread, on {host(result['machine'])}; {result['repeats']} repeats, engines in "
-             "turn, the order reversing every repeat; min / median / max, ratios within a repeat. \"Catch-up apart\" "
-             "runs the draft's catch-up pass through `execute` (`proposer.catch_up_at_once = False`), \"pass by pass\" "
-             "every pass (`draft_runner.passes = None`).", "",
+             "turn, the order reversing every repeat; min / median / max, ratios within a repeat. \"Native\" runs the "
+             "draft's passes at once in one native call (the default), \"graphs\" at once as compiled graphs of the "
+             "model's passes (`DraftPasses(native=False)`), \"catch-up apart\" runs the catch-up pass through "
+             "`execute` (`proposer.catch_up_at_once = False`), \"pass by pass\" every pass "
+             "(`draft_runner.passes = None`).", "",
              "| batch | temp | " + " | ".join(f"tokens/s {e}" for e in ENGINES) + " | "
              + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |", "|---|---|" + "---|" * (len(ENGINES) + len(RATIOS))]
     for r in result["rows"]:
