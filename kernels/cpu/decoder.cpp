@@ -30,6 +30,8 @@
 #include <cmath>
 #include <vector>
 
+
+#include "attention_vectors.h"  // exp_nonpositive, softmax_row16 / softmax_row8
 #include "native_ops.h"
 
 namespace {
@@ -62,8 +64,23 @@ void rotate(float* row, int64_t heads, int64_t d, const float* cos, const float*
     }
 }
 
-// The first index of the largest of n values.
+// The first index of the largest of n values (as torch.argmax: NaN apart, which no row holds).
 int64_t first_max(const float* v, int64_t n) {
+#ifdef PDSERVE_AVX512
+  if (n >= 16) {  // the largest value, then the first lane holding it: two passes over a row in L1
+    __m512 top = _mm512_loadu_ps(v);
+    int64_t i = 16;
+    for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(v + i));
+    float m = _mm512_reduce_max_ps(top);
+    for (; i < n; ++i) m = std::max(m, v[i]);
+    const __m512 mv = _mm512_set1_ps(m);
+    for (i = 0; i + 16 <= n; i += 16)
+      if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), mv, _CMP_EQ_OQ))
+        return i + __builtin_ctz(hit);
+    for (; i < n; ++i)
+      if (v[i] == m) return i;
+  }
+#endif
   int64_t best = 0;
   for (int64_t i = 1; i < n; ++i)
     if (v[i] > v[best]) best = i;
@@ -73,12 +90,28 @@ int64_t first_max(const float* v, int64_t n) {
 // The exponential race over softmax(logits / t): the first largest p / E.
 int64_t race(const float* logits, const float* noise, int64_t n, float t, std::vector<float>& probs) {
   probs.resize(n);
-  float top = logits[0] / t;
-  for (int64_t i = 1; i < n; ++i) top = std::max(top, logits[i] / t);
+  for (int64_t i = 0; i < n; ++i) probs[i] = logits[i] / t;
+#if defined(PDSERVE_AVX512)
+  softmax_row16(probs.data(), n, n);
+#elif defined(PDSERVE_AVX2)
+  softmax_row8(probs.data(), n, n);
+#else
+  const float top = *std::max_element(probs.begin(), probs.end());
   float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum += probs[i] = std::exp(logits[i] / t - top);
-  for (int64_t i = 0; i < n; ++i) probs[i] = probs[i] / sum / noise[i];
+  for (int64_t i = 0; i < n; ++i) sum += probs[i] = exp_nonpositive(probs[i] - top);
+  for (int64_t i = 0; i < n; ++i) probs[i] /= sum;
+#endif
+  for (int64_t i = 0; i < n; ++i) probs[i] /= noise[i];
   return first_max(probs.data(), n);
+}
+
+// out[i] = silu(gate[i]) * up[i] over n values, silu(g) = g * sigmoid(g) with the exp of -|g| (in
+// plain float ops the compiler vectorizes; std::exp is a scalar call).
+void silu_times(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i], e = exp_nonpositive(-std::fabs(g));
+    out[i] = g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * up[i];
+  }
 }
 
 at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
@@ -146,13 +179,29 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   at::Tensor picks = at::empty({num_passes, num_seqs}, i64);
   int64_t* picks_p = picks.data_ptr<int64_t>();
   std::vector<float> scratch;
+  // buffers for the most rows a pass has (the catch-up's two per sequence), and their views for
+  // each row count: made once per call, not per pass
+  const int64_t most_rows = num_seqs * (catch_up ? 2 : 1);
+  TORCH_CHECK(weights[kHeadWeights + 8].dim() == 3, "draft_passes: the down projection must be packed (linear_pack)");
+  const int64_t inter = weights[kHeadWeights + 8].size(1);  // the down projection's in_features (its panels' rows)
+  const at::Tensor slots_buf = at::empty({most_rows}, i64), lens = at::empty({num_seqs}, i64),
+                   starts = at::empty({num_seqs + 1}, i64), residual_buf = at::empty({most_rows, hidden}, f32),
+                   normed_buf = at::empty({most_rows, hidden}, f32), act_buf = at::empty({most_rows, inter}, f32),
+                   last = at::empty({num_seqs, hidden}, f32);
+  struct Views { at::Tensor slots, residual, normed, act; };
+  const auto views_of = [&](int64_t rows) {
+    return Views{slots_buf.narrow(0, 0, rows), residual_buf.narrow(0, 0, rows), normed_buf.narrow(0, 0, rows),
+                 act_buf.narrow(0, 0, rows)};
+  };
+  const Views one_each = views_of(num_seqs), two_each = catch_up ? views_of(2 * num_seqs) : one_each;
+  std::vector<int64_t> row_token(most_rows), row_pos(most_rows);
 
   for (int64_t pass = 0; pass < num_passes; ++pass) {
     const int64_t nq = catch_up && pass == 0 ? 2 : 1, rows = num_seqs * nq;
+    const Views& view = nq == 2 ? two_each : one_each;
+    const at::Tensor &slots = view.slots, &normed = view.normed, &act = view.act;
     // each row's token and position, and where its K/V go
-    at::Tensor slots = at::empty({rows}, i64), lens = at::empty({num_seqs}, i64), starts = at::empty({num_seqs + 1}, i64);
     int64_t* slot_p = slots.data_ptr<int64_t>();
-    std::vector<int64_t> row_token(rows), row_pos(rows);
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t r = s * nq + i, pos = positions[s] - (nq - 1 - i);
@@ -168,8 +217,7 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
     }
     starts.data_ptr<int64_t>()[num_seqs] = rows;
 
-    at::Tensor residual = at::empty({rows, hidden}, f32), normed = at::empty({rows, hidden}, f32);
-    float* res = residual.data_ptr<float>();
+    float* res = view.residual.data_ptr<float>();
     float* nrm = normed.data_ptr<float>();
     const float* emb = embed.data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) std::copy(emb + row_token[r] * hidden, emb + (row_token[r] + 1) * hidden, res + r * hidden);
@@ -191,23 +239,16 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
       const float* op = o.data_ptr<float>();
       for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
       rms_norm(res, w[5].data_ptr<float>(), epsf, rows, hidden, nrm);
-      const int64_t inter = w[8].size(1);  // the down projection's in_features (its panels' rows)
       at::Tensor gate_up = pdserve_native::linear_packed(normed, w[6], bias_of(w[7]), 2 * inter);
       float* gu = gate_up.data_ptr<float>();
-      at::Tensor act = at::empty({rows, inter}, f32);
       float* ap = act.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = gu[r * 2 * inter + i];
-          ap[r * inter + i] = g / (1.f + std::exp(-g)) * gu[r * 2 * inter + inter + i];
-        }
+      for (int64_t r = 0; r < rows; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
       at::Tensor down = pdserve_native::linear_packed(act, w[8], bias_of(w[9]), hidden);
       const float* dp = down.data_ptr<float>();
       for (int64_t i = 0; i < rows * hidden; ++i) res[i] += dp[i];
     }
 
     // the final norm of each sequence's last row, the logits, the pick
-    at::Tensor last = at::empty({num_seqs, hidden}, f32);
     for (int64_t s = 0; s < num_seqs; ++s)
       rms_norm(res + (s * nq + nq - 1) * hidden, weights[1].data_ptr<float>(), epsf, 1, hidden,
                last.data_ptr<float>() + s * hidden);
