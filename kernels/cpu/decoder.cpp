@@ -142,7 +142,8 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   for (const at::Tensor& c : kv_caches)
     TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == at::kFloat && c.is_contiguous(),
                 "draft_passes: every cache must be a contiguous float32 tensor shaped like the first");
-  TORCH_CHECK(k0.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && k0.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 &&
+                  head_dim % 2 == 0,
               "draft_passes: head counts do not match the cache");
   TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == head_dim / 2 &&
                   cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&

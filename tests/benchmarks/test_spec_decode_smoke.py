@@ -68,12 +68,18 @@ def test_markdown_has_a_line_per_row_and_goals(bench):
                  mean_accepted_length=3.4, mean_k=4.0, c=0.1, ideal_speedup=2.4,
                  share_of_ideal=dict(min=1.0, median=1.08, max=1.1, values=[1.0, 1.08, 1.1]),
                  same_tokens_as_plain=False)]
+    newcomer = dict(rows[1], method="newcomer draft k=4", is_newcomer=True, same_tokens_as_plain=True,
+                    speedup=dict(min=2.5, median=2.9, max=3.1, values=[2.5, 2.9, 3.1]),
+                    share_of_ideal=dict(min=0.8, median=0.9, max=0.95, values=[0.8, 0.9, 0.95]))
     lines = bench.markdown_table(rows).splitlines()
     assert len(lines) == 2 + len(rows)
     assert "**no**" in lines[-1]  # a mismatch stands out
-    verdicts = {g.name: g.is_met for g in bench.goals(rows)}
+    verdicts = {g.name: g.is_met for g in bench.goals(rows + [newcomer])}
     assert verdicts["batch 1 greedy, draft k=4: speedup"] is False  # the worst repeat, 2.4, decides
     assert verdicts["batch 1 greedy, draft k=4: share of ideal"] is True
+    # default options are judged beside the tuned ones
+    assert verdicts["batch 1 greedy, newcomer draft k=4: speedup"] is True
+    assert verdicts["batch 1 greedy, newcomer draft k=4: share of ideal"] is False
 
 
 def test_each_method_runs_between_two_runs_of_its_baseline(bench):
