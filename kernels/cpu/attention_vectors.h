@@ -168,22 +168,100 @@ inline void dot16(const float* q, const float* keys, int64_t key_stride, float* 
   _mm512_storeu_ps(out, sum16(a));
 }
 
-// Two rows' accumulators (HD floats each) += their weights times the n value rows: each value
-// row is loaded once for both (two query rows of one KV head), the accumulators stay in registers.
+// Sixteen keys (rows `key_stride` floats apart, HD floats each) transposed into kt [HD][16]: kt
+// row d holds dimension d of every key, so one query row's sixteen scores are HD multiply-adds of
+// broadcast query values, with no horizontal sums. Per block of sixteen dimensions, the usual
+// four levels of shuffles (64 instructions): 32-bit then 64-bit interleaves within 128-bit lanes,
+// then two levels of 128-bit lane shuffles.
 template <int HD>
-inline void axpy_rows2(const float* w0, const float* w1, const float* values, int64_t stride, int64_t n, float* acc0,
-                       float* acc1) {
-  __m512 a0[HD / 16], a1[HD / 16];
-  for (int d = 0; d < HD / 16; ++d) a0[d] = _mm512_loadu_ps(acc0 + 16 * d), a1[d] = _mm512_loadu_ps(acc1 + 16 * d);
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 x0 = _mm512_set1_ps(w0[j]), x1 = _mm512_set1_ps(w1[j]);
-    for (int d = 0; d < HD / 16; ++d) {
-      const __m512 v = _mm512_loadu_ps(values + j * stride + 16 * d);
-      a0[d] = _mm512_fmadd_ps(x0, v, a0[d]);
-      a1[d] = _mm512_fmadd_ps(x1, v, a1[d]);
+inline void transpose16(const float* keys, int64_t key_stride, float* kt) {
+  for (int d0 = 0; d0 < HD; d0 += 16) {
+    __m512 r[16], a[16], b[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(keys + j * key_stride + d0);
+    for (int p = 0; p < 8; ++p) {  // a[2p], a[2p+1]: rows 2p and 2p+1 interleaved, dims 4L+0,1 / 4L+2,3 of lane L
+      a[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+      a[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; ++q) {  // b[4q+m], lane L: dimension 4L+m of rows 4q .. 4q+3
+      const __m512d x0 = _mm512_castps_pd(a[4 * q]), x1 = _mm512_castps_pd(a[4 * q + 1]);
+      const __m512d y0 = _mm512_castps_pd(a[4 * q + 2]), y1 = _mm512_castps_pd(a[4 * q + 3]);
+      b[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, y0));
+      b[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, y0));
+      b[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, y1));
+      b[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, y1));
+    }
+    for (int m = 0; m < 4; ++m) {  // dimension 4L+m: lane L of b[m], b[4+m], b[8+m], b[12+m]
+      const __m512 c0 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0xEE);
+      const __m512 c2 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0x44), c3 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0xEE);
+      _mm512_storeu_ps(kt + (d0 + m) * 16, _mm512_shuffle_f32x4(c0, c2, 0x88));
+      _mm512_storeu_ps(kt + (d0 + 4 + m) * 16, _mm512_shuffle_f32x4(c0, c2, 0xDD));
+      _mm512_storeu_ps(kt + (d0 + 8 + m) * 16, _mm512_shuffle_f32x4(c1, c3, 0x88));
+      _mm512_storeu_ps(kt + (d0 + 12 + m) * 16, _mm512_shuffle_f32x4(c1, c3, 0xDD));
     }
   }
-  for (int d = 0; d < HD / 16; ++d) _mm512_storeu_ps(acc0 + 16 * d, a0[d]), _mm512_storeu_ps(acc1 + 16 * d, a1[d]);
+}
+
+// The sixteen scores of each of `count` query rows (q[r], HD floats) against transposed keys kt
+// (`transpose16`), into out[r]: four rows at a time, even and odd dimensions in separate
+// accumulators (eight independent chains of multiply-adds).
+template <int HD>
+inline void dot16_transposed(const float* const* q, float* const* out, int64_t count, const float* kt) {
+  int64_t r = 0;
+  for (; r + 4 <= count; r += 4) {
+    __m512 even[4], odd[4];
+    for (int m = 0; m < 4; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; d += 2) {
+      const __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (d + 1) * 16);
+      for (int m = 0; m < 4; ++m) {
+        even[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[r + m][d]), k0, even[m]);
+        odd[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[r + m][d + 1]), k1, odd[m]);
+      }
+    }
+    for (int m = 0; m < 4; ++m) _mm512_storeu_ps(out[r + m], _mm512_add_ps(even[m], odd[m]));
+  }
+  for (; r < count; ++r) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int d = 0; d < HD; d += 2) {
+      even = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), _mm512_loadu_ps(kt + d * 16), even);
+      odd = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), odd);
+    }
+    _mm512_storeu_ps(out[r], _mm512_add_ps(even, odd));
+  }
+}
+
+// R rows' accumulators (HD floats each; row m's at acc + m * HD) += their weights (row m's at
+// w + m * w_stride) times the n value rows: each value row is loaded once for all R rows (query
+// rows of one KV head), and the R * HD / 16 accumulators stay in registers as independent chains
+// of multiply-adds (eight at R = 4, HD = 32: enough to keep both FMA pipes busy, where two rows'
+// four chains waited on each other's latency).
+template <int R, int HD>
+inline void axpy_rows(const float* w, int64_t w_stride, const float* values, int64_t stride, int64_t n, float* acc) {
+  constexpr int V = HD / 16;
+  __m512 a[R][V];
+  for (int m = 0; m < R; ++m)
+    for (int d = 0; d < V; ++d) a[m][d] = _mm512_loadu_ps(acc + m * HD + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[V];
+    for (int d = 0; d < V; ++d) v[d] = _mm512_loadu_ps(values + j * stride + 16 * d);
+    for (int m = 0; m < R; ++m) {
+      const __m512 x = _mm512_set1_ps(w[m * w_stride + j]);
+      for (int d = 0; d < V; ++d) a[m][d] = _mm512_fmadd_ps(x, v[d], a[m][d]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int d = 0; d < V; ++d) _mm512_storeu_ps(acc + m * HD + 16 * d, a[m][d]);
+}
+
+// `count` consecutive rows as `axpy_rows` takes them: four at a time while the accumulators fit
+// in registers (HD <= 64), then two, then one.
+template <int HD>
+inline void axpy_row_run(const float* w, int64_t w_stride, const float* values, int64_t stride, int64_t n, float* acc,
+                         int64_t count) {
+  int64_t m = 0;
+  if constexpr (HD <= 64)
+    for (; m + 4 <= count; m += 4) axpy_rows<4, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
+  for (; m + 2 <= count; m += 2) axpy_rows<2, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
+  if (m < count) axpy_rows<1, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
 }
 
 struct Lanes16 {
