@@ -41,9 +41,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("cpu") / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp",
-                                                                         "decoder.cpp")]
-HEADERS = [Path(__file__).with_name("cpu") / name for name in ("attention_vectors.h", "native_ops.h")]  # included by the sources: in the build name
+_CPU = Path(__file__).with_name("cpu")
+SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp")]
+HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h")]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever
