@@ -17,8 +17,12 @@
 // state [S, head + W] int64: per sequence the input token, its position, then its block ids (W of
 // them, those of the slots the passes write); with catch_up, head = 3: the token before the input
 // token (at the position before), the input token, its position. The first pass then runs both
-// tokens (their K/V written, the logits of the second). weights: the model's tensors in
-// `kernels/native.py`'s `draft_weights` order. temperature [S] float32 and noise [passes, S, vocab]
+// tokens (their K/V written, the logits of the second). weights, as `engine/capture.py`'s
+// `NativePasses.of` lists them: the embedding [vocab, hidden], the final norm's weight, the
+// lm_head (packed, bias), then per layer the input norm's weight, qkv (packed, bias), o (packed,
+// bias), the post-attention norm's weight, gate_up (packed, bias), down (packed, bias); a bias is
+// an empty tensor where the model has none. kv_caches: each layer's K then V, float32
+// [blocks, block_size, kv_heads, head_dim]. temperature [S] float32 and noise [passes, S, vocab]
 // float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
 // exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
 // picks [passes, S].
@@ -29,7 +33,6 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-
 
 #include "attention_vectors.h"  // exp_nonpositive, softmax_row16 / softmax_row8
 #include "native_ops.h"
