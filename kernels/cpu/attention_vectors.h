@@ -1,8 +1,9 @@
 // The vector math of pdserve::paged_attention_cpu (paged_attention.cpp; decoder.cpp also takes the
 // exp and the softmax, for a draft's MLP and picks): the exp of non-positive floats, the softmax of
-// a row of scores, sixteen (AVX-512) or eight (AVX2) keys' dot products with a query row, and
-// value rows weighted into accumulators held in registers. Each loop is a function of pointers and
-// counts; what the attention reads, and in what order, is the includer's.
+// a row of scores, sixteen (AVX-512) or eight (AVX2) keys' dot products with a query row (with
+// AVX-512 also sixteen keys transposed once and scored against many rows), and value rows
+// weighted into accumulators held in registers. Each loop is a function of pointers and counts;
+// what the attention reads, and in what order, is the includer's.
 #pragma once
 
 #include <algorithm>

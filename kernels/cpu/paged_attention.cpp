@@ -30,8 +30,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "attention_vectors.h"
-#include "native_ops.h"  // PDSERVE_AVX2 / PDSERVE_AVX512, and the vector loops
+#include "attention_vectors.h"  // PDSERVE_AVX2 / PDSERVE_AVX512, and the vector loops
+#include "native_ops.h"         // this op as a C++ function, for decoder.cpp
 
 namespace {
 
@@ -46,8 +46,8 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 20;
 // summing each row's products across lanes (`dot16`). Against the build before (scratch A/B, one
 // sequence, 8 query and 4 KV heads of 32, seven interleaved repeats of 1000 calls, medians): 10
 // rows (a 5-token verification) 0.99x, 18 rows 1.14x, a 64- and a 128-token prefill chunk 1.23x
-// and 1.21x, the value side's four rows at a time (`axpy_row_run`) included. From 4 rows on it
-// lost (0.92x at 4 rows), hence 8; decode (2 rows) is unchanged, 0.98x.
+// and 1.21x, the value side's four rows at a time (`axpy_row_run`) included. At 4 rows the
+// transposition lost (0.92x), hence 8; decode (2 rows, dot16 as before) 0.98x.
 constexpr int64_t kTransposedRows = 8;
 
 template <typename T>
@@ -192,9 +192,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #ifdef PDSERVE_AVX512
         if constexpr (kWide) {
           // a KV head's sixteen keys are transposed once and scored against all its rows that see
-          // them, where there are at least kTransposedRows (verification, a catch-up, a prefill
-          // chunk); fewer rows (decode) take dot16 each, whose horizontal sums cost less than the
-          // transposition there
+          // them, where there are at least kTransposedRows (a prefill chunk; a verification of 4 or
+          // more tokens at two query heads per KV head); fewer rows (decode, a draft's catch-up)
+          // take dot16 each, whose horizontal sums cost less than the transposition there
           for (; jj + 16 <= n; jj += 16) {
             const int64_t i0 = first_row(j0 + jj);
             if (group * (nq - i0) < kTransposedRows) break;
