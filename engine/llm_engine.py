@@ -119,7 +119,7 @@ class LLMEngine:
         if method == "ngram":
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
-            draft_cost = LinearCost(a=2e-3, b=5e-5)
+            draft_cost = LinearCost(a=2e-3, b=5e-5, guess=True)  # free until a pass is measured
             proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost, verifier.draft_stream,
                                      keep_probs=verifier.needs_draft_probs)
             if self.capture == "compile":

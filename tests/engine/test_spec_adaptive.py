@@ -114,6 +114,40 @@ def test_an_untried_sequence_starts_from_its_kinds_acceptance():
     assert depth.plan([Sequence("another-greedy", [1, 2, 3], SamplingParams(temperature=0), seed=0)], [10])[0] >= 1
 
 
+def test_a_guessed_draft_line_is_free_until_a_pass_is_measured():
+    """The engine's draft line is a guess (`LinearCost(guess=True)`): taken as a measurement, a
+    guess dearer than the draft really is made plain decoding win every plan, no pass ran, and
+    the line never learnt better. Free until measured, the first plan drafts; the first real pass
+    leaves the guess a small share of its weight, so a few cheap passes keep drafting and dear
+    ones stop it."""
+    def depth(guess: bool) -> AdaptiveDepth:  # the guess: a draft pass dearer than a target step
+        return AdaptiveDepth(4, True, LinearCost(0.001, 0.0002), LinearCost(0.002, 0.00005, guess=guess))
+
+    taken_as_measured, guessed = depth(False), depth(True)
+    assert taken_as_measured.plan([seq_("a")], [10]) == [0]
+    assert guessed.draft_cost.is_guess and guessed.plan([seq_("a")], [10]) == [4]
+    for _ in range(4):  # one proposal's passes, each about 20 times cheaper than the guess
+        guessed.draft_cost.observe(1, 0.0001)
+    assert not guessed.draft_cost.is_guess and guessed.draft_cost(1) < 0.0002
+    assert guessed.plan([seq_("a")], [10]) == [4]
+    for _ in range(20):  # the passes really are dear: 5 ms each
+        guessed.draft_cost.observe(1, 0.005)
+    assert guessed.plan([seq_("a")], [10]) == [0]
+
+
+def test_default_options_draft_from_the_first_request(checkpoint):
+    """README's options (adaptive depth, no capture) with a short prompt: the first request
+    drafts. With the draft's guessed cost taken as a measurement it did not, on any request."""
+    from pdserve.engine import LLM
+
+    target = checkpoint("llama")
+    llm = LLM(target, draft_model=target, num_speculative_tokens=4)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    st = llm.engine.speculator.stats
+    assert st.num_drafts >= 1 and st.num_accepted_tokens >= 1
+    assert not llm.engine.speculator.depth.draft_cost.is_guess  # its passes were measured
+
+
 def test_linear_cost_learns_a_line():
     cost = LinearCost(1.0, 1.0)
     for _ in range(200):
