@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.capture import DraftPasses  # noqa: E402
 from report import Spread, host, machine, publish  # noqa: E402
-from spec_decode import code_prompts  # noqa: E402
+from prompts import code_prompts  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Draft passes at once (`benchmarks/draft_passes.py`)"

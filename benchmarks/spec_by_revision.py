@@ -66,7 +66,7 @@ def serve(specs: list[str]) -> None:
 
     torch.set_num_threads(1)
     from pdserve.engine import LLM, SamplingParams
-    from spec_decode import code_prompts
+    from prompts import code_prompts
 
     models = REPO / "models"
     # 640 blocks: batch 32 without preemption

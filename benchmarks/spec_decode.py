@@ -54,12 +54,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
 from child_process import ChildProcess, replies, reply, requests  # noqa: E402
+from prompts import code_prompts  # noqa: E402
 from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MARKDOWN = REPO / "BENCHMARKS.md"
 SECTION = "Speculative decoding (issues 5, 10, 14)"
-PROMPT_SOURCES = ("engine", "kernels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,25 +98,6 @@ NEWCOMER = (
     Method("newcomer plain", dict(), is_newcomer=True),
     Method("newcomer draft k=4", dict(draft="draft", num_speculative_tokens=4), is_newcomer=True),
 )
-
-
-def code_prompts(tokenizer, num: int, min_len: int = 64, max_len: int = 128) -> list[list[int]]:
-    """`num` cuts of 64–128 tokens from this repository's own sources, round-robin over files."""
-    files = sorted(p for d in PROMPT_SOURCES for p in (REPO / d).rglob("*.py"))
-    per_file = [tokenizer.encode(p.read_text()) for p in files]
-    prompts, offset, i = [], 0, 0
-    while len(prompts) < num:
-        ids = per_file[i % len(per_file)]
-        length = min_len + (len(prompts) * 37) % (max_len - min_len + 1)
-        start = offset * 211
-        if start + length <= len(ids):
-            prompts.append(ids[start:start + length])
-        i += 1
-        if i % len(per_file) == 0:
-            offset += 1
-            if offset * 211 > max(map(len, per_file)):
-                raise ValueError(f"not enough source text for {num} prompts")
-    return prompts
 
 
 class ForwardTimer:

@@ -136,12 +136,13 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   const at::Tensor& k0 = kv_caches[0];
   TORCH_CHECK(k0.dim() == 4 && k0.scalar_type() == at::kFloat, "draft_passes: the caches must be float32 [blocks, block_size, heads, head_dim]");
   const int64_t block_size = k0.size(1), head_dim = k0.size(3);
-  for (int64_t i = 0; i < int64_t(weights.size()); ++i) {  // the norms' weights; the projections check their own
-    const int64_t j = i < kHeadWeights ? i : (i - kHeadWeights) % kWeightsPerLayer;
-    if (i == 1 || (i >= kHeadWeights && (j == 0 || j == 5)))
-      TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == hidden,
-                  "draft_passes: weight ", i, " must be a float32 norm weight [", hidden, "]");
-  }
+  const auto check_norm = [&](int64_t i) {  // the norms' weights; the projections check their own
+    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == hidden,
+                "draft_passes: weight ", i, " must be a float32 norm weight [", hidden, "]");
+  };
+  check_norm(1);
+  for (int64_t first = kHeadWeights; first < int64_t(weights.size()); first += kWeightsPerLayer)
+    check_norm(first), check_norm(first + 5);
   for (const at::Tensor& c : kv_caches)
     TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == at::kFloat && c.is_contiguous(),
                 "draft_passes: every cache must be a contiguous float32 tensor shaped like the first");

@@ -130,7 +130,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const auto row = [&](int64_t h, int64_t i) { return (h - h0) * nq + i; };
       const int64_t* table = ids + s * ids_stride;
       qf.resize(rows * head_dim);
-      if (group * nq >= kTransposedRows) q_rows.resize(group * nq), out_rows.resize(group * nq);
+      if (group * nq >= kTransposedRows) kt.resize(HD * 16), q_rows.resize(group * nq), out_rows.resize(group * nq);
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t i = 0; i < nq; ++i) {
           const T* src = qp + (first + i) * q_stride + h * head_dim;
@@ -199,7 +199,6 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             const int64_t i0 = first_row(j0 + jj);
             if (group * (nq - i0) < kTransposedRows) break;
             for (int64_t x = 0; x < 16; ++x) prefetch_row(next, next_n, jj + x);
-            kt.resize(HD * 16);
             for (int64_t kh = kh0; kh < kh1; ++kh) {
               transpose16<HD>(blk + jj * kv_row + kh * HD, kv_row, kt.data());
               int64_t count = 0;
