@@ -18,13 +18,13 @@
 //
 // Layout: W [N, K] becomes [ceil(N / 64), K, 64]: panel j holds output columns [64 j, 64 j + 64)
 // as K contiguous rows of 64 values (zero beyond N). One pass over a panel computes up to six rows
-// of x against its 64 columns: 24 vector accumulators, four loads and six broadcasts per k. Rows
-// beyond six take further passes, reading the panel from L2. Panels are split between threads.
-// Each k of a pass that reads the panel from memory also prefetches it 8 KB ahead (kAheadBytes).
-// Each output sums k = 0 .. K-1 in order, with fused multiply-adds, then adds the bias: the same
-// sum as the BLAS's up to float rounding. A bfloat16 panel is widened in registers by the passes
-// of up to six rows; with more rows (a prefill) it is widened once into a float32 copy that stays
-// in L2, and the float32 loops run over that, so no pass pays the widening again.
+// of x against its 64 columns: 24 vector accumulators, four loads and six broadcasts per k. More
+// rows take further passes, as even as they go (`panel_blocks`), reading the panel from L1 or L2.
+// Panels are split between threads. Each k of a pass also prefetches the panel 8 KB ahead
+// (kAheadBytes). Each output sums k = 0 .. K-1 in order, with fused multiply-adds, then adds the
+// bias: the same sum as the BLAS's up to float rounding. With AVX-512 a bfloat16 panel is widened
+// in registers by every pass (`panel_all_rows_bf16`); with AVX2, by passes of up to six rows, and
+// for more rows (a prefill) once into a float32 copy that stays in L2.
 //
 // The vector loops need AVX-512, or AVX2 with FMA (eight 8-float vectors span a panel; with
 // sixteen registers one row takes the whole panel, more rows take it in two 32-column halves,
@@ -155,21 +155,15 @@ inline void store_row(float* y, const __m512* acc, const float* bias, const Pane
 }
 
 // MR rows of x [.., K] (row stride ldx) against one panel b [K, 64]; y rows have stride ldy.
-// `wide`, when given, gets the panel widened to float32 rows as it is read (for the passes after).
 template <int MR, typename W>
 void panel_rows(const float* x, int64_t ldx, const W* b, int64_t k_len, float* y, int64_t ldy,
-                const float* bias, const PanelMasks& masks, float* wide = nullptr) {
+                const float* bias, const PanelMasks& masks) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k, b += kPanel) {
     prefetch_ahead(b);
     const __m512 w0 = load16(b, 0), w1 = load16(b, 1), w2 = load16(b, 2), w3 = load16(b, 3);
-    if (wide != nullptr) {
-      float* row = wide + k * kPanel;
-      _mm512_storeu_ps(row, w0), _mm512_storeu_ps(row + 16, w1), _mm512_storeu_ps(row + 32, w2);
-      _mm512_storeu_ps(row + 48, w3);
-    }
     for (int m = 0; m < MR; ++m) {
       const __m512 xm = _mm512_set1_ps(x[m * ldx + k]);
       acc[m][0] = _mm512_fmadd_ps(xm, w0, acc[m][0]);
@@ -206,22 +200,27 @@ void panel_row(const float* x, const W* b, int64_t k_len, float* y, const float*
   store_row(y, even, bias, masks);
 }
 
-// Rows of x [M, K] against one panel, six at a time, then the rest in one pass (each row summed
-// k = 0 .. K-1 in order); y points at the panel's first column, row stride ldy.
+// Rows of x [M, K] against one panel, in passes of at most six rows made as even as they go (seven
+// rows as 4 + 3, not 6 + 1: a pass of one row is bound by its accumulators' latency, not by its
+// multiply-adds); each row summed k = 0 .. K-1 in order; y points at the panel's first column,
+// row stride ldy.
 template <typename W>
 void panel_blocks(const float* x, int64_t m_len, int64_t k_len, const W* panel, float* y, int64_t ldy,
                   const float* bias, const PanelMasks& masks) {
-  int64_t m = 0;
-  for (; m + 6 <= m_len; m += 6) panel_rows<6>(x + m * k_len, k_len, panel, k_len, y + m * ldy, ldy, bias, masks);
-  const float* xr = x + m * k_len;
-  float* yr = y + m * ldy;
-  switch (m_len - m) {
-    case 1: panel_rows<1>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
-    case 2: panel_rows<2>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
-    case 3: panel_rows<3>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
-    case 4: panel_rows<4>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
-    case 5: panel_rows<5>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
-    default: break;
+  const int64_t passes = (m_len + 5) / 6;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = (m_len - m + passes - p - 1) / (passes - p);
+    const float* xr = x + m * k_len;
+    float* yr = y + m * ldy;
+    switch (rows) {
+      case 1: panel_rows<1>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
+      case 2: panel_rows<2>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
+      case 3: panel_rows<3>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
+      case 4: panel_rows<4>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
+      case 5: panel_rows<5>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
+      default: panel_rows<6>(xr, k_len, panel, k_len, yr, ldy, bias, masks); break;
+    }
+    m += rows;
   }
 }
 
@@ -325,26 +324,31 @@ void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel
 #if defined(PDSERVE_LINEAR_AVX512) || defined(PDSERVE_LINEAR_AVX2)
 #define PDSERVE_LINEAR_VECTOR 1
 
+#ifdef PDSERVE_LINEAR_AVX512
+// One panel, bfloat16, widened in registers by every pass. A float32 copy of the panel made by the
+// first pass for the passes after it (as before 2026-12-04) cost more at every row count: its
+// 64 KB leave L1 where the 32 KB bfloat16 panel stays, and the copy's stores cost the first
+// pass. The demo target's 33 projections (bfloat16 panels, one thread, AMD EPYC Zen 5, scratch
+// timing, best of seven, this change with `panel_blocks`' even passes): 8 rows 0.90 -> 0.58 ms,
+// 16 rows 1.49 -> 1.04, 24 rows 1.66 -> 1.48, 64 rows 4.02 -> 3.74, 512 rows 29.3 -> 28.6.
+void panel_all_rows_bf16(const float* x, int64_t m_len, int64_t k_len, const uint16_t* panel, float* y,
+                         int64_t ldy, int64_t cols, const float* bias) {
+  panel_all_rows(x, m_len, k_len, panel, y, ldy, cols, bias);
+}
+#else
 constexpr int64_t kWidenInRegisters = 6;  // rows up to which a bfloat16 panel is widened as it is read
 
-// One panel, bfloat16: widened as read for a few rows; for more, once, into a float32 copy.
+// One panel, bfloat16: widened as read for a few rows; for more (sixteen registers hold too few
+// accumulators to pay for widening on every pass), once, into a float32 copy.
 void panel_all_rows_bf16(const float* x, int64_t m_len, int64_t k_len, const uint16_t* panel, float* y,
                          int64_t ldy, int64_t cols, const float* bias) {
   if (m_len <= kWidenInRegisters) return panel_all_rows(x, m_len, k_len, panel, y, ldy, cols, bias);
   thread_local std::vector<float> wide;
   wide.resize(k_len * kPanel);
-#ifdef PDSERVE_LINEAR_AVX512
-  // the first six rows read the panel from memory and leave it widened for the rest, as a
-  // float32 panel's first pass leaves it in L2 (widening it first, apart, cost a prefill ~5%)
-  const PanelMasks masks(cols);
-  panel_rows<6>(x, k_len, panel, k_len, y, ldy, bias, masks, wide.data());
-  panel_blocks(x + 6 * k_len, m_len - 6, k_len, static_cast<const float*>(wide.data()), y + 6 * ldy, ldy, bias,
-               masks);
-#else
   widen(panel, k_len * kPanel, wide.data());
   panel_all_rows(x, m_len, k_len, static_cast<const float*>(wide.data()), y, ldy, cols, bias, false);
-#endif
 }
+#endif
 #endif
 
 bool linear_packed_available() {

@@ -1,5 +1,5 @@
 """The native float32 projections (`kernels/cpu/linear.cpp`) against `F.linear`: every row count
-the loops split differently (one row, a six-row pass, the rest), output widths that end mid-panel,
+the loops split differently (one row, one pass of up to six rows, passes made even), output widths that end mid-panel,
 biases, threads, the AVX2 loops and the build with neither (built again with narrower flags),
 torch.compile, and refusals of malformed calls. Weights that are bfloat16 values packed in
 bfloat16 give the float32 panels' results bit for bit, in every build."""
