@@ -21,7 +21,10 @@ Two modes:
         place of the decode step's (printed, and kept in the same JSON).
 
 The decode step is (time for N tokens - time for 1 token) / (N - 1) of one request, on --threads
-torch threads (one by default), so prefill and start-up are out of it.
+torch threads (one by default), so prefill and start-up are out of it. With --batch B, of B
+requests at once (B different prompts, each PROMPT's ids rotated: nothing is shared between
+them), the step of the whole batch: where batch 1 reads the weights once per token, a step of B
+rows multiplies them (batch 8: a served step at load, and the rows of a speculative verification).
 """
 from __future__ import annotations
 
@@ -100,7 +103,13 @@ def profile_one(model: str, threads: int, rows: int) -> None:
 
 # ---- several revisions, side by side -------------------------------------------------------
 
-def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], threads: int) -> None:
+def batch_prompts(prompt: list[int], batch: int, vocab: int) -> list[list[int]]:
+    """`batch` prompts of prompt's length: the first is `prompt`, each after it has every id moved
+    on by its index (kept clear of the first three ids, as `prefill_ms`'s are)."""
+    return [prompt] + [[3 + (t - 3 + i) % (vocab - 3) for t in prompt] for i in range(1, batch)]
+
+
+def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], threads: int, batch: int = 1) -> None:
     """Run in a variant's process: load, count ops, then time one decode (and one prefill per
     prompt length) per line on stdin."""
     import torch
@@ -111,14 +120,14 @@ def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], t
     start = time.perf_counter()
     llm = LLM(model, **options)
     startup = time.perf_counter() - start
-    prompt = _prompt(llm)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = batch_prompts(_prompt(llm), batch, vocab)
 
     def timed(n: int) -> tuple[float, float]:
         w, c = time.perf_counter(), time.process_time()
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - w, time.process_time() - c
 
-    vocab = llm.engine.model_config.vocab_size
     calls = iter(range(1 << 30))
 
     def prefill_ms(length: int) -> float:
@@ -169,7 +178,7 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
 
 
 def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prompt_lens: list[int] = (),
-            threads: int = 1) -> dict:
+            threads: int = 1, batch: int = 1) -> dict:
     parsed = [parse_variant(v) for v in variants]
     model = str(Path(model).resolve())  # the workers run elsewhere
     load_start = os.getloadavg()[0]
@@ -179,7 +188,7 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
             path, subject = unpack(revision, Path(tmp) / f"v{i}")
             env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS=str(threads))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, json.dumps(options), str(new_tokens),
-                   json.dumps(list(prompt_lens)), str(threads)]
+                   json.dumps(list(prompt_lens)), str(threads), str(batch)]
             procs[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             info[name] = dict(revision=revision, subject=subject, options=options)
         for name, proc in procs.items():
@@ -204,7 +213,7 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
                                       for a, b in zip(samples[first], samples[name])).as_dict())
             for n in map(str, prompt_lens)}
     return dict(model=model, repeats=repeats, new_tokens=new_tokens, prompt_lens=list(prompt_lens), threads=threads,
-                variants=info,
+                batch=batch, variants=info,
                 machine=machine() | {"load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]})
 
 
@@ -212,7 +221,9 @@ def markdown(result: dict, command: str) -> str:
     sp = Spread.from_dict
     model = Path(result["model"])
     model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
-    lines = [f"Command: `{command}`. Batch-1 greedy decode step of `{model}` (one request, "
+    batch = result.get("batch", 1)  # older results: batch 1
+    requests = "one request" if batch == 1 else f"{batch} requests at once"
+    lines = [f"Command: `{command}`. Batch-{batch} greedy decode step of `{model}` ({requests}, "
              f"{result['new_tokens']} new tokens minus one, {_threads(result)}), each variant in its own process, "
              f"{result['repeats']} repeats taken in turn; min / median / max, speedups per repeat against the first "
              f"variant. Load average (1 min) at the start and end: {result['machine']['load_avg_1m_start']:.2f}, "
@@ -286,7 +297,8 @@ def plot_prefill(result: dict, path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6]))
+        worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6]),
+               int(sys.argv[7]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(REPO / "models" / "demo"))
@@ -295,6 +307,7 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], help="NAME=REV[:key=value,...] (repeatable)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--new-tokens", type=int, default=129)
+    p.add_argument("--batch", type=int, default=1, help="requests decoded at once (the decode step's rows)")
     p.add_argument("--prompt-lens", type=_lengths, default=[],
                    help="comma-separated prompt lengths: also time one prefill of each per repeat")
     p.add_argument("--no-markdown", action="store_true",
@@ -303,7 +316,10 @@ def main() -> None:
     if not args.variant:
         profile_one(args.model, args.threads, args.rows)
         return
-    result = compare(args.variant, args.model, args.repeats, args.new_tokens, args.prompt_lens, args.threads)
+    if args.batch < 1:
+        p.error(f"--batch must be at least 1, got {args.batch}")
+    result = compare(args.variant, args.model, args.repeats, args.new_tokens, args.prompt_lens, args.threads,
+                     args.batch)
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -41,12 +41,22 @@ def test_prompt_lengths_parse_or_are_refused_by_name(load_benchmark):
             po._lengths(bad)
 
 
-def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark, checkpoint):
-    """One variant (this checkout's HEAD) on a tiny checkpoint, two repeats: every prompt length
-    gets a prefill time per repeat and a speedup of 1 against itself, and both tables render,
-    naming the torch threads the variants ran on."""
+def test_batch_prompts_are_distinct_and_keep_the_length(load_benchmark):
     po = load_benchmark("profile_offline")
-    result = po.compare(["head=HEAD"], checkpoint("llama"), repeats=2, new_tokens=5, prompt_lens=[20, 40], threads=2)
+    prompt = [3, 4, 5, 99, 127]
+    prompts = po.batch_prompts(prompt, 4, vocab=128)
+    assert prompts[0] == prompt and len({tuple(p) for p in prompts}) == 4
+    assert all(len(p) == len(prompt) and min(p) >= 3 and max(p) < 128 for p in prompts)
+    assert po.batch_prompts(prompt, 1, vocab=128) == [prompt]
+
+
+def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark, checkpoint):
+    """One variant (this checkout's HEAD) on a tiny checkpoint, two repeats, a batch of two: every
+    prompt length gets a prefill time per repeat and a speedup of 1 against itself, and both
+    tables render, naming the batch and the torch threads the variants ran on."""
+    po = load_benchmark("profile_offline")
+    result = po.compare(["head=HEAD"], checkpoint("llama"), repeats=2, new_tokens=5, prompt_lens=[20, 40], threads=2,
+                        batch=2)
     prefill = result["variants"]["head"]["prefill_ms"]
     assert set(prefill) == {"20", "40"}
     for n in prefill.values():
@@ -55,6 +65,8 @@ def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark,
     text = po.prefill_markdown(result, "cmd")
     assert "| head |" in text and "40 tokens: speedup" in text and "2 torch threads" in text
     assert "| head |" in po.markdown(result, "cmd") and "2 torch threads" in po.markdown(result, "cmd")
+    assert "Batch-2 greedy decode step" in po.markdown(result, "cmd") and result["batch"] == 2
+    assert min(result["variants"]["head"]["wall_ms"]["values"]) > 0
 
 
 def test_a_run_without_markdown_writes_partial_files(load_benchmark):
