@@ -7,7 +7,9 @@ requests: on the demo pair α ≈ 1.0 greedy against 0.5 at temperature 1, and o
 carried the sampled batches' verdict over to greedy ones) — it keeps a decayed sum of wall
 seconds and of emitted tokens over recent pure-decode steps, with and without speculation, and
 lets a step speculate only while that is the cheaper mode per token. Each mode first runs a short burst to be measured; afterwards the losing mode runs one burst
-after a waiting period, so a change in acceptance or load is noticed. The period starts at
+after a waiting period, so a change in acceptance or load is noticed. Once decided, the verdict
+moves only when the other mode measures cheaper by more than KEEP_MARGIN: at parity the running
+mode stays. The period starts at
 PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
 starts again at PERIOD when the winner changes, and when most of the batch's requests are new
 since the period started (`renew`: acceptance belongs to requests). Exploring is not free: a
@@ -47,6 +49,7 @@ class SpeculationGate:
     CLIP = 3.0  # an observed step counts at most this many times its mode's seconds per token
     EXPLORE_SHARE = 0.02  # switching to speculation to explore it costs at most this share of the plain steps between
     RENEW_MARGIN = 0.2  # new requests bring the next burst forward only while the loser lost by less than this
+    KEEP_MARGIN = 0.05  # after the first verdict, the other mode must measure cheaper by more than this to move it
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool, bool], list] = {}  # (*regime, speculated) -> [seconds, tokens, steps]
@@ -77,12 +80,12 @@ class SpeculationGate:
                 return st.speculate if n < st.next_burst else not st.speculate
             return self.seconds_per_token(batch_size, True, sampled) is None
         spec_cost, plain = costs
-        winner = spec_cost <= plain
         if st.period == 0:  # the first decision, on the two bursts just measured
-            return self._decide(st, winner, n, batch_size, sampled)
+            return self._decide(st, spec_cost <= plain, n, batch_size, sampled)
+        moves = self._challenger_wins(st, costs)
         if n < st.next_burst:
-            if winner == st.speculate:
-                return winner
+            if not moves:
+                return st.speculate
             # The running mode now measures dearer than the other did when last measured. That
             # figure is old (costs drift: contexts grow, requests change), so it is measured again
             # now rather than switched to: switching on it, a 128-token run at batch 8,
@@ -91,12 +94,24 @@ class SpeculationGate:
             st.next_burst = n
         if n < st.next_burst + self.BURST:  # exploring
             return not st.speculate
-        if winner != st.speculate:  # the burst just ended, and the other mode measured cheaper
-            return self._decide(st, winner, n, batch_size, sampled)
+        if moves:  # the burst just ended, and the other mode measured cheaper
+            return self._decide(st, not st.speculate, n, batch_size, sampled)
         # the burst left the same winner
-        st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, winner))
+        st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, st.speculate))
         st.next_burst = n + st.period
-        return winner
+        return st.speculate
+
+    def _challenger_wins(self, st: _Schedule, costs: tuple[float, float]) -> bool:
+        """Whether the mode not running measures cheaper than the running one by more than
+        KEEP_MARGIN. Where the two are within it (at parity), the running mode stays and is not
+        measured against the other early: with no margin, at batch 8, temperature 1 on the demo
+        pair (AMD EPYC, where speculating and plain decoding cost about the same per token), each
+        mode measured dearer than the other's last figure every few steps on the host's noise
+        alone, so a run alternated eight or so speculative steps with four-step plain bursts, and
+        each return to speculation made the draft catch up on the tokens the burst emitted."""
+        spec, plain = costs
+        running, other = (spec, plain) if st.speculate else (plain, spec)
+        return other * (1 + self.KEEP_MARGIN) < running
 
     def _borrowed(self, key: tuple[int, bool]) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
