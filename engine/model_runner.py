@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
-from pdserve.engine.capture import CompiledForward, DraftPasses
+from pdserve.engine.capture import CompiledForward, DraftPasses, NativeForward
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, InputBuffers
@@ -73,6 +73,9 @@ class ModelRunner:
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile", native_plans=native_attention,
                                    group_size=cfg.num_heads // cfg.num_kv_heads)
+        # steps of short chunks in one native call where the ops allow (projections packed)
+        self.native_forward = (NativeForward.of(self.model, self.kv_caches)
+                               if native_attention and native_linear and device.type == "cpu" else None)
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
         # a draft's passes run at once (`draft_passes`): the native attention's plans only; one
@@ -109,7 +112,9 @@ class ModelRunner:
         `layer_callback(i)` runs once layer i's K/V for this batch are in the cache (KV streaming)."""
         start = time.perf_counter()
         step = self.inputs.build(batch)
-        if self.capture is not None and self.capture.covers(step, layer_callback is not None):
+        if self.native_forward is not None and layer_callback is None and self.native_forward.covers(step):
+            hidden = self.native_forward(step)
+        elif self.capture is not None and self.capture.covers(step, layer_callback is not None):
             hidden = self.capture(step)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, layer_callback)

@@ -26,6 +26,11 @@
 // float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
 // exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
 // picks [passes, S].
+//
+// pdserve::decoder_forward (below): the same layers for one engine step of a few rows per sequence
+// (decode, a speculative verification), returning the final norm's output; for the target, whose
+// step through a compiled graph spent about a third of a batch-1 decode step on op dispatch and
+// the graph's own calls.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -117,6 +122,92 @@ void silu_times(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
+// A model's tensors for the ops below, checked once per call: `weights` from its first `head`
+// tensors (the embedding, the final norm, then for draft_passes the lm_head, packed, and its bias)
+// on, kWeightsPerLayer per layer (as `engine/capture.py`'s `native_weights` lists them).
+struct Decoder {
+  at::TensorList weights, kv_caches;
+  int64_t head, num_layers, vocab, hidden, inter, block_size, num_heads, num_kv_heads, head_dim;
+  const float* cos;
+  const float* sin;
+  int64_t max_position;
+  float eps;
+  double scale;
+
+  Decoder(const char* op, int64_t head_weights, at::TensorList weights_, at::TensorList caches, const at::Tensor& cos_t,
+          const at::Tensor& sin_t, int64_t heads, int64_t kv_heads, double eps_, double scale_)
+      : weights(weights_), kv_caches(caches), head(head_weights), num_heads(heads), num_kv_heads(kv_heads),
+        eps(float(eps_)), scale(scale_) {
+    num_layers = int64_t(kv_caches.size()) / 2;
+    TORCH_CHECK(num_layers >= 1 && int64_t(kv_caches.size()) == 2 * num_layers &&
+                    int64_t(weights.size()) == head + kWeightsPerLayer * num_layers,
+                op, ": ", weights.size(), " weights and ", kv_caches.size(), " caches do not make a model");
+    const at::Tensor& embed = weights[0];
+    TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+                op, ": the embedding must be a contiguous float32 [vocab, hidden]");
+    vocab = embed.size(0), hidden = embed.size(1);
+    const at::Tensor& k0 = kv_caches[0];
+    TORCH_CHECK(k0.dim() == 4 && k0.scalar_type() == at::kFloat,
+                op, ": the caches must be float32 [blocks, block_size, heads, head_dim]");
+    block_size = k0.size(1), head_dim = k0.size(3);
+    const auto check_norm = [&](int64_t i) {  // the norms' weights; the projections check their own
+      TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == hidden,
+                  op, ": weight ", i, " must be a float32 norm weight [", hidden, "]");
+    };
+    check_norm(1);
+    for (int64_t first = head; first < int64_t(weights.size()); first += kWeightsPerLayer)
+      check_norm(first), check_norm(first + 5);
+    for (const at::Tensor& c : kv_caches)
+      TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == at::kFloat && c.is_contiguous(),
+                  op, ": every cache must be a contiguous float32 tensor shaped like the first");
+    TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && k0.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 &&
+                    head_dim % 2 == 0,
+                op, ": head counts do not match the cache");
+    TORCH_CHECK(cos_t.dim() == 2 && cos_t.sizes() == sin_t.sizes() && cos_t.size(1) == head_dim / 2 &&
+                    cos_t.scalar_type() == at::kFloat && sin_t.scalar_type() == at::kFloat && cos_t.is_contiguous() &&
+                    sin_t.is_contiguous(),
+                op, ": cos and sin must be contiguous float32 [positions, head_dim / 2]");
+    cos = cos_t.data_ptr<float>(), sin = sin_t.data_ptr<float>(), max_position = cos_t.size(0);
+    TORCH_CHECK(weights[head + 8].dim() == 3, op, ": the down projection must be packed (linear_pack)");
+    inter = weights[head + 8].size(1);  // the down projection's in_features (its panels' rows)
+  }
+
+  // Rows' residual streams `res` [rows, hidden] (their embeddings in) through every layer, each
+  // row's K/V written by `slots` and attending as `block_ids`, `lens` and `starts` say
+  // (paged_attention_cpu's layout); row r rotated at position pos[r]. `normed` [rows, hidden] and
+  // `act` [rows, inter] are scratch. The final norm is the caller's.
+  void layers(float* res, int64_t rows, const int64_t* pos, const at::Tensor& slots, const at::Tensor& block_ids,
+              const at::Tensor& lens, const at::Tensor& starts, const at::Tensor& normed, const at::Tensor& act) const {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    float* nrm = normed.data_ptr<float>();
+    for (int64_t layer = 0; layer < num_layers; ++layer) {
+      const at::Tensor* w = weights.data() + head + layer * kWeightsPerLayer;
+      rms_norm(res, w[0].data_ptr<float>(), eps, rows, hidden, nrm);
+      at::Tensor qkv = pdserve_native::linear_packed(normed, w[1], bias_of(w[2]), qkv_size);
+      float* qkv_p = qkv.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)  // q's and k's heads, neighbours in the row
+        rotate(qkv_p + r * qkv_size, num_heads + num_kv_heads, head_dim, cos + pos[r] * (head_dim / 2),
+               sin + pos[r] * (head_dim / 2));
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
+      at::Tensor k_cache = kv_caches[2 * layer], v_cache = kv_caches[2 * layer + 1];
+      at::Tensor attn = pdserve_native::paged_attention(q, k, v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
+      at::Tensor o = pdserve_native::linear_packed(attn.view({rows, q_size}), w[3], bias_of(w[4]), hidden);
+      const float* op = o.data_ptr<float>();
+      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
+      rms_norm(res, w[5].data_ptr<float>(), eps, rows, hidden, nrm);
+      at::Tensor gate_up = pdserve_native::linear_packed(normed, w[6], bias_of(w[7]), 2 * inter);
+      float* gu = gate_up.data_ptr<float>();
+      float* ap = act.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
+      at::Tensor down = pdserve_native::linear_packed(act, w[8], bias_of(w[9]), hidden);
+      const float* dp = down.data_ptr<float>();
+      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += dp[i];
+    }
+  }
+};
+
 at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
                         at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                         int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
@@ -125,34 +216,8 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > head && state.size(0) >= 1,
               "draft_passes: state must be int64 [seqs, ", head, " + block ids], got ", state.sizes());
   TORCH_CHECK(num_passes >= 1, "draft_passes: num_passes must be at least 1, got ", num_passes);
-  const int64_t num_layers = int64_t(kv_caches.size()) / 2;
-  TORCH_CHECK(num_layers >= 1 && int64_t(kv_caches.size()) == 2 * num_layers &&
-                  int64_t(weights.size()) == kHeadWeights + kWeightsPerLayer * num_layers,
-              "draft_passes: ", weights.size(), " weights and ", kv_caches.size(), " caches do not make a model");
-  const at::Tensor& embed = weights[0];
-  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
-              "draft_passes: the embedding must be a contiguous float32 [vocab, hidden]");
-  const int64_t vocab = embed.size(0), hidden = embed.size(1);
-  const at::Tensor& k0 = kv_caches[0];
-  TORCH_CHECK(k0.dim() == 4 && k0.scalar_type() == at::kFloat, "draft_passes: the caches must be float32 [blocks, block_size, heads, head_dim]");
-  const int64_t block_size = k0.size(1), head_dim = k0.size(3);
-  const auto check_norm = [&](int64_t i) {  // the norms' weights; the projections check their own
-    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == hidden,
-                "draft_passes: weight ", i, " must be a float32 norm weight [", hidden, "]");
-  };
-  check_norm(1);
-  for (int64_t first = kHeadWeights; first < int64_t(weights.size()); first += kWeightsPerLayer)
-    check_norm(first), check_norm(first + 5);
-  for (const at::Tensor& c : kv_caches)
-    TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == at::kFloat && c.is_contiguous(),
-                "draft_passes: every cache must be a contiguous float32 tensor shaped like the first");
-  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && k0.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 &&
-                  head_dim % 2 == 0,
-              "draft_passes: head counts do not match the cache");
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == head_dim / 2 &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous(),
-              "draft_passes: cos and sin must be contiguous float32 [positions, head_dim / 2]");
+  const Decoder d("draft_passes", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  const int64_t vocab = d.vocab, hidden = d.hidden, block_size = d.block_size;
   const int64_t num_seqs = state.size(0), width = state.size(1) - head;
   const bool sampled = temperature.has_value();
   TORCH_CHECK(sampled == noise.has_value(), "draft_passes: temperature and noise come together");
@@ -163,17 +228,12 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
                 "draft_passes: temperature must be float32 [seqs] and noise float32 [passes, seqs, vocab]");
 
   const auto i64 = state.options();
-  const auto f32 = embed.options();
+  const auto f32 = weights[0].options();
   const at::Tensor st = state.contiguous();
   const int64_t* sp = st.data_ptr<int64_t>();
   const at::Tensor block_ids = st.narrow(1, head, width);
   const int64_t* ids = sp + head;
   const int64_t stride = st.size(1);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const int64_t qkv_size = q_size + 2 * kv_size;
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  const float epsf = float(eps);
 
   std::vector<int64_t> tokens(num_seqs), positions(num_seqs), prev(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -187,11 +247,9 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   // buffers for the most rows a pass has (the catch-up's two per sequence), and their views for
   // each row count: made once per call, not per pass
   const int64_t most_rows = num_seqs * (catch_up ? 2 : 1);
-  TORCH_CHECK(weights[kHeadWeights + 8].dim() == 3, "draft_passes: the down projection must be packed (linear_pack)");
-  const int64_t inter = weights[kHeadWeights + 8].size(1);  // the down projection's in_features (its panels' rows)
   const at::Tensor slots_buf = at::empty({most_rows}, i64), lens = at::empty({num_seqs}, i64),
                    starts = at::empty({num_seqs + 1}, i64), residual_buf = at::empty({most_rows, hidden}, f32),
-                   normed_buf = at::empty({most_rows, hidden}, f32), act_buf = at::empty({most_rows, inter}, f32),
+                   normed_buf = at::empty({most_rows, hidden}, f32), act_buf = at::empty({most_rows, d.inter}, f32),
                    last = at::empty({num_seqs, hidden}, f32);
   struct Views { at::Tensor slots, residual, normed, act; };
   const auto views_of = [&](int64_t rows) {
@@ -204,15 +262,14 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   for (int64_t pass = 0; pass < num_passes; ++pass) {
     const int64_t nq = catch_up && pass == 0 ? 2 : 1, rows = num_seqs * nq;
     const Views& view = nq == 2 ? two_each : one_each;
-    const at::Tensor &slots = view.slots, &normed = view.normed, &act = view.act;
     // each row's token and position, and where its K/V go
-    int64_t* slot_p = slots.data_ptr<int64_t>();
+    int64_t* slot_p = view.slots.data_ptr<int64_t>();
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t r = s * nq + i, pos = positions[s] - (nq - 1 - i);
         row_token[r] = nq == 2 && i == 0 ? prev[s] : tokens[s];
         row_pos[r] = pos;
-        TORCH_CHECK(pos >= 0 && pos < cos.size(0) && pos / block_size < width, "draft_passes: position ", pos,
+        TORCH_CHECK(pos >= 0 && pos < d.max_position && pos / block_size < width, "draft_passes: position ", pos,
                     " of sequence ", s, " is outside its blocks or the rotary table");
         TORCH_CHECK(row_token[r] >= 0 && row_token[r] < vocab, "draft_passes: token ", row_token[r], " out of range");
         slot_p[r] = ids[s * stride + pos / block_size] * block_size + pos % block_size;
@@ -223,39 +280,13 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
     starts.data_ptr<int64_t>()[num_seqs] = rows;
 
     float* res = view.residual.data_ptr<float>();
-    float* nrm = normed.data_ptr<float>();
-    const float* emb = embed.data_ptr<float>();
+    const float* emb = weights[0].data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) std::copy(emb + row_token[r] * hidden, emb + (row_token[r] + 1) * hidden, res + r * hidden);
-
-    for (int64_t layer = 0; layer < num_layers; ++layer) {
-      const at::Tensor* w = weights.data() + kHeadWeights + layer * kWeightsPerLayer;
-      rms_norm(res, w[0].data_ptr<float>(), epsf, rows, hidden, nrm);
-      at::Tensor qkv = pdserve_native::linear_packed(normed, w[1], bias_of(w[2]), qkv_size);
-      float* qkv_p = qkv.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r)  // q's and k's heads, neighbours in the row
-        rotate(qkv_p + r * qkv_size, num_heads + num_kv_heads, head_dim, cos_p + row_pos[r] * (head_dim / 2),
-               sin_p + row_pos[r] * (head_dim / 2));
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
-      at::Tensor k_cache = kv_caches[2 * layer], v_cache = kv_caches[2 * layer + 1];
-      at::Tensor attn = pdserve_native::paged_attention(q, k, v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
-      at::Tensor o = pdserve_native::linear_packed(attn.view({rows, q_size}), w[3], bias_of(w[4]), hidden);
-      const float* op = o.data_ptr<float>();
-      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
-      rms_norm(res, w[5].data_ptr<float>(), epsf, rows, hidden, nrm);
-      at::Tensor gate_up = pdserve_native::linear_packed(normed, w[6], bias_of(w[7]), 2 * inter);
-      float* gu = gate_up.data_ptr<float>();
-      float* ap = act.data_ptr<float>();
-      for (int64_t r = 0; r < rows; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
-      at::Tensor down = pdserve_native::linear_packed(act, w[8], bias_of(w[9]), hidden);
-      const float* dp = down.data_ptr<float>();
-      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += dp[i];
-    }
+    d.layers(res, rows, row_pos.data(), view.slots, block_ids, lens, starts, view.normed, view.act);
 
     // the final norm of each sequence's last row, the logits, the pick
     for (int64_t s = 0; s < num_seqs; ++s)
-      rms_norm(res + (s * nq + nq - 1) * hidden, weights[1].data_ptr<float>(), epsf, 1, hidden,
+      rms_norm(res + (s * nq + nq - 1) * hidden, weights[1].data_ptr<float>(), d.eps, 1, hidden,
                last.data_ptr<float>() + s * hidden);
     at::Tensor logits = pdserve_native::linear_packed(last, weights[2], bias_of(weights[3]), vocab);
     const float* lp = logits.data_ptr<float>();
@@ -272,6 +303,40 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   return picks;
 }
 
+// pdserve::decoder_forward: one step's forward of a few rows per sequence (decode, a speculative
+// verification, a draft's catch-up), every layer in C++, for the engine's ModelRunner: the final
+// norm's output [tokens, hidden], the lm_head left to the caller (it scores only the rows it
+// samples). input_ids and positions [T] int64; slot_mapping, block_ids, context_lens and
+// query_starts as paged_attention_cpu takes them; weights: the embedding, the final norm, then
+// kWeightsPerLayer per layer.
+at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_ids, const at::Tensor& context_lens, const at::Tensor& query_starts,
+                           at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
+                           const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+  const Decoder d("decoder_forward", 2, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
+                  positions.scalar_type() == at::kLong && slot_mapping.sizes() == input_ids.sizes(),
+              "decoder_forward: input_ids, positions and slot_mapping must be int64 [tokens] alike, got ",
+              input_ids.sizes(), ", ", positions.sizes(), " and ", slot_mapping.sizes());
+  const int64_t rows = input_ids.size(0), hidden = d.hidden;
+  const auto f32 = weights[0].options();
+  const at::Tensor ids = input_ids.contiguous(), pos = positions.contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  at::Tensor res = at::empty({rows, hidden}, f32), normed = at::empty({rows, hidden}, f32),
+             act = at::empty({rows, d.inter}, f32);
+  float* rp = res.data_ptr<float>();
+  const float* emb = weights[0].data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(idp[r] >= 0 && idp[r] < d.vocab, "decoder_forward: token ", idp[r], " out of range");
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < d.max_position, "decoder_forward: position ", pp[r], " is outside the rotary table");
+    std::copy(emb + idp[r] * hidden, emb + (idp[r] + 1) * hidden, rp + r * hidden);
+  }
+  d.layers(rp, rows, pp, slot_mapping, block_ids, context_lens, query_starts, normed, act);
+  rms_norm(rp, weights[1].data_ptr<float>(), d.eps, rows, hidden, normed.data_ptr<float>());
+  return normed;
+}
+
 }  // namespace
 
 #ifndef PDSERVE_OP_NAMESPACE
@@ -282,6 +347,12 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("draft_passes(Tensor state, int num_passes, bool catch_up, Tensor[] weights, Tensor(a!)[] kv_caches, "
         "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, Tensor? temperature, "
         "Tensor? noise) -> Tensor");
+  m.def("decoder_forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_ids, "
+        "Tensor context_lens, Tensor query_starts, Tensor[] weights, Tensor(a!)[] kv_caches, Tensor cos, Tensor sin, "
+        "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) { m.impl("draft_passes", &draft_passes); }
+TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {
+  m.impl("draft_passes", &draft_passes);
+  m.impl("decoder_forward", &decoder_forward);
+}

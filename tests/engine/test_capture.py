@@ -36,8 +36,10 @@ def target(checkpoint):
 @pytest.mark.slow
 @pytest.mark.parametrize("cpu_attention", ["native", "torch"])  # paged_attention_cpu, or write_and_attend
 def test_compiled_forward_gives_the_eager_tokens(target, cpu_attention):
+    # cpu_linear="torch": with packed projections the native forward (`NativeForward`) would take
+    # the planned steps from the graph (tests/kernels/test_native_forward.py)
     options = dict(speculative_method="ngram", num_speculative_tokens=3, spec_adaptive=False,
-                   cpu_attention=cpu_attention)
+                   cpu_attention=cpu_attention, cpu_linear="torch")
     eager, compiled = LLM(target, **options), LLM(target, graph_capture="compile", **options)
     _short_native_plans(eager, compiled)
     capture = compiled.engine.runner.capture

@@ -1,0 +1,110 @@
+"""A step's forward in one native call (`pdserve::decoder_forward`, `kernels/cpu/decoder.cpp`,
+through `capture.NativeForward`) against the model's own forward: for steps of short chunks
+(decode tokens beside verification chunks, sequences at different positions, crossing a block)
+the same logits to float rounding and the same greedy picks, and the same K/V in the cache; a
+step with a prefill chunk past 16 tokens is left to the model. Three architectures, as the draft's
+native passes are tested. Malformed calls are refused with the reason. (Greedy decoding through
+the whole engine, which now runs its decode steps this way with default options, is checked token
+for token against transformers in tests/engine.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.capture import NativeForward
+from pdserve.engine.model.config import load_model_config
+from pdserve.engine.model_runner import BatchEntry, ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.kernels import TORCH_OPS, native
+
+BLOCK_SIZE = 16
+PROMPT_LENS = (37, 16, 5, 14)
+NEW_TOKENS = (1, 3, 5, 4)  # a decode token beside verification chunks; 16 + 3 starts a block, 14 + 4 crosses one
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def runner(request, checkpoint):
+    assert native.load(), native.error()
+    if not torch.ops.pdserve.linear_packed_available():
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: the projections are not packed, no native forward")
+    path = checkpoint(request.param, seed=7)
+    cfg = load_model_config(path)
+    return ModelRunner(cfg, path, TORCH_OPS, torch.float32, torch.device("cpu"), num_blocks=24, block_size=BLOCK_SIZE,
+                       native_attention=True, native_linear=True)
+
+
+def _sequences(runner: ModelRunner) -> list[Sequence]:
+    gen = torch.Generator().manual_seed(3)
+    seqs = []
+    for i, (n, extra) in enumerate(zip(PROMPT_LENS, NEW_TOKENS)):
+        ids = torch.randint(0, runner.cfg.vocab_size, (n + extra,), generator=gen).tolist()
+        seqs.append(Sequence(f"s{i}", ids, SamplingParams(), seed=i, block_table=list(range(6 * i, 6 * i + 6))))
+    return seqs
+
+
+def _run(runner: ModelRunner, batch: list[BatchEntry], native_forward, caches) -> torch.Tensor:
+    runner.native_forward = native_forward
+    for (k, v), (k0, v0) in zip(runner.kv_caches, caches):
+        k.copy_(k0), v.copy_(v0)
+    return runner.execute(batch)
+
+
+def test_native_forward_gives_the_models_logits_and_cache(runner):
+    native_forward = runner.native_forward
+    assert isinstance(native_forward, NativeForward)
+    seqs = _sequences(runner)
+    with torch.inference_mode():  # the prompts (but each step's new tokens) in the cache, through the model
+        runner.native_forward = None
+        runner.execute([BatchEntry(s, n, 1, start=0) for s, n in zip(seqs, PROMPT_LENS)])
+    cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    batch = [BatchEntry(s, extra, extra, start=n) for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)]
+    calls = []
+    counted = lambda step: calls.append(step) or native_forward(step)  # noqa: E731
+    counted.covers = native_forward.covers
+    try:
+        mine = _run(runner, batch, counted, cache)
+        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        theirs = _run(runner, batch, None, cache)
+    finally:
+        runner.native_forward = native_forward
+    assert len(calls) == 1 and mine.shape == (sum(NEW_TOKENS), runner.cfg.vocab_size)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+    written = [(s.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)
+               for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS) for p in range(n, n + extra)]
+    assert all(mine_cache[0][0][b, o].abs().sum() > 0 for b, o in written)  # every new token's K/V written
+
+
+def test_a_step_with_a_long_chunk_is_left_to_the_model(runner):
+    seq = Sequence("long", list(range(3, 3 + 40)), SamplingParams(), seed=0, block_table=[0, 1, 2])
+    short = Sequence("short", [5, 6, 7], SamplingParams(), seed=1, block_table=[3])
+    long_step = runner.inputs.build([BatchEntry(seq, 40, 1, start=0)])
+    assert not runner.native_forward.covers(long_step)
+    assert runner.native_forward.covers(runner.inputs.build([BatchEntry(short, 3, 1, start=0)]))
+
+
+def test_malformed_calls_are_refused_with_the_reason(runner):
+    nf = runner.native_forward
+    short = Sequence("short", [5, 6, 7], SamplingParams(), seed=1, block_table=[3])
+    step = runner.inputs.build([BatchEntry(short, 3, 1, start=0)])
+    plan, (heads, kv_heads, eps, scale) = step.meta.plan, nf.shape
+
+    def call(input_ids=step.input_ids, positions=step.positions, weights=nf.weights):
+        with torch.inference_mode():
+            return torch.ops.pdserve.decoder_forward(input_ids, positions, step.meta.slot_mapping, plan.block_ids,
+                                                     plan.context_lens, plan.query_starts, weights, nf.caches,
+                                                     nf.cos, nf.sin, heads, kv_heads, eps, scale)
+
+    assert call().shape == (3, runner.cfg.hidden_size)
+    with pytest.raises(RuntimeError, match="token .* out of range"):
+        call(input_ids=torch.tensor([5, runner.cfg.vocab_size, 7]))
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        call(positions=torch.tensor([0, 1, 1 << 30]))
+    with pytest.raises(RuntimeError, match="int64 \\[tokens\\] alike"):
+        call(positions=step.positions[:2])
+    with pytest.raises(RuntimeError, match="do not make a model"):
+        call(weights=nf.weights[:-1])
