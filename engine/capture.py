@@ -217,7 +217,29 @@ class DraftPasses:
             return self._eager[kind](state, *sampling, self.kv_caches, self.block_size)
 
 
-class NativePasses:
+class _NativeModel:
+    """A model's tensors as an op of `kernels/cpu/decoder.cpp` takes them (`native_weights`), with
+    its caches flat, its rotary tables and its shape."""
+
+    OP: str  # the op's name in torch.ops.pdserve
+    WITH_HEAD: bool  # whether the op computes the logits (then it takes the lm_head)
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
+        cfg = model.cfg
+        self.weights = weights
+        self.caches = [t for pair in kv_caches for t in pair]
+        self.cos, self.sin = model.rope
+        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, kv_caches: list):
+        """The model's native op, or None where it cannot run the model: the native library not
+        loaded, a projection not packed (`cpu_linear`), or anything not float32."""
+        weights = native_weights(model, kv_caches, cls.OP, with_head=cls.WITH_HEAD)
+        return None if weights is None else cls(model, kv_caches, weights)
+
+
+class NativePasses(_NativeModel):
     """A draft's passes as one call of `pdserve::draft_passes` (`kernels/cpu/decoder.cpp`): the
     whole forward and the pick of every pass in C++, the projections through `linear_packed` and
     the attention through `paged_attention_cpu`, called straight rather than op by op. The graph
@@ -229,19 +251,7 @@ class NativePasses:
     order than the model's ops (the norms, the softmax), so a pick may differ from the graph's
     where two logits nearly tie: a proposal only, which the target verifies."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
-        cfg = model.cfg
-        self.weights = weights
-        self.caches = [t for pair in kv_caches for t in pair]
-        self.cos, self.sin = model.rope
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, kv_caches: list) -> NativePasses | None:
-        """The model's native passes, or None where the op cannot run them: the native library not
-        loaded, a projection not packed (`cpu_linear`), or anything not float32."""
-        weights = native_weights(model, kv_caches, "draft_passes", with_head=True)
-        return None if weights is None else cls(model, kv_caches, weights)
+    OP, WITH_HEAD = "draft_passes", True
 
     def __call__(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
                  noise: torch.Tensor | None = None, catch_up: bool = False) -> torch.Tensor:
@@ -284,7 +294,7 @@ def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: 
     return weights
 
 
-class NativeForward:
+class NativeForward(_NativeModel):
     """A step's forward as one call of `pdserve::decoder_forward` (`kernels/cpu/decoder.cpp`), for
     steps whose chunks are all short (decode, a speculative verification, a draft's catch-up):
     every layer in C++, the projections through `linear_packed` and the attention through
@@ -295,17 +305,7 @@ class NativeForward:
     a batch-1 decode step of the demo target spent about a third of its time outside the
     projections and the attention, on the graph's call, its guards and 41 op dispatches."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
-        cfg = model.cfg
-        self.weights = weights
-        self.caches = [t for pair in kv_caches for t in pair]
-        self.cos, self.sin = model.rope
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, kv_caches: list) -> NativeForward | None:
-        weights = native_weights(model, kv_caches, "decoder_forward", with_head=False)
-        return None if weights is None else cls(model, kv_caches, weights)
+    OP, WITH_HEAD = "decoder_forward", False
 
     @staticmethod
     def covers(step: StepInputs) -> bool:

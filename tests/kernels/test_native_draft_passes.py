@@ -15,6 +15,7 @@ from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import TORCH_OPS, native
+from native_models import native_runner
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (37, 16, 5)  # a sequence's next position: mid-block, at a block's start, early
@@ -22,13 +23,7 @@ PROMPT_LENS = (37, 16, 5)  # a sequence's next position: mid-block, at a block's
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def runner(request, checkpoint):
-    assert native.load(), native.error()
-    if not torch.ops.pdserve.linear_packed_available():
-        pytest.skip("this CPU has neither AVX-512 nor AVX2: the projections are not packed, no native passes")
-    path = checkpoint(request.param, seed=5)
-    cfg = load_model_config(path)
-    return ModelRunner(cfg, path, TORCH_OPS, torch.float32, torch.device("cpu"), num_blocks=16, block_size=BLOCK_SIZE,
-                       native_attention=True, native_linear=True)
+    return native_runner(checkpoint, request.param, seed=5, num_blocks=16, block_size=BLOCK_SIZE)
 
 
 def _prefilled(runner: ModelRunner) -> tuple[list[Sequence], list]:

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from pdserve.engine.capture import NativeForward
-from pdserve.engine.model.config import load_model_config
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.kernels import TORCH_OPS, native
+from native_models import native_runner
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (37, 16, 5, 14)
@@ -25,13 +24,7 @@ NEW_TOKENS = (1, 3, 5, 4)  # a decode token beside verification chunks; 16 + 3 s
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def runner(request, checkpoint):
-    assert native.load(), native.error()
-    if not torch.ops.pdserve.linear_packed_available():
-        pytest.skip("this CPU has neither AVX-512 nor AVX2: the projections are not packed, no native forward")
-    path = checkpoint(request.param, seed=7)
-    cfg = load_model_config(path)
-    return ModelRunner(cfg, path, TORCH_OPS, torch.float32, torch.device("cpu"), num_blocks=24, block_size=BLOCK_SIZE,
-                       native_attention=True, native_linear=True)
+    return native_runner(checkpoint, request.param, seed=7, num_blocks=24, block_size=BLOCK_SIZE)
 
 
 def _sequences(runner: ModelRunner) -> list[Sequence]:

@@ -1,0 +1,22 @@
+"""A tiny checkpoint's `ModelRunner` for the tests of `kernels/cpu/decoder.cpp`'s ops
+(test_native_draft_passes.py, test_native_forward.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def native_runner(checkpoint, arch: str, seed: int, num_blocks: int, block_size: int):
+    """A `ModelRunner` of a tiny checkpoint with the native attention and packed projections (what
+    `kernels/cpu/decoder.cpp`'s ops run), on the torch reference ops otherwise; the test is skipped
+    on a CPU whose build has no vector loops (the projections are then not packed)."""
+    from pdserve.engine.model.config import load_model_config
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.kernels import TORCH_OPS, native
+
+    assert native.load(), native.error()
+    if not torch.ops.pdserve.linear_packed_available():
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: the projections are not packed, no native decoder ops")
+    path = checkpoint(arch, seed=seed)
+    return ModelRunner(load_model_config(path), path, TORCH_OPS, torch.float32, torch.device("cpu"),
+                       num_blocks=num_blocks, block_size=block_size, native_attention=True, native_linear=True)
