@@ -326,7 +326,7 @@ void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel
 
 #ifdef PDSERVE_LINEAR_AVX512
 // One panel, bfloat16, widened in registers by every pass. A float32 copy of the panel made by the
-// first pass for the passes after it (as before 2026-12-04) cost more at every row count: its
+// first pass for the passes after it (the loop before 4e4695b) cost more at every row count: its
 // 64 KB leave L1 where the 32 KB bfloat16 panel stays, and the copy's stores cost the first
 // pass. The demo target's 33 projections (bfloat16 panels, one thread, AMD EPYC Zen 5, scratch
 // timing, best of seven, this change with `panel_blocks`' even passes): 8 rows 0.90 -> 0.58 ms,
@@ -338,8 +338,8 @@ void panel_all_rows_bf16(const float* x, int64_t m_len, int64_t k_len, const uin
 #else
 constexpr int64_t kWidenInRegisters = 6;  // rows up to which a bfloat16 panel is widened as it is read
 
-// One panel, bfloat16: widened as read for a few rows; for more (sixteen registers hold too few
-// accumulators to pay for widening on every pass), once, into a float32 copy.
+// One panel, bfloat16: widened as read for a few rows; for more, once, into a float32 copy (the
+// AVX-512 loops dropped their copy in 4e4695b; these were not measured again then).
 void panel_all_rows_bf16(const float* x, int64_t m_len, int64_t k_len, const uint16_t* panel, float* y,
                          int64_t ldy, int64_t cols, const float* bias) {
   if (m_len <= kWidenInRegisters) return panel_all_rows(x, m_len, k_len, panel, y, ldy, cols, bias);
