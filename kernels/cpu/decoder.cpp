@@ -170,6 +170,17 @@ struct Decoder {
     cos = cos_t.data_ptr<float>(), sin = sin_t.data_ptr<float>(), max_position = cos_t.size(0);
     TORCH_CHECK(weights[head + 8].dim() == 3, op, ": the down projection must be packed (linear_pack)");
     inter = weights[head + 8].size(1);  // the down projection's in_features (its panels' rows)
+    // every projection as linear_rows takes it, once here rather than per call: (weight index,
+    // in_features, out_features) of qkv, o, gate_up and down
+    const int64_t q_size = num_heads * head_dim, qkv_size = q_size + 2 * num_kv_heads * head_dim;
+    const int64_t shapes[4][3] = {{1, hidden, qkv_size}, {3, q_size, hidden}, {6, hidden, 2 * inter}, {8, inter, hidden}};
+    for (int64_t first = head; first < int64_t(weights.size()); first += kWeightsPerLayer)
+      for (const auto& [i, in, out] : shapes) {
+        const at::Tensor& bias = weights[first + i + 1];
+        pdserve_native::check_packed(op, weights[first + i], bias.numel() == 0 ? at::Tensor() : bias, out);
+        TORCH_CHECK(weights[first + i].size(1) == in, op, ": weight ", first + i, " takes ", weights[first + i].size(1),
+                    " inputs, not ", in);
+      }
   }
 
   // Rows' residual streams `res` [rows, hidden] (their embeddings in) through every layer, each
@@ -179,31 +190,36 @@ struct Decoder {
   void layers(float* res, int64_t rows, const int64_t* pos, const at::Tensor& slots, const at::Tensor& block_ids,
               const at::Tensor& lens, const at::Tensor& starts, const at::Tensor& normed, const at::Tensor& act) const {
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    const auto f32 = normed.options();
+    // the projections' outputs, and q, k and v as views of qkv: made once for every layer
+    const at::Tensor qkv = at::empty({rows, qkv_size}, f32), gate_up = at::empty({rows, 2 * inter}, f32),
+                     out = at::empty({rows, hidden}, f32);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim}),
+                     k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim}),
+                     v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
     float* nrm = normed.data_ptr<float>();
+    float* qkv_p = qkv.data_ptr<float>();
+    float* gu = gate_up.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const auto bias = [](const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); };
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       const at::Tensor* w = weights.data() + head + layer * kWeightsPerLayer;
       rms_norm(res, w[0].data_ptr<float>(), eps, rows, hidden, nrm);
-      at::Tensor qkv = pdserve_native::linear_packed(normed, w[1], bias_of(w[2]), qkv_size);
-      float* qkv_p = qkv.data_ptr<float>();
+      pdserve_native::linear_rows(nrm, rows, w[1], bias(w[2]), qkv_size, qkv_p);
       for (int64_t r = 0; r < rows; ++r)  // q's and k's heads, neighbours in the row
         rotate(qkv_p + r * qkv_size, num_heads + num_kv_heads, head_dim, cos + pos[r] * (head_dim / 2),
                sin + pos[r] * (head_dim / 2));
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim});
-      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
       at::Tensor k_cache = kv_caches[2 * layer], v_cache = kv_caches[2 * layer + 1];
-      at::Tensor attn = pdserve_native::paged_attention(q, k, v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
-      at::Tensor o = pdserve_native::linear_packed(attn.view({rows, q_size}), w[3], bias_of(w[4]), hidden);
-      const float* op = o.data_ptr<float>();
+      const at::Tensor attn =
+          pdserve_native::paged_attention(q, k, v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
+      pdserve_native::linear_rows(attn.data_ptr<float>(), rows, w[3], bias(w[4]), hidden, op);
       for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
       rms_norm(res, w[5].data_ptr<float>(), eps, rows, hidden, nrm);
-      at::Tensor gate_up = pdserve_native::linear_packed(normed, w[6], bias_of(w[7]), 2 * inter);
-      float* gu = gate_up.data_ptr<float>();
-      float* ap = act.data_ptr<float>();
+      pdserve_native::linear_rows(nrm, rows, w[6], bias(w[7]), 2 * inter, gu);
       for (int64_t r = 0; r < rows; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
-      at::Tensor down = pdserve_native::linear_packed(act, w[8], bias_of(w[9]), hidden);
-      const float* dp = down.data_ptr<float>();
-      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += dp[i];
+      pdserve_native::linear_rows(ap, rows, w[8], bias(w[9]), hidden, op);
+      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
     }
   }
 };

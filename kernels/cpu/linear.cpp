@@ -33,6 +33,7 @@
 // Tensor and the few ops used, not <ATen/ATen.h>: every op's header took a third to half the compile.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
@@ -359,33 +360,28 @@ bool linear_packed_available() {
 #endif
 }
 
-// x [..., K] float32; packed from `linear_pack` of a [N, K] weight; bias [N] or none.
-at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t n) {
+// What linear_rows needs of a packed weight for n output features, and of its bias (undefined:
+// none): refused with the reason, in `op`'s name.
+void check_packed(const char* op, const at::Tensor& packed, const at::Tensor& bias, int64_t n) {
   const bool half = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (half || packed.scalar_type() == at::kFloat) &&
                   packed.is_contiguous(),
-              "linear_packed: packed must be a contiguous float32 or bfloat16 [panels, in_features, ", kPanel,
+              op, ": packed must be a contiguous float32 or bfloat16 [panels, in_features, ", kPanel,
               "] tensor from linear_pack");
-  TORCH_CHECK(n >= 1 && num_panels(n) == packed.size(0), "linear_packed: ", n, " output features do not fit ",
+  TORCH_CHECK(n >= 1 && num_panels(n) == packed.size(0), op, ": ", n, " output features do not fit ",
               packed.size(0), " panels");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == n && bias.is_contiguous()),
+              op, ": bias must be float32 [", n, "]");
+}
+
+// x [m_len, K] (contiguous) times a checked packed weight into y [m_len, n] (contiguous), plus
+// bias [n] or none: linear_packed's loops on raw pointers, for callers that hold their buffers
+// (decoder.cpp, through native_ops.h: no tensor made or viewed per call).
+void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const float* bp, int64_t n, float* yp) {
+  const bool half = packed.scalar_type() == at::kBFloat16;
   const int64_t k_len = packed.size(1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k_len,
-              "linear_packed: x must be float32 [..., ", k_len, "], got ", x.scalar_type(), " ", x.sizes());
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  TORCH_CHECK(!b.defined() || (b.scalar_type() == at::kFloat && b.numel() == n),
-              "linear_packed: bias must be float32 [", n, "]");
-  const at::Tensor x2 = x.reshape({-1, k_len}).contiguous();
-  const int64_t m_len = x2.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty({m_len, n}, x.options());
-  if (m_len == 0) return y.view(out_shape);
 #ifdef PDSERVE_LINEAR_VECTOR
-  const float* xp = x2.data_ptr<float>();
   const void* pp = packed.data_ptr();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
   // panels per thread: at least kMinTaskMultiplyAdds each, or the fork and join cost more than
   // they save (a batch-1 step's projections, 4 to 48 panels of a few microseconds each)
   const int64_t grain = std::max<int64_t>(1, kMinTaskMultiplyAdds / (m_len * k_len * kPanel));
@@ -400,18 +396,38 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
     }
   });
 #else
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor x2 = at::from_blob(const_cast<float*>(xp), {m_len, k_len}, f32);
+  at::Tensor y = at::from_blob(yp, {m_len, n}, f32);
   for (int64_t j = 0; j < packed.size(0); ++j) {
     const int64_t cols = std::min(kPanel, n - j * kPanel);
     at::Tensor out = y.narrow(1, j * kPanel, cols);
     at::Tensor panel = packed[j];
     if (half) {
-      panel = at::empty({k_len, kPanel}, x.options());
+      panel = at::empty({k_len, kPanel}, f32);
       widen(static_cast<const uint16_t*>(packed[j].data_ptr()), k_len * kPanel, panel.data_ptr<float>());
     }
     at::mm_out(out, x2, panel.narrow(1, 0, cols));
   }
-  if (b.defined()) y.add_(b);
+  if (bp != nullptr) y.add_(at::from_blob(const_cast<float*>(bp), {n}, f32));
 #endif
+}
+
+// x [..., K] float32; packed from `linear_pack` of a [N, K] weight; bias [N] or none.
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n) {
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  check_packed("linear_packed", packed, b, n);
+  const int64_t k_len = packed.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k_len,
+              "linear_packed: x must be float32 [..., ", k_len, "], got ", x.scalar_type(), " ", x.sizes());
+  const at::Tensor x2 = x.reshape({-1, k_len}).contiguous();
+  const int64_t m_len = x2.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor y = at::empty({m_len, n}, x.options());
+  if (m_len > 0)
+    linear_rows(x2.data_ptr<float>(), m_len, packed, b.defined() ? b.data_ptr<float>() : nullptr, n, y.data_ptr<float>());
   return y.view(out_shape);
 }
 
@@ -420,6 +436,15 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, const c1
 at::Tensor pdserve_native::linear_packed(const at::Tensor& x, const at::Tensor& packed,
                                          const c10::optional<at::Tensor>& bias, int64_t n) {
   return ::linear_packed(x, packed, bias, n);
+}
+
+void pdserve_native::check_packed(const char* op, const at::Tensor& packed, const at::Tensor& bias, int64_t n) {
+  ::check_packed(op, packed, bias, n);
+}
+
+void pdserve_native::linear_rows(const float* x, int64_t rows, const at::Tensor& packed, const float* bias, int64_t n,
+                                 float* y) {
+  ::linear_rows(x, rows, packed, bias, n, y);
 }
 
 #ifndef PDSERVE_OP_NAMESPACE

@@ -12,6 +12,16 @@ namespace pdserve_native {
 __attribute__((visibility("hidden"))) at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed,
                                                                const c10::optional<at::Tensor>& bias, int64_t n);
 
+// linear_packed's loops on raw pointers: x [rows, K] and y [rows, n] contiguous float32, bias [n] or
+// null, packed as check_packed accepts it (no tensor is made per call: for callers holding buffers).
+__attribute__((visibility("hidden"))) void linear_rows(const float* x, int64_t rows, const at::Tensor& packed,
+                                                       const float* bias, int64_t n, float* y);
+
+// Refuses, with the reason in op's name, a packed weight that is not n output features of
+// linear_pack's layout, or a bias (undefined: none) that is not contiguous float32 [n].
+__attribute__((visibility("hidden"))) void check_packed(const char* op, const at::Tensor& packed,
+                                                        const at::Tensor& bias, int64_t n);
+
 // pdserve::paged_attention_cpu (paged_attention.cpp): the step's K/V written, then its attention.
 __attribute__((visibility("hidden"))) at::Tensor paged_attention(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
