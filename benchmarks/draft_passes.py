@@ -6,7 +6,7 @@ passes as graphs, and the same engine drafting pass by pass.
 Engines on the demo pair with the draft at fixed depth k = 4 (with --adaptive, adaptive depth up
 to 4) and the tuned options (`graph_capture="compile"`, one torch thread), differing only in how
 the draft's passes run: "native", the default (a batch drafting to one depth runs its passes as
-one call of `pdserve::draft_passes`, `capture.NativePasses`, the catch-up pass included once it is
+one call of `pdserve::draft_passes`, `native_forward.NativePasses`, the catch-up pass included once it is
 one or two tokens, as after every verification; greedy and temperature-only sampled batches);
 "graphs" (the same passes at once through the model's own code, one compiled graph per pass:
 `DraftPasses(native=False)`, the default before the native call); "catch-up apart"

@@ -16,9 +16,9 @@ what is left goes. Two captures, one interface (`covers`, `__call__`, `warm_up`)
   static input buffers (`cuda_graphs.py`).
 
 Beside them, with the native CPU ops (projections packed, float32), two natives that need no
-capture: a step of short chunks is one call of `pdserve::decoder_forward` (`NativeForward`), and
-a draft's passes one call of `pdserve::draft_passes` (`NativePasses`), whatever `graph_capture`
-says; the capture then takes the steps with prefill chunks only.
+capture (`native_forward.py`): a step of short chunks is one call of `pdserve::decoder_forward`
+(`NativeForward`), and a draft's passes one call of `pdserve::draft_passes` (`NativePasses`),
+whatever `graph_capture` says; the capture then takes the steps with prefill chunks only.
 
 A capture never changes what a step computes, only how: it runs the same model code on the same
 inputs. It may round differently (Inductor fuses elementwise ops and reorders sums, about 1e-6
@@ -35,7 +35,8 @@ import types
 import torch
 
 from pdserve.engine.model.llama import AttentionMetadata
-from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, StepInputs
+from pdserve.engine.native_forward import NativePasses
+from pdserve.engine.step_inputs import StepInputs
 from pdserve.kernels.gathered_attention import GatherPlan
 from pdserve.kernels.sampling import race_ref
 
@@ -215,110 +216,6 @@ class DraftPasses:
             self.is_broken, self._fns = True, dict(self._eager)
             log.warning("graph capture (compile) of the draft's passes failed, running eagerly: %r", e)
             return self._eager[kind](state, *sampling, self.kv_caches, self.block_size)
-
-
-class _NativeModel:
-    """A model's tensors as an op of `kernels/cpu/decoder.cpp` takes them (`native_weights`), with
-    its caches flat, its rotary tables and its shape."""
-
-    OP: str  # the op's name in torch.ops.pdserve
-    WITH_HEAD: bool  # whether the op computes the logits (then it takes the lm_head)
-
-    def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
-        cfg = model.cfg
-        self.weights = weights
-        self.caches = [t for pair in kv_caches for t in pair]
-        self.cos, self.sin = model.rope
-        self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, kv_caches: list):
-        """The model's native op, or None where it cannot run the model: the native library not
-        loaded, a projection not packed (`cpu_linear`), or anything not float32."""
-        weights = native_weights(model, kv_caches, cls.OP, with_head=cls.WITH_HEAD)
-        return None if weights is None else cls(model, kv_caches, weights)
-
-
-class NativePasses(_NativeModel):
-    """A draft's passes as one call of `pdserve::draft_passes` (`kernels/cpu/decoder.cpp`): the
-    whole forward and the pick of every pass in C++, the projections through `linear_packed` and
-    the attention through `paged_attention_cpu`, called straight rather than op by op. The graph
-    of a pass (`DraftPasses` compiled) spent most of a pass on fixed costs: on the demo draft at
-    batch 1 its arithmetic is about 20 µs, the graph took about 115 µs (AMD EPYC, one thread).
-
-    The same inputs and picks as `DraftPasses`' graphs: a greedy row takes the argmax, a sampled
-    row (temperature only) races its softmax against the pass's noise. The sums run in another
-    order than the model's ops (the norms, the softmax), so a pick may differ from the graph's
-    where two logits nearly tie: a proposal only, which the target verifies."""
-
-    OP, WITH_HEAD = "draft_passes", True
-
-    def __call__(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
-                 noise: torch.Tensor | None = None, catch_up: bool = False) -> torch.Tensor:
-        """As `DraftPasses.__call__`: the picks [num_passes, num_seqs]."""
-        heads, kv_heads, eps, scale = self.shape
-        return torch.ops.pdserve.draft_passes(state, num_passes, catch_up, self.weights, self.caches, self.cos,
-                                              self.sin, heads, kv_heads, eps, scale, temperature, noise)
-
-
-def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: bool) -> list[torch.Tensor] | None:
-    """The model's tensors as `kernels/cpu/decoder.cpp`'s ops take them: the embedding, the final
-    norm's weight, with_head the lm_head (packed, a tied one copied and packed: a draft's is small)
-    and its bias, then per layer the input norm, qkv, o, the post-attention norm, gate_up and down
-    (each projection packed and its bias, an empty tensor for none). None where `op` cannot run
-    the model: the native library not loaded, a projection not packed (`cpu_linear`), or anything
-    not float32."""
-    from pdserve.engine.model.llama import PackedLinear
-    from pdserve.kernels import native
-
-    if not native.loaded() or not hasattr(torch.ops.pdserve, op):
-        return None
-    inner = model.model
-    if kv_caches[0][0].dtype != torch.float32 or inner.embed_tokens.weight.dtype != torch.float32:
-        return None
-
-    def linear(module) -> list[torch.Tensor]:
-        bias = module.bias if module.bias is not None else torch.empty(0)
-        return [module.packed, bias.float()]
-
-    weights = [inner.embed_tokens.weight, inner.norm.weight]
-    if with_head:
-        head = model.lm_head
-        weights += linear(head if isinstance(head, PackedLinear) else PackedLinear(head))
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(isinstance(m, PackedLinear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-            return None
-        weights += [layer.input_layernorm.weight, *linear(attn.qkv_proj), *linear(attn.o_proj),
-                    layer.post_attention_layernorm.weight, *linear(mlp.gate_up_proj), *linear(mlp.down_proj)]
-    return weights
-
-
-class NativeForward(_NativeModel):
-    """A step's forward as one call of `pdserve::decoder_forward` (`kernels/cpu/decoder.cpp`), for
-    steps whose chunks are all short (decode, a speculative verification, a draft's catch-up):
-    every layer in C++, the projections through `linear_packed` and the attention through
-    `paged_attention_cpu` called straight, the norms, rotary and SwiGLU as loops over the rows.
-    The same result as the model's forward up to float rounding (the norms sum in another order):
-    greedy decoding stays token-identical to transformers in the tests, as with the compiled
-    graph, whose own generated loops also sum in their own order. Why: through the compiled graph
-    a batch-1 decode step of the demo target spent about a third of its time outside the
-    projections and the attention, on the graph's call, its guards and 41 op dispatches."""
-
-    OP, WITH_HEAD = "decoder_forward", False
-
-    @staticmethod
-    def covers(step: StepInputs) -> bool:
-        """Whether the step's attention is one native plan of short chunks (what this forward runs)."""
-        plan = step.meta.plan
-        return plan is not None and plan.query_starts is not None and plan.max_query_len <= MAX_GATHERED_QUERY_LEN
-
-    def __call__(self, step: StepInputs) -> torch.Tensor:
-        """The final norm's output [num_tokens, hidden_size], as the model's forward gives it."""
-        plan, (heads, kv_heads, eps, scale) = step.meta.plan, self.shape
-        return torch.ops.pdserve.decoder_forward(step.input_ids, step.positions, step.meta.slot_mapping, plan.block_ids,
-                                                 plan.context_lens, plan.query_starts, self.weights, self.caches,
-                                                 self.cos, self.sin, heads, kv_heads, eps, scale)
 
 
 def _pass_logits(model, state: torch.Tensor, num_query: int, kv_caches: list, block_size: int) -> torch.Tensor:

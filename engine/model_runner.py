@@ -16,7 +16,8 @@ import torch
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
-from pdserve.engine.capture import CompiledForward, DraftPasses, NativeForward
+from pdserve.engine.capture import CompiledForward, DraftPasses
+from pdserve.engine.native_forward import NativeForward
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, InputBuffers
@@ -79,7 +80,7 @@ class ModelRunner:
         self.capture = self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
         # a draft's passes run at once (`draft_passes`): the native attention's plans only; one
-        # native call with the projections packed too (`capture.NativePasses`), else as graphs
+        # native call with the projections packed too (`native_forward.NativePasses`), else as graphs
         self.passes = (DraftPasses(self.model, self.kv_caches, block_size, compiled=capture == "compile",
                                    native=native_linear)
                        if native_attention and capture in ("off", "compile") else None)

@@ -13,10 +13,10 @@
 - `torch.ops.pdserve.draft_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, ...)`
   (`cpu/decoder.cpp`): a draft model's passes of a speculative step in one call, the whole
   forward and the pick in C++, its ops calling the two above straight (`cpu/native_ops.h`); used
-  through `engine.capture.NativePasses`. `decoder_forward(input_ids, positions, slot_mapping,
+  through `engine.native_forward.NativePasses`. `decoder_forward(input_ids, positions, slot_mapping,
   block_ids, context_lens, query_starts, weights, kv_caches, cos, sin, ...)`, the same file: an
   engine step of short chunks (decode, a verification) through every layer in one call, the final
-  norm's output returned; used through `engine.capture.NativeForward` by `ModelRunner`.
+  norm's output returned; used through `engine.native_forward.NativeForward` by `ModelRunner`.
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 

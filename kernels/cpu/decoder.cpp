@@ -17,8 +17,8 @@
 // state [S, head + W] int64: per sequence the input token, its position, then its block ids (W of
 // them, those of the slots the passes write); with catch_up, head = 3: the token before the input
 // token (at the position before), the input token, its position. The first pass then runs both
-// tokens (their K/V written, the logits of the second). weights, as `engine/capture.py`'s
-// `NativePasses.of` lists them: the embedding [vocab, hidden], the final norm's weight, the
+// tokens (their K/V written, the logits of the second). weights, as `engine/native_forward.py`'s
+// `native_weights` lists them: the embedding [vocab, hidden], the final norm's weight, the
 // lm_head (packed, bias), then per layer the input norm's weight, qkv (packed, bias), o (packed,
 // bias), the post-attention norm's weight, gate_up (packed, bias), down (packed, bias); a bias is
 // an empty tensor where the model has none. kv_caches: each layer's K then V, float32
@@ -122,9 +122,21 @@ void silu_times(const float* gate, const float* up, int64_t n, float* out) {
   }
 }
 
+// A call's buffers for the layers' rows: the norms' output, the projections' outputs, and q, k and
+// v as views of qkv. Made once per call for its most rows (`Decoder::scratch`); `first` narrows
+// them to fewer (a draft's passes after the catch-up's two rows a sequence).
+struct Scratch {
+  at::Tensor normed, qkv, gate_up, act, out, q, k, v;
+
+  Scratch first(int64_t rows) const {
+    const auto n = [rows](const at::Tensor& t) { return t.narrow(0, 0, rows); };
+    return Scratch{n(normed), n(qkv), n(gate_up), n(act), n(out), n(q), n(k), n(v)};
+  }
+};
+
 // A model's tensors for the ops below, checked once per call: `weights` from its first `head`
 // tensors (the embedding, the final norm, then for draft_passes the lm_head, packed, and its bias)
-// on, kWeightsPerLayer per layer (as `engine/capture.py`'s `native_weights` lists them).
+// on, kWeightsPerLayer per layer (as `engine/native_forward.py`'s `native_weights` lists them).
 struct Decoder {
   at::TensorList weights, kv_caches;
   int64_t head, num_layers, vocab, hidden, inter, block_size, num_heads, num_kv_heads, head_dim;
@@ -183,25 +195,28 @@ struct Decoder {
       }
   }
 
+  Scratch scratch(int64_t rows, const at::TensorOptions& f32) const {
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const at::Tensor qkv = at::empty({rows, q_size + 2 * kv_size}, f32);
+    return Scratch{at::empty({rows, hidden}, f32), qkv, at::empty({rows, 2 * inter}, f32),
+                   at::empty({rows, inter}, f32), at::empty({rows, hidden}, f32),
+                   qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim}),
+                   qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim}),
+                   qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim})};
+  }
+
   // Rows' residual streams `res` [rows, hidden] (their embeddings in) through every layer, each
   // row's K/V written by `slots` and attending as `block_ids`, `lens` and `starts` say
-  // (paged_attention_cpu's layout); row r rotated at position pos[r]. `normed` [rows, hidden] and
-  // `act` [rows, inter] are scratch. The final norm is the caller's.
+  // (paged_attention_cpu's layout); row r rotated at position pos[r]; `s` holds `rows` rows. The
+  // final norm is the caller's.
   void layers(float* res, int64_t rows, const int64_t* pos, const at::Tensor& slots, const at::Tensor& block_ids,
-              const at::Tensor& lens, const at::Tensor& starts, const at::Tensor& normed, const at::Tensor& act) const {
-    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    const auto f32 = normed.options();
-    // the projections' outputs, and q, k and v as views of qkv: made once for every layer
-    const at::Tensor qkv = at::empty({rows, qkv_size}, f32), gate_up = at::empty({rows, 2 * inter}, f32),
-                     out = at::empty({rows, hidden}, f32);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim}),
-                     k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads, head_dim}),
-                     v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads, head_dim});
-    float* nrm = normed.data_ptr<float>();
-    float* qkv_p = qkv.data_ptr<float>();
-    float* gu = gate_up.data_ptr<float>();
-    float* ap = act.data_ptr<float>();
-    float* op = out.data_ptr<float>();
+              const at::Tensor& lens, const at::Tensor& starts, const Scratch& s) const {
+    const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
+    float* nrm = s.normed.data_ptr<float>();
+    float* qkv_p = s.qkv.data_ptr<float>();
+    float* gu = s.gate_up.data_ptr<float>();
+    float* ap = s.act.data_ptr<float>();
+    float* op = s.out.data_ptr<float>();
     const auto bias = [](const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); };
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       const at::Tensor* w = weights.data() + head + layer * kWeightsPerLayer;
@@ -212,7 +227,7 @@ struct Decoder {
                sin + pos[r] * (head_dim / 2));
       at::Tensor k_cache = kv_caches[2 * layer], v_cache = kv_caches[2 * layer + 1];
       const at::Tensor attn =
-          pdserve_native::paged_attention(q, k, v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
+          pdserve_native::paged_attention(s.q, s.k, s.v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
       pdserve_native::linear_rows(attn.data_ptr<float>(), rows, w[3], bias(w[4]), hidden, op);
       for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
       rms_norm(res, w[5].data_ptr<float>(), eps, rows, hidden, nrm);
@@ -265,12 +280,11 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   const int64_t most_rows = num_seqs * (catch_up ? 2 : 1);
   const at::Tensor slots_buf = at::empty({most_rows}, i64), lens = at::empty({num_seqs}, i64),
                    starts = at::empty({num_seqs + 1}, i64), residual_buf = at::empty({most_rows, hidden}, f32),
-                   normed_buf = at::empty({most_rows, hidden}, f32), act_buf = at::empty({most_rows, d.inter}, f32),
                    last = at::empty({num_seqs, hidden}, f32);
-  struct Views { at::Tensor slots, residual, normed, act; };
+  const Scratch most = d.scratch(most_rows, f32);
+  struct Views { at::Tensor slots, residual; Scratch scratch; };
   const auto views_of = [&](int64_t rows) {
-    return Views{slots_buf.narrow(0, 0, rows), residual_buf.narrow(0, 0, rows), normed_buf.narrow(0, 0, rows),
-                 act_buf.narrow(0, 0, rows)};
+    return Views{slots_buf.narrow(0, 0, rows), residual_buf.narrow(0, 0, rows), most.first(rows)};
   };
   const Views one_each = views_of(num_seqs), two_each = catch_up ? views_of(2 * num_seqs) : one_each;
   std::vector<int64_t> row_token(most_rows), row_pos(most_rows);
@@ -298,7 +312,7 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
     float* res = view.residual.data_ptr<float>();
     const float* emb = weights[0].data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) std::copy(emb + row_token[r] * hidden, emb + (row_token[r] + 1) * hidden, res + r * hidden);
-    d.layers(res, rows, row_pos.data(), view.slots, block_ids, lens, starts, view.normed, view.act);
+    d.layers(res, rows, row_pos.data(), view.slots, block_ids, lens, starts, view.scratch);
 
     // the final norm of each sequence's last row, the logits, the pick
     for (int64_t s = 0; s < num_seqs; ++s)
@@ -339,8 +353,8 @@ at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positi
   const at::Tensor ids = input_ids.contiguous(), pos = positions.contiguous();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
-  at::Tensor res = at::empty({rows, hidden}, f32), normed = at::empty({rows, hidden}, f32),
-             act = at::empty({rows, d.inter}, f32);
+  const at::Tensor res = at::empty({rows, hidden}, f32);
+  const Scratch scratch = d.scratch(rows, f32);
   float* rp = res.data_ptr<float>();
   const float* emb = weights[0].data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
@@ -348,9 +362,9 @@ at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positi
     TORCH_CHECK(pp[r] >= 0 && pp[r] < d.max_position, "decoder_forward: position ", pp[r], " is outside the rotary table");
     std::copy(emb + idp[r] * hidden, emb + (idp[r] + 1) * hidden, rp + r * hidden);
   }
-  d.layers(rp, rows, pp, slot_mapping, block_ids, context_lens, query_starts, normed, act);
-  rms_norm(rp, weights[1].data_ptr<float>(), d.eps, rows, hidden, normed.data_ptr<float>());
-  return normed;
+  d.layers(rp, rows, pp, slot_mapping, block_ids, context_lens, query_starts, scratch);
+  rms_norm(rp, weights[1].data_ptr<float>(), d.eps, rows, hidden, scratch.normed.data_ptr<float>());
+  return scratch.normed;  // the call's own buffer: the layers are done with it
 }
 
 }  // namespace

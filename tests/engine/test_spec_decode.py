@@ -73,7 +73,7 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, path):
     passes as one call (`ModelRunner.draft_passes`): all of them, the catch-up on the last two
     tokens first, once the draft has seen all but one or two tokens (every proposal after a
     verification); those after its catch-up pass when the catch-up is longer (a fresh prompt).
-    The same output as pass by pass; by default one native call (`capture.NativePasses`), and
+    The same output as pass by pass; by default one native call (`native_forward.NativePasses`), and
     with the projections unpacked (`cpu_linear="torch"`) the model's own passes: eager, the same
     drafts as pass by pass, or compiled, one graph per kind of pass for every batch size and
     context. Pass by pass again where a request filters (top-p)."""

@@ -1,5 +1,5 @@
 """A draft's passes in one native call (`pdserve::draft_passes`, `kernels/cpu/decoder.cpp`,
-through `capture.NativePasses`) against the model's own passes (`DraftPasses`, eager): the same
+through `native_forward.NativePasses`) against the model's own passes (`DraftPasses`, eager): the same
 picks, greedy and sampled, with and without the catch-up pass, over sequences at different
 positions, and the same K/V in the cache to float rounding. Three architectures: Llama 3 (GQA,
 llama3 rope scaling), Qwen2 (q/k/v biases, an lm_head tied to the embedding) and Mistral (q's
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.capture import DraftPasses, NativePasses
+from pdserve.engine.capture import DraftPasses
+from pdserve.engine.native_forward import NativePasses
 from pdserve.engine.model.config import load_model_config
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
 """A step's forward in one native call (`pdserve::decoder_forward`, `kernels/cpu/decoder.cpp`,
-through `capture.NativeForward`) against the model's own forward: for steps of short chunks
+through `native_forward.NativeForward`) against the model's own forward: for steps of short chunks
 (decode tokens beside verification chunks, sequences at different positions, crossing a block)
 the same logits to float rounding and the same greedy picks, and the same K/V in the cache; a
 step with a prefill chunk past 16 tokens is left to the model. Three architectures, as the draft's
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.capture import NativeForward
+from pdserve.engine.native_forward import NativeForward
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
