@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -202,32 +203,48 @@ inline void transpose16(const float* keys, int64_t key_stride, float* kt) {
   }
 }
 
-// The sixteen scores of each of `count` query rows (q[r], HD floats) against transposed keys kt
-// (`transpose16`), into out[r]: four rows at a time, even and odd dimensions in separate
-// accumulators (eight independent chains of multiply-adds).
+// `count` rows in passes of at most MaxR, as even as they go (ten as 5 + 5, not 4 + 4 + 1 + 1: a
+// pass of one or two rows is bound by its multiply-adds' latency, not their throughput), each pass
+// as f(std::integral_constant<int, R>{}, first row).
+template <int MaxR, typename F>
+inline void even_passes(int64_t count, F&& f) {
+  static_assert(MaxR >= 1 && MaxR <= 6);
+  const int64_t passes = (count + MaxR - 1) / MaxR;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = (count - m + passes - p - 1) / (passes - p);
+    switch (rows) {
+      case 1: f(std::integral_constant<int, 1>{}, m); break;
+      case 2: if constexpr (MaxR >= 2) f(std::integral_constant<int, 2>{}, m); break;
+      case 3: if constexpr (MaxR >= 3) f(std::integral_constant<int, 3>{}, m); break;
+      case 4: if constexpr (MaxR >= 4) f(std::integral_constant<int, 4>{}, m); break;
+      case 5: if constexpr (MaxR >= 5) f(std::integral_constant<int, 5>{}, m); break;
+      default: if constexpr (MaxR >= 6) f(std::integral_constant<int, 6>{}, m); break;
+    }
+    m += rows;
+  }
+}
+
+// R query rows' sixteen scores (q[m], HD floats) against transposed keys kt (`transpose16`), into
+// out[m]: even and odd dimensions in separate accumulators (2R independent chains).
+template <int R, int HD>
+inline void dot16_transposed_rows(const float* const* q, float* const* out, const float* kt) {
+  __m512 even[R], odd[R];
+  for (int m = 0; m < R; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+  for (int d = 0; d < HD; d += 2) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (d + 1) * 16);
+    for (int m = 0; m < R; ++m) {
+      even[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[m][d]), k0, even[m]);
+      odd[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[m][d + 1]), k1, odd[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(even[m], odd[m]));
+}
+
+// The sixteen scores of each of `count` query rows against transposed keys, in even passes of up
+// to six rows (twelve chains).
 template <int HD>
 inline void dot16_transposed(const float* const* q, float* const* out, int64_t count, const float* kt) {
-  int64_t r = 0;
-  for (; r + 4 <= count; r += 4) {
-    __m512 even[4], odd[4];
-    for (int m = 0; m < 4; ++m) even[m] = odd[m] = _mm512_setzero_ps();
-    for (int d = 0; d < HD; d += 2) {
-      const __m512 k0 = _mm512_loadu_ps(kt + d * 16), k1 = _mm512_loadu_ps(kt + (d + 1) * 16);
-      for (int m = 0; m < 4; ++m) {
-        even[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[r + m][d]), k0, even[m]);
-        odd[m] = _mm512_fmadd_ps(_mm512_set1_ps(q[r + m][d + 1]), k1, odd[m]);
-      }
-    }
-    for (int m = 0; m < 4; ++m) _mm512_storeu_ps(out[r + m], _mm512_add_ps(even[m], odd[m]));
-  }
-  for (; r < count; ++r) {
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    for (int d = 0; d < HD; d += 2) {
-      even = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), _mm512_loadu_ps(kt + d * 16), even);
-      odd = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), odd);
-    }
-    _mm512_storeu_ps(out[r], _mm512_add_ps(even, odd));
-  }
+  even_passes<6>(count, [&](auto r, int64_t m) { dot16_transposed_rows<decltype(r)::value, HD>(q + m, out + m, kt); });
 }
 
 // R rows' accumulators (HD floats each; row m's at acc + m * HD) += their weights (row m's at
@@ -253,16 +270,16 @@ inline void axpy_rows(const float* w, int64_t w_stride, const float* values, int
     for (int d = 0; d < V; ++d) _mm512_storeu_ps(acc + m * HD + 16 * d, a[m][d]);
 }
 
-// `count` consecutive rows as `axpy_rows` takes them: four at a time while the accumulators fit
-// in registers (HD <= 64), then two, then one.
+// `count` consecutive rows as `axpy_rows` takes them, in even passes of as many rows as keep the
+// accumulators within sixteen registers, six at most (HD 32: 5 + 5 for a 5-token verification's
+// ten rows, where four at a time left a two-row pass waiting on its chains' latency).
 template <int HD>
 inline void axpy_row_run(const float* w, int64_t w_stride, const float* values, int64_t stride, int64_t n, float* acc,
                          int64_t count) {
-  int64_t m = 0;
-  if constexpr (HD <= 64)
-    for (; m + 4 <= count; m += 4) axpy_rows<4, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
-  for (; m + 2 <= count; m += 2) axpy_rows<2, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
-  if (m < count) axpy_rows<1, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
+  constexpr int kMaxRows = std::clamp(16 / (HD / 16), 1, 6);
+  even_passes<kMaxRows>(count, [&](auto r, int64_t m) {
+    axpy_rows<decltype(r)::value, HD>(w + m * w_stride, w_stride, values, stride, n, acc + m * HD);
+  });
 }
 
 struct Lanes16 {
