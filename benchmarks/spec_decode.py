@@ -21,12 +21,14 @@ options, default torch threads) is measured beside them at batch 1.
 Per configuration, over --runs repeats interleaved across configurations (the order reverses
 every repeat), each configuration's run between two plain runs (B m1 B m2 B …: the host drifts
 over seconds, so a speedup divides by the plain runs right beside the method's): tokens/s, and
-that speedup, as min / median / max; plain's own row gives, in the speedup column, one plain run
+that speedup, as min / median / max, for the whole run and for its decode phase (after every
+prompt's first token: what speculation can speed, and what the ideal speedup below models; the
+prefill is the same work either way); plain's own row gives, in the speedup column, one plain run
 against the plain run before it, one configuration's run apart (an A/A control: what the host's
 drift alone does to a ratio); the acceptance rate α, the mean accepted length (tokens per verification
 step), the mean depth k, the draft/target step-cost ratio c (one draft forward against one
 target forward at the same batch size, timed around `ModelRunner.execute`), the ideal speedup
-(1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the measured speedup as a share of it. Greedy outputs
+(1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's measured speedup as a share of it. Greedy outputs
 with and without speculation, and coupled-verifier outputs at temperature 1 with and without,
 are compared token for token. Prints the Markdown it writes to BENCHMARKS.md, with the command;
 JSON and a PNG under benchmarks/results/.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -162,14 +165,48 @@ def stats_snapshot(llm: LLM) -> tuple[int, int, int, list[int]]:
 def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     before = stats_snapshot(llm)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    outs, decode_start, decode_tokens = generate_timed(llm, prompts, params)
+    end = time.perf_counter()
     after = stats_snapshot(llm)
     num_tokens = sum(len(o.token_ids) for o in outs)
     per_pos = [a - (before[3][i] if i < len(before[3]) else 0) for i, a in enumerate(after[3])]
-    return dict(seconds=seconds, num_tokens=num_tokens, token_ids=[o.token_ids for o in outs],
+    return dict(seconds=end - start, num_tokens=num_tokens, token_ids=[o.token_ids for o in outs],
+                decode_seconds=end - decode_start, decode_tokens=decode_tokens,
                 num_drafts=after[0] - before[0], num_draft_tokens=after[1] - before[1],
                 num_accepted_tokens=after[2] - before[2], accepted_per_pos=per_pos)
+
+
+def generate_timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float, int]:
+    """`LLM.generate`'s loop over the engine's steps, also noting when the decode phase starts:
+    the end of the step that gave the last request its first token (every prompt prefilled).
+    Returns the outputs in prompt order, that time, and the tokens emitted after it. The decode
+    phase is what speculation can speed (the prefill is the same work either way) and what the
+    ideal speedup models; the whole run's speedup is reported beside it."""
+    engine = llm.engine
+    seqs = [engine.make_sequence(f"spec-bench-{next(_run_ids)}", p, params) for p in prompts]
+    for seq in seqs:
+        engine.add_sequence(seq)
+    done: dict[str, object] = {}
+    started: set[str] = set()
+    decode_start, emitted, decode_tokens = None, 0, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if decode_start is None:
+                emitted += len(out.new_token_ids)
+            else:
+                decode_tokens += len(out.new_token_ids)
+            if out.new_token_ids or out.finished:
+                started.add(out.req_id)
+            if out.finished:
+                done[out.req_id] = out
+        if decode_start is None and len(started) == len(seqs):
+            decode_start = time.perf_counter()
+    if decode_start is None:  # every request finished in its first step
+        decode_start = time.perf_counter()
+    return [done[s.req_id] for s in seqs], decode_start, decode_tokens
+
+
+_run_ids = itertools.count()
 
 
 def ideal_speedup(alpha: float, k: float, c: float) -> float:
@@ -257,6 +294,8 @@ def _paired(order: list[Method], run):
         r = run(b)
         if b.name in last_of:
             r["previous_baseline_seconds"] = last_of[b.name]["seconds"]
+            if "decode_seconds" in r:
+                r["previous_baseline_decode_spt"] = _decode_spt(last_of[b.name])
         last_of[b.name] = r
         return r
 
@@ -271,10 +310,17 @@ def _paired(order: list[Method], run):
         r = run(m)
         after = baseline(b)
         r["baseline_seconds"] = (before["seconds"] + after["seconds"]) / 2
+        if "decode_seconds" in r:  # per decode-phase token: the phases' token counts may differ by a step's
+            r["baseline_decode_spt"] = (_decode_spt(before) + _decode_spt(after)) / 2
         r["baseline_token_ids"] = after["token_ids"]
         yield m, r
         yield b, after
         previous = (b, after)
+
+def _decode_spt(r: dict) -> float:
+    """Seconds per token of a run's decode phase (`generate_timed`)."""
+    return r["decode_seconds"] / max(r["decode_tokens"], 1)
+
 
 def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup) -> dict:
     torch.set_num_threads(setup.default_threads if method.is_newcomer else setup.threads)
@@ -318,22 +364,29 @@ def summarize(method: Method, runs: list[dict], c: float | None) -> dict:
         pairs = [r["previous_baseline_seconds"] / r["seconds"] for r in runs if "previous_baseline_seconds" in r]
         if pairs:
             out["a_a"] = Spread.of(pairs).as_dict()
+        decode_pairs = [r["previous_baseline_decode_spt"] / _decode_spt(r) for r in runs
+                        if "previous_baseline_decode_spt" in r]
+        if decode_pairs:
+            out["a_a_decode"] = Spread.of(decode_pairs).as_dict()
         return out
     speedup = Spread.of(r["baseline_seconds"] / r["seconds"] for r in runs)  # same tokens, neighbouring runs
+    decode = Spread.of(r["baseline_decode_spt"] / _decode_spt(r) for r in runs)
+    out.update(speedup=speedup.as_dict(), decode_speedup=decode.as_dict())
     if method.is_control:  # plain decoding: nothing speculative to report
-        return out | dict(speedup=speedup.as_dict())
+        return out
     drafts = sum(r["num_drafts"] for r in runs)
     draft_tokens = sum(r["num_draft_tokens"] for r in runs)
     accepted = sum(r["num_accepted_tokens"] for r in runs)
     alpha = accepted / draft_tokens if draft_tokens else 0.0
     mean_k = draft_tokens / drafts if drafts else 0.0
-    out.update(speedup=speedup.as_dict(), alpha=alpha, mean_accepted_length=(accepted + drafts) / drafts if drafts else 0.0,
+    out.update(alpha=alpha, mean_accepted_length=(accepted + drafts) / drafts if drafts else 0.0,
                mean_k=mean_k, num_drafts=drafts, c=c,
                accepted_per_pos=[sum(x) for x in zip(*(r["accepted_per_pos"] for r in runs))])
     if c is not None and drafts:
         ideal = ideal_speedup(alpha, mean_k, c)
         out["ideal_speedup"] = ideal
-        out["share_of_ideal"] = Spread.of(s / ideal for s in speedup.values).as_dict()
+        # the ideal is a decode-phase figure (tokens per step over a step's cost): the decode phase's speedup
+        out["share_of_ideal"] = Spread.of(s / ideal for s in decode.values).as_dict()
     return out
 
 
@@ -344,17 +397,20 @@ def _sp(d: dict | None) -> Spread | None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | temp | method | tokens/s (min / med / max) | speedup (min / med / max) | α | mean accepted length "
-             "| mean k | c | ideal | share of ideal (min / med / max) | same tokens as plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | temp | method | tokens/s (min / med / max) | speedup (min / med / max) "
+             "| decode speedup (min / med / max) | α | mean accepted length "
+             "| mean k | c | ideal | share of ideal, decode (min / med / max) | same tokens as plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         same = r.get("same_tokens_as_plain")
         speed, share, a_a = _sp(r.get("speedup")), _sp(r.get("share_of_ideal")), _sp(r.get("a_a"))
+        decode, a_a_decode = _sp(r.get("decode_speedup")), _sp(r.get("a_a_decode"))
+        decode_text = decode.fmt(2) if decode else f"A/A {a_a_decode.fmt(2)}" if a_a_decode else "–"
         speed_text = speed.fmt(2) if speed else f"A/A {a_a.fmt(2)}" if a_a else "–"
         lines.append(
             f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_sp(r['tokens_per_s']).fmt(0)} | "
-            f"{speed_text} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
+            f"{speed_text} | {decode_text} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
             f"{fmt(r.get('mean_k'), '.2f')} | {fmt(r.get('c'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')} | "
             f"{share.fmt(2) if share else '–'} | {'–' if same is None else ('yes' if same else '**no**')} |")
     return "\n".join(lines)
@@ -370,6 +426,8 @@ def goals(rows: list[dict]) -> list[Goal]:
         r = row(1, 0.0, name)
         if r and r.get("speedup"):
             out.append(Goal(f"batch 1 greedy, {name}: speedup", _sp(r["speedup"]), 2.5, True))
+            if r.get("decode_speedup"):
+                out.append(Goal(f"batch 1 greedy, {name}: decode speedup", _sp(r["decode_speedup"]), 2.5, True))
             if r.get("share_of_ideal") and "draft" in name:
                 out.append(Goal(f"batch 1 greedy, {name}: share of ideal", _sp(r["share_of_ideal"]), 0.85, True))
     for b in (8, 32):

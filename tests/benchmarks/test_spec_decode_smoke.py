@@ -41,12 +41,15 @@ def test_core_runs_and_outputs_match(bench):
                       and (r["batch_size"], r["temperature"]) in bench.cases_of(m, [1, 2], [0.0, 1.0])]
             assert len(r["tokens_per_s"]["values"]) == 2 * (len(others) + 1)
             assert len(r["a_a"]["values"]) == 2 * len(others)
+            assert len(r["a_a_decode"]["values"]) == 2 * len(others)
             continue
         assert len(r["tokens_per_s"]["values"]) == 2
         if r["method"] == "plain, another process":
+            assert "decode_speedup" in r
             continue
         assert {"speedup", "alpha", "mean_accepted_length", "mean_k", "c"} <= r.keys()
         assert 0 <= r["alpha"] <= 1 and r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
+        assert 0 < r["decode_speedup"]["min"] <= r["decode_speedup"]["max"]
         if "rejection" in r["method"]:
             assert "same_tokens_as_plain" not in r  # the rejection sampler's tokens depend on the draft
         else:
@@ -64,7 +67,8 @@ def test_markdown_has_a_line_per_row_and_goals(bench):
                  tokens_per_s=dict(min=90.0, median=100.0, max=110.0, values=[90.0, 100.0, 110.0])),
             dict(method="draft k=4", batch_size=1, temperature=0.0, is_newcomer=False,
                  tokens_per_s=dict(min=190.0, median=200.0, max=210.0, values=[190.0, 200.0, 210.0]),
-                 speedup=dict(min=2.4, median=2.6, max=2.7, values=[2.4, 2.6, 2.7]), alpha=0.8,
+                 speedup=dict(min=2.4, median=2.6, max=2.7, values=[2.4, 2.6, 2.7]),
+                 decode_speedup=dict(min=2.5, median=2.8, max=2.9, values=[2.5, 2.8, 2.9]), alpha=0.8,
                  mean_accepted_length=3.4, mean_k=4.0, c=0.1, ideal_speedup=2.4,
                  share_of_ideal=dict(min=1.0, median=1.08, max=1.1, values=[1.0, 1.08, 1.1]),
                  same_tokens_as_plain=False)]
@@ -76,6 +80,7 @@ def test_markdown_has_a_line_per_row_and_goals(bench):
     assert "**no**" in lines[-1]  # a mismatch stands out
     verdicts = {g.name: g.is_met for g in bench.goals(rows + [newcomer])}
     assert verdicts["batch 1 greedy, draft k=4: speedup"] is False  # the worst repeat, 2.4, decides
+    assert verdicts["batch 1 greedy, draft k=4: decode speedup"] is True  # judged beside the whole run's
     assert verdicts["batch 1 greedy, draft k=4: share of ideal"] is True
     # default options are judged beside the tuned ones
     assert verdicts["batch 1 greedy, newcomer draft k=4: speedup"] is True
@@ -116,3 +121,18 @@ def test_an_engine_process_that_dies_is_named_not_waited_on(bench):
             engine.ask(dict(prompts=[[1, 2, 3]], params=dict(temperature=0, max_tokens=4, ignore_eos=True)), timeout_s=60)
     finally:
         engine.close()
+
+
+def test_the_decode_phase_starts_when_every_prompt_has_its_first_token(bench):
+    """`generate_timed` gives the same tokens as `LLM.generate`, and counts in the decode phase
+    every token after each request's first (here every prompt is prefilled in the first step)."""
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(str(DEMO), graph_capture="off")
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs, decode_start, decode_tokens = bench.generate_timed(llm, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert decode_tokens == 2 * (6 - 1)
+    run = bench.run_once(llm, prompts, params)
+    assert run["decode_tokens"] == 10 and 0 < run["decode_seconds"] < run["seconds"]
