@@ -1,9 +1,10 @@
 """The native sources built again with narrower instruction sets, so the loops a CPU with
 AVX-512 never runs (AVX2, plain, the CRC fallbacks) are tested here too. Each variant is one
-source with other flags, under an op namespace of its own beside the loaded library.
+source with other flags (decoder.cpp with the two it calls), under an op namespace of its own
+beside the loaded library.
 
-A variant takes 7 to 12 s to compile on these 2 cores, seven in all: the suite's longest stretch
-of pure compiling. So when a selected test asks for one, `conftest.py` starts this module as a
+A variant takes 7 to 12 s to compile on these 2 cores (the decoder's, three sources, about
+30 s), eight in all: the suite's longest stretch of pure compiling. So when a selected test asks for one, `conftest.py` starts this module as a
 background process at the start of the session (`nice`, one job at a time) and the builds
 mostly use the core the tests leave idle. A test then waits until its variant is built (with a
 timeout) and loads it from the shared build directory (ninja finds it up to date); when the
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-# name -> (source, extra flags)
+# name -> (source or sources, extra flags)
 VARIANTS = {  # in the order the suite reaches them (tests/disagg before tests/kernels)
     "pdserve_test_kv_xmm_folds": ("kv_copy.cpp", ["-mno-vpclmulqdq"]),
     "pdserve_test_kv_crc32_chains": ("kv_copy.cpp", ["-mno-pclmul"]),
@@ -28,8 +29,9 @@ VARIANTS = {  # in the order the suite reaches them (tests/disagg before tests/k
     "pdserve_test_plain": ("paged_attention.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
     "pdserve_test_linear_avx2": ("linear.cpp", ["-mno-avx512f"]),
     "pdserve_test_linear_plain": ("linear.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
+    "pdserve_test_decoder_avx2": (("decoder.cpp", "linear.cpp", "paged_attention.cpp"), ["-mno-avx512f"]),
 }
-BUILD_TIMEOUT_S = 1200  # the background process's seven builds, niced beside the suite
+BUILD_TIMEOUT_S = 1200  # the background process's eight builds, niced beside the suite
 BUILT = "built"  # written into a variant's directory once it is built
 
 
@@ -40,11 +42,12 @@ def build(name: str, build_dir: Path):
 
     from pdserve.kernels import native
 
-    source, flags = VARIANTS[name]
-    path = next(s for s in native.SOURCES if s.name == source)
+    sources, flags = VARIANTS[name]
+    names = (sources,) if isinstance(sources, str) else sources
+    paths = [next(s for s in native.SOURCES if s.name == source) for source in names]
     directory = build_dir / name
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name, [str(path)], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
+    cpp_extension.load(name, [str(p) for p in paths], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
                        extra_ldflags=list(native.LDFLAGS), is_python_module=False, verbose=False,
                        build_directory=str(directory))
     (directory / BUILT).touch()

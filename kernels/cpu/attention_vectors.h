@@ -60,6 +60,8 @@ inline void dot8(const float* q, const float* keys, int64_t key_stride, float* o
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 }
 
+inline float hsum8(__m256 v);
+
 // exp_nonpositive on a vector's lanes, for the lane types below (Lanes8: AVX2, Lanes16:
 // AVX-512): the same range reduction and polynomial, 2^n applied as the lanes allow
 template <typename L>
@@ -84,6 +86,11 @@ struct Lanes8 {
   static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V neg_abs(V a) { return _mm256_or_ps(a, _mm256_set1_ps(-0.f)); }  // -|a|: the sign bit set
+  static V where_nonnegative(V x, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ)); }
+  static float sum(V a) { return hsum8(a); }
   static V times_pow2(V p, V n) {  // 2^n built in the exponent bits (n >= -126 since x >= -87: a normal float)
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -96,7 +103,7 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-inline float hsum8(__m256 v) {
+inline float hsum8(__m256 v) {  // the sum of the eight lanes
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
@@ -293,6 +300,15 @@ struct Lanes16 {
   static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V neg_abs(V a) {  // -|a|: the sign bit set (integer or: _mm512_or_ps needs AVX512DQ)
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+  }
+  static V where_nonnegative(V x, V a, V b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+  }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
   static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
 };
 

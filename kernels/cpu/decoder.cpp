@@ -51,20 +51,27 @@ c10::optional<at::Tensor> bias_of(const at::Tensor& t) {  // an empty tensor sta
   return t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
 }
 
-// out[m] = rms_norm(x[m]) * weight, over `rows` rows of `width`. With AVX-512 the squares are
-// summed in sixteen lanes and then across them (a scalar sum is one chain of `width` dependent
-// adds: about a microsecond a row at width 256, seventeen norms a step).
+// The vector lanes the loops below use: AVX-512's sixteen or AVX2's eight (attention_vectors.h).
+#if defined(PDSERVE_AVX512)
+using Lanes = Lanes16;
+#elif defined(PDSERVE_AVX2)
+using Lanes = Lanes8;
+#endif
+
+// out[m] = rms_norm(x[m]) * weight, over `rows` rows of `width`. The squares are summed in vector
+// lanes and then across them (a scalar sum is one chain of `width` dependent adds: about a
+// microsecond a row at width 256, seventeen norms a step).
 void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t width, float* out) {
   for (int64_t m = 0; m < rows; ++m, x += width, out += width) {
     float sum = 0.f;
     int64_t i = 0;
-#ifdef PDSERVE_AVX512
-    __m512 lanes = _mm512_setzero_ps();
-    for (; i + 16 <= width; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      lanes = _mm512_fmadd_ps(v, v, lanes);
+#if defined(PDSERVE_AVX2)
+    Lanes::V lanes = Lanes::set1(0.f);
+    for (; i + Lanes::kWidth <= width; i += Lanes::kWidth) {
+      const Lanes::V v = Lanes::load(x + i);
+      lanes = Lanes::fmadd(v, v, lanes);
     }
-    sum = _mm512_reduce_add_ps(lanes);
+    sum = Lanes::sum(lanes);
 #endif
     for (; i < width; ++i) sum += x[i] * x[i];
     const float r = 1.f / std::sqrt(sum / float(width) + eps);
@@ -125,19 +132,17 @@ int64_t race(const float* logits, const float* noise, int64_t n, float t, std::v
 }
 
 // out[i] = silu(gate[i]) * up[i] over n values, silu(g) = g * sigmoid(g) with the exp of -|g|:
-// sixteen lanes at a time with AVX-512 (the plain loop below stays scalar: its branch on g's sign
-// kept the compiler from vectorizing it, a tenth of a speculative step's time), the rest in it.
+// in vector lanes (the plain loop below stays scalar: its branch on g's sign kept the compiler
+// from vectorizing it, a tenth of a speculative step's time with AVX-512), the rest in it.
 void silu_times(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
-#ifdef PDSERVE_AVX512
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = exp_lanes_nonpositive<Lanes16>(
-        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));  // -|g|
-    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
-    const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
+#if defined(PDSERVE_AVX2)
+  const Lanes::V one = Lanes::set1(1.f);
+  for (; i + Lanes::kWidth <= n; i += Lanes::kWidth) {
+    const Lanes::V g = Lanes::load(gate + i);
+    const Lanes::V e = exp_lanes_nonpositive<Lanes>(Lanes::neg_abs(g));
+    const Lanes::V sig = Lanes::div(Lanes::where_nonnegative(g, one, e), Lanes::add(one, e));
+    Lanes::store(out + i, Lanes::mul(Lanes::mul(g, sig), Lanes::load(up + i)));
   }
 #endif
   for (; i < n; ++i) {

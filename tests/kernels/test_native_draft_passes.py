@@ -103,3 +103,38 @@ def test_native_passes_need_packed_float32_projections(checkpoint):
     runner = ModelRunner(load_model_config(path), path, TORCH_OPS, torch.float32, torch.device("cpu"), num_blocks=4,
                          block_size=BLOCK_SIZE, native_attention=True, native_linear=False)
     assert runner.passes is not None and runner.passes.native is None
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_the_avx2_build_picks_what_the_loaded_build_picks(runner, native_variant, sampled):
+    """decoder.cpp built without AVX-512 (AVX2 lanes for the norms, SwiGLU, projections, attention
+    and the race's softmax; a scalar first argmax), which a CPU with AVX-512 never runs: the same
+    picks as the loaded build over a catch-up and four more passes, and the same K/V."""
+    flags = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "").split()
+    if not {"avx2", "fma"} <= set(flags):
+        pytest.skip("this CPU cannot run AVX2 with FMA")
+    ops = native_variant("pdserve_test_decoder_avx2")
+    seqs, cache = _prefilled(runner)
+    draft = DraftPasses(runner.model, [(k.clone(), v.clone()) for k, v in cache], BLOCK_SIZE, compiled=False,
+                        native=True)
+    nat, state, num_passes = draft.native, _state(seqs, catch_up=True), 5
+    heads, kv_heads, eps, scale = nat.shape
+    sampling = (None, None)
+    if sampled:
+        noise = torch.empty(num_passes, len(seqs), runner.cfg.vocab_size).exponential_(
+            generator=torch.Generator().manual_seed(4))
+        sampling = (torch.tensor([1.0, 0.0, 0.7]), noise)
+
+    def picks(op):
+        for (k, v), (k0, v0) in zip(draft.kv_caches, cache):
+            k.copy_(k0), v.copy_(v0)
+        with torch.inference_mode():
+            out = op(state, num_passes, True, nat.weights, nat.caches, nat.cos, nat.sin, heads, kv_heads, eps, scale,
+                     *sampling)
+        return out.tolist(), [(k.clone(), v.clone()) for k, v in draft.kv_caches]
+
+    (mine, mine_cache), (avx2, avx2_cache) = picks(torch.ops.pdserve.draft_passes), picks(ops.draft_passes)
+    assert avx2 == mine and len(mine) == num_passes
+    for (k1, v1), (k2, v2) in zip(avx2_cache, mine_cache):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)

@@ -72,6 +72,41 @@ def test_native_forward_gives_the_models_logits_and_cache(runner):
     assert all(mine_cache[0][0][b, o].abs().sum() > 0 for b, o in written)  # every new token's K/V written
 
 
+def test_the_avx2_build_gives_the_loaded_builds_hidden_states(runner, native_variant):
+    """decoder.cpp built without AVX-512 (its norms, SwiGLU, projections and attention in AVX2
+    lanes, which a CPU with AVX-512 never runs) against the loaded build, on a step of a decode
+    token beside verification chunks: the same final-norm outputs to float rounding."""
+    flags = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "").split()
+    if not {"avx2", "fma"} <= set(flags):
+        pytest.skip("this CPU cannot run AVX2 with FMA")
+    ops = native_variant("pdserve_test_decoder_avx2")
+    nf, seqs = runner.native_forward, _sequences(runner)
+    with torch.inference_mode():
+        runner.native_forward = None
+        try:
+            runner.execute([BatchEntry(s, n, 1, start=0) for s, n in zip(seqs, PROMPT_LENS)])
+        finally:
+            runner.native_forward = nf
+    cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    step = runner.inputs.build([BatchEntry(s, extra, extra, start=n) for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)])
+    plan, (heads, kv_heads, eps, scale) = step.meta.plan, nf.shape
+
+    def forward(op):
+        for (k, v), (k0, v0) in zip(runner.kv_caches, cache):
+            k.copy_(k0), v.copy_(v0)
+        with torch.inference_mode():
+            out = op(step.input_ids, step.positions, step.meta.slot_mapping, plan.block_ids, plan.context_lens,
+                     plan.query_starts, nf.weights, nf.caches, nf.cos, nf.sin, heads, kv_heads, eps, scale)
+        return out, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    (mine, mine_cache), (avx2, avx2_cache) = forward(torch.ops.pdserve.decoder_forward), forward(ops.decoder_forward)
+    assert avx2.shape == mine.shape == (sum(NEW_TOKENS), runner.cfg.hidden_size)
+    torch.testing.assert_close(avx2, mine, rtol=1e-4, atol=1e-4)
+    for (k1, v1), (k2, v2) in zip(avx2_cache, mine_cache):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+
+
 def test_a_step_with_a_long_chunk_is_left_to_the_model(runner):
     seq = Sequence("long", list(range(3, 3 + 40)), SamplingParams(), seed=0, block_table=[0, 1, 2])
     short = Sequence("short", [5, 6, 7], SamplingParams(), seed=1, block_table=[3])
