@@ -38,6 +38,7 @@ MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `ext
 # at 1024. At 1536 tokens (19 MB an item) it still won by 1.4x on one thread and tied on two; at
 # 2048 (34 MB, out of cache) it took 1.3-1.9x as long.
 MAX_NATIVE_SCORES = 1 << 21
+SHORT_CHUNK = 16  # chunks up to this many tokens are written into the step's buffers token by token
 
 _INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")  # per token
 _INT32 = ("context_lens", "cu_seqlens_q")  # per sequence (+1)
@@ -108,6 +109,10 @@ class InputBuffers:
             n, start, table = e.num_new_tokens, e.start, e.seq.block_table
             if n == 1:
                 ids[t], pos[t], slots[t] = _token_ids(e, start, 1)[0], start, table[start // bs] * bs + start % bs
+            elif n <= SHORT_CHUNK:  # a verification: plain ints cost less than numpy's small-array calls
+                ids[t:t + n] = _token_ids(e, start, n)
+                for j, p in enumerate(range(start, start + n), t):
+                    pos[j], slots[j] = p, table[p // bs] * bs + p % bs
             else:
                 p = np.arange(start, start + n)
                 ids[t:t + n], pos[t:t + n] = _token_ids(e, start, n), p
@@ -179,9 +184,12 @@ class InputBuffers:
 
 def _token_ids(e, start: int, n: int) -> list[int]:
     """Tokens [start, start + n) of the entry's sequence followed by its draft tokens, without
-    building the whole token list when they are all outputs (the decode case)."""
+    building the whole token list when they are all outputs and drafts (decode, verification)."""
     seq = e.seq
-    offset = start - len(seq.prompt_token_ids)
-    if offset >= 0 and offset + n <= len(seq.output_token_ids):
-        return seq.output_token_ids[offset:offset + n]
+    offset, out = start - len(seq.prompt_token_ids), seq.output_token_ids
+    if offset >= 0:
+        if offset + n <= len(out):
+            return out[offset:offset + n]
+        extra = e.extra_token_ids[max(offset - len(out), 0):offset + n - len(out)]
+        return out[offset:] + extra
     return (seq.token_ids + e.extra_token_ids)[start:start + n]

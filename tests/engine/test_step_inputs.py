@@ -1,0 +1,45 @@
+"""`InputBuffers.build`: each chunk's token ids, positions and cache slots, whichever way they are
+written (one token, a short chunk token by token, a long chunk through numpy) and wherever its
+tokens come from (the prompt, the outputs, the draft tokens being verified)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.model_runner import BatchEntry
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_inputs import SHORT_CHUNK, InputBuffers
+
+BLOCK_SIZE = 4
+
+
+def _seq(req_id: str, prompt_len: int, num_outputs: int, first_block: int) -> Sequence:
+    seq = Sequence(req_id, list(range(100, 100 + prompt_len)), SamplingParams(), seed=0,
+                   block_table=list(range(first_block + 20, first_block, -1)))  # out of order, as allocated
+    seq.output_token_ids = list(range(500, 500 + num_outputs))
+    return seq
+
+
+@pytest.mark.parametrize("start, n, drafts", [
+    (20, 1, []),                    # a decode token, the last output
+    (20, 5, [7, 8, 9, 10]),         # a verification: the last output, then four drafts
+    (17, 5, [7, 8]),                # outputs, then drafts
+    (21, 2, [7, 8]),                # drafts only (past the outputs)
+    (13, 6, []),                    # a short prefill chunk: prompt into outputs
+    (3, SHORT_CHUNK + 4, [7, 8]),   # a long chunk through numpy: prompt, outputs, drafts
+])
+def test_chunks_carry_their_tokens_positions_and_slots(start, n, drafts):
+    seq = _seq("a", prompt_len=16, num_outputs=5, first_block=0)  # tokens 0..20; drafts from 21
+    other = _seq("b", prompt_len=3, num_outputs=0, first_block=40)
+    inputs = InputBuffers(BLOCK_SIZE, 32, torch.device("cpu"), plan_on_host=False)
+    batch = [BatchEntry(other, 3, 1, start=0), BatchEntry(seq, n, 1, start=start, extra_token_ids=drafts)]
+    step = inputs.build(batch)
+    first = sum(batch[j].num_new_tokens for j in step.order[:step.order.index(1)])  # the entry's first row
+    tokens = (seq.token_ids + drafts)[start:start + n]
+    assert len(tokens) == n
+    positions = list(range(start, start + n))
+    slots = [seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+    assert step.input_ids[first:first + n].tolist() == tokens
+    assert step.positions[first:first + n].tolist() == positions
+    assert step.meta.slot_mapping[first:first + n].tolist() == slots
