@@ -410,7 +410,8 @@ def markdown_table(rows: list[dict]) -> str:
         speed_text = speed.fmt(2) if speed else f"A/A {a_a.fmt(2)}" if a_a else "–"
         lines.append(
             f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_sp(r['tokens_per_s']).fmt(0)} | "
-            f"{speed_text} | {decode_text} | {fmt(r.get('alpha'), '.2f')} | {fmt(r.get('mean_accepted_length'), '.2f')} | "
+            f"{speed_text} | {decode_text} | {fmt(r.get('alpha'), '.2f')} | "
+            f"{fmt(r.get('mean_accepted_length'), '.2f')} | "
             f"{fmt(r.get('mean_k'), '.2f')} | {fmt(r.get('c'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')} | "
             f"{share.fmt(2) if share else '–'} | {'–' if same is None else ('yes' if same else '**no**')} |")
     return "\n".join(lines)

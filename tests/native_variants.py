@@ -4,9 +4,9 @@ source with other flags (decoder.cpp with the two it calls), under an op namespa
 beside the loaded library.
 
 A variant takes 7 to 12 s to compile on these 2 cores (the decoder's, three sources, about
-30 s), eight in all: the suite's longest stretch of pure compiling. So when a selected test asks for one, `conftest.py` starts this module as a
-background process at the start of the session (`nice`, one job at a time) and the builds
-mostly use the core the tests leave idle. A test then waits until its variant is built (with a
+30 s), eight in all: the suite's longest stretch of pure compiling. So when a selected test asks
+for one, `conftest.py` starts this module as a background process at the start of the session
+(`nice`, one job at a time) and the builds mostly use the core the tests leave idle. A test then waits until its variant is built (with a
 timeout) and loads it from the shared build directory (ninja finds it up to date); when the
 background build failed, the test builds the variant itself and so reports the compiler's error.
 
@@ -47,8 +47,8 @@ def build(name: str, build_dir: Path):
     paths = [next(s for s in native.SOURCES if s.name == source) for source in names]
     directory = build_dir / name
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name, [str(p) for p in paths], extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"],
-                       extra_ldflags=list(native.LDFLAGS), is_python_module=False, verbose=False,
+    cpp_extension.load(name, [str(p) for p in paths],
+                       extra_cflags=[*native.FLAGS, *flags, f"-DPDSERVE_OP_NAMESPACE={name}"], extra_ldflags=list(native.LDFLAGS), is_python_module=False, verbose=False,
                        build_directory=str(directory))
     (directory / BUILT).touch()
     return getattr(torch.ops, name)

@@ -1,9 +1,10 @@
 // The vector math of pdserve::paged_attention_cpu (paged_attention.cpp; decoder.cpp also takes the
-// exp and the softmax, for a draft's MLP and picks): the exp of non-positive floats, the softmax of
-// a row of scores, sixteen (AVX-512) or eight (AVX2) keys' dot products with a query row (with
-// AVX-512 also sixteen keys transposed once and scored against many rows), and value rows
-// weighted into accumulators held in registers. Each loop is a function of pointers and counts;
-// what the attention reads, and in what order, is the includer's.
+// exp, the softmax and the lane types, for the norms, the SwiGLU and a draft's picks): the exp of
+// non-positive floats, the softmax of a row of scores, sixteen (AVX-512) or eight (AVX2) keys' dot
+// products with a query row (with AVX-512 also sixteen keys transposed once and scored against
+// many rows, in even passes of rows), and value rows weighted into accumulators held in registers.
+// Each loop is a function of pointers and counts; what the attention reads, and in what order, is
+// the includer's.
 #pragma once
 
 #include <algorithm>
@@ -89,7 +90,9 @@ struct Lanes8 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V neg_abs(V a) { return _mm256_or_ps(a, _mm256_set1_ps(-0.f)); }  // -|a|: the sign bit set
-  static V where_nonnegative(V x, V a, V b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ)); }
+  static V where_nonnegative(V x, V a, V b) {  // a where x >= 0, else b
+    return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+  }
   static float sum(V a) { return hsum8(a); }
   static V times_pow2(V p, V n) {  // 2^n built in the exponent bits (n >= -126 since x >= -87: a normal float)
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -305,7 +308,7 @@ struct Lanes16 {
   static V neg_abs(V a) {  // -|a|: the sign bit set (integer or: _mm512_or_ps needs AVX512DQ)
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
   }
-  static V where_nonnegative(V x, V a, V b) {
+  static V where_nonnegative(V x, V a, V b) {  // a where x >= 0, else b
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
   }
   static float sum(V a) { return _mm512_reduce_add_ps(a); }

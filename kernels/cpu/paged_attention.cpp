@@ -46,8 +46,9 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 20;
 // summing each row's products across lanes (`dot16`). Against the build before (scratch A/B, one
 // sequence, 8 query and 4 KV heads of 32, seven interleaved repeats of 1000 calls, medians): 10
 // rows (a 5-token verification) 0.99x, 18 rows 1.14x, a 64- and a 128-token prefill chunk 1.23x
-// and 1.21x, the value side's four rows at a time (`axpy_row_run`) included. At 4 rows the
-// transposition lost (0.92x), hence 8; decode (2 rows, dot16 as before) 0.98x.
+// and 1.21x, the value side's four rows at a time (`axpy_row_run`; since fea8141, even passes of
+// up to six) included. At 4 rows the transposition lost (0.92x), hence 8; decode (2 rows, dot16
+// as before) 0.98x.
 constexpr int64_t kTransposedRows = 8;
 
 template <typename T>

@@ -88,7 +88,8 @@ def test_the_avx2_build_gives_the_loaded_builds_hidden_states(runner, native_var
         finally:
             runner.native_forward = nf
     cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    step = runner.inputs.build([BatchEntry(s, extra, extra, start=n) for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)])
+    step = runner.inputs.build([BatchEntry(s, extra, extra, start=n)
+                                for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)])
     plan, (heads, kv_heads, eps, scale) = step.meta.plan, nf.shape
 
     def forward(op):
