@@ -28,8 +28,8 @@ against the plain run before it, one configuration's run apart (an A/A control: 
 drift alone does to a ratio); the acceptance rate α, the mean accepted length (tokens per verification
 step), the mean depth k, the draft/target step-cost ratio c (one draft forward against one
 target forward at the same batch size, timed around `ModelRunner.execute`), the ideal speedup
-(1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's measured speedup as a share of it. Greedy outputs
-with and without speculation, and coupled-verifier outputs at temperature 1 with and without,
+(1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's measured speedup as a share of it.
+Greedy outputs with and without speculation, and coupled-verifier outputs at temperature 1 with and without,
 are compared token for token. Prints the Markdown it writes to BENCHMARKS.md, with the command;
 JSON and a PNG under benchmarks/results/.
 """
@@ -188,12 +188,10 @@ def generate_timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
         engine.add_sequence(seq)
     done: dict[str, object] = {}
     started: set[str] = set()
-    decode_start, emitted, decode_tokens = None, 0, 0
+    decode_start, decode_tokens = None, 0
     while engine.has_unfinished():
         for out in engine.step():
-            if decode_start is None:
-                emitted += len(out.new_token_ids)
-            else:
+            if decode_start is not None:
                 decode_tokens += len(out.new_token_ids)
             if out.new_token_ids or out.finished:
                 started.add(out.req_id)
@@ -316,6 +314,7 @@ def _paired(order: list[Method], run):
         yield m, r
         yield b, after
         previous = (b, after)
+
 
 def _decode_spt(r: dict) -> float:
     """Seconds per token of a run's decode phase (`generate_timed`)."""
