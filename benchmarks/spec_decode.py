@@ -30,8 +30,9 @@ step), the mean depth k, the draft/target step-cost ratio c (one draft forward a
 target forward at the same batch size, timed around `ModelRunner.execute`), the ideal speedup
 (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's measured speedup as a share of it.
 Greedy outputs with and without speculation, and coupled-verifier outputs at temperature 1 with and without,
-are compared token for token. Prints the Markdown it writes to BENCHMARKS.md, with the command;
-JSON and a PNG under benchmarks/results/.
+are compared token for token. Prints the Markdown it writes to BENCHMARKS.md, with the command
+(`spec_decode_report.py` makes it, with the goals and the plot); JSON and a PNG under
+benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
 from child_process import ChildProcess, replies, reply, requests  # noqa: E402
 from prompts import code_prompts  # noqa: E402
-from report import GOAL_HEADER, Goal, Spread, host, machine, update_section  # noqa: E402
+from report import Spread, machine, update_section  # noqa: E402
+from spec_decode_report import markdown, plot  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MARKDOWN = REPO / "BENCHMARKS.md"
@@ -387,117 +389,6 @@ def summarize(method: Method, runs: list[dict], c: float | None) -> dict:
         # the ideal is a decode-phase figure (tokens per step over a step's cost): the decode phase's speedup
         out["share_of_ideal"] = Spread.of(s / ideal for s in decode.values).as_dict()
     return out
-
-
-# ---- reporting -----------------------------------------------------------------------------
-
-def _sp(d: dict | None) -> Spread | None:
-    return None if d is None else Spread.from_dict(d)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | temp | method | tokens/s (min / med / max) | speedup (min / med / max) "
-             "| decode speedup (min / med / max) | α | mean accepted length "
-             "| mean k | c | ideal | share of ideal, decode (min / med / max) | same tokens as plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
-    for r in rows:
-        same = r.get("same_tokens_as_plain")
-        speed, share, a_a = _sp(r.get("speedup")), _sp(r.get("share_of_ideal")), _sp(r.get("a_a"))
-        decode, a_a_decode = _sp(r.get("decode_speedup")), _sp(r.get("a_a_decode"))
-        decode_text = decode.fmt(2) if decode else f"A/A {a_a_decode.fmt(2)}" if a_a_decode else "–"
-        speed_text = speed.fmt(2) if speed else f"A/A {a_a.fmt(2)}" if a_a else "–"
-        lines.append(
-            f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_sp(r['tokens_per_s']).fmt(0)} | "
-            f"{speed_text} | {decode_text} | {fmt(r.get('alpha'), '.2f')} | "
-            f"{fmt(r.get('mean_accepted_length'), '.2f')} | "
-            f"{fmt(r.get('mean_k'), '.2f')} | {fmt(r.get('c'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')} | "
-            f"{share.fmt(2) if share else '–'} | {'–' if same is None else ('yes' if same else '**no**')} |")
-    return "\n".join(lines)
-
-
-def goals(rows: list[dict]) -> list[Goal]:
-    def row(b, t, name):
-        return next((r for r in rows if r["batch_size"] == b and r["temperature"] == t and r["method"] == name), None)
-
-    out = []
-    # the tuned configurations, then the newcomer's (default options: what a user gets unasked)
-    for name in ("draft k=4", "draft adaptive", "ngram k=4", "newcomer draft k=4"):
-        r = row(1, 0.0, name)
-        if r and r.get("speedup"):
-            out.append(Goal(f"batch 1 greedy, {name}: speedup", _sp(r["speedup"]), 2.5, True))
-            if r.get("decode_speedup"):
-                out.append(Goal(f"batch 1 greedy, {name}: decode speedup", _sp(r["decode_speedup"]), 2.5, True))
-            if r.get("share_of_ideal") and "draft" in name:
-                out.append(Goal(f"batch 1 greedy, {name}: share of ideal", _sp(r["share_of_ideal"]), 0.85, True))
-    for b in (8, 32):
-        for t in (0.0, 1.0):
-            for name in ("draft adaptive", "ngram adaptive"):
-                r = row(b, t, name)
-                if r and r.get("speedup"):
-                    sp = _sp(r["speedup"])
-                    out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup (median)", Spread(sp.median, sp.median,
-                                    sp.median, (sp.median,)), 1.0, True))
-                    out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup (every repeat)", sp, 0.95, True))
-    r = row(1, 0.0, "draft k=4")
-    if r and r.get("c") is not None:
-        out.append(Goal("draft/target forward cost c at batch 1", Spread.of([r["c"]]), 0.17, False))
-    return out
-
-
-def markdown(result: dict, stem: str = "spec_decode") -> str:
-    rows = [r for r in result["rows"] if not r["is_newcomer"]]
-    newcomer = [r for r in result["rows"] if r["is_newcomer"]]
-    m = result["machine"]
-    start = ", ".join(f"{k} {v:.1f}" for k, v in result["startup_seconds"].items())
-    return "\n".join([
-        f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
-        f"over them; each method's engine runs in a process of its own; a speedup divides by the two plain runs "
-        f"right before and after the method's run, and plain's row gives in that column, marked A/A, a plain run "
-        f"against the one before it, one method's run apart: the host's drift alone; \"plain, another process\" "
-        f"is plain decoding in a second process, measured like a method: how far two processes of the same "
-        f"configuration differ). Tuned options: "
-        f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "
-        f"end: {m['load_avg_1m_start']:.2f}, {m['load_avg_1m_end']:.2f} ({host(m)}).", "",
-        markdown_table(rows), "",
-        "Newcomer (README's `LLM(\"models/demo\", draft_model=\"models/demo-draft\", num_speculative_tokens=4)` and "
-        f"plain `LLM(\"models/demo\")`, default options, default torch threads ({result['default_threads']}); "
-        "speedup against the newcomer plain engine):", "",
-        markdown_table(newcomer), "",
-        *GOAL_HEADER, *(g.row() for g in goals(result["rows"])), "",
-        f"Start-up seconds (weights, caches, graph capture; not in any timed run): {start}.", "",
-        f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`.",
-    ])
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if not r["is_newcomer"] and r.get("speedup")]
-    temps = sorted({r["temperature"] for r in rows})
-    batches = sorted({r["batch_size"] for r in rows})
-    names = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(1, len(temps), figsize=(7 * len(temps), 4), squeeze=False)
-    width = 0.8 / max(len(names), 1)
-    for ax, temp in zip(axes[0], temps):
-        for j, name in enumerate(names):
-            sel = [next((r for r in rows if r["method"] == name and r["batch_size"] == b and r["temperature"] == temp),
-                        None) for b in batches]
-            med = [_sp(r["speedup"]).median if r else 0 for r in sel]
-            err = [[(_sp(r["speedup"]).median - _sp(r["speedup"]).min) if r else 0 for r in sel],
-                   [(_sp(r["speedup"]).max - _sp(r["speedup"]).median) if r else 0 for r in sel]]
-            ax.bar([i + j * width for i in range(len(batches))], med, width, yerr=err, capsize=2, label=name)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.axhline(2.5, color="tab:gray", lw=0.8, ls="--")
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))], [f"batch {b}" for b in batches])
-        ax.set_title(f"speedup vs plain decoding, temperature {temp:g} (median, min-max)")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main() -> None:

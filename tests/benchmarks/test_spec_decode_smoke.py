@@ -17,6 +17,11 @@ def bench(load_benchmark):
     return load_benchmark("spec_decode")
 
 
+@pytest.fixture(scope="module")
+def report(load_benchmark):
+    return load_benchmark("spec_decode_report")
+
+
 def test_demo_models_are_committed():
     """The benchmark runs on the committed pair: a checkout without them is broken, not skipped."""
     for path in (DEMO, DEMO_DRAFT):
@@ -62,7 +67,7 @@ def test_core_runs_and_outputs_match(bench):
     assert all("share_of_ideal" in r for r in drafts if r["num_drafts"])
 
 
-def test_markdown_has_a_line_per_row_and_goals(bench):
+def test_markdown_has_a_line_per_row_and_goals(report):
     rows = [dict(method="plain", batch_size=1, temperature=0.0, is_newcomer=False,
                  tokens_per_s=dict(min=90.0, median=100.0, max=110.0, values=[90.0, 100.0, 110.0])),
             dict(method="draft k=4", batch_size=1, temperature=0.0, is_newcomer=False,
@@ -75,10 +80,10 @@ def test_markdown_has_a_line_per_row_and_goals(bench):
     newcomer = dict(rows[1], method="newcomer draft k=4", is_newcomer=True, same_tokens_as_plain=True,
                     speedup=dict(min=2.5, median=2.9, max=3.1, values=[2.5, 2.9, 3.1]),
                     share_of_ideal=dict(min=0.8, median=0.9, max=0.95, values=[0.8, 0.9, 0.95]))
-    lines = bench.markdown_table(rows).splitlines()
+    lines = report.markdown_table(rows).splitlines()
     assert len(lines) == 2 + len(rows)
     assert "**no**" in lines[-1]  # a mismatch stands out
-    verdicts = {g.name: g.is_met for g in bench.goals(rows + [newcomer])}
+    verdicts = {g.name: g.is_met for g in report.goals(rows + [newcomer])}
     assert verdicts["batch 1 greedy, draft k=4: speedup"] is False  # the worst repeat, 2.4, decides
     assert verdicts["batch 1 greedy, draft k=4: decode speedup"] is True  # judged beside the whole run's
     assert verdicts["batch 1 greedy, draft k=4: share of ideal"] is True

@@ -1,5 +1,6 @@
 """A tiny checkpoint's `ModelRunner` for the tests of `kernels/cpu/decoder.cpp`'s ops
-(test_native_draft_passes.py, test_native_forward.py)."""
+(test_native_draft_passes.py, test_native_forward.py), and the skip of the tests of the AVX2
+variants (those and test_native_linear.py) on a CPU that cannot run them."""
 from __future__ import annotations
 
 import pytest
@@ -20,3 +21,10 @@ def native_runner(checkpoint, arch: str, seed: int, num_blocks: int, block_size:
     path = checkpoint(arch, seed=seed)
     return ModelRunner(load_model_config(path), path, TORCH_OPS, torch.float32, torch.device("cpu"),
                        num_blocks=num_blocks, block_size=block_size, native_attention=True, native_linear=True)
+
+
+def require_avx2_fma() -> None:
+    """Skips the calling test unless this CPU runs AVX2 with FMA (what the AVX2 variants need)."""
+    line = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "")
+    if not {"avx2", "fma"} <= set(line.split(":", 1)[-1].split()):
+        pytest.skip("this CPU cannot run AVX2 with FMA")

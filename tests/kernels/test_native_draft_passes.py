@@ -16,7 +16,7 @@ from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.kernels import TORCH_OPS, native
-from native_models import native_runner
+from native_models import native_runner, require_avx2_fma
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (37, 16, 5)  # a sequence's next position: mid-block, at a block's start, early
@@ -110,9 +110,7 @@ def test_the_avx2_build_picks_what_the_loaded_build_picks(runner, native_variant
     """decoder.cpp built without AVX-512 (AVX2 lanes for the norms, SwiGLU, projections, attention
     and the race's softmax; a scalar first argmax), which a CPU with AVX-512 never runs: the same
     picks as the loaded build over a catch-up and four more passes, and the same K/V."""
-    flags = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "").split()
-    if not {"avx2", "fma"} <= set(flags):
-        pytest.skip("this CPU cannot run AVX2 with FMA")
+    require_avx2_fma()
     ops = native_variant("pdserve_test_decoder_avx2")
     seqs, cache = _prefilled(runner)
     draft = DraftPasses(runner.model, [(k.clone(), v.clone()) for k, v in cache], BLOCK_SIZE, compiled=False,

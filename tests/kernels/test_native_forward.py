@@ -15,7 +15,7 @@ from pdserve.engine.native_forward import NativeForward
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-from native_models import native_runner
+from native_models import native_runner, require_avx2_fma
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (37, 16, 5, 14)
@@ -76,9 +76,7 @@ def test_the_avx2_build_gives_the_loaded_builds_hidden_states(runner, native_var
     """decoder.cpp built without AVX-512 (its norms, SwiGLU, projections and attention in AVX2
     lanes, which a CPU with AVX-512 never runs) against the loaded build, on a step of a decode
     token beside verification chunks: the same final-norm outputs to float rounding."""
-    flags = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "").split()
-    if not {"avx2", "fma"} <= set(flags):
-        pytest.skip("this CPU cannot run AVX2 with FMA")
+    require_avx2_fma()
     ops = native_variant("pdserve_test_decoder_avx2")
     nf, seqs = runner.native_forward, _sequences(runner)
     with torch.inference_mode():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import native
+from native_models import require_avx2_fma
 
 # (out_features, in_features): the demo target's shapes, and widths that end mid-panel and mid-vector
 SHAPES = [(512, 256), (4096, 256), (256, 768), (100, 37), (65, 3), (1, 1), (130, 300)]
@@ -98,8 +99,7 @@ def test_packed_linear_runs_under_torch_compile(vector):
 def test_avx2_loops_match_f_linear(native_variant):
     """The AVX2 loops, which a CPU with AVX-512 never runs: one row over the whole panel, more
     rows over its two halves, three at a time, then the one or two left."""
-    if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
-        pytest.skip("this CPU cannot run AVX2 with FMA")
+    require_avx2_fma()
     ops = native_variant("pdserve_test_linear_avx2")  # built with -mno-avx512f
     assert ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
@@ -113,11 +113,6 @@ def test_build_without_vector_loops_falls_back_to_the_blas(native_variant):
     assert not ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
     _check_bfloat16(ops.linear_pack, ops.linear_packed, shapes=SHAPES[3:], rows=[0, 1, 7])
-
-
-def _cpu_flags() -> set[str]:
-    line = next((ln for ln in open("/proc/cpuinfo").read().splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
 
 
 def test_packed_linear_refuses_malformed_calls(vector):
