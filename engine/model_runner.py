@@ -102,7 +102,9 @@ class ModelRunner:
                     prefill = self.inputs.build([_dummy_prefill(self.block_size)])
                 finally:
                     self.inputs.max_native_scores = limit
-                capture.warm_up(step, prefill)
+                # a step of short chunks the native forward runs is never the graph's: not compiled for it
+                native = self.native_forward is not None and self.native_forward.covers(step)
+                capture.warm_up(*([prefill] if native else [step, prefill]))
             else:
                 capture.warm_up(self.inputs.build([_dummy_entry()]))
         return capture
