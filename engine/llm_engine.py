@@ -28,7 +28,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
+from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost, target_line
 from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Proposal, Speculator, StepShape
@@ -113,7 +113,7 @@ class LLMEngine:
         config, method = self.config, self.config.spec_method
         if method is None:
             return None
-        self.target_cost = LinearCost(a=5e-3, b=5e-4)
+        self.target_cost = target_line()
         verifier = build_verifier(config.spec_verifier, self.sampler)
         draft_cost = None
         if method == "ngram":
