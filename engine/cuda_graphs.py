@@ -54,8 +54,12 @@ class CudaGraphForward:
 
     def covers(self, step: StepInputs, has_layer_callback: bool) -> bool:
         n = step.input_ids.shape[0]
+        if self.inputs.generation != self._generation and self._graphs:
+            log.warning("a step outgrew the input buffers the CUDA graphs were captured on (sized for the "
+                        "scheduler's token budget); decode steps run eagerly from now on")
+            self._graphs.clear()
         return (not has_layer_callback and step.meta.num_decode_tokens == n and n <= self.buckets[-1]
-                and self.inputs.generation == self._generation and bool(self._graphs))
+                and bool(self._graphs))
 
     def __call__(self, step: StepInputs) -> torch.Tensor:  # [num_tokens, hidden_size]
         n = step.input_ids.shape[0]

@@ -65,7 +65,7 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator,
-                                  self.native_attention, self.native_linear)
+                                  self.native_attention, self.native_linear, config.max_num_batched_tokens)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = self._build_speculator()
@@ -107,7 +107,8 @@ class LLMEngine:
         self._check_draft_matches()
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
                            self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
-                           self._kv_allocator, self.native_attention, self.native_linear)
+                           self._kv_allocator, self.native_attention, self.native_linear,
+                           self.config.max_num_batched_tokens)
 
     def _build_speculator(self) -> Speculator | None:
         config, method = self.config, self.config.spec_method

@@ -54,9 +54,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64,
                  kv_allocator: KVAllocator | None = None, native_attention: bool = False,
-                 native_linear: bool = False):
+                 native_linear: bool = False, max_tokens: int = 2048):
         """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
         max_batch: the most sequences a step holds (CUDA graphs capture up to it);
+        max_tokens: the most tokens a step holds (the scheduler's budget): the input buffers are
+        sized for it at once, since growing them later moves the addresses CUDA graphs replay from;
         kv_allocator: where the KV cache lives when not in ordinary memory (see `KVAllocator`);
         native_attention: planned steps attend through `paged_attention_cpu` (`kernels/native.py`,
         loaded by the caller); native_linear: the projections run `linear_packed` (the same library)."""
@@ -74,6 +76,7 @@ class ModelRunner:
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile", native_plans=native_attention,
                                    group_size=cfg.num_heads // cfg.num_kv_heads)
+        self.inputs.reserve(max_tokens, max_batch)
         # steps of short chunks in one native call where the ops allow (projections packed)
         self.native_forward = (NativeForward.of(self.model, self.kv_caches)
                                if native_attention and native_linear and device.type == "cpu" else None)

@@ -108,7 +108,7 @@ def extend_attention_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             is_valid = offs_n < kv_end
             k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, True)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             # key 0 is visible to every row, so each row's running max is finite after tile 0
             is_visible = is_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -118,7 +118,7 @@ def extend_attention_kernel(
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, True)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]

@@ -63,13 +63,17 @@ DEFAULT_PARTITION_SIZE = 512
 def load_kv_tile(
     cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
     cache_block_stride, cache_offset_stride, cache_head_stride,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, AS_F32: tl.constexpr,
 ):
-    """K or V of tokens `offs_n` [BLOCK_N] of one sequence as float32 [BLOCK_N, BLOCK_D]."""
+    """K or V of tokens `offs_n` [BLOCK_N] of one sequence, [BLOCK_N, BLOCK_D]: float32, or the
+    cache's own dtype when not AS_F32."""
     block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
     rows = block_ids * cache_block_stride + (offs_n % BLOCK_SIZE) * cache_offset_stride + kv_head * cache_head_stride
     mask = is_valid[:, None] & (offs_d[None, :] < head_dim)
-    return tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tile = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if AS_F32:
+        tile = tile.to(tl.float32)
+    return tile
 
 
 @triton.jit
@@ -81,7 +85,10 @@ def paged_decode_attention_kernel(
     cache_block_stride, cache_offset_stride, cache_head_stride,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True,
 ):
+    # CACHE_DTYPE_DOTS (and not KV_AS_F32): both products in the cache's 16-bit dtype (q and the
+    # probabilities rounded to it), accumulating in float32; otherwise K and V are widened first
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -98,7 +105,11 @@ def paged_decode_attention_kernel(
         heads = kv_head * num_queries_per_kv + offs_g
         row_mask = (offs_g[:, None] < num_queries_per_kv) & (offs_d[None, :] < head_dim)
         q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + offs_d[None, :],
-                    mask=row_mask, other=0.0).to(tl.float32)
+                    mask=row_mask, other=0.0)
+        if CACHE_DTYPE_DOTS:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
         block_table_ptr = block_tables_ptr + seq * block_table_stride
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -107,7 +118,7 @@ def paged_decode_attention_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             is_valid = offs_n < end
             k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
             scores = tl.where(is_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -115,8 +126,8 @@ def paged_decode_attention_kernel(
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         if IS_SPLIT:
@@ -206,13 +217,17 @@ def paged_decode_attention_with_partitions(
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
     partition_size: int,  # 0: one pass; else split-K with partitions of this many tokens
+    *,
+    block_n: int = 32,  # tokens per tile; the rest are launch settings (None: Triton's defaults),
+    num_warps: int | None = None,  # exposed for `benchmarks/gpu_check.py`'s sweep
+    num_stages: int | None = None,
+    cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
     assert context_lens.shape == (num_seqs,), f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}"
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_n = 32
     assert partition_size == 0 or partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
@@ -220,6 +235,8 @@ def paged_decode_attention_with_partitions(
     block_d = max(16, triton.next_power_of_2(head_dim))
     max_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition_size) if partition_size else 1
     is_split = partition_size > 0
+    dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     if is_split:
         partial_out = torch.empty(num_seqs, num_heads, max_partitions, block_d, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
@@ -233,6 +250,7 @@ def paged_decode_attention_with_partitions(
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, **launch,
     )
     if is_split:
         paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](

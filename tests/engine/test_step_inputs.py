@@ -43,3 +43,17 @@ def test_chunks_carry_their_tokens_positions_and_slots(start, n, drafts):
     assert step.input_ids[first:first + n].tolist() == tokens
     assert step.positions[first:first + n].tolist() == positions
     assert step.meta.slot_mapping[first:first + n].tolist() == slots
+
+
+def test_the_input_buffers_are_sized_for_the_step_budget_at_start(checkpoint):
+    """Growing the buffers moves the addresses CUDA graphs replay from, so an engine sizes them for
+    its scheduler's token budget and batch at once: a full-budget prefill and a full batch move nothing."""
+    from pdserve.engine import LLM
+
+    llm = LLM(checkpoint("llama"), max_num_batched_tokens=300, max_num_seqs=20, cpu_attention="torch", cpu_linear="torch")
+    inputs = llm.engine.runner.inputs
+    generation = inputs.generation
+    outs = llm.generate([[3 + (i + j) % 50 for j in range(40)] for i in range(20)],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [3] * 20
+    assert inputs.generation == generation

@@ -76,6 +76,28 @@ def test_decode_split_k_half(device):
     _check_kernel([5, 90], 8, 2, 64, torch.bfloat16, device, partition_size=32)
 
 
+@pytest.mark.parametrize("block_n,partition_size", [(16, 0), (16, 32), (64, 0), (64, 64)])
+def test_decode_kernel_tile_sizes(block_n, partition_size, device):
+    # the tile sizes and launch settings `benchmarks/gpu_check.py` sweeps compute the same thing
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([3, 100, 1, 65], 8, 2, 64, torch.float32, device, seed=5)
+    out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
+                                                 block_n=block_n, num_warps=2, num_stages=2)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125),
+                               **TOL[torch.float32])
+
+
+# Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic); fp16 runs everywhere
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("partition_size", [0, 32])
+def test_decode_kernel_with_dots_in_the_cache_dtype(dtype, partition_size, device):
+    # q and the probabilities rounded to the 16-bit dtype: one more rounding of each, so twice the tolerance
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([5, 90, 33], 8, 2, 64, dtype, device, seed=7)
+    out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
+                                                 cache_dtype_dots=True)
+    tol = {k: 2 * v for k, v in TOL[dtype].items()}
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125), **tol)
+
+
 def test_launcher_dispatch(device):
     # default launcher on a case the heuristic sends to split-K: few sequences, long tables
     assert choose_partition_size(1, 1, 4096, torch.device("cpu")) > 0
