@@ -85,12 +85,20 @@ def paged_decode_attention_kernel(
     cache_block_stride, cache_offset_stride, cache_head_stride,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True,
+    CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True, HEADS_FIRST: tl.constexpr = False,
 ):
     # CACHE_DTYPE_DOTS (and not KV_AS_F32): both products in the cache's 16-bit dtype (q and the
     # probabilities rounded to it), accumulating in float32; otherwise K and V are widened first
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    # HEADS_FIRST: the grid is (KV head, sequence, partition), so the programs that run side by
+    # side read neighbouring rows of the same cache blocks; else (sequence, KV head, partition)
+    if HEADS_FIRST:
+        seq = tl.program_id(1).to(tl.int64)
+        kv_head = tl.program_id(0)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     part = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     if IS_SPLIT:
@@ -132,7 +140,7 @@ def paged_decode_attention_kernel(
         out = acc / l_i[:, None]
         if IS_SPLIT:
             # partial buffers: out [num_seqs, num_heads, max_partitions, D], lse [.., max_partitions]
-            slot = (seq * (tl.num_programs(1) * num_queries_per_kv) + heads) * max_partitions + part
+            slot = (seq * (num_kv_heads * num_queries_per_kv) + heads) * max_partitions + part
             tl.store(partial_out_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_mask)
             tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < num_queries_per_kv)
         else:
@@ -222,6 +230,7 @@ def paged_decode_attention_with_partitions(
     num_warps: int | None = None,  # exposed for `benchmarks/gpu_check.py`'s sweep
     num_stages: int | None = None,
     cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
+    heads_first: bool = False,  # the grid's order: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
@@ -242,7 +251,8 @@ def paged_decode_attention_with_partitions(
         partial_lse = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_lse = out  # unused
-    paged_decode_attention_kernel[(num_seqs, num_kv_heads, max_partitions)](
+    grid = (num_kv_heads, num_seqs, max_partitions) if heads_first else (num_seqs, num_kv_heads, max_partitions)
+    paged_decode_attention_kernel[grid](
         out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
         scale, head_dim, group, max_partitions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
@@ -250,7 +260,7 @@ def paged_decode_attention_with_partitions(
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
-        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, **launch,
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, **launch,
     )
     if is_split:
         paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](

@@ -76,12 +76,13 @@ def test_decode_split_k_half(device):
     _check_kernel([5, 90], 8, 2, 64, torch.bfloat16, device, partition_size=32)
 
 
-@pytest.mark.parametrize("block_n,partition_size", [(16, 0), (16, 32), (64, 0), (64, 64)])
-def test_decode_kernel_tile_sizes(block_n, partition_size, device):
-    # the tile sizes and launch settings `benchmarks/gpu_check.py` sweeps compute the same thing
+@pytest.mark.parametrize("block_n,partition_size,heads_first", [(16, 0, False), (16, 32, True), (64, 0, True),
+                                                                  (64, 64, False), (128, 128, True)])
+def test_decode_kernel_tile_sizes(block_n, partition_size, heads_first, device):
+    # the tile sizes, grid orders and launch settings `benchmarks/gpu_check.py` sweeps compute the same thing
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([3, 100, 1, 65], 8, 2, 64, torch.float32, device, seed=5)
     out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
-                                                 block_n=block_n, num_warps=2, num_stages=2)
+                                                 block_n=block_n, num_warps=2, num_stages=2, heads_first=heads_first)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125),
                                **TOL[torch.float32])
 

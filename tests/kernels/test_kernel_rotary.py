@@ -11,16 +11,21 @@ from pdserve.kernels.rotary import apply_rotary, apply_rotary_ref, build_rope_ca
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 
-# The kernel rounds each product and sum to the dtype exactly as the reference does op by op,
-# so fp16 matches bit for bit; fp32 may differ by a contracted multiply-add (1 ulp). bf16 would
-# be exact too, but Triton's interpreter (3.9) converts fp32 -> bf16 by truncation rather than
-# round-to-nearest-even, which costs up to one bf16 ulp of each *product* (|x| < 4 for these
-# randn inputs, bf16 ulp at 4 is 2^-5) and survives cancellation in the sum.
+# The kernel rounds each product and sum to the dtype as the reference does op by op, so
+# interpreted, fp16 matches bit for bit; fp32 may differ by a contracted multiply-add (1 ulp).
+# Interpreted bf16 is not exact: Triton's interpreter (3.9) converts fp32 -> bf16 by truncation
+# rather than round-to-nearest-even, which costs up to one bf16 ulp of each *product* (|x| < 4
+# for these randn inputs, bf16 ulp at 4 is 2^-5) and survives cancellation in the sum.
+# Compiled (Triton 3.6 on an H200), the half types differ from the reference by one ulp of the
+# result in about a tenth of the elements (at most 2^-6 in bf16 and 2^-9 in fp16 for these
+# values, measured): the compiler narrows each product to the half type and fuses one product
+# into the sum (`fma.rn.bf16` / `fma.rn.f16` in the PTX for sm_90), so that product is not
+# rounded on its own: the more exact of the two. Compiled, one ulp at |x| < 8 is allowed.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {
     torch.float32: dict(atol=1e-6, rtol=1e-6),
-    torch.float16: dict(atol=0, rtol=0),
-    torch.bfloat16: dict(atol=2**-5, rtol=2**-6) if _INTERPRETED else dict(atol=0, rtol=0),
+    torch.float16: dict(atol=0, rtol=0) if _INTERPRETED else dict(atol=2**-8, rtol=0),
+    torch.bfloat16: dict(atol=2**-5, rtol=2**-6) if _INTERPRETED else dict(atol=2**-5, rtol=0),
 }
 
 
