@@ -211,6 +211,7 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
     import torch
 
     from pdserve.kernels import paged_attention as pa
+    from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
 
     peak = report["peak_tbps"]
     copy = report.get("env", {}).get("copy_tbps")
@@ -223,11 +224,15 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
 
     def measure(**settings) -> dict:
         partition = settings.pop("partition_size", None)
+        all_heads = settings.pop("all_heads", False)
+        launcher = paged_decode_attention_all_heads if all_heads else pa.paged_decode_attention_with_partitions
         if partition is None:
             fn = lambda: pa.paged_decode_attention(q, kc, vc, tables, lens, 0.125)  # noqa: E731  (the default launcher)
         else:
-            fn = lambda: pa.paged_decode_attention_with_partitions(q, kc, vc, tables, lens, 0.125, partition,  # noqa: E731
-                                                                   **settings)
+            kwargs = dict(settings)
+            fn = lambda: launcher(q, kc, vc, tables, lens, 0.125, partition, **kwargs)  # noqa: E731
+        if all_heads:
+            settings["all_heads"] = True
         err = ((fn().float() - want).norm() / want.norm()).item()
         ms = timer(fn, sizes)
         tbps = moved / (ms * 1e-3) / 1e12
@@ -261,7 +266,11 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
     base = {k: v for k, v in top["settings"].items() if k in ("partition_size", "block_n", "heads_first")}
     stage2 = [trial(**base, num_warps=w, num_stages=s, cache_dtype_dots=d) for w in (2, 4, 8) for s in (2, 3, 4)
               for d in (False, True)]
-    overall = best(stage1 + stage2)
+    # every KV head of a sequence in one program (`paged_attention_all_heads.py`): whole cache rows
+    stage3 = [trial(all_heads=True, partition_size=p, block_n=bn, num_warps=w, num_stages=st)
+              for p in ((0, 32) if sizes.smoke else (0, 128, 256, 512)) for bn in (16, 32) for w in (4, 8)
+              for st in (2, 3) if p % bn == 0]
+    overall = best(stage1 + stage2 + stage3)
     if overall:
         print(f"  best: {overall['settings']}: {overall['tbps']:.2f} TB/s = {100 * overall['share_of_peak']:.1f}% of peak")
     # the partition size by shape, the best settings otherwise: what a heuristic should pick
@@ -273,11 +282,13 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
             q_s = torch.randn(num_seqs, heads, head_dim, device=sizes.device, dtype=dt)
             nbytes = (kc_s.numel() + vc_s.numel() + 2 * q_s.numel()) * 2
             row = dict(num_seqs=num_seqs, context=ctx, chosen=pa.choose_partition_size(num_seqs, kv_heads, ctx, q.device))
-            for p in (0, 256, 512, 1024, 2048):
+            for p in (0, 128, 256, 512, 1024, 2048):
                 if p >= ctx or p % rest.get("block_n", 32):
                     continue
-                ms = timer(lambda: pa.paged_decode_attention_with_partitions(q_s, kc_s, vc_s, t_s, l_s, 0.125, p, **rest),
-                           sizes, rep_ms=100)
+                launcher = (paged_decode_attention_all_heads if rest.get("all_heads")
+                            else pa.paged_decode_attention_with_partitions)
+                kwargs = {k: v for k, v in rest.items() if k != "all_heads"}
+                ms = timer(lambda: launcher(q_s, kc_s, vc_s, t_s, l_s, 0.125, p, **kwargs), sizes, rep_ms=100)
                 row[f"p{p}_tbps"] = nbytes / (ms * 1e-3) / 1e12
             ms = timer(lambda: pa.paged_decode_attention(q_s, kc_s, vc_s, t_s, l_s, 0.125), sizes, rep_ms=100)
             row["default_tbps"] = nbytes / (ms * 1e-3) / 1e12

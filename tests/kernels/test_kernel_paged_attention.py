@@ -12,6 +12,7 @@ from pdserve.kernels.paged_attention import (
     paged_decode_attention_ref,
     paged_decode_attention_with_partitions,
 )
+from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
 
 BLOCK_SIZE = 16
 # context 1, block boundary -1/0/+1, several blocks, and a batch of very different lengths
@@ -116,3 +117,24 @@ def _check_kernel(lengths, num_heads, num_kv_heads, head_dim, dtype, device, par
     out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, scale, partition_size)
     expected = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
     torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("lengths", [[1], [31, 32, 33, 64], [3, 100, 1, 65]])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (12, 3, 32), (4, 4, 128)])
+@pytest.mark.parametrize("partition_size,block_n", [(0, 16), (32, 16), (64, 32)])
+def test_all_heads_kernel_matches_ref(lengths, num_heads, num_kv_heads, head_dim, partition_size, block_n, device):
+    # one program over every KV head of a sequence (3 KV heads: a padded head axis)
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs(lengths, num_heads, num_kv_heads, head_dim,
+                                                             torch.float32, device, seed=sum(lengths) + 3)
+    out = paged_decode_attention_all_heads(q, k_cache, v_cache, tables, lens, 0.1, partition_size, block_n=block_n)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_all_heads_kernel_half(dtype, device):
+    # q and the probabilities rounded to the cache's dtype for the products: twice the tolerance
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([5, 90, 33], 32, 8, 64, dtype, device, seed=11)
+    out = paged_decode_attention_all_heads(q, k_cache, v_cache, tables, lens, 0.125, 32, block_n=16)
+    tol = {k: 2 * v for k, v in TOL[dtype].items()}
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125), **tol)
