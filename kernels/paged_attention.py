@@ -207,14 +207,27 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """0 (one pass) when there are enough (sequence, KV head) programs to fill the GPU or the
+    """0 (one pass) when there is a (sequence, KV head) program for every multiprocessor or the
     context is short; otherwise split-K with DEFAULT_PARTITION_SIZE.
+
+    On an H200 (132 multiprocessors; `benchmarks/gpu_check.py`, 2026-12-04), batch 32 at context
+    2048 with 8 KV heads (256 programs) ran fastest in one pass: 2.41 TB/s in two runs, where
+    partitions of 512 and 1024 tokens gave 0.6-2.4 (the threshold was twice the multiprocessors,
+    which split it); batch 1 at context 4096 ran faster split in both runs (its best partition
+    1.5-2.4x one pass).
 
     `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
     """
-    if max_context <= DEFAULT_PARTITION_SIZE or num_seqs * num_kv_heads >= 2 * _num_sms(device):
+    if max_context <= DEFAULT_PARTITION_SIZE or num_seqs * num_kv_heads >= _num_sms(device):
         return 0
     return DEFAULT_PARTITION_SIZE
+
+
+def choose_block_n(head_dim: int) -> int:
+    """Tokens per K/V tile: 128 at head_dim <= 64 (on the H200, batch 32 at context 2048, one
+    pass: 55.8 us against 76.5 at 64 and 106.7 at 32, two runs alike), 32 above (unmeasured
+    there: the tile's shared memory doubles with head_dim)."""
+    return 128 if head_dim <= 64 else 32
 
 
 def paged_decode_attention_with_partitions(
@@ -279,8 +292,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Triton `paged_decode_attention_ref`; picks one pass or split-K without a host sync."""
+    """Triton `paged_decode_attention_ref`; picks one pass or split-K, and the tile, without a host sync."""
     max_context = block_tables.shape[1] * k_cache.shape[1]
     partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device)
     return paged_decode_attention_with_partitions(
-        q, k_cache, v_cache, block_tables, context_lens, scale, partition_size)
+        q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]))

@@ -7,6 +7,7 @@ import torch
 from paged_kv_cases import dense_causal_attention, make_paged_kv
 
 from pdserve.kernels.paged_attention import (
+    choose_block_n,
     choose_partition_size,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -105,6 +106,10 @@ def test_launcher_dispatch(device):
     assert choose_partition_size(1, 1, 4096, torch.device("cpu")) > 0
     assert choose_partition_size(512, 8, 4096, torch.device("cpu")) == 0
     assert choose_partition_size(1, 1, 256, torch.device("cpu")) == 0
+    # a program per multiprocessor (132 on an H200) is enough for one pass: batch 32 x 8 KV heads
+    assert choose_partition_size(32, 8, 2048, torch.device("cpu")) == 0
+    assert choose_partition_size(8, 8, 4096, torch.device("cpu")) > 0
+    assert choose_block_n(64) == 128 and choose_block_n(128) == 32
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
                                paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1), **TOL[torch.float32])
