@@ -124,12 +124,12 @@ def part_tests(sizes: Sizes, report: dict, out_dir: Path, timeout_s: int = 180) 
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     log = proc.stdout + proc.stderr
     (out_dir / "gpu_check_kernel_tests.log").write_text(log)
-    tail = log.strip().splitlines()[-6:]
+    tail = [line for line in log.strip().splitlines() if " passed" in line or " failed" in line][-1:]
     failed = [line for line in log.splitlines() if line.startswith("FAILED")]
-    print("  " + " / ".join(tail[-1:]))
+    print("  " + " / ".join(tail))
     for line in failed[:10]:
         print("  " + line)
-    return dict(returncode=proc.returncode, summary=tail[-1:], failed=failed, seconds=time.perf_counter() - start,
+    return dict(returncode=proc.returncode, summary=tail, failed=failed, seconds=time.perf_counter() - start,
                 ok=proc.returncode == 0)
 
 
@@ -240,7 +240,7 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
                     rel_err=err, ok=err < 1e-2, settings=dict(settings, partition_size=partition))
 
     default = measure()
-    chosen = pa.choose_partition_size(seqs, kv_heads, tables.shape[1] * 16, q.device)
+    chosen = pa.choose_partition_size(seqs, kv_heads, tables.shape[1] * 16, q.device, head_dim)
     print(f"  default launcher (partition {chosen}): {default['ms'] * 1e3:.1f} us, {default['tbps']:.2f} TB/s = "
           f"{100 * default['share_of_peak']:.1f}% of {peak} TB/s"
           + (f", {100 * default['share_of_copy']:.1f}% of the measured copy" if copy else "")
@@ -281,7 +281,8 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
             kc_s, vc_s, t_s, l_s = _paged(num_seqs, ctx, kv_heads, head_dim, 16, dt, sizes.device, seed=3)
             q_s = torch.randn(num_seqs, heads, head_dim, device=sizes.device, dtype=dt)
             nbytes = (kc_s.numel() + vc_s.numel() + 2 * q_s.numel()) * 2
-            row = dict(num_seqs=num_seqs, context=ctx, chosen=pa.choose_partition_size(num_seqs, kv_heads, ctx, q.device))
+            row = dict(num_seqs=num_seqs, context=ctx,
+                       chosen=pa.choose_partition_size(num_seqs, kv_heads, ctx, q.device, head_dim))
             for p in (0, 128, 256, 512, 1024, 2048):
                 if p >= ctx or p % rest.get("block_n", 32):
                     continue

@@ -206,19 +206,23 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H100/H200's count; only the split heuristic reads it
 
 
-def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """0 (one pass) when there is a (sequence, KV head) program for every multiprocessor or the
-    context is short; otherwise split-K with DEFAULT_PARTITION_SIZE.
+def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                          head_dim: int = 64) -> int:
+    """0 (one pass) when there are enough (sequence, KV head) programs to fill the GPU or the
+    context is short; otherwise split-K with DEFAULT_PARTITION_SIZE. Enough is one per
+    multiprocessor with `choose_block_n`'s 128-token tiles (head_dim <= 64), two with 32.
 
     On an H200 (132 multiprocessors; `benchmarks/gpu_check.py`, 2026-12-04), batch 32 at context
-    2048 with 8 KV heads (256 programs) ran fastest in one pass: 2.41 TB/s in two runs, where
-    partitions of 512 and 1024 tokens gave 0.6-2.4 (the threshold was twice the multiprocessors,
-    which split it); batch 1 at context 4096 ran faster split in both runs (its best partition
-    1.5-2.4x one pass).
+    2048 with 8 KV heads (256 programs): at head_dim 64, one pass of 128-token tiles ran at
+    2.38-2.43 TB/s in three runs, where partitions of 512 and 1024 tokens gave 0.6-2.5; at
+    head_dim 128 (32-token tiles), partitions of 512 ran 96 us in three runs and one pass 130.
+    Batch 1 at context 4096 (8 programs) is noisy: its best split beat one pass in two runs of
+    three (0.26 against 0.11 TB/s, 0.19 against 0.13) and lost in the third (0.08 against 0.12).
 
     `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
     """
-    if max_context <= DEFAULT_PARTITION_SIZE or num_seqs * num_kv_heads >= _num_sms(device):
+    enough = _num_sms(device) * (1 if choose_block_n(head_dim) >= 128 else 2)
+    if max_context <= DEFAULT_PARTITION_SIZE or num_seqs * num_kv_heads >= enough:
         return 0
     return DEFAULT_PARTITION_SIZE
 
@@ -294,6 +298,6 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton `paged_decode_attention_ref`; picks one pass or split-K, and the tile, without a host sync."""
     max_context = block_tables.shape[1] * k_cache.shape[1]
-    partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device)
+    partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device, q.shape[2])
     return paged_decode_attention_with_partitions(
         q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]))

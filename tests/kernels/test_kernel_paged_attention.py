@@ -106,8 +106,10 @@ def test_launcher_dispatch(device):
     assert choose_partition_size(1, 1, 4096, torch.device("cpu")) > 0
     assert choose_partition_size(512, 8, 4096, torch.device("cpu")) == 0
     assert choose_partition_size(1, 1, 256, torch.device("cpu")) == 0
-    # a program per multiprocessor (132 on an H200) is enough for one pass: batch 32 x 8 KV heads
+    # with 128-token tiles (head_dim <= 64) a program per multiprocessor (132 on an H200) is
+    # enough for one pass, with 32-token tiles two: batch 32 x 8 KV heads
     assert choose_partition_size(32, 8, 2048, torch.device("cpu")) == 0
+    assert choose_partition_size(32, 8, 2048, torch.device("cpu"), head_dim=128) > 0
     assert choose_partition_size(8, 8, 4096, torch.device("cpu")) > 0
     assert choose_block_n(64) == 128 and choose_block_n(128) == 32
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
