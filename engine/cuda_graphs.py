@@ -1,7 +1,8 @@
 """CUDA graphs for decode steps, one per batch-size bucket (the `cuda_graphs` capture).
 
-UNVERIFIED: written without a GPU (none was available to this project's CI or to its author);
-`benchmarks/gpu_check.py` is the prepared check. Everything here is only reached on CUDA.
+Only reached on CUDA, so CI never runs it; `benchmarks/gpu_check.py` does. On an H200
+(2026-12-04, `BENCHMARKS.md`) a 1.24 B Llama decoded with identical greedy tokens with and
+without, 4.1x faster at batch 1 and 3.4x at batch 32.
 
 How it works, as in vLLM and SGLang:
 
