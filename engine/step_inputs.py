@@ -66,6 +66,7 @@ class InputBuffers:
         self.max_native_scores, self.group_size = MAX_NATIVE_SCORES, group_size
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
+        self._copied: torch.cuda.Event | None = None  # CUDA: when the last build's copies have read the host buffers
         self._grow(256, 16)
 
     def reserve(self, num_tokens: int, num_seqs: int) -> None:
@@ -94,12 +95,18 @@ class InputBuffers:
                                                          batch[i].start + batch[i].num_new_tokens))
         entries = [batch[i] for i in order]
         num_tokens = sum(e.num_new_tokens for e in entries)
+        if self._copied is not None:  # the previous step's copies read these host buffers: let them finish
+            self._copied.synchronize()
         if num_tokens > self._num_tokens or len(entries) > self._num_seqs:
             self._grow(max(num_tokens, 2 * self._num_tokens), max(len(entries), 2 * self._num_seqs))
         starts = self._fill_tokens(entries)
         width = self._fill_tables(entries)
-        return StepInputs(self._out("input_ids", num_tokens), self._out("positions", num_tokens),
+        step = StepInputs(self._out("input_ids", num_tokens), self._out("positions", num_tokens),
                           self._metadata(entries, num_tokens, width), self._logits_index(batch, order, starts), order)
+        if self.dev is not self.host:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return step
 
     def _fill_tokens(self, entries: list) -> list[int]:
         ids, pos, slots = self.np["input_ids"], self.np["positions"], self.np["slot_mapping"]
@@ -174,9 +181,8 @@ class InputBuffers:
             for e in entries)
 
     def _out(self, name: str, n: int) -> torch.Tensor:
-        """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA;
-        asynchronous, and safe to overwrite at the next step because every step ends by copying
-        its sampled tokens to the host, which waits for the stream)."""
+        """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA,
+        asynchronous: the next `build` waits for the event recorded after them before it writes)."""
         if self.dev is self.host:
             return self.host[name][:n]
         return self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)

@@ -131,3 +131,21 @@ def test_logprobs_returned_when_asked(checkpoint):
     for tok, row in zip(out.token_ids, out.logprobs):
         assert row[0][0] == tok and len(row) == 4
         assert row[0][1] == pytest.approx(row[1][1])  # greedy: the sampled token is the top one
+
+
+@pytest.mark.gpu
+def test_two_builds_in_one_step_keep_their_own_values_on_cuda():
+    """A verification builds sampling tensors twice before anything waits for the stream: the
+    second build must not overwrite the pinned host buffers while the first one's copies are
+    still queued (behind a long product here, so they are)."""
+    from pdserve.engine.sampler import SamplingTensors
+
+    tensors = SamplingTensors(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a / 64  # keeps the stream busy for a while
+    first = tensors.build([SamplingParams(temperature=0.5, top_k=7)] * 3)
+    second = tensors.build([SamplingParams(temperature=1.5, top_k=9)] * 3)
+    torch.cuda.synchronize()
+    assert first[0].tolist() == [0.5] * 3 and first[1].tolist() == [7] * 3
+    assert second[0].tolist() == [1.5] * 3 and second[1].tolist() == [9] * 3
