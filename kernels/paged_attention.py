@@ -229,9 +229,46 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
 
 def choose_block_n(head_dim: int) -> int:
     """Tokens per K/V tile: 128 at head_dim <= 64 (on the H200, batch 32 at context 2048, one
-    pass: 55.8 us against 76.5 at 64 and 106.7 at 32, two runs alike), 32 above (unmeasured
+    pass: 55.8 us against 76.5 at 64 and 106.7 at 32, three runs alike), 32 above (unmeasured
     there: the tile's shared memory doubles with head_dim)."""
     return 128 if head_dim <= 64 else 32
+
+
+class DecodeLaunch:
+    """What both decode kernels' launchers share: the checks, the output, split-K's partial
+    buffers, the launch settings, and the reduce that merges the partitions."""
+
+    def __init__(self, q, k_cache, v_cache, block_tables, context_lens, partition_size: int, block_n: int,
+                 num_warps: int | None, num_stages: int | None):
+        self.num_seqs, self.num_heads, self.head_dim = q.shape
+        check_paged_inputs(q, k_cache, v_cache, block_tables, self.num_seqs)
+        assert context_lens.shape == (self.num_seqs,), \
+            f"context_lens must be [{self.num_seqs}], got {tuple(context_lens.shape)}"
+        assert partition_size == 0 or partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
+        self.block_size, self.num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        self.group = self.num_heads // self.num_kv_heads
+        self.partition_size, self.is_split = partition_size, partition_size > 0
+        self.block_d = max(16, triton.next_power_of_2(self.head_dim))
+        self.max_partitions = (triton.cdiv(block_tables.shape[1] * self.block_size, partition_size)
+                               if partition_size else 1)
+        self.settings = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+        self.out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.partial_out = self.partial_lse = self.out  # unused in one pass
+        if self.is_split and self.num_seqs:
+            shape = (self.num_seqs, self.num_heads, self.max_partitions)
+            self.partial_out = torch.empty(*shape, self.block_d, dtype=torch.float32, device=q.device)
+            self.partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        self.context_lens = context_lens
+
+    def finish(self) -> torch.Tensor:
+        """Merge the partitions (split-K), and return the output."""
+        if self.is_split and self.num_seqs:
+            paged_decode_attention_reduce_kernel[(self.num_seqs, self.num_heads)](
+                self.out, self.partial_out, self.partial_lse, self.context_lens, self.head_dim, self.max_partitions,
+                self.out.stride(0), self.out.stride(1),
+                PARTITION_SIZE=self.partition_size, BLOCK_P=16, BLOCK_D=self.block_d,
+            )
+        return self.out
 
 
 def paged_decode_attention_with_partitions(
@@ -249,43 +286,23 @@ def paged_decode_attention_with_partitions(
     cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
     heads_first: bool = False,  # the grid's order: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    num_seqs, num_heads, head_dim = q.shape
-    check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
-    assert context_lens.shape == (num_seqs,), f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}"
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    assert partition_size == 0 or partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if num_seqs == 0:
-        return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    max_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition_size) if partition_size else 1
-    is_split = partition_size > 0
+    run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
+    if run.num_seqs == 0:
+        return run.out
     dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    if is_split:
-        partial_out = torch.empty(num_seqs, num_heads, max_partitions, block_d, dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
-    else:
-        partial_out = partial_lse = out  # unused
-    grid = (num_kv_heads, num_seqs, max_partitions) if heads_first else (num_seqs, num_kv_heads, max_partitions)
+    grid = ((run.num_kv_heads, run.num_seqs, run.max_partitions) if heads_first
+            else (run.num_seqs, run.num_kv_heads, run.max_partitions))
     paged_decode_attention_kernel[grid](
-        out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
-        scale, head_dim, group, max_partitions,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        run.out, run.partial_out, run.partial_lse, q, k_cache, v_cache, block_tables, context_lens,
+        scale, run.head_dim, run.group, run.max_partitions,
+        q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=is_split,
+        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, triton.next_power_of_2(run.group)), BLOCK_N=block_n,
+        BLOCK_D=run.block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=run.is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
-        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, **launch,
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, **run.settings,
     )
-    if is_split:
-        paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](
-            out, partial_out, partial_lse, context_lens, head_dim, max_partitions,
-            out.stride(0), out.stride(1),
-            PARTITION_SIZE=partition_size, BLOCK_P=16, BLOCK_D=block_d,
-        )
-    return out
+    return run.finish()
 
 
 def paged_decode_attention(

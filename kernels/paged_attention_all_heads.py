@@ -6,13 +6,18 @@ num_kv_heads * head_dim. This one reads a token's K or V for all KV heads at onc
 the block (num_kv_heads * head_dim values, contiguous), and computes every head's scores with
 one batched (3-D) product: the same arithmetic in longer, contiguous reads, and a grid of
 num_seqs x partitions. Same inputs, outputs and split-K reduce as `paged_decode_attention`.
+
+Not the default: on the H200 (`benchmarks/gpu_check.py`, BENCHMARKS.md) its best of 16
+settings ran batch 32 at context 2048 at 2.37 TB/s in each of two runs, against 2.43 for the
+per-head kernel's default (128-token tiles, one pass), so longer contiguous reads were not what
+that kernel lacked. It stays for the sweep, where another GPU may rank them otherwise.
 """
 from __future__ import annotations
 
 import torch
 
 from pdserve.kernels._triton import tl, triton
-from pdserve.kernels.paged_attention import check_paged_inputs, dot_precision, paged_decode_attention_reduce_kernel
+from pdserve.kernels.paged_attention import DecodeLaunch, dot_precision
 
 
 @triton.jit
@@ -92,38 +97,17 @@ def paged_decode_attention_all_heads(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """`paged_decode_attention_ref`, every KV head of a sequence in one program (q is rounded to
     the cache's dtype for the products; with a 16-bit cache so are the probabilities)."""
-    num_seqs, num_heads, head_dim = q.shape
-    check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
-    assert context_lens.shape == (num_seqs,), f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}"
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    assert partition_size == 0 or partition_size % block_n == 0, f"partition_size must be a multiple of {block_n}"
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if num_seqs == 0:
-        return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    max_partitions = triton.cdiv(block_tables.shape[1] * block_size, partition_size) if partition_size else 1
-    is_split = partition_size > 0
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    if is_split:
-        partial_out = torch.empty(num_seqs, num_heads, max_partitions, block_d, dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty(num_seqs, num_heads, max_partitions, dtype=torch.float32, device=q.device)
-    else:
-        partial_out = partial_lse = out  # unused
-    paged_decode_all_heads_kernel[(num_seqs, max_partitions)](
-        out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
-        scale, head_dim, num_kv_heads, group, max_partitions,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+    run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
+    if run.num_seqs == 0:
+        return run.out
+    paged_decode_all_heads_kernel[(run.num_seqs, run.max_partitions)](
+        run.out, run.partial_out, run.partial_lse, q, k_cache, v_cache, block_tables, context_lens,
+        scale, run.head_dim, run.num_kv_heads, run.group, run.max_partitions,
+        q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype), **launch,
+        BLOCK_SIZE=run.block_size, BLOCK_H=triton.next_power_of_2(run.num_kv_heads),
+        BLOCK_G=max(16, triton.next_power_of_2(run.group)), BLOCK_N=block_n, BLOCK_D=run.block_d,
+        PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=run.is_split,
+        DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype), **run.settings,
     )
-    if is_split:
-        paged_decode_attention_reduce_kernel[(num_seqs, num_heads)](
-            out, partial_out, partial_lse, context_lens, head_dim, max_partitions,
-            out.stride(0), out.stride(1),
-            PARTITION_SIZE=partition_size, BLOCK_P=16, BLOCK_D=block_d,
-        )
-    return out
+    return run.finish()
