@@ -77,6 +77,19 @@ def load_kv_tile(
 
 
 @triton.jit
+def partition_bounds(context_len, part, PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """Tokens [start, end) of a sequence's context that partition `part` attends (split-K), or
+    all of them; start >= end for partitions past the sequence's end."""
+    if IS_SPLIT:
+        start = part * PARTITION_SIZE
+        end = tl.minimum(start + PARTITION_SIZE, context_len)
+    else:
+        start = 0
+        end = context_len
+    return start, end
+
+
+@triton.jit
 def paged_decode_attention_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -100,13 +113,7 @@ def paged_decode_attention_kernel(
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
     part = tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + seq)
-    if IS_SPLIT:
-        start = part * PARTITION_SIZE
-        end = tl.minimum(start + PARTITION_SIZE, context_len)
-    else:
-        start = 0
-        end = context_len
+    start, end = partition_bounds(tl.load(context_lens_ptr + seq), part, PARTITION_SIZE, IS_SPLIT)
     if start < end:  # partitions past this sequence's end do nothing; the reduce skips them
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)

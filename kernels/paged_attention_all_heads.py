@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels._triton import tl, triton
-from pdserve.kernels.paged_attention import DecodeLaunch, dot_precision
+from pdserve.kernels.paged_attention import DecodeLaunch, dot_precision, partition_bounds
 
 
 @triton.jit
@@ -32,13 +32,7 @@ def paged_decode_all_heads_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    if IS_SPLIT:
-        start = part * PARTITION_SIZE
-        end = tl.minimum(start + PARTITION_SIZE, context_len)
-    else:
-        start = 0
-        end = context_len
+    start, end = partition_bounds(tl.load(context_lens_ptr + seq), part, PARTITION_SIZE, IS_SPLIT)
     if start < end:  # partitions past this sequence's end do nothing; the reduce skips them
         offs_h = tl.arange(0, BLOCK_H)  # KV heads
         offs_g = tl.arange(0, BLOCK_G)  # query heads of a KV head
