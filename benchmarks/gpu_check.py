@@ -1,6 +1,6 @@
 """The check for a CUDA machine, as one prepared run (issue 14's "on a GPU" list).
 
-    python benchmarks/gpu_check.py [--out DIR] [--parts env,ops,attention,decode,spec,kernels,tests]
+    python benchmarks/gpu_check.py [--out DIR] [--parts env,ops,attention,decode,spec,sampling,kernels,tests]
     python benchmarks/gpu_check.py --smoke        # the same code on the CPU, tiny sizes, interpreted kernels
 
 The model parts live in `gpu_model.py`, the tables and plot in `gpu_report.py`. About three
@@ -19,6 +19,8 @@ A part that fails records its error and the run goes on.
   written) / median time, as a share of the datasheet peak and of the measured copy; goal >= 70%
   of the peak. Then a sweep of the launcher's settings (partition size, tile, warps, stages,
   16-bit dots), each checked against the reference before it is timed.
+- **sampling**: the fused sample kernel against torch's reference at 1, 32 and 128 rows of a
+  128k vocabulary, with no filter, top-p, and top-k + top-p + min-p.
 - **kernels**: `kernel_bandwidth.py`'s table (every op against its torch reference).
 - **decode**: a Llama-architecture model of Llama-3.2-1B's config with random weights (bf16, no
   download): decode tokens/s at batch 1 and 32, with CUDA graphs and without, greedy tokens
@@ -58,7 +60,7 @@ KERNEL_TESTS = ["tests/kernels/test_kernel_extend_attention.py", "tests/kernels/
                 "tests/kernels/test_kernel_rmsnorm.py", "tests/kernels/test_kernel_rotary.py",
                 "tests/kernels/test_kernel_sampling.py", "tests/kernels/test_gathered_attention.py",
                 "tests/kernels/test_engine_triton_backend.py"]
-PARTS = ("env", "ops", "attention", "decode", "spec", "kernels", "tests")  # the longest, the compiled tests, last
+PARTS = ("env", "ops", "attention", "decode", "spec", "sampling", "kernels", "tests")  # the compiled tests last
 
 
 class Sizes:
@@ -318,6 +320,40 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
                 sweep=sweep, best=overall, by_shape=shapes, head_dim_128=extra, ok=default["ok"])
 
 
+# --- sampling -----------------------------------------------------------------------------
+
+SAMPLING_FILTERS = {  # (temperature, top_k, top_p, min_p) per row
+    "temperature only": (0.8, 0, 1.0, 0.0),
+    "top-p 0.9": (0.8, 0, 0.9, 0.0),
+    "top-k 50, top-p 0.9, min-p 0.05": (0.8, 50, 0.9, 0.05),
+}
+
+
+def part_sampling(sizes: Sizes, report: dict) -> dict:
+    """The fused sample kernel against torch's reference by rows and filters: one program per
+    row, so its time should hardly grow with the rows until they outnumber the multiprocessors."""
+    import torch
+
+    from pdserve.kernels import sampling
+
+    vocab, rows_list = (1000, (1, 4)) if sizes.smoke else (128256, (1, 32, 128))
+    table = []
+    for name, (t, k, p, m) in SAMPLING_FILTERS.items():
+        for rows in rows_list:
+            dev = sizes.device
+            logits = torch.randn(rows, vocab, device=dev) * 3
+            params = (torch.full((rows,), t, device=dev), torch.full((rows,), k, device=dev, dtype=torch.int64),
+                      torch.full((rows,), p, device=dev), torch.full((rows,), m, device=dev))
+            noise = -torch.rand(rows, vocab, device=dev).log()
+            agree = (sampling.sample(logits, *params, noise) == sampling.sample_ref(logits, *params, noise)).all().item()
+            kernel_ms = timer(lambda: sampling.sample(logits, *params, noise), sizes, rep_ms=100)
+            ref_ms = timer(lambda: sampling.sample_ref(logits, *params, noise), sizes, rep_ms=100)
+            table.append(dict(filters=name, rows=rows, kernel_ms=kernel_ms, reference_ms=ref_ms, agree=agree))
+            print(f"  {name:34s} {rows:4d} rows: kernel {kernel_ms * 1e3:8.1f} us, torch reference "
+                  f"{ref_ms * 1e3:8.1f} us ({ref_ms / kernel_ms:.2f}x){'' if agree else '  TOKENS DIFFER'}")
+    return dict(vocab=vocab, table=table, ok=all(r["agree"] for r in table))
+
+
 # --- kernels ------------------------------------------------------------------------------
 
 def part_kernels(sizes: Sizes, report: dict, out_dir: Path) -> dict:
@@ -380,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = part_ops(sizes, report)
                 elif part == "attention":
                     result = part_attention(sizes, report)
+                elif part == "sampling":
+                    result = part_sampling(sizes, report)
                 elif part == "kernels":
                     result = part_kernels(sizes, report, args.out)
                 elif part == "decode":

@@ -88,6 +88,14 @@ def render(out_dir: Path) -> str:
                   f"({ng['tokens_per_s']:.0f} against {spec['plain']['tokens_per_s']:.0f} tok/s); {ng.get('drafts', 0)} "
                   f"drafts, {ng.get('accepted_tokens', 0)} of {ng.get('draft_tokens', 0)} draft tokens accepted; "
                   f"tokens identical to plain decoding: {spec['identical']}.", ""]
+    if "table" in report.get("sampling", {}):
+        lines += [f"The sample kernel against torch's reference, vocabulary {report['sampling']['vocab']}:", "",
+                  "| filters | rows | kernel | torch reference | kernel's speed-up | same tokens |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['filters']} | {r['rows']} | {r['kernel_ms'] * 1e3:.1f} µs | {r['reference_ms'] * 1e3:.1f} µs | "
+                  f"{r['reference_ms'] / r['kernel_ms']:.2f}× | {'yes' if r['agree'] else 'no'} |"
+                  for r in report["sampling"]["table"]]
+        lines.append("")
     kernel_files = sorted(out_dir.glob("kernels-*.json"))
     if kernel_files:
         rows = json.loads(kernel_files[-1].read_text())["rows"]

@@ -38,7 +38,8 @@ def test_gpu_check_smoke_runs_every_part_on_the_cpu(tmp_path):
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert {"env", "tests", "ops", "attention", "kernels", "decode", "spec"} <= report.keys()
+    assert {"env", "tests", "ops", "attention", "kernels", "decode", "spec", "sampling"} <= report.keys()
+    assert report["sampling"]["ok"] and len(report["sampling"]["table"]) == 6
     assert all(c["ok"] for c in report["ops"]["checks"]) and len(report["ops"]["checks"]) == 8
     attention = report["attention"]
     assert attention["default"]["ok"] and len(attention["sweep"]) >= 15
