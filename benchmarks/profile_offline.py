@@ -109,9 +109,11 @@ def batch_prompts(prompt: list[int], batch: int, vocab: int) -> list[list[int]]:
     return [prompt] + [[3 + (t - 3 + i) % (vocab - 3) for t in prompt] for i in range(1, batch)]
 
 
-def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], threads: int, batch: int = 1) -> None:
+def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], threads: int, batch: int = 1,
+           temperature: float = 0.0) -> None:
     """Run in a variant's process: load, count ops, then time one decode (and one prefill per
-    prompt length) per line on stdin."""
+    prompt length) per line on stdin. With a temperature, request i is seeded i: every run draws
+    the same tokens."""
     import torch
 
     from pdserve.engine import LLM, SamplingParams
@@ -125,7 +127,8 @@ def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], t
 
     def timed(n: int) -> tuple[float, float]:
         w, c = time.perf_counter(), time.process_time()
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        llm.generate(prompts, [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
+                               for i in range(len(prompts))])
         return time.perf_counter() - w, time.process_time() - c
 
     calls = iter(range(1 << 30))
@@ -178,7 +181,7 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
 
 
 def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prompt_lens: list[int] = (),
-            threads: int = 1, batch: int = 1) -> dict:
+            threads: int = 1, batch: int = 1, temperature: float = 0.0) -> dict:
     parsed = [parse_variant(v) for v in variants]
     model = str(Path(model).resolve())  # the workers run elsewhere
     load_start = os.getloadavg()[0]
@@ -188,7 +191,7 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
             path, subject = unpack(revision, Path(tmp) / f"v{i}")
             env = dict(os.environ, PYTHONPATH=str(path), OMP_NUM_THREADS=str(threads))
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, json.dumps(options), str(new_tokens),
-                   json.dumps(list(prompt_lens)), str(threads), str(batch)]
+                   json.dumps(list(prompt_lens)), str(threads), str(batch), str(temperature)]
             procs[name] = subprocess.Popen(cmd, env=env, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             info[name] = dict(revision=revision, subject=subject, options=options)
         for name, proc in procs.items():
@@ -213,7 +216,7 @@ def compare(variants: list[str], model: str, repeats: int, new_tokens: int, prom
                                       for a, b in zip(samples[first], samples[name])).as_dict())
             for n in map(str, prompt_lens)}
     return dict(model=model, repeats=repeats, new_tokens=new_tokens, prompt_lens=list(prompt_lens), threads=threads,
-                batch=batch, variants=info,
+                batch=batch, temperature=temperature, variants=info,
                 machine=machine() | {"load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]})
 
 
@@ -223,7 +226,9 @@ def markdown(result: dict, command: str) -> str:
     model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
     batch = result.get("batch", 1)  # older results: batch 1
     requests = "one request" if batch == 1 else f"{batch} requests at once"
-    lines = [f"Command: `{command}`. Batch-{batch} greedy decode step of `{model}` ({requests}, "
+    temperature = result.get("temperature", 0.0)  # older results: greedy
+    kind = "greedy" if not temperature else f"temperature-{temperature:g}"
+    lines = [f"Command: `{command}`. Batch-{batch} {kind} decode step of `{model}` ({requests}, "
              f"{result['new_tokens']} new tokens minus one, {_threads(result)}), each variant in its own process, "
              f"{result['repeats']} repeats taken in turn; min / median / max, speedups per repeat against the first "
              f"variant. Load average (1 min) at the start and end: {result['machine']['load_avg_1m_start']:.2f}, "
@@ -298,7 +303,7 @@ def plot_prefill(result: dict, path: Path) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6]),
-               int(sys.argv[7]))
+               int(sys.argv[7]), float(sys.argv[8]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(REPO / "models" / "demo"))
@@ -308,6 +313,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--new-tokens", type=int, default=129)
     p.add_argument("--batch", type=int, default=1, help="requests decoded at once (the decode step's rows)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (request i seeded i) instead of greedy decoding")
     p.add_argument("--prompt-lens", type=_lengths, default=[],
                    help="comma-separated prompt lengths: also time one prefill of each per repeat")
     p.add_argument("--no-markdown", action="store_true",
@@ -318,8 +325,10 @@ def main() -> None:
         return
     if args.batch < 1:
         p.error(f"--batch must be at least 1, got {args.batch}")
+    if args.temperature < 0:
+        p.error(f"--temperature must be >= 0, got {args.temperature}")
     result = compare(args.variant, args.model, args.repeats, args.new_tokens, args.prompt_lens, args.threads,
-                     args.batch)
+                     args.batch, args.temperature)
     command = "python benchmarks/profile_offline.py " + " ".join(sys.argv[1:])
     result["command"] = command
     RESULTS.mkdir(parents=True, exist_ok=True)

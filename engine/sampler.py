@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine import rng
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels import KernelOps
+from pdserve.kernels import KernelOps, native
 
 
 class SamplingTensors:
@@ -54,12 +54,15 @@ def param_tensors(params: list[SamplingParams], device: torch.device) -> tuple[t
 
 class Sampler:
     def __init__(self, ops: KernelOps, device: torch.device, compile_noise: bool = False):
-        """compile_noise: hash the noise through a compiled `rng.hash_uniforms` (one fused loop
-        instead of a dozen passes over [rows, vocab], the same bits; seconds to compile)."""
+        """The noise's hash runs natively on the CPU where the native ops are loaded (`cpu/noise.cpp`:
+        one pass instead of a dozen over [rows, vocab], the same bits); else, with compile_noise,
+        through a compiled `rng.hash_uniforms` (one fused loop too; seconds to compile)."""
         self.ops = ops
         self.tensors = SamplingTensors(device)
         self.hash_fn = rng.hash_uniforms
-        if compile_noise:
+        if device.type == "cpu" and native.loaded():
+            self.hash_fn = torch.ops.pdserve.hash_uniforms
+        elif compile_noise:
             self.hash_fn = torch.compile(rng.hash_uniforms, dynamic=True)
             for rows in (1, 3):  # compile now, not in the first sampled requests' steps: one row, then any number
                 rng.exponentials([0] * rows, list(range(rows)), 8, device=device, hash_fn=self.hash_fn)

@@ -19,6 +19,8 @@
   norm's output returned; used through `engine.native_forward.NativeForward` by `ModelRunner`.
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
+- `torch.ops.pdserve.hash_uniforms(keys, codes)` (`cpu/noise.cpp`): `engine.rng.hash_uniforms`
+  in one pass, bit for bit: the uniforms of the sampler's noise (used through `engine.sampler`).
 
 The sources are compiled with the C++ compiler and ninja that `torch.utils.cpp_extension` finds (the
 same compiler `torch.compile` uses on the CPU), for this CPU (`-march=native`), into torch's
@@ -45,7 +47,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CPU = Path(__file__).with_name("cpu")
-SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp")]
+SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp", "noise.cpp")]
 HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h")]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).

@@ -69,6 +69,14 @@ def test_side_by_side_times_prefills_per_prompt_length(tmp_path, load_benchmark,
     assert min(result["variants"]["head"]["wall_ms"]["values"]) > 0
 
 
+def test_side_by_side_samples_at_a_temperature(load_benchmark, checkpoint):
+    """--temperature: the variants sample (seeded requests) and the table says so."""
+    po = load_benchmark("profile_offline")
+    result = po.compare(["head=HEAD"], checkpoint("llama"), repeats=1, new_tokens=4, batch=2, temperature=1.0)
+    assert result["temperature"] == 1.0 and min(result["variants"]["head"]["wall_ms"]["values"]) > 0
+    assert "Batch-2 temperature-1 decode step" in po.markdown(result, "cmd")
+
+
 def test_a_run_without_markdown_writes_partial_files(load_benchmark):
     """--no-markdown leaves the files the BENCHMARKS table came from alone, as spec_decode.py does."""
     po = load_benchmark("profile_offline")

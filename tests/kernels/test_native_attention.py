@@ -181,3 +181,27 @@ def test_native_refuses_malformed_steps():
         call(0, q.double())
     with pytest.raises(RuntimeError, match="int64"):
         call(5, slots.int())
+
+
+def test_native_noise_hash_is_the_torch_hash_bit_for_bit():
+    """`hash_uniforms` in C++ (`cpu/noise.cpp`) against `engine.rng.hash_uniforms`: every bit, over
+    random keys (both halves' signs) and vocabulary sizes that do and do not fill a vector; and the
+    sampler uses it where the native ops are loaded."""
+    from pdserve.engine import rng
+    from pdserve.engine.sampler import Sampler
+    from pdserve.kernels import TORCH_OPS, native
+
+    assert native.load(), native.error()
+    gen = torch.Generator().manual_seed(3)
+    for rows, vocab in ((1, 1), (3, 17), (40, 4096), (5, 32003)):
+        keys = torch.randint(-2**31, 2**31, (rows, 2), dtype=torch.int64, generator=gen).to(torch.int32)
+        codes = rng._vocab_codes(vocab, "cpu")
+        want = rng.hash_uniforms(keys, codes)
+        got = torch.ops.pdserve.hash_uniforms(keys, codes)
+        assert got.dtype == torch.float32 and got.shape == (rows, vocab)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    sampler = Sampler(TORCH_OPS, torch.device("cpu"))
+    assert sampler.hash_fn is torch.ops.pdserve.hash_uniforms
+    seeds, positions = [7, 8, 9], [100, 5, 77]
+    assert torch.equal(rng.exponentials(seeds, positions, 4096, hash_fn=sampler.hash_fn),
+                       rng.exponentials(seeds, positions, 4096))
