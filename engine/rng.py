@@ -56,9 +56,10 @@ def exponentials(
     device: torch.device | str = "cpu", hash_fn: Callable | None = None,
 ) -> torch.Tensor:  # [len(seeds), vocab_size] float32, i.i.d. Exp(1)
     """Row i: Exp(1) noise for the token at positions[i] of the request seeded seeds[i] (in
-    stream[i] when given a list). hash_fn: `hash_uniforms` or a compiled copy of it (the same
-    bits: integer arithmetic and one exact scaling; the logarithm stays torch's own, whose last
-    bit a compiler's vectorised log does not always reproduce)."""
+    stream[i] when given a list). hash_fn: `hash_uniforms`, a compiled copy of it, or the native
+    `torch.ops.pdserve.hash_uniforms` (`kernels/cpu/noise.cpp`): the same bits, integer arithmetic
+    and one exact scaling; the logarithm stays torch's own, whose last bit a compiler's
+    vectorised log does not always reproduce."""
     streams = stream if isinstance(stream, list) else [stream] * len(seeds)
     keys = [row_key(s, p, st) for s, p, st in zip(seeds, positions, streams)]
     k = torch.tensor([[_int32(key & _M32), _int32(key >> 32)] for key in keys], dtype=torch.int32, device=device)
