@@ -25,6 +25,8 @@ torch threads (one by default), so prefill and start-up are out of it. With --ba
 requests at once (B different prompts, each PROMPT's ids rotated: nothing is shared between
 them), the step of the whole batch: where batch 1 reads the weights once per token, a step of B
 rows multiplies them (batch 8: a served step at load, and the rows of a speculative verification).
+With --temperature T the requests sample at T instead of decoding greedily (request i seeded i,
+so every run draws the same tokens): a sampled step also pays for the sampler's noise.
 """
 from __future__ import annotations
 
