@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules 
 
 from gpu_model import part_decode, part_spec  # noqa: E402
 from gpu_report import render  # noqa: E402
+from kernel_bandwidth import paged_kv  # noqa: E402
 
 PEAK_TBPS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "A10": 0.6}  # datasheet HBM/GDDR peaks, TB/s
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -143,19 +144,6 @@ def part_tests(sizes: Sizes, report: dict, out_dir: Path, timeout_s: int = 180) 
 
 # --- ops ----------------------------------------------------------------------------------
 
-def _paged(num_seqs, context, num_kv_heads, head_dim, block_size, dtype, dev, seed=0):
-    """Random K/V caches with each sequence's blocks scattered (a random permutation)."""
-    import torch
-
-    g = torch.Generator(device=dev).manual_seed(seed)
-    blocks = -(-context // block_size)
-    k_cache = torch.randn(num_seqs * blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev, generator=g)
-    v_cache = torch.randn(k_cache.shape, dtype=dtype, device=dev, generator=g)
-    tables = torch.randperm(num_seqs * blocks, device=dev, generator=g).view(num_seqs, blocks).to(torch.int32)
-    lens = torch.full((num_seqs,), context, dtype=torch.int32, device=dev)
-    return k_cache, v_cache, tables, lens
-
-
 def part_ops(sizes: Sizes, report: dict) -> dict:
     """Every Triton op against its reference once, bf16, at sizes a 1B model serves."""
     import torch
@@ -182,7 +170,7 @@ def part_ops(sizes: Sizes, report: dict) -> dict:
     cos, sin = rotary.rope_at(*(t.to(dev) for t in rotary.build_rope_cache(head_dim, 4096, 500000.0)),
                               torch.randint(0, 4096, (rows,), device=dev), dt)
     compare("apply_rotary", rotary.apply_rotary(qk, cos, sin), rotary.apply_rotary_ref(qk, cos, sin), 1e-2, 1e-2)
-    kc, vc, tables, lens = _paged(seqs, context, kv_heads, head_dim, 16, dt, dev)
+    kc, vc, tables, lens = paged_kv(seqs, context, kv_heads, head_dim, 16, dt, dev)
     q = torch.randn(seqs, heads, head_dim, device=dev, dtype=dt)
     compare(f"paged_decode_attention b{seqs} ctx{context}", pa.paged_decode_attention(q, kc, vc, tables, lens, 0.125),
             pa.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.125), 1e-2, 8e-3)
@@ -225,7 +213,7 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
     copy = report.get("env", {}).get("copy_tbps")
     seqs, context, heads, kv_heads, head_dim = sizes.attn
     dt = torch.bfloat16
-    kc, vc, tables, lens = _paged(seqs, context, kv_heads, head_dim, 16, dt, sizes.device, seed=1)
+    kc, vc, tables, lens = paged_kv(seqs, context, kv_heads, head_dim, 16, dt, sizes.device, seed=1)
     q = torch.randn(seqs, heads, head_dim, device=sizes.device, dtype=dt)
     want = pa.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.125).float()
     moved = (kc.numel() + vc.numel() + 2 * q.numel()) * q.element_size() + tables.numel() * 4 + lens.numel() * 4
@@ -286,7 +274,7 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
     if overall and not sizes.smoke:
         rest = {k: v for k, v in overall["settings"].items() if k != "partition_size"}
         for num_seqs, ctx in ((1, 4096), (8, 4096), (32, 2048), (64, 2048), (128, 1024), (32, 512)):
-            kc_s, vc_s, t_s, l_s = _paged(num_seqs, ctx, kv_heads, head_dim, 16, dt, sizes.device, seed=3)
+            kc_s, vc_s, t_s, l_s = paged_kv(num_seqs, ctx, kv_heads, head_dim, 16, dt, sizes.device, seed=3)
             q_s = torch.randn(num_seqs, heads, head_dim, device=sizes.device, dtype=dt)
             nbytes = (kc_s.numel() + vc_s.numel() + 2 * q_s.numel()) * 2
             row = dict(num_seqs=num_seqs, context=ctx,
@@ -308,7 +296,7 @@ def part_attention(sizes: Sizes, report: dict) -> dict:
     # Llama-3-8B's shape too (head_dim 128), default launcher
     extra = {}
     if not sizes.smoke:
-        kc8, vc8, t8, l8 = _paged(32, 2048, 8, 128, 16, dt, sizes.device, seed=2)
+        kc8, vc8, t8, l8 = paged_kv(32, 2048, 8, 128, 16, dt, sizes.device, seed=2)
         q8 = torch.randn(32, 32, 128, device=sizes.device, dtype=dt)
         ms = timer(lambda: pa.paged_decode_attention(q8, kc8, vc8, t8, l8, 0.088), sizes)
         tbps = (kc8.numel() + vc8.numel() + 2 * q8.numel()) * 2 / (ms * 1e-3) / 1e12

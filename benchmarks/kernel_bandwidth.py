@@ -44,11 +44,15 @@ class Row:
     speedup_vs_sdpa: float | None
 
 
-def _paged(num_seqs, context, num_kv_heads, head_dim, block_size, dtype, dev):
+def paged_kv(num_seqs, context, num_kv_heads, head_dim, block_size, dtype, dev, seed: int | None = None):
+    """Random K/V caches, every sequence `context` tokens long with its blocks scattered (a random
+    permutation); from torch's global generator, or a generator of its own when seeded. Also
+    `gpu_check.py`'s."""
+    g = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     blocks = -(-context // block_size)
-    k_cache = torch.randn(num_seqs * blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev)
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(num_seqs * blocks, device=dev).view(num_seqs, blocks).to(torch.int32)
+    k_cache = torch.randn(num_seqs * blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=dev, generator=g)
+    v_cache = torch.randn(k_cache.shape, dtype=dtype, device=dev, generator=g)
+    tables = torch.randperm(num_seqs * blocks, device=dev, generator=g).view(num_seqs, blocks).to(torch.int32)
     lens = torch.full((num_seqs,), context, dtype=torch.int32, device=dev)
     return k_cache, v_cache, tables, lens
 
@@ -72,12 +76,12 @@ def build_cases(dev: str, dtype: torch.dtype) -> list[Case]:
                               torch.arange(tokens, device=dev), dtype)
     cases.append(Case("apply_rotary (q and k heads)", 2 * qk.numel() * el + 2 * cos.numel() * el,
                       lambda: rotary.apply_rotary(qk, cos, sin), lambda: rotary.apply_rotary_ref(qk, cos, sin)))
-    k_cache, v_cache, _, _ = _paged(1, tokens, 8, 128, 16, dtype, dev)
+    k_cache, v_cache, _, _ = paged_kv(1, tokens, 8, 128, 16, dtype, dev)
     slots = torch.randperm(k_cache.shape[0] * 16, device=dev)[:tokens]
     cases.append(Case("write_kv", 4 * k.numel() * el, lambda: kv_write.write_kv(k, k, k_cache, v_cache, slots),
                       lambda: kv_write.write_kv_ref(k, k, k_cache, v_cache, slots)))
     for num_seqs, context in ((64, 2048), (4, 32768)):  # many short: one pass; few long: split-K
-        kc, vc, tables, lens = _paged(num_seqs, context, 8, 128, 16, dtype, dev)
+        kc, vc, tables, lens = paged_kv(num_seqs, context, 8, 128, 16, dtype, dev)
         qd = torch.randn(num_seqs, 32, 128, dtype=dtype, device=dev)
         kd, vd = (torch.randn(num_seqs, 8, context, 128, dtype=dtype, device=dev) for _ in range(2))
         cases.append(Case(
@@ -86,7 +90,7 @@ def build_cases(dev: str, dtype: torch.dtype) -> list[Case]:
             lambda qd=qd, kc=kc, vc=vc, t=tables, n=lens: pa.paged_decode_attention_ref(qd, kc, vc, t, n, 0.088),
             lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd[:, :, None], kd, vd, scale=0.088, enable_gqa=True)))
     num_seqs, chunk, context = 4, 512, 2048  # chunked prefill: a 512-token chunk after 1536 cached
-    kc, vc, tables, lens = _paged(num_seqs, context, 8, 128, 16, dtype, dev)
+    kc, vc, tables, lens = paged_kv(num_seqs, context, 8, 128, 16, dtype, dev)
     qe = torch.randn(num_seqs * chunk, 32, 128, dtype=dtype, device=dev)
     cu = torch.arange(0, num_seqs * chunk + 1, chunk, dtype=torch.int32, device=dev)
     qdense = qe.view(num_seqs, chunk, 32, 128).transpose(1, 2)

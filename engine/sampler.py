@@ -21,7 +21,8 @@ class SamplingTensors:
 
     def __init__(self, device: torch.device, capacity: int = 64):
         self.device, self._capacity = device, 0
-        self._copied: torch.cuda.Event | None = None  # CUDA: when the last build's copies have read the host buffers
+        # CUDA: recorded after each build's copies, so the next build waits until they have read the host buffers
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
@@ -34,14 +35,13 @@ class SamplingTensors:
     def build(self, params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
         n = len(params)
         if self._copied is not None:  # two builds in one step (verification): the first's copies may still be queued
-            self._copied.synchronize()
+            self._copied.synchronize()  # at once if never recorded
         if n > self._capacity:
             self._grow(max(n, 2 * self._capacity))
         for buf, values in zip(self._np, zip(*((p.temperature, p.top_k, p.top_p, p.min_p) for p in params))):
             buf[:n] = values
         out = tuple(t[:n].to(self.device, non_blocking=True) for t in self._host)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
         return out
 

@@ -66,7 +66,8 @@ class InputBuffers:
         self.max_native_scores, self.group_size = MAX_NATIVE_SCORES, group_size
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
-        self._copied: torch.cuda.Event | None = None  # CUDA: when the last build's copies have read the host buffers
+        # CUDA: recorded after each build's copies, so the next build waits until they have read the host buffers
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._grow(256, 16)
 
     def reserve(self, num_tokens: int, num_seqs: int) -> None:
@@ -96,15 +97,14 @@ class InputBuffers:
         entries = [batch[i] for i in order]
         num_tokens = sum(e.num_new_tokens for e in entries)
         if self._copied is not None:  # the previous step's copies read these host buffers: let them finish
-            self._copied.synchronize()
+            self._copied.synchronize()  # at once if never recorded
         if num_tokens > self._num_tokens or len(entries) > self._num_seqs:
             self._grow(max(num_tokens, 2 * self._num_tokens), max(len(entries), 2 * self._num_seqs))
         starts = self._fill_tokens(entries)
         width = self._fill_tables(entries)
         step = StepInputs(self._out("input_ids", num_tokens), self._out("positions", num_tokens),
                           self._metadata(entries, num_tokens, width), self._logits_index(batch, order, starts), order)
-        if self.dev is not self.host:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
         return step
 
