@@ -99,11 +99,15 @@ def paged_decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True, HEADS_FIRST: tl.constexpr = False,
+    USE_DOT: tl.constexpr = True, EARLY_V: tl.constexpr = False,
 ):
     # CACHE_DTYPE_DOTS (and not KV_AS_F32): both products in the cache's 16-bit dtype (q and the
     # probabilities rounded to it), accumulating in float32; otherwise K and V are widened first
     # HEADS_FIRST: the grid is (KV head, sequence, partition), so the programs that run side by
     # side read neighbouring rows of the same cache blocks; else (sequence, KV head, partition)
+    # USE_DOT: the two products on tensor cores (tl.dot, the group padded to 16 rows); else as
+    # multiply-adds in registers, [G, N, D] broadcast and summed, with no shared memory at all.
+    # EARLY_V: V's tile is loaded with K's, before the scores, so both are in flight at once
     if HEADS_FIRST:
         seq = tl.program_id(1).to(tl.int64)
         kv_head = tl.program_id(0)
@@ -134,15 +138,26 @@ def paged_decode_attention_kernel(
             is_valid = offs_n < end
             k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
                              cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+            if EARLY_V:
+                v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                                 cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            if USE_DOT:
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+            else:
+                scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale
             scores = tl.where(is_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            if not EARLY_V:
+                v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                                 cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         out = acc / l_i[:, None]
         if IS_SPLIT:
@@ -292,11 +307,15 @@ def paged_decode_attention_with_partitions(
     num_stages: int | None = None,
     cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
     heads_first: bool = False,  # the grid's order: see the kernel
+    use_dot: bool = True,  # tensor cores, or multiply-adds in registers: see the kernel
+    early_v: bool = False,  # V's tile loaded with K's: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
     if run.num_seqs == 0:
         return run.out
-    dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
+    dots_16 = (use_dot and cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16)
+               and q.dtype == k_cache.dtype)
+    group_rows = triton.next_power_of_2(run.group)
     grid = ((run.num_kv_heads, run.num_seqs, run.max_partitions) if heads_first
             else (run.num_seqs, run.num_kv_heads, run.max_partitions))
     paged_decode_attention_kernel[grid](
@@ -304,10 +323,11 @@ def paged_decode_attention_with_partitions(
         scale, run.head_dim, run.group, run.max_partitions,
         q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, triton.next_power_of_2(run.group)), BLOCK_N=block_n,
+        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, group_rows) if use_dot else group_rows, BLOCK_N=block_n,
         BLOCK_D=run.block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=run.is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
-        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, **run.settings,
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=use_dot and not dots_16, HEADS_FIRST=heads_first,
+        USE_DOT=use_dot, EARLY_V=early_v, **run.settings,
     )
     return run.finish()
 

@@ -89,6 +89,24 @@ def test_decode_kernel_tile_sizes(block_n, partition_size, heads_first, device):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("use_dot,early_v", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,partition_size", [(8, 2, 0), (8, 1, 32), (2, 2, 0), (12, 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_products_in_registers_and_early_v(use_dot, early_v, num_heads, num_kv_heads, partition_size,
+                                                         dtype, device):
+    # the multiply-add products (no tensor cores; groups of 4, 8, 1 and 3 query heads) and V loaded
+    # beside K compute what the tensor-core kernel computes; bf16 runs in the interpreter here
+    # because no 16-bit dot is taken (products in fp32)
+    if dtype == torch.bfloat16 and use_dot and device == "cpu":
+        pytest.skip("Triton's interpreter computes bf16 dots wrongly")
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([3, 100, 1, 65], num_heads, num_kv_heads, 64, dtype,
+                                                             device, seed=11)
+    out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
+                                                 block_n=32, use_dot=use_dot, early_v=early_v)
+    torch.testing.assert_close(out.float(), paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125).float(),
+                               **TOL[dtype])
+
+
 # Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic); fp16 runs everywhere
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("partition_size", [0, 32])
