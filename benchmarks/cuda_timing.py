@@ -94,14 +94,3 @@ def graph_ms(fn, reps: int = 20, trials: int = 7, flush: bool = True) -> float:
         per_call.append((t - b) / reps)
     del timed, base
     return statistics.median(per_call)
-
-
-def best_effort_ms(fn, **kwargs) -> tuple[float, str]:
-    """graph_ms, or events_ms when fn cannot be captured (a host sync, say): (ms, which)."""
-    import torch
-
-    try:
-        return graph_ms(fn, **kwargs), "graph"
-    except Exception:  # capture refused: the eager timing is still a figure
-        torch.cuda.synchronize()
-        return events_ms(fn), "events"

@@ -33,7 +33,7 @@ def part_attention(sizes, report: dict) -> dict:
     peak = report["peak_tbps"]
     copy = report.get("env", {}).get("copy_tbps")
     seqs, context, heads, kv_heads, head_dim = sizes.attn
-    dt = torch.bfloat16
+    dt = torch.float16 if sizes.smoke else torch.bfloat16  # the interpreter has no bf16 products
     kc, vc, tables, lens = paged_kv(seqs, context, kv_heads, head_dim, 16, dt, sizes.device, seed=1)
     q = torch.randn(seqs, heads, head_dim, device=sizes.device, dtype=dt)
     want = pa.paged_decode_attention_ref(q, kc, vc, tables, lens, 0.125).float()
@@ -88,39 +88,50 @@ def part_attention(sizes, report: dict) -> dict:
     best = lambda rows: max((r for r in rows if r["ok"]), key=lambda r: r["tbps"], default=None)  # noqa: E731
     small = sizes.smoke
     partitions = (0, 32) if small else (0, 128, 256, 512, 1024)
-    # 1. partition size x tile x V loaded with K, tensor-core products, Triton's default warps/stages
-    stage1 = [trial(partition_size=p, block_n=bn, early_v=ev) for p in partitions for bn in (32, 64, 128)
-              for ev in (False, True) if (p % bn == 0) and (small or bn >= 64)]
+    # 1. partition size x tile, 16-bit dots (the default launcher's), Triton's default warps/stages
+    stage1 = [trial(partition_size=p, block_n=bn, cache_dtype_dots=True) for p in partitions
+              for bn in ((32,) if small else (64, 128)) if p % bn == 0]
     # 2. warps, stages and 16-bit dots on the two best partition sizes of stage 1
     ranked = sorted((r for r in stage1 if r["ok"]), key=lambda r: -r["tbps"])
     tops, seen = [], set()
     for r in ranked:
-        key = r["settings"]["partition_size"]
-        if key not in seen:
-            seen.add(key)
+        if r["settings"]["partition_size"] not in seen:
+            seen.add(r["settings"]["partition_size"])
             tops.append(r["settings"])
-    stage2 = [trial(**{k: top[k] for k in ("partition_size", "block_n", "early_v")}, num_warps=w, num_stages=s,
+    stage2 = [trial(partition_size=top["partition_size"], block_n=top["block_n"], num_warps=w, num_stages=s,
                     cache_dtype_dots=d)
-              for top in tops[:2] for w in (4, 8) for s in (1, 2, 3) for d in (False, True)]
-    # 3. the products as multiply-adds in registers (no tensor cores, no shared memory): small tiles, split
-    stage3 = [trial(partition_size=p, block_n=bn, use_dot=False, early_v=True, num_warps=w)
-              for p in ((0, 32) if small else (128, 256, 512)) for bn in (16, 32) for w in (4, 8) if p % bn == 0]
+              for top in tops[:2] for w in (4, 8) for s in (2, 3, 4) for d in (False, True)]
+    # 3. a KV head's query heads shared among programs: more programs without split-K's reduce
+    stage3 = [trial(partition_size=p, block_n=32 if small else 128, head_split=hs, heads_first=hf, cache_dtype_dots=True)
+              for p in ((0, 32) if small else (0, 512, 1024)) for hs in ((2,) if small else (2, 4)) for hf in (False, True)]
     # 4. every KV head of a sequence in one program (`paged_attention_all_heads.py`)
-    stage4 = [trial(all_heads=True, partition_size=p, block_n=16, num_warps=4, num_stages=s)
-              for p in ((32,) if small else (128, 256)) for s in (2, 3)]
+    stage4 = [trial(all_heads=True, partition_size=p, block_n=16, num_warps=4, num_stages=2)
+              for p in ((32,) if small else (128, 256))]
     overall = best(stage1 + stage2 + stage3 + stage4)
     if overall:
         print(f"  best: {overall['settings']}: {overall['tbps']:.2f} TB/s = {100 * overall['share_of_peak']:.1f}% of peak")
     shapes = _by_shape(sizes, overall, kv_heads, heads, head_dim, q.device) if overall and not small else []
     extra = {}
-    if not small:  # Llama-3-8B's shape too (head_dim 128), default launcher
+    if not small:  # Llama-3-8B's shape too (head_dim 128): the default launcher and a few tiles
         kc8, vc8, t8, l8 = paged_kv(32, 2048, 8, 128, 16, dt, sizes.device, seed=2)
         q8 = torch.randn(32, 32, 128, device=sizes.device, dtype=dt)
+        nbytes = (kc8.numel() + vc8.numel() + 2 * q8.numel()) * 2
         ms = graph_ms(lambda: pa.paged_decode_attention(q8, kc8, vc8, t8, l8, 0.088))
-        tbps = (kc8.numel() + vc8.numel() + 2 * q8.numel()) * 2 / (ms * 1e-3) / 1e12
-        extra = dict(shape="b32 ctx2048 32/8 heads d128", ms=ms, tbps=tbps, share_of_peak=tbps / peak)
-        print(f"  head_dim 128 (Llama-3-8B's shape), default launcher: {ms * 1e3:.1f} us, {tbps:.2f} TB/s = "
-              f"{100 * tbps / peak:.1f}% of peak")
+        extra = dict(shape="b32 ctx2048 32/8 heads d128", ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12,
+                     chosen=pa.choose_partition_size(32, 8, 2048, q8.device, 128), sweep=[])
+        extra["share_of_peak"] = extra["tbps"] / peak
+        print(f"  head_dim 128 (Llama-3-8B's shape), default launcher (partition {extra['chosen']}): {ms * 1e3:.1f} us, "
+              f"{extra['tbps']:.2f} TB/s = {100 * extra['share_of_peak']:.1f}% of peak")
+        for p in (0, 512, 1024):
+            for bn in (32, 64):
+                try:
+                    ms = graph_ms(lambda: pa.paged_decode_attention_with_partitions(
+                        q8, kc8, vc8, t8, l8, 0.088, p, block_n=bn, cache_dtype_dots=True))
+                    extra["sweep"].append(dict(partition_size=p, block_n=bn, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12))
+                    print(f"    d128 partition {p} block_n {bn}: {ms * 1e3:.1f} us, {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s")
+                except Exception as exc:  # shared memory, say
+                    extra["sweep"].append(dict(partition_size=p, block_n=bn, error=f"{type(exc).__name__}: {exc}"[:300]))
+                    print(f"    d128 partition {p} block_n {bn}: {type(exc).__name__}")
     return dict(batch=seqs, context=context, heads=heads, kv_heads=kv_heads, head_dim=head_dim, bytes=moved,
                 timer="graph_flushed", default=dict(default, partition_size=chosen), default_timings=timings,
                 ceilings=ceilings, goal_met=default["share_of_peak"] >= 0.7 and default["ok"],

@@ -44,6 +44,15 @@ def render(out_dir: Path) -> str:
             lines.append(f"| best of the sweep's {len(att['sweep'])}: `{b['settings']}` | {b['ms'] * 1e3:.1f} µs | "
                          f"{b['tbps']:.2f} TB/s | {100 * b['share_of_peak']:.1f}% | "
                          f"{100 * (b['share_of_copy'] or 0):.1f}% | {'met' if b['share_of_peak'] >= 0.7 else 'not met'} |")
+        if att.get("default_timings"):
+            t = att["default_timings"]
+            names = dict(graph_flushed="CUDA-graph replays after a read-only L2 flush (the table's)",
+                         graph_warm_l2="graph replays back to back", eager_do_bench="eager, Triton's do_bench")
+            lines.append("")
+            lines.append("The default launcher timed three ways: " + "; ".join(
+                f"{names.get(k, k)} {v * 1e3:.1f} µs" for k, v in t.items()) + "."
+                + "".join(f" A torch sum over the same K and V reads at {v:.2f} TB/s." for v in att.get("ceilings", {}).values()))
+            lines.append("")
         if att.get("head_dim_128"):
             h = att["head_dim_128"]
             lines.append(f"| default, {h['shape']} | {h['ms'] * 1e3:.1f} µs | {h['tbps']:.2f} TB/s | "

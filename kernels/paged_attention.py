@@ -56,7 +56,8 @@ def paged_decode_attention_ref(
 # Split-K (flash-decoding) cuts the context into partitions of PARTITION_SIZE tokens; each
 # writes a normalised partial output and its log-sum-exp, and a reduce kernel merges them.
 
-DEFAULT_PARTITION_SIZE = 512
+DEFAULT_PARTITION_SIZE = 512  # contexts up to this long always run in one pass
+PROGRAMS_PER_SM = 3  # split-K until the grid has about this many programs per multiprocessor
 
 
 @triton.jit
@@ -93,36 +94,36 @@ def partition_bounds(context_len, part, PARTITION_SIZE: tl.constexpr, IS_SPLIT: 
 def paged_decode_attention_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    scale, head_dim, num_queries_per_kv, max_partitions,
+    scale, head_dim, num_heads, num_queries_per_kv, max_partitions,
     q_seq_stride, q_head_stride, out_seq_stride, out_head_stride, block_table_stride,
     cache_block_stride, cache_offset_stride, cache_head_stride,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True, HEADS_FIRST: tl.constexpr = False,
-    USE_DOT: tl.constexpr = True, EARLY_V: tl.constexpr = False,
+    HEAD_SPLIT: tl.constexpr = 1,
 ):
     # CACHE_DTYPE_DOTS (and not KV_AS_F32): both products in the cache's 16-bit dtype (q and the
     # probabilities rounded to it), accumulating in float32; otherwise K and V are widened first
     # HEADS_FIRST: the grid is (KV head, sequence, partition), so the programs that run side by
     # side read neighbouring rows of the same cache blocks; else (sequence, KV head, partition)
-    # USE_DOT: the two products on tensor cores (tl.dot, the group padded to 16 rows); else as
-    # multiply-adds in registers, [G, N, D] broadcast and summed, with no shared memory at all.
-    # EARLY_V: V's tile is loaded with K's, before the scores, so both are in flight at once
+    # HEAD_SPLIT > 1: a KV head's query heads are shared among that many neighbouring programs,
+    # which read the same K/V tiles at about the same time (the second read from the L2): more
+    # programs in flight without split-K's partial outputs and reduce
     if HEADS_FIRST:
         seq = tl.program_id(1).to(tl.int64)
-        kv_head = tl.program_id(0)
-        num_kv_heads = tl.num_programs(0)
+        unit = tl.program_id(0)
     else:
         seq = tl.program_id(0).to(tl.int64)
-        kv_head = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+        unit = tl.program_id(1)
+    kv_head = unit // HEAD_SPLIT
+    group_rows = num_queries_per_kv // HEAD_SPLIT  # query heads per program
     part = tl.program_id(2)
     start, end = partition_bounds(tl.load(context_lens_ptr + seq), part, PARTITION_SIZE, IS_SPLIT)
     if start < end:  # partitions past this sequence's end do nothing; the reduce skips them
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
-        heads = kv_head * num_queries_per_kv + offs_g
-        row_mask = (offs_g[:, None] < num_queries_per_kv) & (offs_d[None, :] < head_dim)
+        heads = kv_head * num_queries_per_kv + (unit % HEAD_SPLIT) * group_rows + offs_g
+        row_mask = (offs_g[:, None] < group_rows) & (offs_d[None, :] < head_dim)
         q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + offs_d[None, :],
                     mask=row_mask, other=0.0)
         if CACHE_DTYPE_DOTS:
@@ -138,33 +139,22 @@ def paged_decode_attention_kernel(
             is_valid = offs_n < end
             k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
                              cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
-            if EARLY_V:
-                v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                                 cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
-            if USE_DOT:
-                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
-            else:
-                scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
             scores = tl.where(is_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not EARLY_V:
-                v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                                 cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
-            if USE_DOT:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-            acc = acc * alpha[:, None] + pv
+            v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         if IS_SPLIT:
             # partial buffers: out [num_seqs, num_heads, max_partitions, D], lse [.., max_partitions]
-            slot = (seq * (num_kv_heads * num_queries_per_kv) + heads) * max_partitions + part
+            slot = (seq * num_heads + heads) * max_partitions + part
             tl.store(partial_out_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_mask)
-            tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < num_queries_per_kv)
+            tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < group_rows)
         else:
             tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -230,23 +220,32 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
                           head_dim: int = 64) -> int:
-    """0 (one pass) when there are enough (sequence, KV head) programs to fill the GPU or the
-    context is short; otherwise split-K with DEFAULT_PARTITION_SIZE. Enough is one per
-    multiprocessor with `choose_block_n`'s 128-token tiles (head_dim <= 64), two with 32.
+    """0 (one pass) when the (sequence, KV head) programs already number PROGRAMS_PER_SM per
+    multiprocessor or the context is short; otherwise split-K with partitions of a power of two
+    (at least one tile) that cut each sequence into enough parts to get there.
 
-    On an H200 (132 multiprocessors; `benchmarks/gpu_check.py`, 2026-12-04), batch 32 at context
-    2048 with 8 KV heads (256 programs): at head_dim 64, one pass of 128-token tiles ran at
-    2.38-2.43 TB/s in three runs, where partitions of 512 and 1024 tokens gave 0.6-2.5; at
-    head_dim 128 (32-token tiles), partitions of 512 ran 96 us in three runs and one pass 130.
-    Batch 1 at context 4096 (8 programs) is noisy: its best split beat one pass in two runs of
-    three (0.26 against 0.11 TB/s, 0.19 against 0.13) and lost in the third (0.08 against 0.12).
+    Measured on an H200 (132 multiprocessors; `benchmarks/gpu_check.py`, CUDA-graph replays, a
+    cold L2, head_dim 64, 128-token tiles, 16-bit dots), TB/s by partition size:
+
+        batch 1, context 4096 (8 programs)       best 128: 0.78 (256: 0.75, 512: 0.60, one pass 0.13)
+        batch 8, context 4096 (64)               best 512: 2.77 (256: 2.51, 1024: 2.25, one pass 0.99)
+        batch 32, context 2048 (256)             best 1024: 3.22 (512: 3.09, one pass 2.78)
+        batch 64, context 2048 (512)             best one pass: 3.82 (1024: 3.45)
+        batch 128, context 1024 (1024)           best one pass: 3.62 (512: 3.20)
+        batch 32, context 512 (256)              best one pass: 2.10 (256: 1.92)
+
+    which this rule picks in each row: about four programs per multiprocessor keep enough loads
+    in flight (splits come in powers of two, so three asked for is usually about four), and past
+    that a split only adds its partial outputs and the reduce.
 
     `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
     """
-    enough = _num_sms(device) * (1 if choose_block_n(head_dim) >= 128 else 2)
-    if max_context <= DEFAULT_PARTITION_SIZE or num_seqs * num_kv_heads >= enough:
+    programs, target = num_seqs * num_kv_heads, PROGRAMS_PER_SM * _num_sms(device)
+    if max_context <= DEFAULT_PARTITION_SIZE or programs >= target:
         return 0
-    return DEFAULT_PARTITION_SIZE
+    parts = -(-target // programs)
+    size = max(choose_block_n(head_dim), 1 << max(0, (max_context // parts).bit_length() - 1))
+    return size if size < max_context else 0
 
 
 def choose_block_n(head_dim: int) -> int:
@@ -307,27 +306,26 @@ def paged_decode_attention_with_partitions(
     num_stages: int | None = None,
     cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
     heads_first: bool = False,  # the grid's order: see the kernel
-    use_dot: bool = True,  # tensor cores, or multiply-adds in registers: see the kernel
-    early_v: bool = False,  # V's tile loaded with K's: see the kernel
+    head_split: int = 1,  # programs per KV head, sharing its query heads: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
     if run.num_seqs == 0:
         return run.out
-    dots_16 = (use_dot and cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16)
-               and q.dtype == k_cache.dtype)
-    group_rows = triton.next_power_of_2(run.group)
-    grid = ((run.num_kv_heads, run.num_seqs, run.max_partitions) if heads_first
-            else (run.num_seqs, run.num_kv_heads, run.max_partitions))
+    assert head_split >= 1 and run.group % head_split == 0, \
+        f"head_split {head_split} must divide the {run.group} query heads per KV head"
+    dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
+    units = run.num_kv_heads * head_split
+    grid = (units, run.num_seqs, run.max_partitions) if heads_first else (run.num_seqs, units, run.max_partitions)
     paged_decode_attention_kernel[grid](
         run.out, run.partial_out, run.partial_lse, q, k_cache, v_cache, block_tables, context_lens,
-        scale, run.head_dim, run.group, run.max_partitions,
+        scale, run.head_dim, run.num_heads, run.group, run.max_partitions,
         q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, group_rows) if use_dot else group_rows, BLOCK_N=block_n,
+        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, triton.next_power_of_2(run.group // head_split)), BLOCK_N=block_n,
         BLOCK_D=run.block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=run.is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
-        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=use_dot and not dots_16, HEADS_FIRST=heads_first,
-        USE_DOT=use_dot, EARLY_V=early_v, **run.settings,
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, HEAD_SPLIT=head_split,
+        **run.settings,
     )
     return run.finish()
 
@@ -340,8 +338,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Triton `paged_decode_attention_ref`; picks one pass or split-K, and the tile, without a host sync."""
+    """Triton `paged_decode_attention_ref`; picks one pass or split-K, and the tile, without a
+    host sync. On 16-bit caches both products take 16-bit operands (q and the probabilities
+    rounded once more, as FlashAttention rounds its probabilities): 8% faster on the H200 at
+    batch 32, context 2048 (41.5 against 45.3 us, `benchmarks/gpu_check.py`)."""
     max_context = block_tables.shape[1] * k_cache.shape[1]
     partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device, q.shape[2])
     return paged_decode_attention_with_partitions(
-        q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]))
+        q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]),
+        cache_dtype_dots=True)

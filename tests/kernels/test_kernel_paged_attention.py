@@ -89,22 +89,21 @@ def test_decode_kernel_tile_sizes(block_n, partition_size, heads_first, device):
                                **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("use_dot,early_v", [(False, False), (False, True), (True, True)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,partition_size", [(8, 2, 0), (8, 1, 32), (2, 2, 0), (12, 4, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_products_in_registers_and_early_v(use_dot, early_v, num_heads, num_kv_heads, partition_size,
-                                                         dtype, device):
-    # the multiply-add products (no tensor cores; groups of 4, 8, 1 and 3 query heads) and V loaded
-    # beside K compute what the tensor-core kernel computes; bf16 runs in the interpreter here
-    # because no 16-bit dot is taken (products in fp32)
-    if dtype == torch.bfloat16 and use_dot and device == "cpu":
-        pytest.skip("Triton's interpreter computes bf16 dots wrongly")
-    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([3, 100, 1, 65], num_heads, num_kv_heads, 64, dtype,
-                                                             device, seed=11)
+@pytest.mark.parametrize("head_split", [2, 4])
+@pytest.mark.parametrize("partition_size,heads_first", [(0, False), (32, True), (64, False)])
+def test_decode_kernel_head_split(head_split, partition_size, heads_first, device):
+    # a KV head's 4 query heads shared among 2 or 4 programs: the same output, one pass or split
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([3, 100, 1, 65], 8, 2, 64, torch.float32, device, seed=9)
     out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
-                                                 block_n=32, use_dot=use_dot, early_v=early_v)
-    torch.testing.assert_close(out.float(), paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125).float(),
-                               **TOL[dtype])
+                                                 head_split=head_split, heads_first=heads_first)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125),
+                               **TOL[torch.float32])
+
+
+def test_decode_kernel_head_split_must_divide_the_group(device):
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([5], 8, 2, 64, torch.float32, device)
+    with pytest.raises(AssertionError, match="head_split 3 must divide the 4 query heads"):
+        paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, 0, head_split=3)
 
 
 # Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic); fp16 runs everywhere
@@ -124,11 +123,12 @@ def test_launcher_dispatch(device):
     assert choose_partition_size(1, 1, 4096, torch.device("cpu")) > 0
     assert choose_partition_size(512, 8, 4096, torch.device("cpu")) == 0
     assert choose_partition_size(1, 1, 256, torch.device("cpu")) == 0
-    # with 128-token tiles (head_dim <= 64) a program per multiprocessor (132 on an H200) is
-    # enough for one pass, with 32-token tiles two: batch 32 x 8 KV heads
-    assert choose_partition_size(32, 8, 2048, torch.device("cpu")) == 0
-    assert choose_partition_size(32, 8, 2048, torch.device("cpu"), head_dim=128) > 0
-    assert choose_partition_size(8, 8, 4096, torch.device("cpu")) > 0
+    # split until about three programs per multiprocessor (132 on an H200), by powers of two
+    assert choose_partition_size(32, 8, 2048, torch.device("cpu")) == 1024  # 256 programs -> 512
+    assert choose_partition_size(64, 8, 2048, torch.device("cpu")) == 0  # 512 programs already
+    assert choose_partition_size(8, 8, 4096, torch.device("cpu")) == 512
+    assert choose_partition_size(1, 8, 4096, torch.device("cpu")) == 128  # never below one tile
+    assert choose_partition_size(1, 8, 4096, torch.device("cpu"), head_dim=128) == 64  # 32-token tiles
     assert choose_block_n(64) == 128 and choose_block_n(128) == 32
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
