@@ -88,9 +88,9 @@ def part_attention(sizes, report: dict) -> dict:
     best = lambda rows: max((r for r in rows if r["ok"]), key=lambda r: r["tbps"], default=None)  # noqa: E731
     small = sizes.smoke
     partitions = (0, 32) if small else (0, 128, 256, 512, 1024)
-    # 1. partition size x tile, 16-bit dots (the default launcher's), Triton's default warps/stages
-    stage1 = [trial(partition_size=p, block_n=bn, cache_dtype_dots=True) for p in partitions
-              for bn in ((32,) if small else (64, 128)) if p % bn == 0]
+    # 1. partition size x tile x the next tile prefetched, 16-bit dots, Triton's default warps/stages
+    stage1 = [trial(partition_size=p, block_n=bn, prefetch=pf, cache_dtype_dots=True) for p in partitions
+              for bn in ((32,) if small else (64, 128)) for pf in (False, True) if p % bn == 0]
     # 2. warps, stages and 16-bit dots on the two best partition sizes of stage 1
     ranked = sorted((r for r in stage1 if r["ok"]), key=lambda r: -r["tbps"])
     tops, seen = [], set()
@@ -98,12 +98,11 @@ def part_attention(sizes, report: dict) -> dict:
         if r["settings"]["partition_size"] not in seen:
             seen.add(r["settings"]["partition_size"])
             tops.append(r["settings"])
-    stage2 = [trial(partition_size=top["partition_size"], block_n=top["block_n"], num_warps=w, num_stages=s,
-                    cache_dtype_dots=d)
-              for top in tops[:2] for w in (4, 8) for s in (2, 3, 4) for d in (False, True)]
-    # 3. a KV head's query heads shared among programs: more programs without split-K's reduce
-    stage3 = [trial(partition_size=p, block_n=32 if small else 128, head_split=hs, heads_first=hf, cache_dtype_dots=True)
-              for p in ((0, 32) if small else (0, 512, 1024)) for hs in ((2,) if small else (2, 4)) for hf in (False, True)]
+    stage2 = [trial(partition_size=top["partition_size"], block_n=top["block_n"], prefetch=top["prefetch"],
+                    num_warps=w, num_stages=s, cache_dtype_dots=d)
+              for top in tops[:2] for w in (4, 8) for s in (1, 2, 3) for d in (False, True)]
+    # 3. the other grid order, on the best of stage 1
+    stage3 = [trial(**dict(tops[0], heads_first=True))] if tops else []
     # 4. every KV head of a sequence in one program (`paged_attention_all_heads.py`)
     stage4 = [trial(all_heads=True, partition_size=p, block_n=16, num_warps=4, num_stages=2)
               for p in ((32,) if small else (128, 256))]
@@ -126,7 +125,7 @@ def part_attention(sizes, report: dict) -> dict:
             for bn in (32, 64):
                 try:
                     ms = graph_ms(lambda: pa.paged_decode_attention_with_partitions(
-                        q8, kc8, vc8, t8, l8, 0.088, p, block_n=bn, cache_dtype_dots=True))
+                        q8, kc8, vc8, t8, l8, 0.088, p, block_n=bn, cache_dtype_dots=True, prefetch=True))
                     extra["sweep"].append(dict(partition_size=p, block_n=bn, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12))
                     print(f"    d128 partition {p} block_n {bn}: {ms * 1e3:.1f} us, {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s")
                 except Exception as exc:  # shared memory, say

@@ -55,8 +55,13 @@ class StepInputs:
 
 class InputBuffers:
     def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device, plan_on_host: bool,
-                 uniform_plans: bool = False, native_plans: bool = False, group_size: int = 1):
+                 uniform_plans: bool = False, native_plans: bool = False, group_size: int = 1,
+                 full_width_decode_tables: bool | None = None):
         self.block_size, self.max_blocks, self.device = block_size, max_blocks_per_seq, device
+        # decode block tables at their full width (default: on CUDA), as the CUDA graphs read them:
+        # the decode kernel's split-K choice reads the width, so eager steps then split as replays do
+        self.full_width_decode_tables = (device.type == "cuda" if full_width_decode_tables is None
+                                         else full_width_decode_tables)
         self.plan_on_host = plan_on_host  # CPU torch path: attention by `GatherPlan`
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
         self.native_plans = native_plans  # plans for `paged_attention_cpu` (kernels/native.py)
@@ -158,10 +163,11 @@ class InputBuffers:
     def _metadata(self, entries: list, num_tokens: int, width: int) -> AttentionMetadata:
         nd = sum(1 for e in entries if e.num_new_tokens == 1)
         ns = len(entries)
-        tables, lens = self._out("block_tables", ns)[:, :width], self._out("context_lens", ns)
+        full, lens = self._out("block_tables", ns), self._out("context_lens", ns)
+        tables = full[:, :width]
         meta = AttentionMetadata(
             slot_mapping=self._out("slot_mapping", num_tokens), num_decode_tokens=nd,
-            decode_block_tables=tables[:nd], decode_context_lens=lens[:nd],
+            decode_block_tables=(full if self.full_width_decode_tables else tables)[:nd], decode_context_lens=lens[:nd],
             extend_block_tables=tables[nd:], extend_cu_seqlens_q=self._out("cu_seqlens_q", ns - nd + 1),
             extend_context_lens=lens[nd:],
         )

@@ -68,8 +68,20 @@ def load_kv_tile(
 ):
     """K or V of tokens `offs_n` [BLOCK_N] of one sequence, [BLOCK_N, BLOCK_D]: float32, or the
     cache's own dtype when not AS_F32."""
-    block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=is_valid, other=0).to(tl.int64)
-    rows = block_ids * cache_block_stride + (offs_n % BLOCK_SIZE) * cache_offset_stride + kv_head * cache_head_stride
+    block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=is_valid, other=0)
+    return load_rows(cache_ptr, block_ids, kv_head, offs_n, is_valid, offs_d, head_dim,
+                     cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, AS_F32)
+
+
+@triton.jit
+def load_rows(
+    cache_ptr, block_ids, kv_head, offs_n, is_valid, offs_d, head_dim,
+    cache_block_stride, cache_offset_stride, cache_head_stride,
+    BLOCK_SIZE: tl.constexpr, AS_F32: tl.constexpr,
+):
+    """`load_kv_tile` with each token's cache block already looked up: [BLOCK_N] block_ids."""
+    rows = (block_ids.to(tl.int64) * cache_block_stride + (offs_n % BLOCK_SIZE) * cache_offset_stride
+            + kv_head * cache_head_stride)
     mask = is_valid[:, None] & (offs_d[None, :] < head_dim)
     tile = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
     if AS_F32:
@@ -100,30 +112,28 @@ def paged_decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True, HEADS_FIRST: tl.constexpr = False,
-    HEAD_SPLIT: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False,
 ):
     # CACHE_DTYPE_DOTS (and not KV_AS_F32): both products in the cache's 16-bit dtype (q and the
     # probabilities rounded to it), accumulating in float32; otherwise K and V are widened first
     # HEADS_FIRST: the grid is (KV head, sequence, partition), so the programs that run side by
     # side read neighbouring rows of the same cache blocks; else (sequence, KV head, partition)
-    # HEAD_SPLIT > 1: a KV head's query heads are shared among that many neighbouring programs,
-    # which read the same K/V tiles at about the same time (the second read from the L2): more
-    # programs in flight without split-K's partial outputs and reduce
+    # PREFETCH: software pipelining by hand: while a tile is computed, the next tile's K and V
+    # and the block ids of the one after are already loading (Triton's own pipelining does not
+    # take these gathered loads: its shared memory stays one tile deep at any num_stages)
     if HEADS_FIRST:
         seq = tl.program_id(1).to(tl.int64)
-        unit = tl.program_id(0)
+        kv_head = tl.program_id(0)
     else:
         seq = tl.program_id(0).to(tl.int64)
-        unit = tl.program_id(1)
-    kv_head = unit // HEAD_SPLIT
-    group_rows = num_queries_per_kv // HEAD_SPLIT  # query heads per program
+        kv_head = tl.program_id(1)
     part = tl.program_id(2)
     start, end = partition_bounds(tl.load(context_lens_ptr + seq), part, PARTITION_SIZE, IS_SPLIT)
     if start < end:  # partitions past this sequence's end do nothing; the reduce skips them
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
-        heads = kv_head * num_queries_per_kv + (unit % HEAD_SPLIT) * group_rows + offs_g
-        row_mask = (offs_g[:, None] < group_rows) & (offs_d[None, :] < head_dim)
+        heads = kv_head * num_queries_per_kv + offs_g
+        row_mask = (offs_g[:, None] < num_queries_per_kv) & (offs_d[None, :] < head_dim)
         q = tl.load(q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + offs_d[None, :],
                     mask=row_mask, other=0.0)
         if CACHE_DTYPE_DOTS:
@@ -134,19 +144,38 @@ def paged_decode_attention_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        if PREFETCH:  # tile 0's K and V in flight, and tile 1's block ids
+            offs_n = start + tl.arange(0, BLOCK_N)
+            ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
+            k_next = load_rows(k_cache_ptr, ids, kv_head, offs_n, offs_n < end, offs_d, head_dim,
+                               cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            v_next = load_rows(v_cache_ptr, ids, kv_head, offs_n, offs_n < end, offs_d, head_dim,
+                               cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            offs_n += BLOCK_N
+            ids_next = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             is_valid = offs_n < end
-            k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            if PREFETCH:  # this tile's K and V were loaded an iteration ago; start the next tile's
+                k, v = k_next, v_next
+                offs_1, offs_2 = offs_n + BLOCK_N, offs_n + 2 * BLOCK_N
+                k_next = load_rows(k_cache_ptr, ids_next, kv_head, offs_1, offs_1 < end, offs_d, head_dim,
+                                   cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+                v_next = load_rows(v_cache_ptr, ids_next, kv_head, offs_1, offs_1 < end, offs_d, head_dim,
+                                   cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+                ids_next = tl.load(block_table_ptr + offs_2 // BLOCK_SIZE, mask=offs_2 < end, other=0)
+            else:
+                k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                                 cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_N]
             scores = tl.where(is_valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            if not PREFETCH:
+                v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
+                                 cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -154,7 +183,7 @@ def paged_decode_attention_kernel(
             # partial buffers: out [num_seqs, num_heads, max_partitions, D], lse [.., max_partitions]
             slot = (seq * num_heads + heads) * max_partitions + part
             tl.store(partial_out_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_mask)
-            tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < group_rows)
+            tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < num_queries_per_kv)
         else:
             tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -239,7 +268,11 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
     that a split only adds its partial outputs and the reduce.
 
     `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
+    The batch counts as its next power of two, so an eager step of n sequences splits as the
+    CUDA graph of its bucket (n <= bucket <= that power, `engine/cuda_graphs.py`) does, and the
+    two compute the same bits.
     """
+    num_seqs = 1 << max(0, num_seqs - 1).bit_length()
     programs, target = num_seqs * num_kv_heads, PROGRAMS_PER_SM * _num_sms(device)
     if max_context <= DEFAULT_PARTITION_SIZE or programs >= target:
         return 0
@@ -306,25 +339,23 @@ def paged_decode_attention_with_partitions(
     num_stages: int | None = None,
     cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
     heads_first: bool = False,  # the grid's order: see the kernel
-    head_split: int = 1,  # programs per KV head, sharing its query heads: see the kernel
+    prefetch: bool = False,  # the next tile's loads issued before this tile's products: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
     if run.num_seqs == 0:
         return run.out
-    assert head_split >= 1 and run.group % head_split == 0, \
-        f"head_split {head_split} must divide the {run.group} query heads per KV head"
     dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
-    units = run.num_kv_heads * head_split
-    grid = (units, run.num_seqs, run.max_partitions) if heads_first else (run.num_seqs, units, run.max_partitions)
+    grid = ((run.num_kv_heads, run.num_seqs, run.max_partitions) if heads_first
+            else (run.num_seqs, run.num_kv_heads, run.max_partitions))
     paged_decode_attention_kernel[grid](
         run.out, run.partial_out, run.partial_lse, q, k_cache, v_cache, block_tables, context_lens,
         scale, run.head_dim, run.num_heads, run.group, run.max_partitions,
         q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, triton.next_power_of_2(run.group // head_split)), BLOCK_N=block_n,
+        BLOCK_SIZE=run.block_size, BLOCK_G=max(16, triton.next_power_of_2(run.group)), BLOCK_N=block_n,
         BLOCK_D=run.block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=run.is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
-        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, HEAD_SPLIT=head_split,
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, PREFETCH=prefetch,
         **run.settings,
     )
     return run.finish()
@@ -346,4 +377,4 @@ def paged_decode_attention(
     partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device, q.shape[2])
     return paged_decode_attention_with_partitions(
         q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]),
-        cache_dtype_dots=True)
+        cache_dtype_dots=True, prefetch=True)

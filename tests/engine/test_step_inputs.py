@@ -57,3 +57,15 @@ def test_the_input_buffers_are_sized_for_the_step_budget_at_start(checkpoint):
                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [3] * 20
     assert inputs.generation == generation
+
+
+@pytest.mark.parametrize("full_width", [False, True])
+def test_decode_block_tables_at_full_width_on_request(full_width):
+    """On CUDA the decode tables go to the kernel at their full width, as the CUDA graphs read them,
+    so an eager step's split-K choice (which reads the width) matches the replay's."""
+    inputs = InputBuffers(BLOCK_SIZE, 32, torch.device("cpu"), plan_on_host=False, full_width_decode_tables=full_width)
+    seq = _seq("a", prompt_len=40, num_outputs=0, first_block=3)
+    step = inputs.build([BatchEntry(seq, 1, 1, start=39)])
+    used = len(seq.block_table)  # the widest table in the batch
+    assert step.meta.decode_block_tables.shape == (1, 32 if full_width else used)
+    assert step.meta.decode_block_tables[0, :used].tolist() == seq.block_table[:used]

@@ -89,21 +89,18 @@ def test_decode_kernel_tile_sizes(block_n, partition_size, heads_first, device):
                                **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("head_split", [2, 4])
-@pytest.mark.parametrize("partition_size,heads_first", [(0, False), (32, True), (64, False)])
-def test_decode_kernel_head_split(head_split, partition_size, heads_first, device):
-    # a KV head's 4 query heads shared among 2 or 4 programs: the same output, one pass or split
-    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([3, 100, 1, 65], 8, 2, 64, torch.float32, device, seed=9)
+@pytest.mark.parametrize("block_n,partition_size", [(16, 0), (16, 32), (32, 64), (64, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_kernel_prefetch(block_n, partition_size, dtype, device):
+    # the next tile loaded while this one is computed: lengths ending inside the first, second and
+    # a later tile, a context of one token, and partitions that end before the tiles run out
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([1, 15, 17, 33, 100, 65], 8, 2, 64, dtype, device,
+                                                             seed=13)
     out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
-                                                 head_split=head_split, heads_first=heads_first)
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125),
-                               **TOL[torch.float32])
-
-
-def test_decode_kernel_head_split_must_divide_the_group(device):
-    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([5], 8, 2, 64, torch.float32, device)
-    with pytest.raises(AssertionError, match="head_split 3 must divide the 4 query heads"):
-        paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, 0, head_split=3)
+                                                 block_n=block_n, prefetch=True,
+                                                 cache_dtype_dots=dtype == torch.float16)
+    tol = {k: (2 if dtype == torch.float16 else 1) * v for k, v in TOL[dtype].items()}
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125), **tol)
 
 
 # Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic); fp16 runs everywhere
@@ -133,6 +130,20 @@ def test_launcher_dispatch(device):
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
                                paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("max_batch", [1, 20, 48, 100, 512])
+def test_eager_steps_split_as_their_cuda_graph_bucket(max_batch):
+    # a step of n decodes runs eagerly with n rows or replays its bucket's graph with more: both
+    # must choose the same partition size, or the two compute different bits
+    from pdserve.engine.cuda_graphs import bucket_sizes
+
+    buckets = bucket_sizes(max_batch)
+    for n in range(1, max_batch + 1):
+        bucket = next(b for b in buckets if b >= n)
+        for kv_heads, context, head_dim in ((8, 4096, 64), (1, 2048, 128), (4, 8192, 64)):
+            assert (choose_partition_size(n, kv_heads, context, torch.device("cpu"), head_dim)
+                    == choose_partition_size(bucket, kv_heads, context, torch.device("cpu"), head_dim)), (n, bucket)
 
 
 def _check_kernel(lengths, num_heads, num_kv_heads, head_dim, dtype, device, partition_size):
