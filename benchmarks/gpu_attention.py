@@ -87,25 +87,20 @@ def part_attention(sizes, report: dict) -> dict:
 
     best = lambda rows: max((r for r in rows if r["ok"]), key=lambda r: r["tbps"], default=None)  # noqa: E731
     small = sizes.smoke
-    partitions = (0, 32) if small else (0, 128, 256, 512, 1024)
-    # 1. partition size x tile x the next tile prefetched, 16-bit dots, Triton's default warps/stages
-    stage1 = [trial(partition_size=p, block_n=bn, prefetch=pf, cache_dtype_dots=True) for p in partitions
-              for bn in ((32,) if small else (64, 128)) for pf in (False, True) if p % bn == 0]
-    # 2. warps, stages and 16-bit dots on the two best partition sizes of stage 1
-    ranked = sorted((r for r in stage1 if r["ok"]), key=lambda r: -r["tbps"])
-    tops, seen = [], set()
-    for r in ranked:
-        if r["settings"]["partition_size"] not in seen:
-            seen.add(r["settings"]["partition_size"])
-            tops.append(r["settings"])
-    stage2 = [trial(partition_size=top["partition_size"], block_n=top["block_n"], prefetch=top["prefetch"],
-                    num_warps=w, num_stages=s, cache_dtype_dots=d)
-              for top in tops[:2] for w in (4, 8) for s in (1, 2, 3) for d in (False, True)]
-    # 3. the other grid order, on the best of stage 1
-    stage3 = [trial(**dict(tops[0], heads_first=True))] if tops else []
+    partitions = (0, 32) if small else (0, 256, 512, 1024)
+    # 1. one pass with and without the next tile prefetched; split-K with and without the fused
+    #    reduce (the last partition merges: no reduce kernel), in both grid orders; 128-token tiles
+    bn = 32 if small else 128
+    stage1 = [trial(partition_size=0, block_n=bn, prefetch=pf, cache_dtype_dots=True) for pf in (False, True)]
+    stage1 += [trial(partition_size=p, block_n=bn, fused_reduce=fr, heads_first=hf, cache_dtype_dots=True)
+               for p in partitions[1:] for fr in (False, True) for hf in (False, True)]
+    # 2. warps and stages on the two best of stage 1
+    ranked = [r["settings"] for r in sorted((r for r in stage1 if r["ok"]), key=lambda r: -r["tbps"])]
+    stage2 = [trial(**{k: v for k, v in top.items() if k not in ("num_warps", "num_stages")}, num_warps=w, num_stages=s)
+              for top in ranked[:2] for w in (4, 8) for s in (2, 3)]
+    stage3 = []
     # 4. every KV head of a sequence in one program (`paged_attention_all_heads.py`)
-    stage4 = [trial(all_heads=True, partition_size=p, block_n=16, num_warps=4, num_stages=2)
-              for p in ((32,) if small else (128, 256))]
+    stage4 = [trial(all_heads=True, partition_size=32 if small else 256, block_n=16, num_warps=4, num_stages=2)]
     overall = best(stage1 + stage2 + stage3 + stage4)
     if overall:
         print(f"  best: {overall['settings']}: {overall['tbps']:.2f} TB/s = {100 * overall['share_of_peak']:.1f}% of peak")
@@ -121,16 +116,18 @@ def part_attention(sizes, report: dict) -> dict:
         extra["share_of_peak"] = extra["tbps"] / peak
         print(f"  head_dim 128 (Llama-3-8B's shape), default launcher (partition {extra['chosen']}): {ms * 1e3:.1f} us, "
               f"{extra['tbps']:.2f} TB/s = {100 * extra['share_of_peak']:.1f}% of peak")
-        for p in (0, 512, 1024):
-            for bn in (32, 64):
-                try:
-                    ms = graph_ms(lambda: pa.paged_decode_attention_with_partitions(
-                        q8, kc8, vc8, t8, l8, 0.088, p, block_n=bn, cache_dtype_dots=True, prefetch=True))
-                    extra["sweep"].append(dict(partition_size=p, block_n=bn, ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12))
-                    print(f"    d128 partition {p} block_n {bn}: {ms * 1e3:.1f} us, {nbytes / (ms * 1e-3) / 1e12:.2f} TB/s")
-                except Exception as exc:  # shared memory, say
-                    extra["sweep"].append(dict(partition_size=p, block_n=bn, error=f"{type(exc).__name__}: {exc}"[:300]))
-                    print(f"    d128 partition {p} block_n {bn}: {type(exc).__name__}")
+        for p, bn, pf, fr in ((0, 32, True, False), (0, 64, True, False), (0, 64, False, False),
+                              (512, 64, False, True), (1024, 64, False, True)):
+            try:
+                ms = graph_ms(lambda: pa.paged_decode_attention_with_partitions(
+                    q8, kc8, vc8, t8, l8, 0.088, p, block_n=bn, cache_dtype_dots=True, prefetch=pf, fused_reduce=fr))
+                extra["sweep"].append(dict(partition_size=p, block_n=bn, prefetch=pf, fused_reduce=fr, ms=ms,
+                                           tbps=nbytes / (ms * 1e-3) / 1e12))
+                print(f"    d128 partition {p} block_n {bn} prefetch {pf} fused reduce {fr}: {ms * 1e3:.1f} us, "
+                      f"{nbytes / (ms * 1e-3) / 1e12:.2f} TB/s")
+            except Exception as exc:  # shared memory, say
+                extra["sweep"].append(dict(partition_size=p, block_n=bn, error=f"{type(exc).__name__}: {exc}"[:300]))
+                print(f"    d128 partition {p} block_n {bn}: {type(exc).__name__}")
     return dict(batch=seqs, context=context, heads=heads, kv_heads=kv_heads, head_dim=head_dim, bytes=moved,
                 timer="graph_flushed", default=dict(default, partition_size=chosen), default_timings=timings,
                 ceilings=ceilings, goal_met=default["share_of_peak"] >= 0.7 and default["ok"],

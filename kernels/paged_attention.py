@@ -58,6 +58,7 @@ def paged_decode_attention_ref(
 
 DEFAULT_PARTITION_SIZE = 512  # contexts up to this long always run in one pass
 PROGRAMS_PER_SM = 3  # split-K until the grid has about this many programs per multiprocessor
+PROGRAMS_PER_SM_WIDE = 1  # the same above head_dim 64, where each program has twice the bytes
 
 
 @triton.jit
@@ -103,8 +104,32 @@ def partition_bounds(context_len, part, PARTITION_SIZE: tl.constexpr, IS_SPLIT: 
 
 
 @triton.jit
+def merge_partitions(out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, offs_d, head_mask, row_mask,
+                     num_parts, num_heads, max_partitions, out_seq_stride, out_head_stride,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fused reduce: rows `heads` of one sequence, merged over their num_parts partitions
+    (loads through the L2: other programs wrote them)."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for p in range(0, num_parts):
+        slot = (seq * num_heads + heads) * max_partitions + p
+        lse = tl.load(partial_lse_ptr + slot, mask=head_mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(partial_out_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], mask=row_mask, other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        denom = denom * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + offs_d[None, :],
+             (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def paged_decode_attention_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, counters_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     scale, head_dim, num_heads, num_queries_per_kv, max_partitions,
     q_seq_stride, q_head_stride, out_seq_stride, out_head_stride, block_table_stride,
@@ -112,7 +137,7 @@ def paged_decode_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CACHE_DTYPE_DOTS: tl.constexpr = False, KV_AS_F32: tl.constexpr = True, HEADS_FIRST: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, FUSED_REDUCE: tl.constexpr = False,
 ):
     # CACHE_DTYPE_DOTS (and not KV_AS_F32): both products in the cache's 16-bit dtype (q and the
     # probabilities rounded to it), accumulating in float32; otherwise K and V are widened first
@@ -121,14 +146,19 @@ def paged_decode_attention_kernel(
     # PREFETCH: software pipelining by hand: while a tile is computed, the next tile's K and V
     # and the block ids of the one after are already loading (Triton's own pipelining does not
     # take these gathered loads: its shared memory stays one tile deep at any num_stages)
+    # FUSED_REDUCE (split-K): no reduce kernel; each program counts itself done on its (sequence,
+    # KV head)'s counter, and the last of its partitions merges them all and resets the counter
     if HEADS_FIRST:
         seq = tl.program_id(1).to(tl.int64)
         kv_head = tl.program_id(0)
+        num_kv_heads = tl.num_programs(0)
     else:
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     part = tl.program_id(2)
-    start, end = partition_bounds(tl.load(context_lens_ptr + seq), part, PARTITION_SIZE, IS_SPLIT)
+    context_len = tl.load(context_lens_ptr + seq)
+    start, end = partition_bounds(context_len, part, PARTITION_SIZE, IS_SPLIT)
     if start < end:  # partitions past this sequence's end do nothing; the reduce skips them
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -184,6 +214,16 @@ def paged_decode_attention_kernel(
             slot = (seq * num_heads + heads) * max_partitions + part
             tl.store(partial_out_ptr + slot[:, None] * BLOCK_D + offs_d[None, :], out, mask=row_mask)
             tl.store(partial_lse_ptr + slot, m_i + tl.log(l_i), mask=offs_g < num_queries_per_kv)
+            if FUSED_REDUCE:
+                num_parts = tl.cdiv(context_len, PARTITION_SIZE)
+                counter = counters_ptr + seq * num_kv_heads + kv_head
+                # acq_rel: this program's partials are visible before its count; the last sees all
+                if tl.atomic_add(counter, 1, sem="acq_rel") == num_parts - 1:
+                    tl.store(counter, 0)
+                    merge_partitions(out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, offs_d,
+                                     offs_g < num_queries_per_kv, row_mask,
+                                     num_parts, num_heads, max_partitions, out_seq_stride, out_head_stride,
+                                     BLOCK_G, BLOCK_D)
         else:
             tl.store(out_ptr + seq * out_seq_stride + heads[:, None] * out_head_stride + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -273,7 +313,8 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
     two compute the same bits.
     """
     num_seqs = 1 << max(0, num_seqs - 1).bit_length()
-    programs, target = num_seqs * num_kv_heads, PROGRAMS_PER_SM * _num_sms(device)
+    programs = num_seqs * num_kv_heads
+    target = (PROGRAMS_PER_SM if head_dim <= 64 else PROGRAMS_PER_SM_WIDE) * _num_sms(device)
     if max_context <= DEFAULT_PARTITION_SIZE or programs >= target:
         return 0
     parts = -(-target // programs)
@@ -282,10 +323,11 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
 
 
 def choose_block_n(head_dim: int) -> int:
-    """Tokens per K/V tile: 128 at head_dim <= 64 (on the H200, batch 32 at context 2048, one
-    pass: 55.8 us against 76.5 at 64 and 106.7 at 32, three runs alike), 32 above (unmeasured
-    there: the tile's shared memory doubles with head_dim)."""
-    return 128 if head_dim <= 64 else 32
+    """Tokens per K/V tile: 16 KB tiles of 16-bit values, 128 tokens at head_dim <= 64 and 64
+    above. On the H200 (`benchmarks/gpu_check.py`, batch 32, context 2048): at head_dim 64 one
+    pass took 48 us with 128-token tiles, 60 with 64; at head_dim 128 (prefetching) 68 us with 64,
+    83 with 32."""
+    return 128 if head_dim <= 64 else 64
 
 
 class DecodeLaunch:
@@ -314,9 +356,9 @@ class DecodeLaunch:
             self.partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
         self.context_lens = context_lens
 
-    def finish(self) -> torch.Tensor:
-        """Merge the partitions (split-K), and return the output."""
-        if self.is_split and self.num_seqs:
+    def finish(self, merged: bool = False) -> torch.Tensor:
+        """Merge the partitions (split-K) unless the kernel has (`merged`), and return the output."""
+        if self.is_split and self.num_seqs and not merged:
             paged_decode_attention_reduce_kernel[(self.num_seqs, self.num_heads)](
                 self.out, self.partial_out, self.partial_lse, self.context_lens, self.head_dim, self.max_partitions,
                 self.out.stride(0), self.out.stride(1),
@@ -340,6 +382,7 @@ def paged_decode_attention_with_partitions(
     cache_dtype_dots: bool = False,  # 16-bit caches only: see the kernel
     heads_first: bool = False,  # the grid's order: see the kernel
     prefetch: bool = False,  # the next tile's loads issued before this tile's products: see the kernel
+    fused_reduce: bool = False,  # split-K: the last partition merges, no reduce kernel: see the kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
     if run.num_seqs == 0:
@@ -347,8 +390,9 @@ def paged_decode_attention_with_partitions(
     dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
     grid = ((run.num_kv_heads, run.num_seqs, run.max_partitions) if heads_first
             else (run.num_seqs, run.num_kv_heads, run.max_partitions))
+    counters = split_counters(q.device, run.num_seqs * run.num_kv_heads) if run.is_split and fused_reduce else None
     paged_decode_attention_kernel[grid](
-        run.out, run.partial_out, run.partial_lse, q, k_cache, v_cache, block_tables, context_lens,
+        run.out, run.partial_out, run.partial_lse, run.out if counters is None else counters, q, k_cache, v_cache, block_tables, context_lens,
         scale, run.head_dim, run.num_heads, run.group, run.max_partitions,
         q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -356,9 +400,27 @@ def paged_decode_attention_with_partitions(
         BLOCK_D=run.block_d, PARTITION_SIZE=max(partition_size, 1), IS_SPLIT=run.is_split,
         DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
         CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, HEADS_FIRST=heads_first, PREFETCH=prefetch,
-        **run.settings,
+        FUSED_REDUCE=counters is not None, **run.settings,
     )
-    return run.finish()
+    return run.finish(merged=counters is not None)
+
+
+_COUNTERS: dict = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The fused reduce's counters, one per (sequence, KV head): zeros, kept per device and left
+    at zero by every launch (the last partition resets its counter), so one allocation serves
+    every call and every CUDA graph replay. None (the reduce kernel then runs) when there are too
+    few and a CUDA graph is being captured, which must not allocate what outlives it; the engine
+    runs every bucket eagerly before capturing it, so that does not happen there. Launches that
+    share a device must be ordered (one stream), as an engine's are."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        have = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
 
 
 def paged_decode_attention(
@@ -377,4 +439,4 @@ def paged_decode_attention(
     partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device, q.shape[2])
     return paged_decode_attention_with_partitions(
         q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]),
-        cache_dtype_dots=True, prefetch=True)
+        cache_dtype_dots=True, prefetch=partition_size == 0, fused_reduce=True)

@@ -103,6 +103,25 @@ def test_decode_kernel_prefetch(block_n, partition_size, dtype, device):
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125), **tol)
 
 
+@pytest.mark.parametrize("partition_size,block_n,heads_first", [(16, 16, False), (32, 16, True), (64, 32, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_kernel_fused_reduce(partition_size, block_n, heads_first, dtype, device):
+    # the last partition of each (sequence, KV head) merges them all: one partition, several, and
+    # sequences shorter than one; twice, so the counters left behind (at zero) serve the next call
+    from pdserve.kernels.paged_attention import split_counters
+
+    q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([1, 15, 17, 33, 100, 65], 8, 2, 64, dtype, device,
+                                                             seed=17)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    tol = {k: (2 if dtype == torch.float16 else 1) * v for k, v in TOL[dtype].items()}
+    for _ in range(2):
+        out = paged_decode_attention_with_partitions(q, k_cache, v_cache, tables, lens, 0.125, partition_size,
+                                                     block_n=block_n, heads_first=heads_first, fused_reduce=True,
+                                                     cache_dtype_dots=dtype == torch.float16)
+        torch.testing.assert_close(out, want, **tol)
+        assert not split_counters(k_cache.device, 12).any(), "every counter is back at zero"
+
+
 # Triton's interpreter computes bf16 dots wrongly (it has no bf16 arithmetic); fp16 runs everywhere
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("partition_size", [0, 32])
@@ -125,8 +144,10 @@ def test_launcher_dispatch(device):
     assert choose_partition_size(64, 8, 2048, torch.device("cpu")) == 0  # 512 programs already
     assert choose_partition_size(8, 8, 4096, torch.device("cpu")) == 512
     assert choose_partition_size(1, 8, 4096, torch.device("cpu")) == 128  # never below one tile
-    assert choose_partition_size(1, 8, 4096, torch.device("cpu"), head_dim=128) == 64  # 32-token tiles
-    assert choose_block_n(64) == 128 and choose_block_n(128) == 32
+    # above head_dim 64 a program per multiprocessor is enough
+    assert choose_partition_size(32, 8, 2048, torch.device("cpu"), head_dim=128) == 0
+    assert choose_partition_size(1, 8, 4096, torch.device("cpu"), head_dim=128) == 128
+    assert choose_block_n(64) == 128 and choose_block_n(128) == 64
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
                                paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1), **TOL[torch.float32])
