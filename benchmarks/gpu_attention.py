@@ -65,12 +65,17 @@ def part_attention(sizes, report: dict) -> dict:
     timings = dict(graph_flushed=default["ms"])
     if not sizes.smoke:
         timings.update(graph_warm_l2=graph_ms(default_fn, flush=False), eager_do_bench=events_ms(default_fn))
+    # the goal is met only if the worst of several timings meets it: four more of the default
+    repeats = [default["ms"]] + ([] if sizes.smoke else [graph_ms(default_fn) for _ in range(4)])
+    worst_share = rate(max(repeats)) / peak
     ceilings = {}
     if not sizes.smoke:  # what a plain read of the same bytes gets at this size
         ceilings["read_tbps"] = (kc.numel() + vc.numel()) * 2 / (graph_ms(lambda: (kc.sum(), vc.sum())) * 1e-3) / 1e12
     print(f"  default launcher (partition {chosen}): {default['ms'] * 1e3:.1f} us, {default['tbps']:.2f} TB/s = "
           f"{100 * default['share_of_peak']:.1f}% of {peak} TB/s; rel err {default['rel_err']:.1e}  "
           f"(goal >= 70% of peak: {'met' if default['share_of_peak'] >= 0.7 else 'NOT met'})")
+    print(f"    repeats (us): {', '.join(f'{ms * 1e3:.1f}' for ms in repeats)}; worst {100 * worst_share:.1f}% of peak "
+          f"(goal {'met' if worst_share >= 0.7 else 'NOT met'} in every repeat)" if len(repeats) > 1 else "")
     print("    timed three ways (us): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in timings.items())
           + "".join(f"; a torch read of the same K/V {v:.2f} TB/s" for v in ceilings.values()))
     sweep = []
@@ -130,7 +135,8 @@ def part_attention(sizes, report: dict) -> dict:
                 print(f"    d128 partition {p} block_n {bn}: {type(exc).__name__}")
     return dict(batch=seqs, context=context, heads=heads, kv_heads=kv_heads, head_dim=head_dim, bytes=moved,
                 timer="graph_flushed", default=dict(default, partition_size=chosen), default_timings=timings,
-                ceilings=ceilings, goal_met=default["share_of_peak"] >= 0.7 and default["ok"],
+                ceilings=ceilings, default_repeats_ms=repeats, worst_share_of_peak=worst_share,
+                goal_met=worst_share >= 0.7 and default["ok"],
                 sweep=sweep, best=overall, by_shape=shapes, head_dim_128=extra, ok=default["ok"])
 
 

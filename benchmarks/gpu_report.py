@@ -44,6 +44,14 @@ def render(out_dir: Path) -> str:
             lines.append(f"| best of the sweep's {len(att['sweep'])}: `{b['settings']}` | {b['ms'] * 1e3:.1f} µs | "
                          f"{b['tbps']:.2f} TB/s | {100 * b['share_of_peak']:.1f}% | "
                          f"{100 * (b['share_of_copy'] or 0):.1f}% | {'met' if b['share_of_peak'] >= 0.7 else 'not met'} |")
+        if len(att.get("default_repeats_ms", [])) > 1:
+            reps = sorted(att["default_repeats_ms"])
+            share = lambda ms: att["bytes"] / (ms * 1e-3) / 1e12 / peak  # noqa: E731
+            lines += ["", f"The default launcher in {len(reps)} timings of the run: {reps[0] * 1e3:.1f} / "
+                      f"{reps[len(reps) // 2] * 1e3:.1f} / {reps[-1] * 1e3:.1f} µs (min / median / max), "
+                      f"{100 * share(reps[-1]):.1f}% / {100 * share(reps[len(reps) // 2]):.1f}% / "
+                      f"{100 * share(reps[0]):.1f}% of the datasheet's bandwidth: the goal is "
+                      f"{'met' if att['goal_met'] else 'not met'} in the worst."]
         if att.get("default_timings"):
             t = att["default_timings"]
             names = dict(graph_flushed="CUDA-graph replays after a read-only L2 flush (the table's)",

@@ -322,6 +322,17 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
     return size if size < max_context else 0
 
 
+def choose_prefetch(num_seqs: int, num_kv_heads: int, partition_size: int, device: torch.device) -> bool:
+    """Prefetch the next tile in one pass over fewer than PROGRAMS_PER_SM programs per
+    multiprocessor, where each program's loads in flight are what the memory waits on; not in
+    split-K or with more programs, where the prefetch's registers (about twice the tiles) keep
+    programs from running side by side. On the H200 (`benchmarks/gpu_check.py`): head_dim 128,
+    batch 32 (256 programs) 67 us with, 82 without; head_dim 64, batch 64 (512 programs) 3.29 TB/s
+    with, 3.98 without."""
+    num_seqs = 1 << max(0, num_seqs - 1).bit_length()
+    return partition_size == 0 and num_seqs * num_kv_heads < PROGRAMS_PER_SM * _num_sms(device)
+
+
 def choose_block_n(head_dim: int) -> int:
     """Tokens per K/V tile: 16 KB tiles of 16-bit values, 128 tokens at head_dim <= 64 and 64
     above. On the H200 (`benchmarks/gpu_check.py`, batch 32, context 2048): at head_dim 64 one
@@ -439,4 +450,5 @@ def paged_decode_attention(
     partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device, q.shape[2])
     return paged_decode_attention_with_partitions(
         q, k_cache, v_cache, block_tables, context_lens, scale, partition_size, block_n=choose_block_n(q.shape[2]),
-        cache_dtype_dots=True, prefetch=partition_size == 0, fused_reduce=True)
+        cache_dtype_dots=True, prefetch=choose_prefetch(q.shape[0], k_cache.shape[2], partition_size, q.device),
+        fused_reduce=True, heads_first=partition_size > 0)

@@ -9,6 +9,7 @@ from paged_kv_cases import dense_causal_attention, make_paged_kv
 from pdserve.kernels.paged_attention import (
     choose_block_n,
     choose_partition_size,
+    choose_prefetch,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_with_partitions,
@@ -148,6 +149,10 @@ def test_launcher_dispatch(device):
     assert choose_partition_size(32, 8, 2048, torch.device("cpu"), head_dim=128) == 0
     assert choose_partition_size(1, 8, 4096, torch.device("cpu"), head_dim=128) == 128
     assert choose_block_n(64) == 128 and choose_block_n(128) == 64
+    # the next tile prefetched only in one pass over fewer than three programs per multiprocessor
+    assert choose_prefetch(32, 8, 0, torch.device("cpu"))  # 256 programs
+    assert not choose_prefetch(64, 8, 0, torch.device("cpu"))  # 512
+    assert not choose_prefetch(8, 8, 512, torch.device("cpu"))  # split-K
     q, _, _, k_cache, v_cache, tables, lens = _decode_inputs([40, 7], 4, 2, 64, torch.float32, device)
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1),
                                paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1), **TOL[torch.float32])
