@@ -44,6 +44,10 @@ def render(out_dir: Path) -> str:
             lines.append(f"| best of the sweep's {len(att['sweep'])}: `{b['settings']}` | {b['ms'] * 1e3:.1f} µs | "
                          f"{b['tbps']:.2f} TB/s | {100 * b['share_of_peak']:.1f}% | "
                          f"{100 * (b['share_of_copy'] or 0):.1f}% | {'met' if b['share_of_peak'] >= 0.7 else 'not met'} |")
+        if att.get("head_dim_128"):
+            h = att["head_dim_128"]
+            lines.append(f"| default, {h['shape']} | {h['ms'] * 1e3:.1f} µs | {h['tbps']:.2f} TB/s | "
+                         f"{100 * h['share_of_peak']:.1f}% | | |")
         if len(att.get("default_repeats_ms", [])) > 1:
             reps = sorted(att["default_repeats_ms"])
             share = lambda ms: att["bytes"] / (ms * 1e-3) / 1e12 / peak  # noqa: E731
@@ -61,10 +65,6 @@ def render(out_dir: Path) -> str:
                 f"{names.get(k, k)} {v * 1e3:.1f} µs" for k, v in t.items()) + "."
                 + "".join(f" A torch sum over the same K and V reads at {v:.2f} TB/s." for v in att.get("ceilings", {}).values()))
             lines.append("")
-        if att.get("head_dim_128"):
-            h = att["head_dim_128"]
-            lines.append(f"| default, {h['shape']} | {h['ms'] * 1e3:.1f} µs | {h['tbps']:.2f} TB/s | "
-                         f"{100 * h['share_of_peak']:.1f}% | | |")
         if att.get("by_shape"):
             cols = sorted({k for r in att["by_shape"] for k in r if k.endswith("_tbps") and k != "default_tbps"},
                           key=lambda k: int(k[1:-5]))

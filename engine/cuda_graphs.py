@@ -2,7 +2,8 @@
 
 Only reached on CUDA, so CI never runs it; `benchmarks/gpu_check.py` does. On an H200
 (2026-12-04, `BENCHMARKS.md`) a 1.24 B Llama decoded with identical greedy tokens with and
-without, 4.1x faster at batch 1 and 3.4x at batch 32.
+without, 5.4x faster at batch 1 and 4.1x at batch 32 (4.1x and 3.4x before the attention
+kernel's changes of that day).
 
 How it works, as in vLLM and SGLang:
 
@@ -14,7 +15,11 @@ How it works, as in vLLM and SGLang:
   slot -1 (the K/V write skips it), context length 1 over block 0 (finite: the cache is zeroed at
   allocation). The padded rows' outputs are dropped.
 - Block tables are read at their full width (max_model_len / block_size), so the attention
-  kernel's launch (grid, split-K choice) is the same for every step of a bucket.
+  kernel's launch (grid, split-K choice) is the same for every step of a bucket. Eager decode
+  steps on CUDA read them at full width too (`InputBuffers`), and the split-K choice counts a
+  batch as its next power of two, so an eager step splits as its bucket's replay does and
+  computes the same bits (when the two split differently, batch-1 greedy tokens of a random
+  bf16 model differed between them on the H200).
 - Graphs are captured at start-up, largest bucket first, into one shared memory pool, after an
   eager run of the same bucket (Triton compiles its kernels on first launch, which a capture
   must not see).

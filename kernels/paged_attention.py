@@ -54,7 +54,12 @@ def paged_decode_attention_ref(
 #     K tile  [BLOCK_N, D]   BLOCK_N consecutive tokens, gathered page by page via block_table
 #
 # Split-K (flash-decoding) cuts the context into partitions of PARTITION_SIZE tokens; each
-# writes a normalised partial output and its log-sum-exp, and a reduce kernel merges them.
+# writes a normalised partial output and its log-sum-exp, and either the last partition of each
+# (sequence, KV head) to finish merges them (the fused reduce, the default) or a reduce kernel
+# does. What made the default fast on the H200, each measured there: enough programs per
+# multiprocessor (`choose_partition_size`), 16-bit products, the fused reduce (39.3 against
+# 41.1 us at batch 32, context 2048), and in one pass the next tile prefetched by hand
+# (`choose_prefetch`).
 
 DEFAULT_PARTITION_SIZE = 512  # contexts up to this long always run in one pass
 PROGRAMS_PER_SM = 3  # split-K until the grid has about this many programs per multiprocessor
@@ -294,18 +299,22 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
     (at least one tile) that cut each sequence into enough parts to get there.
 
     Measured on an H200 (132 multiprocessors; `benchmarks/gpu_check.py`, CUDA-graph replays, a
-    cold L2, head_dim 64, 128-token tiles, 16-bit dots), TB/s by partition size:
+    cold L2, head_dim 64, 128-token tiles, 16-bit dots, the fused reduce), TB/s by partition size,
+    and the default launcher's (`benchmarks/results/gpu_h200_2`):
 
-        batch 1, context 4096 (8 programs)       best 128: 0.78 (256: 0.75, 512: 0.60, one pass 0.13)
-        batch 8, context 4096 (64)               best 512: 2.77 (256: 2.51, 1024: 2.25, one pass 0.99)
-        batch 32, context 2048 (256)             best 1024: 3.22 (512: 3.09, one pass 2.78)
-        batch 64, context 2048 (512)             best one pass: 3.82 (1024: 3.45)
-        batch 128, context 1024 (1024)           best one pass: 3.62 (512: 3.20)
-        batch 32, context 512 (256)              best one pass: 2.10 (256: 1.92)
+        batch 1, context 4096 (8 programs)    best 256: 0.62 (128: 0.55, one pass 0.12); default 0.53
+        batch 8, context 4096 (64)            best 512: 2.71 (256: 2.23, 1024: 2.22);    default 2.70
+        batch 32, context 2048 (256)          best 1024: 3.44 (512: 3.17, one pass 2.78); default 3.43
+        batch 64, context 2048 (512)          best one pass: 3.96 (1024: 3.67);          default 3.82
+        batch 128, context 1024 (1024)        best one pass: 3.72 (512: 3.39);           default 3.62
+        batch 32, context 512 (256)           one pass 2.16, 256: 2.21;                  default 2.27
 
-    which this rule picks in each row: about four programs per multiprocessor keep enough loads
-    in flight (splits come in powers of two, so three asked for is usually about four), and past
-    that a split only adds its partial outputs and the reduce.
+    The rule picks the best or next to it in each row (at batch 1, 4 MB in all, 128 where 256 was
+    best): about four programs per multiprocessor keep enough loads in flight (splits come in
+    powers of two, so three asked for is usually about four), and past that a split only adds
+    its partial outputs and their merge. Above head_dim 64 each program has twice the bytes and
+    one program per multiprocessor is enough: batch 32 at head_dim 128 ran in one pass (with the
+    prefetch) in 67.8 us, 3.97 TB/s, against 68.9 split in two.
 
     `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
     The batch counts as its next power of two, so an eager step of n sequences splits as the
@@ -442,10 +451,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Triton `paged_decode_attention_ref`; picks one pass or split-K, and the tile, without a
-    host sync. On 16-bit caches both products take 16-bit operands (q and the probabilities
-    rounded once more, as FlashAttention rounds its probabilities): 8% faster on the H200 at
-    batch 32, context 2048 (41.5 against 45.3 us, `benchmarks/gpu_check.py`)."""
+    """Triton `paged_decode_attention_ref`; picks one pass or split-K, the tile and the prefetch
+    without a host sync; split-K merges in the kernel (the fused reduce). On 16-bit caches both
+    products take 16-bit operands (q and the probabilities rounded once more, as FlashAttention
+    rounds its probabilities): 8% faster on the H200 at batch 32, context 2048 (41.5 against
+    45.3 us). There, all of it: 38.8-39.0 us in five timings, 72% of the datasheet's 4.8 TB/s
+    (`benchmarks/gpu_check.py`, BENCHMARKS.md)."""
     max_context = block_tables.shape[1] * k_cache.shape[1]
     partition_size = choose_partition_size(q.shape[0], k_cache.shape[2], max_context, q.device, q.shape[2])
     return paged_decode_attention_with_partitions(

@@ -10,6 +10,11 @@ import torch
 from pdserve.kernels import TORCH_OPS, select_ops
 
 
+# ops the Triton backend runs through torch's reference, because its kernel was slower on the
+# H200 (kernels/triton_ops.py says by how much)
+REFERENCE_ON_TRITON = {"sample", "filter_probs"}
+
+
 def test_triton_backend_has_every_op_with_the_reference_signature():
     ops = select_ops("triton", torch.device("cpu"))
     assert ops.name == "triton"
@@ -17,7 +22,7 @@ def test_triton_backend_has_every_op_with_the_reference_signature():
         if field.name == "name":
             continue
         ref, fast = getattr(TORCH_OPS, field.name), getattr(ops, field.name)
-        assert fast is not ref, field.name
+        assert (fast is ref) == (field.name in REFERENCE_ON_TRITON), field.name
         assert list(inspect.signature(fast).parameters) == list(inspect.signature(ref).parameters), field.name
 
 
