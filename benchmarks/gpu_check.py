@@ -3,10 +3,10 @@
     python benchmarks/gpu_check.py [--out DIR] [--parts env,ops,attention,decode,spec,sampling,kernels,tests]
     python benchmarks/gpu_check.py --smoke        # the same code on the CPU, tiny sizes, interpreted kernels
 
-The model parts live in `gpu_model.py`, the tables and plot in `gpu_report.py`. About three
-minutes on one H200 (BENCHMARKS.md, GPU). Each part is reported as it finishes, and
-`gpu_check.json` under --out is rewritten after every part, so a run cut short keeps what it did.
-A part that fails records its error and the run goes on.
+The model parts live in `gpu_model.py`, the attention part in `gpu_attention.py`, the tables
+and plot in `gpu_report.py`. About three minutes on one H200 (BENCHMARKS.md, GPU). Each part is
+reported as it finishes, and `gpu_check.json` under --out is rewritten after every part, so a run
+cut short keeps what it did. A part that fails records its error and the run goes on.
 
 - **env**: device, versions, and the two ceilings measured here: a device-to-device copy
   (bytes read + written / time) and a bf16 matrix product.
@@ -16,11 +16,15 @@ A part that fails records its error and the run goes on.
 - **ops**: every Triton op once more at serving sizes (bf16), kernel against reference.
 - **attention**: paged decode attention at batch 32, 2048-token contexts, Llama-3.2-1B's shape
   (32 query heads, 8 KV heads, head_dim 64, bf16, 16-token blocks): bytes (K, V, q read, out
-  written) / median time, as a share of the datasheet peak and of the measured copy; goal >= 70%
-  of the peak. Then a sweep of the launcher's settings (partition size, tile, warps, stages,
-  16-bit dots), each checked against the reference before it is timed.
+  written) / median time of CUDA-graph replays from a cold L2 (`cuda_timing.py`), as a share of
+  the datasheet peak and of the measured copy; goal >= 70% of the peak in the worst of five
+  timings. Then a sweep of the launcher's settings (partition size, prefetch, fused reduce, grid
+  order, warps, stages), each checked against the reference before it is timed
+  (`gpu_attention.py`).
 - **sampling**: the fused sample kernel against torch's reference at 1, 32 and 128 rows of a
-  128k vocabulary, with no filter, top-p, and top-k + top-p + min-p.
+  128k vocabulary, with no filter, top-p, and top-k + top-p + min-p (eager timings: sampling
+  runs outside the captured step). The CUDA backend samples with the reference while the
+  kernel loses here.
 - **kernels**: `kernel_bandwidth.py`'s table (every op against its torch reference).
 - **decode**: a Llama-architecture model of Llama-3.2-1B's config with random weights (bf16, no
   download): decode tokens/s at batch 1 and 32, with CUDA graphs and without, greedy tokens

@@ -61,7 +61,7 @@ def paged_decode_attention_ref(
 # 41.1 us at batch 32, context 2048), and in one pass the next tile prefetched by hand
 # (`choose_prefetch`).
 
-DEFAULT_PARTITION_SIZE = 512  # contexts up to this long always run in one pass
+SHORT_CONTEXT = 512  # contexts up to this long always run in one pass
 PROGRAMS_PER_SM = 3  # split-K until the grid has about this many programs per multiprocessor
 PROGRAMS_PER_SM_WIDE = 1  # the same above head_dim 64, where each program has twice the bytes
 
@@ -324,7 +324,7 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
     num_seqs = 1 << max(0, num_seqs - 1).bit_length()
     programs = num_seqs * num_kv_heads
     target = (PROGRAMS_PER_SM if head_dim <= 64 else PROGRAMS_PER_SM_WIDE) * _num_sms(device)
-    if max_context <= DEFAULT_PARTITION_SIZE or programs >= target:
+    if max_context <= SHORT_CONTEXT or programs >= target:
         return 0
     parts = -(-target // programs)
     size = max(choose_block_n(head_dim), 1 << max(0, (max_context // parts).bit_length() - 1))
@@ -412,7 +412,8 @@ def paged_decode_attention_with_partitions(
             else (run.num_seqs, run.num_kv_heads, run.max_partitions))
     counters = split_counters(q.device, run.num_seqs * run.num_kv_heads) if run.is_split and fused_reduce else None
     paged_decode_attention_kernel[grid](
-        run.out, run.partial_out, run.partial_lse, run.out if counters is None else counters, q, k_cache, v_cache, block_tables, context_lens,
+        run.out, run.partial_out, run.partial_lse, run.out if counters is None else counters,
+        q, k_cache, v_cache, block_tables, context_lens,
         scale, run.head_dim, run.num_heads, run.group, run.max_partitions,
         q.stride(0), q.stride(1), run.out.stride(0), run.out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
