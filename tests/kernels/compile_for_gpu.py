@@ -97,10 +97,14 @@ def launch_everything() -> list[str]:
                 attempt(f"paged_decode_attention {dt} d{d} b{num_seqs}",
                         lambda: pa.paged_decode_attention(q, kc2, vc2, t2, l2, 0.1))
             q = torch.randn(4, 32, d, dtype=dt)
-            for settings in (dict(block_n=64, num_warps=8, num_stages=2, heads_first=True),
-                             dict(block_n=128, cache_dtype_dots=True)):  # what gpu_check.py sweeps
-                attempt(f"paged_decode_attention {dt} d{d} {settings}",
-                        lambda: pa.paged_decode_attention_with_partitions(q, kc, vc, tables, lens, 0.1, 128, **settings))
+            for partition, settings in (  # what gpu_check.py sweeps
+                    (128, dict(block_n=64, num_warps=8, num_stages=2, heads_first=True)),
+                    (128, dict(block_n=128, cache_dtype_dots=True, fused_reduce=True)),
+                    (0, dict(block_n=128, cache_dtype_dots=True, prefetch=True)),
+                    (128, dict(block_n=64, prefetch=True))):
+                attempt(f"paged_decode_attention {dt} d{d} p{partition} {settings}",
+                        lambda: pa.paged_decode_attention_with_partitions(q, kc, vc, tables, lens, 0.1, partition,
+                                                                          **settings))
             attempt(f"paged_decode_attention_all_heads {dt} d{d}",
                     lambda: paged_decode_attention_all_heads(q, kc, vc, tables, lens, 0.1, 32, block_n=16))
             for cu in ([0, 5, 10, 15, 20], [0, 100, 200, 300, 400]):  # verification; prefill chunks
