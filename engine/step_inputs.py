@@ -167,7 +167,8 @@ class InputBuffers:
         tables = full[:, :width]
         meta = AttentionMetadata(
             slot_mapping=self._out("slot_mapping", num_tokens), num_decode_tokens=nd,
-            decode_block_tables=(full if self.full_width_decode_tables else tables)[:nd], decode_context_lens=lens[:nd],
+            decode_block_tables=(full if self.full_width_decode_tables else tables)[:nd],
+            decode_context_lens=lens[:nd],
             extend_block_tables=tables[nd:], extend_cu_seqlens_q=self._out("cu_seqlens_q", ns - nd + 1),
             extend_context_lens=lens[nd:],
         )

@@ -3,13 +3,12 @@
 Imported only when that backend is chosen; each launcher has its reference's signature.
 
 Sampling is the exception: this backend samples and filters with torch's references
-(`sample_ref`, `filter_probs_ref`). On the
-H200 the Triton `sample` kernel (one program per row) took 0.13-0.80x the reference's speed in
-all nine cases `benchmarks/gpu_check.py` timed (1, 32 and 128 rows of a 128k vocabulary, no
-filter, top-p, top-k + top-p + min-p; `BENCHMARKS.md`, GPU), with the same tokens: 444 against
-239 us for one row at temperature only, 4.4 ms against 0.57 ms with all three filters. The
-kernel stays, tested against the reference, for the work that would make it pay (several
-programs per row). `filter_probs` is the same kernel without the race (the same searches over
+(`sample_ref`, `filter_probs_ref`). On the H200 the Triton `sample` kernel (one program per
+row) took 0.13-0.80x the reference's speed in all nine cases `benchmarks/gpu_check.py` timed
+(1, 32 and 128 rows of a 128k vocabulary, no filter, top-p, top-k + top-p + min-p;
+`BENCHMARKS.md`, GPU), with the same tokens: 444 against 239 us for one row at temperature
+only, 4.4 ms against 0.57 ms with all three filters. The kernel stays, tested against the
+reference, for the work that would make it pay (several programs per row). `filter_probs` is the same kernel without the race (the same searches over
 each row in one program), so it goes to its reference too; that one was not timed on its own.
 """
 from __future__ import annotations
