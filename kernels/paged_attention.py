@@ -6,6 +6,8 @@ ceil(context_len / block_size) are never read.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdserve.kernels._triton import tl, triton
@@ -237,32 +239,20 @@ def paged_decode_attention_kernel(
 @triton.jit
 def paged_decode_attention_reduce_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, context_lens_ptr,
-    head_dim, max_partitions, out_seq_stride, out_head_stride,
-    PARTITION_SIZE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    head_dim, num_heads, num_queries_per_kv, max_partitions, out_seq_stride, out_head_stride,
+    PARTITION_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Merge a (sequence, head)'s partitions: out = sum_p exp(lse_p - m) o_p / sum_p exp(lse_p - m).
+    # split-K without the fused reduce: one program per (sequence, KV head) merges its query
+    # heads' partitions, as the fused reduce's last partition does
     seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    num_parts = tl.cdiv(tl.load(context_lens_ptr + seq), PARTITION_SIZE)
-    base = (seq * tl.num_programs(1) + head) * max_partitions
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    m = tl.full([1], float("-inf"), tl.float32)
-    denom = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        is_valid = offs_p < num_parts
-        lse = tl.load(partial_lse_ptr + base + offs_p, mask=is_valid, other=float("-inf"))
-        o = tl.load(partial_out_ptr + (base + offs_p)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=is_valid[:, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        denom = denom * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        m = m_new
-    tl.store(out_ptr + seq * out_seq_stride + head * out_head_stride + offs_d, (acc / denom).to(out_ptr.dtype.element_ty),
-             mask=offs_d < head_dim)
+    heads = tl.program_id(1) * num_queries_per_kv + offs_g
+    head_mask = offs_g < num_queries_per_kv
+    merge_partitions(out_ptr, partial_out_ptr, partial_lse_ptr, seq, heads, offs_d, head_mask,
+                     head_mask[:, None] & (offs_d[None, :] < head_dim),
+                     tl.cdiv(tl.load(context_lens_ptr + seq), PARTITION_SIZE), num_heads, max_partitions,
+                     out_seq_stride, out_head_stride, BLOCK_G, BLOCK_D)
 
 
 def dot_precision(*dtypes: torch.dtype) -> str:
@@ -286,10 +276,19 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, num_rows: int) -> None
     assert not block_tables.dtype.is_floating_point, f"block_tables must be integers, got {block_tables.dtype}"
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    """Read once per device: the launcher asks on every call."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H100/H200's count; only the split heuristic reads it
+
+
+def _grid_batch(num_seqs: int) -> int:
+    """The batch as the launch heuristics count it: its next power of two, which an eager step
+    of n sequences shares with its CUDA graph's bucket (n <= bucket <= that power,
+    `engine/cuda_graphs.py`), so the two launch alike and compute the same bits."""
+    return 1 << max(0, num_seqs - 1).bit_length()
 
 
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
@@ -316,13 +315,10 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_context: int, de
     one program per multiprocessor is enough: batch 32 at head_dim 128 ran in one pass (with the
     prefetch) in 67.8 us, 3.97 TB/s, against 68.9 split in two.
 
-    `max_context` is an upper bound from block_tables' width, so choosing costs no host sync.
-    The batch counts as its next power of two, so an eager step of n sequences splits as the
-    CUDA graph of its bucket (n <= bucket <= that power, `engine/cuda_graphs.py`) does, and the
-    two compute the same bits.
+    `max_context` is an upper bound from block_tables' width, so choosing costs no host sync;
+    the batch counts as `_grid_batch`.
     """
-    num_seqs = 1 << max(0, num_seqs - 1).bit_length()
-    programs = num_seqs * num_kv_heads
+    programs = _grid_batch(num_seqs) * num_kv_heads
     target = (PROGRAMS_PER_SM if head_dim <= 64 else PROGRAMS_PER_SM_WIDE) * _num_sms(device)
     if max_context <= SHORT_CONTEXT or programs >= target:
         return 0
@@ -338,8 +334,7 @@ def choose_prefetch(num_seqs: int, num_kv_heads: int, partition_size: int, devic
     programs from running side by side. On the H200 (`benchmarks/gpu_check.py`): head_dim 128,
     batch 32 (256 programs) 67 us with, 82 without; head_dim 64, batch 64 (512 programs) 3.29 TB/s
     with, 3.98 without."""
-    num_seqs = 1 << max(0, num_seqs - 1).bit_length()
-    return partition_size == 0 and num_seqs * num_kv_heads < PROGRAMS_PER_SM * _num_sms(device)
+    return partition_size == 0 and _grid_batch(num_seqs) * num_kv_heads < PROGRAMS_PER_SM * _num_sms(device)
 
 
 def choose_block_n(head_dim: int) -> int:
@@ -379,10 +374,10 @@ class DecodeLaunch:
     def finish(self, merged: bool = False) -> torch.Tensor:
         """Merge the partitions (split-K) unless the kernel has (`merged`), and return the output."""
         if self.is_split and self.num_seqs and not merged:
-            paged_decode_attention_reduce_kernel[(self.num_seqs, self.num_heads)](
-                self.out, self.partial_out, self.partial_lse, self.context_lens, self.head_dim, self.max_partitions,
-                self.out.stride(0), self.out.stride(1),
-                PARTITION_SIZE=self.partition_size, BLOCK_P=16, BLOCK_D=self.block_d,
+            paged_decode_attention_reduce_kernel[(self.num_seqs, self.num_kv_heads)](
+                self.out, self.partial_out, self.partial_lse, self.context_lens, self.head_dim, self.num_heads,
+                self.group, self.max_partitions, self.out.stride(0), self.out.stride(1),
+                PARTITION_SIZE=self.partition_size, BLOCK_G=triton.next_power_of_2(self.group), BLOCK_D=self.block_d,
             )
         return self.out
 
