@@ -2,6 +2,7 @@
 
     graph_ms(fn)          # per call, ms: fn replayed in a CUDA graph, each call after a read-only flush
     events_ms(fn)         # Triton's do_bench: CUDA events around each eager call, after a zeroing flush
+    host_ms(fn)           # the host clock, for the same code run on the CPU
 
 Why not only do_bench. Its flush zeroes a 256 MB buffer between calls, which leaves the L2
 (50 MB on an H100 or H200) full of dirty lines; the timed kernel's reads evict them, so it pays
@@ -15,7 +16,9 @@ measured, not argued.
 """
 from __future__ import annotations
 
+import functools
 import statistics
+import time
 
 
 def events_ms(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
@@ -24,22 +27,22 @@ def events_ms(fn, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-class Flush:
-    """A read-only pass over `nbytes` (> the L2): evicts what the last call left, writes nothing
-    back. One per device, reused."""
+@functools.cache
+def _flush_buffer(device: str = "cuda", nbytes: int = 256 << 20):
+    """What a read-only pass over evicts the L2 with (> the L2, written never): one per device."""
+    import torch
 
-    _buffers: dict = {}
+    return torch.ones(nbytes // 4, dtype=torch.float32, device=device)
 
-    def __init__(self, device="cuda", nbytes: int = 256 << 20):
-        import torch
 
-        key = (str(device), nbytes)
-        if key not in Flush._buffers:
-            Flush._buffers[key] = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        self.buffer = Flush._buffers[key]
-
-    def __call__(self):
-        return self.buffer.sum()
+def host_ms(fn, runs: int = 3) -> float:
+    """Median host-clock milliseconds of fn(): the CPU's stand-in (`gpu_check.py --smoke`)."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def _replay_ms(graph, trials: int) -> list[float]:
@@ -64,7 +67,7 @@ def graph_ms(fn, reps: int = 20, trials: int = 7, flush: bool = True) -> float:
 
     fn()  # compile and allocate outside the capture
     torch.cuda.synchronize()
-    flusher = Flush() if flush else None
+    flusher = _flush_buffer().sum if flush else None
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # a warm-up on the capture stream, as torch's docs ask

@@ -10,25 +10,28 @@ Run through `gpu_check.py` (`--parts attention`).
 """
 from __future__ import annotations
 
-from cuda_timing import events_ms, graph_ms
+from cuda_timing import events_ms, graph_ms, host_ms
 from kernel_bandwidth import paged_kv
 
 
 def _time(fn, sizes) -> float:
-    if sizes.smoke:  # the host clock on the CPU: the smoke run checks the code path only
-        import time
+    return host_ms(fn, runs=1) if sizes.smoke else graph_ms(fn)  # smoke: the code path, not a figure
 
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return graph_ms(fn)
+
+def _launcher(settings: dict):
+    """(launcher, its keyword settings) for a sweep row's settings, less the partition size."""
+    from pdserve.kernels import paged_attention as pa
+    from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
+
+    rest = {k: v for k, v in settings.items() if k not in ("partition_size", "all_heads")}
+    return (paged_decode_attention_all_heads if settings.get("all_heads")
+            else pa.paged_decode_attention_with_partitions), rest
 
 
 def part_attention(sizes, report: dict) -> dict:
     import torch
 
     from pdserve.kernels import paged_attention as pa
-    from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
 
     peak = report["peak_tbps"]
     copy = report.get("env", {}).get("copy_tbps")
@@ -45,13 +48,11 @@ def part_attention(sizes, report: dict) -> dict:
                     share_of_copy=rate(ms) / copy if copy else None, rel_err=err, ok=err < 1e-2, settings=settings)
 
     def launcher_fn(settings: dict):
-        settings = dict(settings)
-        partition = settings.pop("partition_size", None)
+        partition = settings.get("partition_size")
         if partition is None:
             return lambda: pa.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
-        if settings.pop("all_heads", False):
-            return lambda: paged_decode_attention_all_heads(q, kc, vc, tables, lens, 0.125, partition, **settings)
-        return lambda: pa.paged_decode_attention_with_partitions(q, kc, vc, tables, lens, 0.125, partition, **settings)
+        launcher, rest = _launcher(settings)
+        return lambda: launcher(q, kc, vc, tables, lens, 0.125, partition, **rest)
 
     def measure(**settings) -> dict:
         fn = launcher_fn(settings)
@@ -146,11 +147,8 @@ def _by_shape(sizes, overall: dict, kv_heads: int, heads: int, head_dim: int, de
     import torch
 
     from pdserve.kernels import paged_attention as pa
-    from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
 
-    rest = {k: v for k, v in overall["settings"].items() if k != "partition_size"}
-    all_heads = rest.pop("all_heads", False)
-    launcher = paged_decode_attention_all_heads if all_heads else pa.paged_decode_attention_with_partitions
+    launcher, rest = _launcher(overall["settings"])
     shapes = []
     for num_seqs, ctx in ((1, 4096), (8, 4096), (32, 2048), (64, 2048), (128, 1024), (32, 512)):
         kc, vc, t, lens = paged_kv(num_seqs, ctx, kv_heads, head_dim, 16, torch.bfloat16, sizes.device, seed=3)

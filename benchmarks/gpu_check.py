@@ -48,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules below, however this one is loaded
 
+from cuda_timing import events_ms, host_ms  # noqa: E402
 from gpu_attention import part_attention  # noqa: E402
 from gpu_model import part_decode, part_spec  # noqa: E402
 from kernel_bandwidth import paged_kv  # noqa: E402
@@ -85,16 +86,7 @@ class Sizes:
 
 def timer(fn, sizes: Sizes, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     """Median milliseconds of fn(): CUDA events through Triton's do_bench; host clock for --smoke."""
-    if sizes.smoke:
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return sorted(times)[1]
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return host_ms(fn) if sizes.smoke else events_ms(fn, warmup_ms, rep_ms)
 
 
 # --- env ----------------------------------------------------------------------------------
