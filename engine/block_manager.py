@@ -9,6 +9,13 @@ blocks with a hash stay findable until the pool needs them, least recently freed
     free list:  [unhashed … | hashed, least recently freed … most recently freed]
                  ^ taken first
 
+With a draft model, a block also holds the draft's K/V of its tokens (the draft's cache shares the
+target's block tables). `has_draft` says they are computed: set by `commit` on the blocks a
+sequence's draft has covered. A sequence adopting cached blocks starts its draft after the leading
+ones that have them, instead of running the draft over the whole prompt again: with a 64-128-token
+prompt cached but for its last block, that was most of a speculative request's prefill (a draft
+prefill of 1.0-1.6 ms beside the target's 1.4-2.1 ms on the Xeon, demo pair; scratch timing).
+
 Every mutation either succeeds whole or changes nothing.
 """
 from __future__ import annotations
@@ -25,6 +32,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    has_draft: bool = False  # the draft model's K/V of these tokens are computed too
 
 
 def cdiv(a: int, b: int) -> int:
@@ -89,6 +97,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         if prefix:
             seq.num_computed_tokens = seq.num_cached_tokens = len(prefix) * self.block_size
+            drafted = next((i for i, b in enumerate(prefix) if not self.blocks[b].has_draft), len(prefix))
+            seq.num_draft_computed_tokens = drafted * self.block_size
         while len(seq.block_table) < self.blocks_for(num_tokens):
             seq.block_table.append(self._take_free())
         return True
@@ -107,12 +117,18 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def commit(self, seq: Sequence) -> None:
-        """Hash the sequence's full blocks whose K/V are computed, making them reusable.
+        """Hash the sequence's full blocks whose K/V are computed, making them reusable, and mark
+        those whose draft K/V are computed too (`has_draft`).
 
         Hashed blocks always form a prefix of a block table, so only the blocks after the last
-        hashed one are visited: O(new blocks) per step, not O(blocks)."""
+        hashed one are visited: O(new blocks) per step, not O(blocks); likewise the marked ones."""
         if not self.enable_prefix_caching:
             return
+        table = seq.block_table
+        drafted = min(seq.num_draft_computed_tokens, seq.num_computed_tokens) // self.block_size
+        while drafted > 0 and not self.blocks[table[drafted - 1]].has_draft:
+            drafted -= 1
+            self.blocks[table[drafted]].has_draft = True
         full = seq.num_computed_tokens // self.block_size
         first = full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash is None:
@@ -149,7 +165,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self._cached.get(block.hash) == block_id:
             del self._cached[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.token_ids, block.ref_count, block.has_draft = None, (), 1, False
         return block_id
 
     def check_invariants(self, seqs: list[Sequence]) -> None:

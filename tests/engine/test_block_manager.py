@@ -1,5 +1,7 @@
 """The block pool under a property-based state machine: allocate, grow, truncate, free, prefix
-reuse. No block leaked or owned twice; counters always consistent."""
+reuse, with a draft model's K/V beside the target's. No block leaked or owned twice; counters
+always consistent; a sequence adopting cached blocks counts as drafted only positions whose draft
+K/V were computed for its own tokens."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +25,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks, BLOCK)
         self.live: list[Sequence] = []
         self.n = 0
+        # the draft cache's slots: (block, offset) -> the tokens up to and including the one whose
+        # draft K/V the slot holds (K/V depend on the whole prefix)
+        self.draft_slots: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=30))
-    def admit(self, prompt):
+    def draft_to(self, seq: Sequence, end: int) -> None:
+        """The draft computes positions [num_draft_computed_tokens, end) of the sequence."""
+        tokens = seq.token_ids
+        for p in range(seq.num_draft_computed_tokens, end):
+            self.draft_slots[seq.block_table[p // BLOCK], p % BLOCK] = tuple(tokens[:p + 1])
+        seq.num_draft_computed_tokens = max(seq.num_draft_computed_tokens, end)
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=30), data=st.data())
+    def admit(self, prompt, data):
         seq = make_seq(self.n, prompt)
         self.n += 1
         prefix = self.bm.match_prefix(seq)
@@ -33,7 +45,11 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if self.bm.allocate(seq, len(prompt), prefix):
             assert len(seq.block_table) == self.bm.blocks_for(len(prompt))
             assert seq.num_computed_tokens == len(prefix) * BLOCK < len(prompt)
+            assert seq.num_draft_computed_tokens <= seq.num_computed_tokens
+            for p in range(seq.num_draft_computed_tokens):  # adopted draft K/V: of these very tokens
+                assert self.draft_slots.get((seq.block_table[p // BLOCK], p % BLOCK)) == tuple(prompt[:p + 1])
             seq.num_computed_tokens = len(prompt)
+            self.draft_to(seq, data.draw(st.integers(0, len(prompt))))
             self.bm.commit(seq)
             self.live.append(seq)
         else:
@@ -48,6 +64,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if self.bm.allocate(seq, target):
             seq.output_token_ids.extend([1] * extra)
             seq.num_computed_tokens = target
+            self.draft_to(seq, data.draw(st.integers(0, target)))
             self.bm.commit(seq)
         else:
             assert seq.block_table == table
@@ -59,6 +76,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         keep = max(seq.num_computed_tokens - back, seq.num_prompt_tokens)
         del seq.output_token_ids[keep - seq.num_prompt_tokens:]
         seq.num_computed_tokens = keep
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, keep)
         self.bm.truncate(seq, keep)
         assert len(seq.block_table) == self.bm.blocks_for(keep)
 
@@ -99,6 +117,27 @@ def test_prefix_hit_shares_blocks_and_survives_free():
     c = make_seq(2, list(range(9)))
     assert bm.match_prefix(c) == hits  # freed but still cached
     bm.check_invariants([])
+
+
+def test_adopted_blocks_count_as_drafted_up_to_the_first_without_draft_kv():
+    bm = BlockManager(8, BLOCK)
+    a = make_seq(0, list(range(13)))
+    assert bm.allocate(a, 13)
+    a.num_computed_tokens, a.num_draft_computed_tokens = 13, 6  # the draft has covered one block
+    bm.commit(a)
+    b = make_seq(1, list(range(13)))
+    assert bm.allocate(b, 13, bm.match_prefix(b))
+    assert (b.num_computed_tokens, b.num_draft_computed_tokens) == (12, 4)
+    b.num_draft_computed_tokens = 13  # b's draft catches up; a's block 1 now has draft K/V too
+    bm.commit(b)
+    c = make_seq(2, list(range(13)))
+    assert bm.allocate(c, 13, bm.match_prefix(c))
+    assert c.num_draft_computed_tokens == 12
+    for s in (a, b, c):
+        bm.free(s)
+    other = make_seq(3, [50] * 32)  # takes every block: none keeps its draft mark
+    assert bm.allocate(other, 32)
+    assert not any(bm.blocks[i].has_draft for i in other.block_table)
 
 
 def test_eviction_takes_unhashed_blocks_then_a_chain_tail_first():

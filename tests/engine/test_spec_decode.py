@@ -188,6 +188,38 @@ def test_chunked_prefill_and_preemption_with_speculation(target, useless_draft, 
     assert_all_free(llm)
 
 
+def test_a_cached_prefix_spares_the_draft_its_prefill_too(target, baseline):
+    """A prompt whose blocks are cached holds the draft's K/V in them too (the draft shares the
+    target's block tables): the draft starts after them. With the target as its own draft every
+    draft is accepted, so a run where the adopted draft K/V were wrong would show it; wiping the
+    draft cache between two warm runs does."""
+    llm = LLM(target, draft_model=target, num_speculative_tokens=4, spec_adaptive=False)
+    drafted: list[int] = []
+    execute = llm.engine.draft_runner.execute
+
+    def counting(batch, *args, **kwargs):
+        drafted.append(sum(e.num_new_tokens for e in batch))
+        return execute(batch, *args, **kwargs)
+
+    llm.engine.draft_runner.execute = counting
+    runs = {}
+    for run in ("cold", "warm", "wiped"):
+        if run == "wiped":
+            for k, v in llm.engine.draft_runner.kv_caches:
+                k.zero_()
+                v.zero_()
+        drafted.clear()
+        stats = llm.engine.speculator.stats
+        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == baseline
+        runs[run] = (sum(drafted), (stats.num_accepted_tokens - before[1]) / (stats.num_draft_tokens - before[0]))
+        assert_all_free(llm)
+    cached = 16 * sum((len(p) - 1) // 16 for p in PROMPTS)  # prompt tokens in full blocks, the last token's aside
+    assert cached == 64 and runs["warm"][0] == runs["cold"][0] - cached, runs
+    assert runs["cold"][1] == runs["warm"][1] == 1.0
+    assert runs["wiped"][1] < 1.0  # the warm runs read the draft K/V the cold run left in the cached blocks
+
+
 # ---- losslessness ------------------------------------------------------------------------
 VOCAB = 24
 PROMPT = [3, 9, 4]
