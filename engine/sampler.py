@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine import rng
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels import KernelOps, native
+from pdserve.kernels import KernelOps, argmax_rows, native
 
 
 class SamplingTensors:
@@ -82,7 +82,7 @@ class Sampler:
         if not params:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         if all(p.is_greedy for p in params):  # one-hot rows: the race's winner is the argmax
-            return logits.argmax(-1)
+            return argmax_rows(logits)
         noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
         return self.ops.sample(logits, *self.tensors.build(params), noise)
 

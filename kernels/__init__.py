@@ -16,7 +16,7 @@ from pdserve.kernels.kv_write import write_kv_ref
 from pdserve.kernels.paged_attention import paged_decode_attention_ref
 from pdserve.kernels.rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 from pdserve.kernels.rotary import apply_rotary_ref, build_rope_cache
-from pdserve.kernels.sampling import filter_probs_ref, race_ref, sample_from_probs_ref, sample_ref
+from pdserve.kernels.sampling import argmax_rows, filter_probs_ref, race_ref, sample_from_probs_ref, sample_ref
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -68,5 +68,5 @@ def select_ops(backend: str, device: torch.device) -> KernelOps:
 
 __all__ = [
     "BACKENDS", "KernelOps", "TORCH_OPS", "select_ops", "build_rope_cache", "sample_from_probs_ref",
-    "filter_probs_ref", "race_ref",
+    "filter_probs_ref", "race_ref", "argmax_rows",
 ]

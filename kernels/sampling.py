@@ -12,9 +12,22 @@ top_p 1 = off, min_p 0 = off.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdserve.kernels._triton import tl, triton
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`, the first index of each row's largest value (a NaN counts as largest), as
+    int64 on x's device. On the CPU through numpy: torch's CPU argmax over the last dimension took
+    28 µs for 5 rows of a 4096-token vocabulary (a batch-1 verification), 184 µs for 32 rows and
+    960 µs for 160, where numpy's took 2, 8.5 and 80 (one thread, Intel Xeon; scratch timing),
+    and every CPU step picks its tokens through it. Inside a compiled graph, on another device or
+    for a dtype numpy lacks, torch's own."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
+        return x.argmax(-1)
+    return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1), dtype=np.int64))
 
 
 def _top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -55,7 +68,7 @@ def filter_probs_ref(
         probs = probs / probs.sum(-1, keepdim=True)
     if not bool(is_greedy.any()):
         return probs
-    greedy = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+    greedy = torch.zeros_like(probs).scatter(-1, argmax_rows(logits)[:, None], 1.0)
     return torch.where(is_greedy[:, None], greedy, probs)
 
 
@@ -79,7 +92,7 @@ def race_ref(
 ) -> torch.Tensor:  # [num_rows] int64
     """The exponential race: the first id with the largest p / E. A zero-probability id never
     wins (0 / E = 0 < p / E of any id with p > 0)."""
-    return (probs / exponentials).argmax(-1)
+    return argmax_rows(probs / exponentials)
 
 
 def sample_ref(

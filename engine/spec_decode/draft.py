@@ -24,7 +24,7 @@ from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.depth import LinearCost
 from pdserve.engine.spec_decode.proposer import Proposal
-from pdserve.kernels import race_ref
+from pdserve.kernels import argmax_rows, race_ref
 
 
 class DraftProposer:
@@ -108,9 +108,7 @@ class DraftProposer:
         for i, more in zip(active, picks):
             tokens[i].extend(more[:ks[i] - first])  # its own depth
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
-        per_pass = (time.perf_counter() - start) / num_passes
-        for _ in range(num_passes):
-            self.cost.observe(len(active), per_pass)
+        self.cost.observe(len(active), (time.perf_counter() - start) / num_passes, count=num_passes)
         return True
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
@@ -122,7 +120,7 @@ class DraftProposer:
         positions = [s.num_tokens + step for s in seqs]
         q = None
         if all(p.is_greedy for p in params):
-            picks = logits.argmax(-1)
+            picks = argmax_rows(logits)
         elif self.keep_probs:
             q = self.sampler.ops.filter_probs(logits, *self.sampler.tensors.build(params))
             picks = race_ref(q, race_noise(params, seeds, positions, logits.shape[-1], self.noise_stream, q.device,

@@ -24,6 +24,7 @@ from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.proposer import Proposal
 from pdserve.engine.spec_decode.rejection_sampler import verify_batch, verify_greedy
+from pdserve.kernels import argmax_rows
 
 SPEC_VERIFIERS = ("coupled", "rejection")
 
@@ -40,7 +41,7 @@ class _Verifier:
         """rows[b]: the target's logits [k_b + 1, vocab_size] at seqs[b]'s last token and each
         draft token. Returns each sequence's emitted tokens (accepted drafts + one)."""
         if all(s.params.is_greedy for s in seqs):
-            return _match(torch.cat(rows).argmax(-1).tolist(), proposals)
+            return _match(argmax_rows(torch.cat(rows)).tolist(), proposals)
         return self._verify_sampled(seqs, proposals, rows)
 
     def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:

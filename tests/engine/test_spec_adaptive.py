@@ -181,6 +181,16 @@ def test_linear_cost_learns_a_line():
     assert cost.a == pytest.approx(0.01, rel=0.05) and cost.b == pytest.approx(0.002, rel=0.05)
 
 
+def test_linear_cost_observes_repeated_passes_in_one_call():
+    """`observe(n, t, count=c)` fits as c calls of `observe(n, t)` do."""
+    one_by_one, at_once = LinearCost(1e-3, 1e-4), LinearCost(1e-3, 1e-4)
+    for n, t, c in [(1, 2e-4, 4), (8, 9e-4, 3), (1, 2.5e-4, 1), (32, 3e-3, 2)] * 5:
+        for _ in range(c):
+            one_by_one.observe(n, t)
+        at_once.observe(n, t, count=c)
+        assert (at_once.a, at_once.b) == pytest.approx((one_by_one.a, one_by_one.b), rel=1e-9)
+
+
 def test_linear_cost_is_not_moved_by_one_stall_but_follows_a_real_change():
     """A stalled pass counts as at most CLIP times the prediction: one 400 ms verification among
     5 ms ones barely moves the line (unclipped it would multiply it by five, and a draft line

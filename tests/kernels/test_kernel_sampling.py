@@ -148,3 +148,22 @@ def test_sample_greedy_ignores_noise(device):
     noise = torch.tensor([[1.0] * 10, [5.0] * 5 + [1e-6] * 5, [1e-6] * 5 + [5.0] * 5], device=device)
     ids = sample(logits, *_params(3, device, temperature=0.0), noise)
     assert ids.tolist() == [5, 5, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    """The CPU's numpy path picks what torch's argmax picks: the first of tied maxima, a NaN over
+    any number, on views, one row or many, under inference mode; other dtypes go through torch."""
+    from pdserve.kernels import argmax_rows
+
+    x = torch.randn(33, 4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[3, [7, 900]] = 50.0  # a tie: the first wins
+    x[4, [10, 11]] = float("nan")
+    x[5, :] = -float("inf")
+    cases = [x, x[:, 1000:3000], x[::2], x[6], x.t().contiguous().t()]
+    with torch.inference_mode():
+        cases.append(x.clone())
+    for case in cases:
+        got = argmax_rows(case)
+        assert got.dtype == torch.int64 and torch.equal(got, case.argmax(-1))
+    assert argmax_rows(x)[[3, 4, 5]].tolist() == [7, 10, 0]
