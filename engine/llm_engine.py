@@ -24,7 +24,7 @@ from pdserve.engine.model.config import load_model_config
 from pdserve.engine.model_runner import BatchEntry, KVAllocator, ModelRunner, kv_bytes_per_block
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.penalties import penalize
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, stack_rows
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
@@ -339,7 +339,7 @@ class LLMEngine:
     def _sample_plain(self, seqs: list[Sequence], rows: list, raw_rows: list) -> list[RequestOutput]:
         if not seqs:
             return []
-        logits = torch.cat(rows)
+        logits = stack_rows(rows)
         tokens = self.sampler.sample(logits, [s.params for s in seqs], [s.seed for s in seqs],
                                      [s.num_tokens for s in seqs])
         outputs = []

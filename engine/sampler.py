@@ -100,6 +100,13 @@ class Sampler:
         return out
 
 
+def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of several sequences as one tensor: a lone one as it is, not copied. In a batch-1
+    step the copy cost more than itself: the argmax of the copy's fresh rows took 20 µs where the
+    same rows in place took 2 (a verification of 5 rows of 4096, scratch timing in the step)."""
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
 def race_noise(params: list[SamplingParams], seeds: list[int], positions: list[int], vocab_size: int,
                stream: int | list[int], device: torch.device,
                hash_fn=rng.hash_uniforms) -> torch.Tensor:  # [num_rows, vocab_size] float32

@@ -28,6 +28,7 @@ counts as accepting everything, so its first step drafts and measures it.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence
@@ -139,26 +140,43 @@ class AdaptiveDepth:
             return 1.0 if kind is None or kind.trials < self.MIN_KIND_TRIALS else kind.accepted / kind.trials
         return (acc.accepted + self.PRIOR * self.PRIOR_WEIGHT) / (acc.trials + self.PRIOR_WEIGHT)
 
-    def expected_tokens(self, alpha: float, k: int) -> float:
-        return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
     def plan(self, seqs: list[Sequence], rooms: list[int]) -> list[int]:
         """Each decoding sequence's k for this step, at most its room (tokens left before
-        max_tokens / the context end) and max_k."""
+        max_tokens / the context end) and max_k.
+
+        Each sequence's powers α^j and expected tokens E(k) are tabled once per plan, and a
+        step's cost is the closed form of `step_cost` (the draft's passes sum to
+        a·max k + b·Σk on its line): the plan tried every depth with both recomputed, 29 µs at
+        batch 1, 65 at 8 and 185 at 32, every speculative step (scratch timing)."""
         tops = [max(0, min(self.max_k, r)) for r in rooms]
         if not self.adaptive or not seqs:
             return tops
         alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
-        slope = self.target_cost.b + (self.draft_cost.b if self._draft_measured else 0.0)
-        best_ks, best_rate = [0] * len(seqs), 0.0
-        for k in range(max(tops, default=0) + 1):
-            ks = [min(k, t) for t in tops]
+        deepest = max(tops, default=0)
+        powers = [[a ** j for j in range(deepest + 2)] for a in alphas]
+        expected = [[k + 1.0 for k in range(deepest + 1)] if a >= 1 else [(1 - p[k + 1]) / (1 - a) for k in range(deepest + 1)]
+                    for a, p in zip(alphas, powers)]
+        falling = [[-x for x in p[1:deepest + 1]] for p in powers]  # -α^j, j = 1.., ascending (0 <= α <= 1)
+        target, draft = self.target_cost, self.draft_cost if self._draft_measured else None
+        num_seqs = len(seqs)
+
+        def rate(ks: list[int]) -> float:
+            total = sum(ks)
+            seconds = target(total + num_seqs)
+            if draft is not None and total:
+                seconds += draft.a * max(ks) + draft.b * total
+            return sum([e[k] for e, k in zip(expected, ks)]) / max(seconds, 1e-9)
+
+        slope = target.b + (draft.b if draft is not None else 0.0)
+        best_ks, best_rate = [0] * num_seqs, 0.0
+        for k in range(deepest + 1):
+            ks = [t if t < k else k for t in tops]
             if k:  # each sequence keeps the positions worth their marginal cost at this depth's rate
-                worth = slope * self._rate(alphas, ks)
-                ks = [next((j for j in range(1, kk + 1) if a ** j < worth), kk + 1) - 1 for a, kk in zip(alphas, ks)]
-            rate = self._rate(alphas, ks)
-            if rate > best_rate:
-                best_ks, best_rate = ks, rate
+                worth = -slope * rate(ks)
+                ks = [j if (j := bisect_right(f, worth)) < kk else kk for f, kk in zip(falling, ks)]  # the leading j with α^j >= worth
+            r = rate(ks)
+            if r > best_rate:
+                best_ks, best_rate = ks, r
         for s, k in zip(seqs, best_ks):
             if k == 0:  # not speculating: forget slowly so the sequence tries again later
                 acc = self._acc.setdefault(s.req_id, _Acceptance())
@@ -180,16 +198,13 @@ class AdaptiveDepth:
 
     def step_cost(self, ks: list[int]) -> float:
         """Predicted seconds of a step whose sequences verify ks[i] draft tokens each (the
-        draft's passes free until one is measured: `_draft_measured`)."""
+        draft's passes free until one is measured: `_draft_measured`): the cost `plan` uses,
+        written out pass by pass."""
         seconds = self.target_cost(sum(ks) + len(ks))
         if self._draft_measured:
             for j in range(1, max(ks, default=0) + 1):
                 seconds += self.draft_cost(sum(1 for k in ks if k >= j))
         return seconds
-
-    def _rate(self, alphas: list[float], ks: list[int]) -> float:
-        """Predicted tokens per second."""
-        return sum(self.expected_tokens(a, k) for a, k in zip(alphas, ks)) / max(self.step_cost(ks), 1e-9)
 
     def record(self, req_id: str, k: int, num_accepted: int, sampled: bool = False) -> None:
         trials = num_accepted + (1 if num_accepted < k else 0)

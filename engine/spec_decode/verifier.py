@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine import rng
-from pdserve.engine.sampler import Sampler, race_noise
+from pdserve.engine.sampler import Sampler, race_noise, stack_rows
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.proposer import Proposal
 from pdserve.engine.spec_decode.rejection_sampler import verify_batch, verify_greedy
@@ -41,7 +41,7 @@ class _Verifier:
         """rows[b]: the target's logits [k_b + 1, vocab_size] at seqs[b]'s last token and each
         draft token. Returns each sequence's emitted tokens (accepted drafts + one)."""
         if all(s.params.is_greedy for s in seqs):
-            return _match(argmax_rows(torch.cat(rows)).tolist(), proposals)
+            return _match(argmax_rows(stack_rows(rows)).tolist(), proposals)
         return self._verify_sampled(seqs, proposals, rows)
 
     def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
@@ -53,7 +53,7 @@ class CoupledVerifier(_Verifier):
 
     def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
         params, seeds, positions = _per_row(seqs, rows)
-        picks = self.sampler.sample_tensor(torch.cat(rows), params, seeds, positions)  # plain sampling's draws
+        picks = self.sampler.sample_tensor(stack_rows(rows), params, seeds, positions)  # plain sampling's draws
         return _match(picks.tolist(), proposals)
 
 
@@ -66,7 +66,7 @@ class RejectionVerifier(_Verifier):
         drafts, num_drafts = _draft_ids(proposals, rows[0].device)
         params, _, _ = _per_row(seqs, rows)
         vocab, max_k = rows[0].shape[-1], drafts.shape[1]
-        p = self.sampler.ops.filter_probs(torch.cat(rows), *self.sampler.tensors.build(params))
+        p = self.sampler.ops.filter_probs(stack_rows(rows), *self.sampler.tensors.build(params))
         p = _pad_rows(list(p.split([len(r) for r in rows])), max_k + 1)
         q = torch.stack([_draft_probs(prop, max_k, vocab, p.device) for prop in proposals])
         u = torch.tensor([[rng.uniform(s.seed, s.num_tokens + i, rng.ACCEPT_STREAM) for i in range(max_k)] for s in seqs],

@@ -28,6 +28,49 @@ def seq_(req_id="r"):
     return Sequence(req_id, [1, 2, 3], SamplingParams(), seed=0)
 
 
+def reference_plan(depth: AdaptiveDepth, seqs: list[Sequence], rooms: list[int]) -> list[int]:
+    """`AdaptiveDepth.plan` as its docstring states it, pass by pass through `step_cost`, without
+    the tables or the drift (the plan's tabled form must pick the same depths)."""
+    tops = [max(0, min(depth.max_k, r)) for r in rooms]
+    alphas = [depth.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
+
+    def rate(ks):
+        expected = sum(k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, ks))
+        return expected / max(depth.step_cost(ks), 1e-9)
+
+    measured = depth.draft_cost is not None and not depth.draft_cost.is_guess
+    slope = depth.target_cost.b + (depth.draft_cost.b if measured else 0.0)
+    best_ks, best = [0] * len(seqs), 0.0
+    for k in range(max(tops, default=0) + 1):
+        ks = [min(k, t) for t in tops]
+        if k:
+            worth = slope * rate(ks)
+            ks = [next((j for j in range(1, kk + 1) if a ** j < worth), kk + 1) - 1 for a, kk in zip(alphas, ks)]
+        if (r := rate(ks)) > best:
+            best_ks, best = ks, r
+    return best_ks
+
+
+def test_plan_picks_what_the_reference_plan_picks():
+    rng = __import__("random").Random(5)
+    picked = set()
+    for case in range(400):
+        depth = make_depth(max_k=rng.randint(1, 8), a_t=rng.uniform(1e-4, 1e-2), b_t=rng.uniform(1e-6, 1e-3),
+                           a_d=rng.uniform(1e-5, 5e-3), b_d=rng.uniform(0, 1e-4))
+        if case % 3 == 0:
+            depth.draft_cost.is_guess = True  # passes counted free
+        seqs = [seq_(f"r{i}") for i in range(rng.randint(1, 40))]
+        for s in seqs:
+            for _ in range(rng.randint(0, 6)):
+                k = rng.randint(1, 4)
+                depth.record(s.req_id, k, rng.choice([k, rng.randint(0, k)]))
+        rooms = [rng.randint(0, 10) for _ in seqs]
+        expected = reference_plan(depth, seqs, rooms)
+        assert depth.plan(seqs, rooms) == expected, case
+        picked.add(max(expected, default=0))
+    assert len(picked) >= 4  # the cases reach several depths, not just plain decoding
+
+
 def test_depth_follows_acceptance():
     depth = make_depth(a_d=0.02)  # a draft step costs 40% of a target step
     good, bad = seq_("good"), seq_("bad")
