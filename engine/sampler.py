@@ -77,13 +77,17 @@ class Sampler:
     ) -> list[int]:
         return self.sample_tensor(logits, params, seeds, positions, stream).tolist()
 
-    def sample_tensor(self, logits, params, seeds, positions, stream: int | list[int] = rng.SAMPLE_STREAM) -> torch.Tensor:
-        """The sampled ids as a tensor [num_rows] int64, on the logits' device."""
+    def sample_tensor(self, logits, params, seeds, positions, stream: int | list[int] = rng.SAMPLE_STREAM,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled ids as a tensor [num_rows] int64, on the logits' device. noise: the rows'
+        exponentials when the caller has them (`race_noise`'s, for these seeds, positions and
+        stream); else they are hashed here."""
         if not params:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         if all(p.is_greedy for p in params):  # one-hot rows: the race's winner is the argmax
             return argmax_rows(logits)
-        noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
+        if noise is None:
+            noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
         return self.ops.sample(logits, *self.tensors.build(params), noise)
 
     @staticmethod

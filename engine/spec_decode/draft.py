@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from pdserve.engine import rng
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
@@ -40,8 +41,9 @@ class DraftProposer:
         tokens: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        if active and self.catch_up_at_once and self._run_at_once(seqs, active, ks, tokens, catch_up=True):
-            return [Proposal(t, None) for t in tokens]
+        noise: list[torch.Tensor | None] = [None] * len(seqs)
+        if active and self.catch_up_at_once and self._run_at_once(seqs, active, ks, tokens, catch_up=True, noise=noise):
+            return [Proposal(t, None, n) for t, n in zip(tokens, noise)]
         entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
@@ -61,7 +63,7 @@ class DraftProposer:
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _run_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]],
-                     catch_up: bool) -> bool:
+                     catch_up: bool, noise: list | None = None) -> bool:
         """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
         drafting is greedy or samples by temperature alone, and no q is kept (the rejection
         sampler's); False when not, or the runner cannot. Sequences of mixed depths (adaptive depth
@@ -75,7 +77,8 @@ class DraftProposer:
         tokens, where none has more than two tokens the draft has not seen (after a verification,
         one or two; a fresh prompt, or a sequence back from plain steps, catches up pass by
         pass); without, the passes after the first. A sampled pass races the same noise as `_run`
-        would draw (the stream, seed and position of the token it picks)."""
+        would draw (the stream, seed and position of the token it picks); with `noise` (a list
+        per sequence), each drafting sequence's rows [k, vocab_size] go there for its proposal."""
         depth = max(ks[i] for i in active)
         group = [seqs[i] for i in active]
         params = [s.params for s in group]
@@ -95,19 +98,21 @@ class DraftProposer:
         if not self.runner.can_draft_passes(group, positions, num_passes):
             return False
         start = time.perf_counter()
-        temperatures = noise = None
+        temperatures = races = None
         if not all(p.is_greedy for p in params):
             temperatures = [0.0 if p.is_greedy else float(p.temperature) for p in params]
             picked_at = [s.num_tokens + j for j in range(first, depth) for s in group]
-            noise = race_noise(params * num_passes, [s.seed for s in group] * num_passes, picked_at,
+            races = race_noise(params * num_passes, [s.seed for s in group] * num_passes, picked_at,
                                self.runner.cfg.vocab_size, self.noise_stream, self.runner.device,
                                self.sampler.hash_fn).view(num_passes, len(active), -1)
-        picks = self.runner.draft_passes(group, last_ids, positions, num_passes, temperatures, noise, previous)
+        picks = self.runner.draft_passes(group, last_ids, positions, num_passes, temperatures, races, previous)
         if picks is None:
             return False
-        for i, more in zip(active, picks):
+        for row, (i, more) in enumerate(zip(active, picks)):
             tokens[i].extend(more[:ks[i] - first])  # its own depth
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
+            if noise is not None and races is not None and not first and self.noise_stream == rng.SAMPLE_STREAM:
+                noise[i] = races[:ks[i], row]
         self.cost.observe(len(active), (time.perf_counter() - start) / num_passes, count=num_passes)
         return True
 

@@ -15,6 +15,11 @@ class Proposal:
 
     token_ids: list[int]
     probs: torch.Tensor | None  # [k, vocab_size]; None: one-hot on token_ids (n-gram, or a greedy draft)
+    # [k, vocab_size]: the exponentials the draft raced at the draft tokens' positions in the
+    # sampling stream (`rng.SAMPLE_STREAM`; ones for a greedy request), or None where it kept
+    # none; the coupled verifier draws those positions with the same rows, so it takes them
+    # instead of hashing them again
+    noise: torch.Tensor | None = None
 
 
 class Proposer(Protocol):

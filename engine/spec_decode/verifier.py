@@ -53,8 +53,33 @@ class CoupledVerifier(_Verifier):
 
     def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
         params, seeds, positions = _per_row(seqs, rows)
-        picks = self.sampler.sample_tensor(stack_rows(rows), params, seeds, positions)  # plain sampling's draws
+        logits = stack_rows(rows)
+        noise = self._noise(proposals, rows, params, seeds, positions, logits.device)
+        picks = self.sampler.sample_tensor(logits, params, seeds, positions, noise=noise)  # plain sampling's draws
         return _match(picks.tolist(), proposals)
+
+    def _noise(self, proposals, rows, params, seeds, positions, device) -> torch.Tensor | None:
+        """Every verified row's exponentials, the draft tokens' taken from the proposals that
+        kept the rows the draft raced (the same stream, seed and position), the rest hashed;
+        None where no proposal kept any (the sampler then hashes them all). A step at batch 8,
+        temperature 1, depth 2 hashed 24 rows where 8 are new (each row of 4096 about 4.6 µs,
+        one thread, Intel Xeon; scratch timing)."""
+        if not any(p.noise is not None for p in proposals):
+            return None
+        fresh, slices, start = [], [], 0  # rows to hash; (row, kept rows or None) per proposal
+        for prop, r in zip(proposals, rows):
+            kept = prop.noise if prop.noise is not None and len(prop.noise) == len(r) - 1 else None
+            fresh += range(start + (0 if kept is None else len(kept)), start + len(r))
+            slices.append((start, kept))
+            start += len(r)
+        hashed = race_noise([params[i] for i in fresh], [seeds[i] for i in fresh], [positions[i] for i in fresh],
+                            rows[0].shape[-1], rng.SAMPLE_STREAM, device, self.sampler.hash_fn)
+        out = torch.empty(start, rows[0].shape[-1], device=device)
+        out[torch.tensor(fresh, device=device)] = hashed
+        for begin, kept in slices:
+            if kept is not None:
+                out[begin:begin + len(kept)] = kept
+        return out
 
 
 class RejectionVerifier(_Verifier):

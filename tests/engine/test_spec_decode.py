@@ -347,6 +347,35 @@ def test_coupled_seeded_sampling_equals_plain_decoding(target, useless_draft, dr
     assert spec.engine.speculator.stats.num_draft_tokens > 0  # it did speculate
 
 
+def test_coupled_verifier_takes_the_noise_the_draft_raced(target):
+    """The draft's passes race the exponentials of the positions they draft, which the coupled
+    verifier draws again: it takes the draft's rows and hashes only each sequence's last row
+    (the tokens stay plain sampling's, as above)."""
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=20, ignore_eos=True) for i in range(3)]
+    plain = [o.token_ids for o in LLM(target).generate(PROMPTS[:3], params)]
+    llm = LLM(target, draft_model=target, num_speculative_tokens=3, spec_adaptive=False)
+    spec, hashed, verifying = llm.engine.speculator, [], []
+    hash_fn, verify = spec.verifier.sampler.hash_fn, spec.verify
+
+    def counting_hash(keys, codes):
+        if verifying:
+            hashed.append(len(keys))
+        return hash_fn(keys, codes)
+
+    def marked_verify(seqs, proposals, rows):
+        verifying.append(True)
+        try:
+            return verify(seqs, proposals, rows)
+        finally:
+            verifying.pop()
+
+    spec.verifier.sampler.hash_fn, spec.verify = counting_hash, marked_verify
+    before = spec.stats.num_drafts
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], params)] == plain
+    verified_rows = spec.stats.num_draft_tokens + (spec.stats.num_drafts - before)
+    assert hashed and sum(hashed) < verified_rows / 2  # most verified rows were the draft's
+
+
 def test_ngram_proposes_what_followed_the_latest_match():
     ng = NgramProposer(1, 3)
     assert ng.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]
