@@ -11,7 +11,8 @@ included.
 A sampled request's draft tokens are drawn by the same exponential race as every other token,
 with the noise the verifier asks for: the target's own (seed, position) noise for the coupled
 verifier, a separate stream for the rejection sampler, which also needs q, the distributions
-the tokens were drawn from.
+the tokens were drawn from. For the coupled verifier, passes run at once hand their noise rows on
+with the proposal (`Proposal.noise`): it draws those positions with the same rows.
 """
 from __future__ import annotations
 

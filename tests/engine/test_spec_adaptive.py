@@ -435,6 +435,34 @@ def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid
     assert all(gate.allow(32, True) for _ in range(Gate.PERIOD))
 
 
+def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
+    """While plain decoding wins and a switch costs a draft's catch-up, a burst of speculation
+    that comes due waits until most of the batch is new (`renew`), when the draft has little to
+    catch up on, and starts within FRESH steps of it; with no new requests, after one period more.
+    Without a switch cost (an n-gram proposer) bursts keep the schedule."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(8, True)
+    for _ in range(Gate.BURST):
+        gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)
+        gate.observe(8, False, seconds=0.004, num_tokens=8, sampled=True)  # plain wins by 67%
+    no_switch = copy.deepcopy(gate)
+    gate.observe_switch(8, 0.002, sampled=True)  # cheap enough that the period stays PERIOD
+    st = gate._schedules[gate.regime(8, True)]
+    decisions = [gate.allow(8, True) for _ in range(Gate.PERIOD + 10)]
+    assert not any(decisions) and st.due is not None  # due, waiting
+    gate.renew(8, True)
+    fresh = [gate.allow(8, True) for _ in range(Gate.FRESH + Gate.BURST)]
+    assert fresh[:Gate.BURST] == [True] * Gate.BURST  # the burst starts at once
+    for _ in range(Gate.BURST):
+        gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)  # and plain still wins
+    period = st.period  # doubled: the burst left plain winning
+    waited = [gate.allow(8, True) for _ in range(6 * Gate.PERIOD)]  # no new requests: the period, then one more
+    start, length = _bursts(waited, True)[0]
+    assert length == Gate.BURST and start + Gate.FRESH == 2 * period
+    assert _bursts([no_switch.allow(8, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
+
+
 def test_at_parity_the_running_mode_stays_and_is_not_measured_early():
     """Once decided, the verdict moves only on a margin: the other mode measuring cheaper by less
     than KEEP_MARGIN (the host's noise, at parity) neither switches the mode nor brings the other
