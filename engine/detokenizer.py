@@ -37,6 +37,32 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._check_stop()
 
+    @property
+    def has_stop(self) -> bool:
+        return bool(self._stop)
+
+    def add_many(self, token_ids: list[int]) -> None:
+        """`add` of each token in turn, for what anyone can read after it: without stop strings,
+        when the new tokens end on a whole character, the text is decoded once, over the window
+        and every new token (a speculative step emits several: two decodes a token were about a
+        tenth of a batch-1 step's bookkeeping beside the forward). The window's context tokens
+        stay in front, so the new text is what the token-by-token deltas add up to. Otherwise
+        (a stop string to look for, a character still split) token by token, as `add` would."""
+        if self._stop or len(token_ids) <= 1:
+            for token_id in token_ids:
+                self.add(token_id)
+            return
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return
+        del self._ids[-len(token_ids):]
+        for token_id in token_ids:
+            self.add(token_id)
+
     def _check_stop(self) -> None:
         if self.stopped or not self._stop:
             return

@@ -375,14 +375,20 @@ class LLMEngine:
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
         """Append accepted tokens to a running sequence, stopping at the first that finishes it."""
         req = self._requests[seq.req_id]
-        reason = None
-        for tok in tokens:
-            seq.output_token_ids.append(tok)
-            if req.detok is not None:
-                req.detok.add(tok)
-            reason = self._finish_reason(seq, tok, req)
-            if reason is not None:
-                break
+        reason, detok = None, req.detok
+        if detok is not None and detok.has_stop:  # a stop string may end the request at any token
+            for tok in tokens:
+                seq.output_token_ids.append(tok)
+                detok.add(tok)
+                if (reason := self._finish_reason(seq, tok, req)) is not None:
+                    break
+        else:  # the tokens end it by themselves: the text is decoded once for all of them
+            for n, tok in enumerate(tokens, 1):
+                seq.output_token_ids.append(tok)
+                if (reason := self.finish_reason_of(seq.params, tok, seq.num_output_tokens, seq.num_tokens)) is not None:
+                    break
+            if detok is not None:
+                detok.add_many(tokens[:n] if reason is not None else tokens)
         self.block_manager.commit(seq)
         if reason is not None:
             self._finish(req, reason)

@@ -96,7 +96,7 @@ class Speculator:
         its exploring by it. Later catch-ups (a fresh
         prompt, a sequence whose depth was 0) are part of speculating and count."""
         proposing, self._propose_seconds = self._propose_seconds, 0.0
-        if shape is None:
+        if shape is None or not self.depth.adaptive:  # a fixed depth reads neither costs nor the gate
             return
         # the target's side of the step: its wall time less the draft's proposal (the forward
         # alone left out the verification's sampling and the step's bookkeeping, which also grow
@@ -105,7 +105,7 @@ class Speculator:
         self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward))
         switching = self.catches_up and self._speculated and not self._speculated_before
         self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
-        if self.depth.adaptive and self._decode_run > self.WARMUP_STEPS:
+        if self._decode_run > self.WARMUP_STEPS:
             num_tokens = sum(len(o.new_token_ids) for o in outputs)
             if not switching:
                 self.gate.observe(self._regime[0], self._speculated, seconds, num_tokens, self._regime[1])
@@ -157,7 +157,8 @@ class Speculator:
         tokens = self.verifier.verify(seqs, proposals, rows)
         for seq, prop, out in zip(seqs, proposals, tokens):
             self.stats.record(len(prop.token_ids), len(out) - 1)
-            self.depth.record(seq.req_id, len(prop.token_ids), len(out) - 1, not seq.params.is_greedy)
+            if self.depth.adaptive:
+                self.depth.record(seq.req_id, len(prop.token_ids), len(out) - 1, not seq.params.is_greedy)
         return tokens
 
     def rollback(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:

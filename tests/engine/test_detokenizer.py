@@ -51,6 +51,36 @@ def test_merged_tokens_decode_like_a_full_decode(tok):
     assert "".join(deltas) == tok.decode(ids) == text
 
 
+@pytest.mark.parametrize("source", ["checkpoint", "demo"])
+def test_tokens_added_together_give_the_text_of_tokens_added_one_by_one(tok, source):
+    """`add_many` (a speculative step's accepted tokens) against `add` token by token: the same
+    text after every step, whatever the steps' sizes, multi-byte characters split over tokens,
+    merged tokens and random ids included; and the same deltas once each step's are taken."""
+    import random
+    from pathlib import Path
+
+    if source == "demo":
+        tok = Tokenizer.from_dir(Path(__file__).resolve().parents[2] / "models" / "demo")
+    rng = random.Random(3)
+    texts = ["naïve ✓ 🙂!\n", "def f(x):\n    return x ** 2  # héllo\n", "日本語のテキスト", "  spaces   and\ttabs\n"]
+    for case in range(60):
+        text = "".join(rng.choice(texts) for _ in range(3))
+        ids = byte_tokens(tok, text) if case % 3 == 0 else tok.encode(text)
+        if case % 3 == 2:
+            ids = [rng.randrange(tok.vocab_size) for _ in range(40)]
+        one, many = IncrementalDetokenizer(tok.decode, [5, 6], []), IncrementalDetokenizer(tok.decode, [5, 6], [])
+        i = 0
+        while i < len(ids):
+            step = ids[i:i + rng.randint(1, 6)]
+            for t in step:
+                one.add(t)
+            many.add_many(step)
+            i += len(step)
+            assert many.text == one.text, (case, i)
+            assert many.take_delta() == one.take_delta()
+        assert many.take_delta(final=True) == one.take_delta(final=True)
+
+
 def test_stop_string_spanning_tokens_is_cut_and_never_sent(tok):
     text = "import os\nimport sys\n\nclass Foo:\n"
     ids = byte_tokens(tok, text)
