@@ -121,8 +121,8 @@ class LLMEngine:
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
         else:
             draft_cost = LinearCost(a=2e-3, b=5e-5, guess=True)  # free until a pass is measured
-            proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost, verifier.draft_stream,
-                                     keep_probs=verifier.needs_draft_probs)
+            proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost if config.spec_adaptive else None,
+                                     verifier.draft_stream, keep_probs=verifier.needs_draft_probs)
             if self.capture == "compile":
                 self.draft_runner.warm_up_draft_passes()
         depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)

@@ -30,7 +30,10 @@ from pdserve.kernels import argmax_rows, race_ref
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, cost: LinearCost, noise_stream: int, keep_probs: bool):
+    def __init__(self, runner: ModelRunner, sampler: Sampler, cost: LinearCost | None, noise_stream: int,
+                 keep_probs: bool):
+        """cost: the draft's cost line, which each proposal's passes feed (None: a fixed depth,
+        which reads none)."""
         self.runner, self.sampler, self.cost = runner, sampler, cost
         self.noise_stream, self.keep_probs = noise_stream, keep_probs
         # False: the catch-up pass always runs through `execute`, and only the passes after it
@@ -114,7 +117,8 @@ class DraftProposer:
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
             if noise is not None and races is not None and not first and self.noise_stream == rng.SAMPLE_STREAM:
                 noise[i] = races[:ks[i], row]
-        self.cost.observe(len(active), (time.perf_counter() - start) / num_passes, count=num_passes)
+        if self.cost is not None:
+            self.cost.observe(len(active), (time.perf_counter() - start) / num_passes, count=num_passes)
         return True
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
@@ -134,5 +138,6 @@ class DraftProposer:
         else:
             picks = self.sampler.sample_tensor(logits, params, seeds, positions, self.noise_stream)
         picks = picks.tolist()
-        self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
+        if self.cost is not None:
+            self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
         return picks, q
