@@ -30,12 +30,18 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> None:
         self._ids.append(token_id)
+        self._release()
+        self._check_stop()
+
+    def _release(self) -> bool:
+        """Append the text of the tokens after the window, if it decodes cleanly; whether it did."""
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
             self.text += full[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._check_stop()
+            return True
+        return False
 
     @property
     def has_stop(self) -> bool:
@@ -53,11 +59,7 @@ class IncrementalDetokenizer:
                 self.add(token_id)
             return
         self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self.text += full[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._release():
             return
         del self._ids[-len(token_ids):]
         for token_id in token_ids:
