@@ -21,7 +21,9 @@ first speculative step's time beyond an ordinary one: the catch-up), and while p
 wins, bursts of speculation come no more often than keeps that cost under EXPLORE_SHARE of the
 plain steps between them (at batch 32 the demo draft's catch-up after a 128-token run took
 about 0.24 s, some 14 plain steps, so its bursts come at most every ~700 steps), and it turns to
-speculation only when speculation wins by enough to repay the switch within PERIOD steps. This is what keeps speculation from being slower than plain
+speculation only when speculation wins by enough to repay the switch within PERIOD steps. A
+burst that comes due while the batch's requests are old waits, a period at most, until most of
+them are new (`renew`): the catch-up then covers little more than their prompts. This is what keeps speculation from being slower than plain
 decoding at batch sizes where verification is not free (a compute-bound CPU, large batches),
 whatever the model says.
 """
