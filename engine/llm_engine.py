@@ -383,9 +383,10 @@ class LLMEngine:
                 if (reason := self._finish_reason(seq, tok, req)) is not None:
                     break
         else:  # the tokens end it by themselves: the text is decoded once for all of them
+            p = seq.params
             for n, tok in enumerate(tokens, 1):
                 seq.output_token_ids.append(tok)
-                if (reason := self.finish_reason_of(seq.params, tok, seq.num_output_tokens, seq.num_tokens)) is not None:
+                if (reason := self.finish_reason_of(p, tok, seq.num_output_tokens, seq.num_tokens)) is not None:
                     break
             if detok is not None:
                 detok.add_many(tokens[:n] if reason is not None else tokens)

@@ -154,7 +154,8 @@ class AdaptiveDepth:
         alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
         deepest = max(tops, default=0)
         powers = [[a ** j for j in range(deepest + 2)] for a in alphas]
-        expected = [[k + 1.0 for k in range(deepest + 1)] if a >= 1 else [(1 - p[k + 1]) / (1 - a) for k in range(deepest + 1)]
+        depths = range(deepest + 1)
+        expected = [[k + 1.0 for k in depths] if a >= 1 else [(1 - p[k + 1]) / (1 - a) for k in depths]
                     for a, p in zip(alphas, powers)]
         falling = [[-x for x in p[1:deepest + 1]] for p in powers]  # -α^j, j = 1.., ascending (0 <= α <= 1)
         target, draft = self.target_cost, self.draft_cost if self._draft_measured else None
@@ -169,11 +170,11 @@ class AdaptiveDepth:
 
         slope = target.b + (draft.b if draft is not None else 0.0)
         best_ks, best_rate = [0] * num_seqs, 0.0
-        for k in range(deepest + 1):
+        for k in depths:
             ks = [t if t < k else k for t in tops]
             if k:  # each sequence keeps the positions worth their marginal cost at this depth's rate
-                worth = -slope * rate(ks)
-                ks = [j if (j := bisect_right(f, worth)) < kk else kk for f, kk in zip(falling, ks)]  # the leading j with α^j >= worth
+                worth = -slope * rate(ks)  # negated, as `falling` is: the leading j with α^j >= worth stay
+                ks = [j if (j := bisect_right(f, worth)) < kk else kk for f, kk in zip(falling, ks)]
             r = rate(ks)
             if r > best_rate:
                 best_ks, best_rate = ks, r

@@ -62,7 +62,8 @@ def test_tokens_added_together_give_the_text_of_tokens_added_one_by_one(tok, sou
     if source == "demo":
         tok = Tokenizer.from_dir(Path(__file__).resolve().parents[2] / "models" / "demo")
     rng = random.Random(3)
-    texts = ["naïve ✓ 🙂!\n", "def f(x):\n    return x ** 2  # héllo\n", "日本語のテキスト", "  spaces   and\ttabs\n"]
+    texts = ["naïve ✓ 🙂!\n", "def f(x):\n    return x ** 2  # héllo\n", "日本語のテキスト",
+             "  spaces   and\ttabs\n"]
     for case in range(60):
         text = "".join(rng.choice(texts) for _ in range(3))
         ids = byte_tokens(tok, text) if case % 3 == 0 else tok.encode(text)
