@@ -1,6 +1,6 @@
 """Speculative decoding: greedy equality, losslessness in distribution, rollback, proposers, and
-the engine obeying the gate (the depth model and the gate themselves: test_spec_adaptive.py; the
-verification rules by hand: test_verification_rules.py)."""
+the engine obeying the gate (the depth model and the gate themselves: test_spec_adaptive.py and
+test_spec_gate.py; the verification rules by hand: test_verification_rules.py)."""
 from __future__ import annotations
 
 import copy
@@ -397,7 +397,7 @@ def test_draft_must_share_the_vocabulary(target, checkpoint):
         LLM(target, draft_model=other, num_speculative_tokens=2)
 
 
-# ---- the gate, in the engine (its own logic: test_spec_adaptive.py) -----------------------------------------------------------------------------------
+# ---- the gate, in the engine (its own logic: test_spec_gate.py) ---------------------------------
 def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(target, useless_draft):
     """The first speculative step after plain ones pays for the draft catching up on every token
     they emitted: the gate must not count it as the cost of speculating. Later speculative
