@@ -77,7 +77,7 @@ class ModelRunner:
                                    uniform_plans=capture == "compile", native_plans=native_attention,
                                    group_size=cfg.num_heads // cfg.num_kv_heads)
         self.inputs.reserve(max_tokens, max_batch)
-        # steps of short chunks in one native call where the ops allow (projections packed)
+        # steps with a native attention plan in one native call where the ops allow (projections packed)
         self.native_forward = (NativeForward.of(self.model, self.kv_caches)
                                if native_attention and native_linear and device.type == "cpu" else None)
         self.capture = self._build_capture(capture, max_batch, ops)
@@ -105,9 +105,10 @@ class ModelRunner:
                     prefill = self.inputs.build([_dummy_prefill(self.block_size)])
                 finally:
                     self.inputs.max_native_scores = limit
-                # the one-token step compiles the planned graph, which prefill chunks past 16 tokens
-                # with a native plan run (the native forward takes only shorter ones): skipped, the
-                # first such chunk compiled it inside a request (471 ms at batch 1, scratch)
+                # the one-token step compiles the planned graph, which a step with a native plan
+                # runs where the native forward does not (it streams K/V layer by layer, a prefill
+                # worker's): skipped, the first such chunk compiled it inside a request (471 ms at
+                # batch 1, scratch)
                 capture.warm_up(step, prefill)
             else:
                 capture.warm_up(self.inputs.build([_dummy_entry()]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, StepInputs
+from pdserve.engine.step_inputs import StepInputs
 
 
 class _NativeModel:
@@ -90,22 +90,25 @@ def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: 
 
 class NativeForward(_NativeModel):
     """A step's forward as one call of `pdserve::decoder_forward` (`kernels/cpu/decoder.cpp`), for
-    steps whose chunks are all short (decode, a speculative verification, a draft's catch-up):
-    every layer in C++, the projections through `linear_packed` and the attention through
+    every step with a native attention plan (decode, a speculative verification, a draft's
+    catch-up, prefill chunks whose scores fit `step_inputs.MAX_NATIVE_SCORES`): every layer in C++, the projections through `linear_packed` and the attention through
     `paged_attention_cpu` called straight, the norms, rotary and SwiGLU as loops over the rows.
     The same result as the model's forward up to float rounding (the norms sum in another order):
     greedy decoding stays token-identical to transformers in the tests, as with the compiled
     graph, whose own generated loops also sum in their own order. Why: through the compiled graph
     a batch-1 decode step of the demo target spent about a third of its time outside the
-    projections and the attention, on the graph's call, its guards and 41 op dispatches."""
+    projections and the attention, on the graph's call, its guards and 41 op dispatches; a prompt's
+    prefill (64-128 tokens of code, batch 1, one thread, Intel Xeon, seven interleaved repeats of
+    eight prompts) took 1.06-1.15x as long through the compiled graph (1.42-1.55x with default
+    options and two threads; the draft's 1.12-1.25x, one thread)."""
 
     OP, WITH_HEAD = "decoder_forward", False
 
     @staticmethod
     def covers(step: StepInputs) -> bool:
-        """Whether the step's attention is one native plan of short chunks (what this forward runs)."""
+        """Whether the step's attention is one native plan (what this forward runs)."""
         plan = step.meta.plan
-        return plan is not None and plan.query_starts is not None and plan.max_query_len <= MAX_GATHERED_QUERY_LEN
+        return plan is not None and plan.query_starts is not None
 
     def __call__(self, step: StepInputs) -> torch.Tensor:
         """The final norm's output [num_tokens, hidden_size], as the model's forward gives it."""

@@ -15,7 +15,7 @@
   forward and the pick in C++, its ops calling the two above straight (`cpu/native_ops.h`); used
   through `engine.native_forward.NativePasses`. `decoder_forward(input_ids, positions, slot_mapping,
   block_ids, context_lens, query_starts, weights, kv_caches, cos, sin, ...)`, the same file: an
-  engine step of short chunks (decode, a verification) through every layer in one call, the final
+  engine step (decode, a verification, prefill chunks) through every layer in one call, the final
   norm's output returned; used through `engine.native_forward.NativeForward` by `ModelRunner`.
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).

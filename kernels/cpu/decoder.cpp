@@ -27,12 +27,13 @@
 // exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
 // picks [passes, S].
 //
-// pdserve::decoder_forward (below): the same layers for one engine step of a few rows per sequence
-// (decode, a speculative verification), returning the final norm's output; for the target, whose
-// step through a compiled graph spent about a third of a batch-1 decode step on op dispatch and
-// the graph's own calls.
+// pdserve::decoder_forward (below): the same layers for one engine step (decode, a speculative
+// verification, a prefill chunk), returning the final norm's output; for the target, whose step
+// through a compiled graph spent about a third of a batch-1 decode step on op dispatch and the
+// graph's own calls, and a tenth of a 96-token prompt's prefill.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -43,6 +44,17 @@
 #include "native_ops.h"
 
 namespace {
+
+// Rows per task of the row loops (norms, rotary, SwiGLU, residual adds): a long chunk (a prefill)
+// splits them between threads, as the projections and the attention split theirs; a step of a few
+// rows runs them inline, where a fork and join would cost more than the loops.
+constexpr int64_t kRowGrain = 64;
+
+// f(begin, end) over [0, rows), in tasks of kRowGrain rows or more between threads.
+template <typename F>
+void row_blocks(int64_t rows, const F& f) {
+  at::parallel_for(0, rows, kRowGrain, f);
+}
 
 constexpr int64_t kWeightsPerLayer = 10;  // ln1, qkv (packed, bias), o (packed, bias), ln2, gate_up (.., ..), down (.., ..)
 constexpr int64_t kHeadWeights = 4;       // embedding, final norm, lm_head (packed, bias)
@@ -247,23 +259,37 @@ struct Decoder {
     float* ap = s.act.data_ptr<float>();
     float* op = s.out.data_ptr<float>();
     const auto bias = [](const at::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); };
+    const auto norm = [&](const at::Tensor& weight) {
+      row_blocks(rows, [&](int64_t b, int64_t e) {
+        rms_norm(res + b * hidden, weight.data_ptr<float>(), eps, e - b, hidden, nrm + b * hidden);
+      });
+    };
+    const auto add_out = [&] {  // res += op
+      row_blocks(rows, [&](int64_t b, int64_t e) {
+        for (int64_t i = b * hidden; i < e * hidden; ++i) res[i] += op[i];
+      });
+    };
     for (int64_t layer = 0; layer < num_layers; ++layer) {
       const at::Tensor* w = weights.data() + head + layer * kWeightsPerLayer;
-      rms_norm(res, w[0].data_ptr<float>(), eps, rows, hidden, nrm);
+      norm(w[0]);
       pdserve_native::linear_rows(nrm, rows, w[1], bias(w[2]), qkv_size, qkv_p);
-      for (int64_t r = 0; r < rows; ++r)  // q's and k's heads, neighbours in the row
-        rotate(qkv_p + r * qkv_size, num_heads + num_kv_heads, head_dim, cos + pos[r] * (head_dim / 2),
-               sin + pos[r] * (head_dim / 2));
+      row_blocks(rows, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r)  // q's and k's heads, neighbours in the row
+          rotate(qkv_p + r * qkv_size, num_heads + num_kv_heads, head_dim, cos + pos[r] * (head_dim / 2),
+                 sin + pos[r] * (head_dim / 2));
+      });
       at::Tensor k_cache = kv_caches[2 * layer], v_cache = kv_caches[2 * layer + 1];
       const at::Tensor attn =
           pdserve_native::paged_attention(s.q, s.k, s.v, k_cache, v_cache, slots, block_ids, lens, starts, scale);
       pdserve_native::linear_rows(attn.data_ptr<float>(), rows, w[3], bias(w[4]), hidden, op);
-      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
-      rms_norm(res, w[5].data_ptr<float>(), eps, rows, hidden, nrm);
+      add_out();
+      norm(w[5]);
       pdserve_native::linear_rows(nrm, rows, w[6], bias(w[7]), 2 * inter, gu);
-      for (int64_t r = 0; r < rows; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
+      row_blocks(rows, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
+      });
       pdserve_native::linear_rows(ap, rows, w[8], bias(w[9]), hidden, op);
-      for (int64_t i = 0; i < rows * hidden; ++i) res[i] += op[i];
+      add_out();
     }
   }
 };
@@ -362,8 +388,8 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   return picks;
 }
 
-// pdserve::decoder_forward: one step's forward of a few rows per sequence (decode, a speculative
-// verification, a draft's catch-up), every layer in C++, for the engine's ModelRunner: the final
+// pdserve::decoder_forward: one step's forward (decode, a speculative verification, a draft's
+// catch-up, prefill chunks), every layer in C++, for the engine's ModelRunner: the final
 // norm's output [tokens, hidden], the lm_head left to the caller (it scores only the rows it
 // samples). input_ids and positions [T] int64; slot_mapping, block_ids, context_lens and
 // query_starts as paged_attention_cpu takes them; weights: the embedding, the final norm, then
@@ -392,7 +418,10 @@ at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positi
     std::copy(emb + idp[r] * hidden, emb + (idp[r] + 1) * hidden, rp + r * hidden);
   }
   d.layers(rp, rows, pp, slot_mapping, block_ids, context_lens, query_starts, scratch);
-  rms_norm(rp, weights[1].data_ptr<float>(), d.eps, rows, hidden, scratch.normed.data_ptr<float>());
+  float* out = scratch.normed.data_ptr<float>();
+  row_blocks(rows, [&](int64_t b, int64_t e) {
+    rms_norm(rp + b * hidden, weights[1].data_ptr<float>(), d.eps, e - b, hidden, out + b * hidden);
+  });
   return scratch.normed;  // the call's own buffer: the layers are done with it
 }
 

@@ -1,8 +1,9 @@
 """A step's forward in one native call (`pdserve::decoder_forward`, `kernels/cpu/decoder.cpp`,
 through `native_forward.NativeForward`) against the model's own forward: for steps of short chunks
 (decode tokens beside verification chunks, sequences at different positions, crossing a block)
-the same logits to float rounding and the same greedy picks, and the same K/V in the cache; a
-step with a prefill chunk past 16 tokens is left to the model. Three architectures, as the draft's
+the same logits to float rounding and the same greedy picks, and the same K/V in the cache; the
+same for a step of two fresh prompts, on one thread and two; a chunk too long for a native
+attention plan is left to the model. Three architectures, as the draft's
 native passes are tested. Malformed calls are refused with the reason. (Greedy decoding through
 the whole engine, which now runs its decode steps this way with default options, is checked token
 for token against transformers in tests/engine.)"""
@@ -106,12 +107,50 @@ def test_the_avx2_build_gives_the_loaded_builds_hidden_states(runner, native_var
         torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
 
 
-def test_a_step_with_a_long_chunk_is_left_to_the_model(runner):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefill_step_gives_the_models_logits_and_cache(runner, threads):
+    """Two fresh prompts of 70 and 40 tokens in one step (110 rows: with two threads the row
+    loops split between them, as the projections and the attention do), each scoring its last
+    row: the model's logits and K/V, through one native call."""
+    native_forward, gen = runner.native_forward, torch.Generator().manual_seed(11)
+    seqs = [Sequence(f"p{i}", torch.randint(0, runner.cfg.vocab_size, (n,), generator=gen).tolist(), SamplingParams(),
+                     seed=i, block_table=list(range(6 * i, 6 * i + 6))) for i, n in enumerate((70, 40))]
+    batch = [BatchEntry(s, len(s.prompt_token_ids), 1, start=0) for s in seqs]
+    empty = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
+    calls = []
+    counted = lambda step: calls.append(step) or native_forward(step)  # noqa: E731
+    counted.covers = native_forward.covers
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        mine = _run(runner, batch, counted, empty)
+        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        theirs = _run(runner, batch, None, empty)
+    finally:
+        runner.native_forward = native_forward
+        torch.set_num_threads(before)
+    assert len(calls) == 1 and mine.shape == (2, runner.cfg.vocab_size)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+
+
+def test_a_chunk_past_the_native_attentions_scores_is_left_to_the_model(runner):
+    """A prefill chunk whose scores exceed what one native attention item holds gets no native
+    plan, and the step goes to the model (its own chunked attention); a short one is native."""
     seq = Sequence("long", list(range(3, 3 + 40)), SamplingParams(), seed=0, block_table=[0, 1, 2])
     short = Sequence("short", [5, 6, 7], SamplingParams(), seed=1, block_table=[3])
-    long_step = runner.inputs.build([BatchEntry(seq, 40, 1, start=0)])
-    assert not runner.native_forward.covers(long_step)
-    assert runner.native_forward.covers(runner.inputs.build([BatchEntry(short, 3, 1, start=0)]))
+    limit = runner.inputs.max_native_scores
+    runner.inputs.max_native_scores = runner.cfg.num_heads // runner.cfg.num_kv_heads * 40 * 40 - 1
+    try:
+        long_step = runner.inputs.build([BatchEntry(seq, 40, 1, start=0)])
+        assert long_step.meta.plan is None and not runner.native_forward.covers(long_step)
+        assert runner.native_forward.covers(runner.inputs.build([BatchEntry(short, 3, 1, start=0)]))
+    finally:
+        runner.inputs.max_native_scores = limit
+    assert runner.native_forward.covers(runner.inputs.build([BatchEntry(seq, 40, 1, start=0)]))
 
 
 def test_malformed_calls_are_refused_with_the_reason(runner):
