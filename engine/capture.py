@@ -19,8 +19,8 @@ Beside them, with the native CPU ops (projections packed, float32), two natives 
 capture (`native_forward.py`): a step with a native attention plan (decode, verification, prefill
 chunks up to `MAX_NATIVE_SCORES`) is one call of `pdserve::decoder_forward` (`NativeForward`),
 and a draft's passes one call of `pdserve::draft_passes` (`NativePasses`), whatever
-`graph_capture` says; the capture then takes the steps that stream K/V layer by layer (a prefill
-worker's) and chunks too long for a native plan.
+`graph_capture` says (a step that streams K/V layer by layer, a prefill worker's, one call per
+layer); the capture then takes only chunks too long for a native plan.
 
 A capture never changes what a step computes, only how: it runs the same model code on the same
 inputs. It may round differently (Inductor fuses elementwise ops and reorders sums, about 1e-6

@@ -106,9 +106,8 @@ class ModelRunner:
                 finally:
                     self.inputs.max_native_scores = limit
                 # the one-token step compiles the planned graph, which a step with a native plan
-                # runs where the native forward does not (it streams K/V layer by layer, a prefill
-                # worker's): skipped, the first such chunk compiled it inside a request (471 ms at
-                # batch 1, scratch)
+                # runs where there is no native forward (the projections not packed): skipped,
+                # the first such chunk compiled it inside a request (471 ms at batch 1, scratch)
                 capture.warm_up(step, prefill)
             else:
                 capture.warm_up(self.inputs.build([_dummy_entry()]))
@@ -120,8 +119,8 @@ class ModelRunner:
         `layer_callback(i)` runs once layer i's K/V for this batch are in the cache (KV streaming)."""
         start = time.perf_counter()
         step = self.inputs.build(batch)
-        if self.native_forward is not None and layer_callback is None and self.native_forward.covers(step):
-            hidden = self.native_forward(step)
+        if self.native_forward is not None and self.native_forward.covers(step):
+            hidden = self.native_forward(step, layer_callback)
         elif self.capture is not None and self.capture.covers(step, layer_callback is not None):
             hidden = self.capture(step)
         else:

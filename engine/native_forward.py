@@ -6,6 +6,8 @@ used by `ModelRunner`); `NativePasses` runs a draft's passes (`pdserve::draft_pa
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.engine.step_inputs import StepInputs
@@ -20,6 +22,8 @@ class _NativeModel:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
         cfg = model.cfg
+        norm = model.model.norm
+        self.final_norm = lambda x: model.ops.rms_norm(x, norm.weight, norm.eps)  # noqa: E731
         self.weights = weights
         self.caches = [t for pair in kv_caches for t in pair]
         self.cos, self.sin = model.rope
@@ -110,9 +114,17 @@ class NativeForward(_NativeModel):
         plan = step.meta.plan
         return plan is not None and plan.query_starts is not None
 
-    def __call__(self, step: StepInputs) -> torch.Tensor:
-        """The final norm's output [num_tokens, hidden_size], as the model's forward gives it."""
+    def __call__(self, step: StepInputs, layer_callback: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The final norm's output [num_tokens, hidden_size], as the model's forward gives it.
+        With layer_callback, layer by layer (`pdserve::decoder_layer`): callback(i) runs once
+        layer i's K/V are in the cache, before layer i + 1 starts (a prefill worker's KV streaming)."""
         plan, (heads, kv_heads, eps, scale) = step.meta.plan, self.shape
-        return torch.ops.pdserve.decoder_forward(step.input_ids, step.positions, step.meta.slot_mapping, plan.block_ids,
-                                                 plan.context_lens, plan.query_starts, self.weights, self.caches,
-                                                 self.cos, self.sin, heads, kv_heads, eps, scale)
+        args = (step.meta.slot_mapping, plan.block_ids, plan.context_lens, plan.query_starts, self.weights,
+                self.caches, self.cos, self.sin, heads, kv_heads, eps, scale)
+        if layer_callback is None:
+            return torch.ops.pdserve.decoder_forward(step.input_ids, step.positions, *args)
+        residual = torch.nn.functional.embedding(step.input_ids, self.weights[0])
+        for layer in range(len(self.caches) // 2):
+            torch.ops.pdserve.decoder_layer(residual, step.positions, *args, layer)
+            layer_callback(layer)
+        return self.final_norm(residual)

@@ -249,9 +249,10 @@ struct Decoder {
   // Rows' residual streams `res` [rows, hidden] (their embeddings in) through every layer, each
   // row's K/V written by `slots` and attending as `block_ids`, `lens` and `starts` say
   // (paged_attention_cpu's layout); row r rotated at position pos[r]; `s` holds `rows` rows. The
-  // final norm is the caller's.
+  // final norm is the caller's. Layers [first, end): every one unless given.
   void layers(float* res, int64_t rows, const int64_t* pos, const at::Tensor& slots, const at::Tensor& block_ids,
-              const at::Tensor& lens, const at::Tensor& starts, const Scratch& s) const {
+              const at::Tensor& lens, const at::Tensor& starts, const Scratch& s, int64_t first = 0,
+              int64_t end = -1) const {
     const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
     float* nrm = s.normed.data_ptr<float>();
     float* qkv_p = s.qkv.data_ptr<float>();
@@ -269,7 +270,7 @@ struct Decoder {
         for (int64_t i = b * hidden; i < e * hidden; ++i) res[i] += op[i];
       });
     };
-    for (int64_t layer = 0; layer < num_layers; ++layer) {
+    for (int64_t layer = first; layer < (end < 0 ? num_layers : end); ++layer) {
       const at::Tensor* w = weights.data() + head + layer * kWeightsPerLayer;
       norm(w[0]);
       pdserve_native::linear_rows(nrm, rows, w[1], bias(w[2]), qkv_size, qkv_p);
@@ -394,35 +395,66 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
 // samples). input_ids and positions [T] int64; slot_mapping, block_ids, context_lens and
 // query_starts as paged_attention_cpu takes them; weights: the embedding, the final norm, then
 // kWeightsPerLayer per layer.
+// The step's positions [T] int64, checked against the rotary table, with slot_mapping's shape.
+at::Tensor checked_positions(const char* op, const Decoder& d, const at::Tensor& positions,
+                             const at::Tensor& slot_mapping, int64_t rows) {
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == rows && positions.scalar_type() == at::kLong &&
+                  slot_mapping.sizes() == positions.sizes(),
+              op, ": positions and slot_mapping must be int64 [", rows, "] (one per row), got ", positions.sizes(),
+              " and ", slot_mapping.sizes());
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(pp[r] >= 0 && pp[r] < d.max_position, op, ": position ", pp[r], " is outside the rotary table");
+  return pos;
+}
+
 at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                            const at::Tensor& block_ids, const at::Tensor& context_lens, const at::Tensor& query_starts,
                            at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   const Decoder d("decoder_forward", 2, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
-  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
-                  positions.scalar_type() == at::kLong && slot_mapping.sizes() == input_ids.sizes(),
-              "decoder_forward: input_ids, positions and slot_mapping must be int64 [tokens] alike, got ",
-              input_ids.sizes(), ", ", positions.sizes(), " and ", slot_mapping.sizes());
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong,
+              "decoder_forward: input_ids must be int64 [tokens], got ", input_ids.sizes());
   const int64_t rows = input_ids.size(0), hidden = d.hidden;
+  const at::Tensor pos = checked_positions("decoder_forward", d, positions, slot_mapping, rows);
   const auto f32 = weights[0].options();
-  const at::Tensor ids = input_ids.contiguous(), pos = positions.contiguous();
+  const at::Tensor ids = input_ids.contiguous();
   const int64_t* idp = ids.data_ptr<int64_t>();
-  const int64_t* pp = pos.data_ptr<int64_t>();
   const at::Tensor res = at::empty({rows, hidden}, f32);
   const Scratch scratch = d.scratch(rows, f32);
   float* rp = res.data_ptr<float>();
   const float* emb = weights[0].data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(idp[r] >= 0 && idp[r] < d.vocab, "decoder_forward: token ", idp[r], " out of range");
-    TORCH_CHECK(pp[r] >= 0 && pp[r] < d.max_position, "decoder_forward: position ", pp[r], " is outside the rotary table");
     std::copy(emb + idp[r] * hidden, emb + (idp[r] + 1) * hidden, rp + r * hidden);
   }
-  d.layers(rp, rows, pp, slot_mapping, block_ids, context_lens, query_starts, scratch);
+  d.layers(rp, rows, pos.data_ptr<int64_t>(), slot_mapping, block_ids, context_lens, query_starts, scratch);
   float* out = scratch.normed.data_ptr<float>();
   row_blocks(rows, [&](int64_t b, int64_t e) {
     rms_norm(rp + b * hidden, weights[1].data_ptr<float>(), d.eps, e - b, hidden, out + b * hidden);
   });
   return scratch.normed;  // the call's own buffer: the layers are done with it
+}
+
+// pdserve::decoder_layer: decoder_forward's layer `layer` alone, on the rows' residual streams
+// `residual` [T, hidden] float32 (the embeddings before layer 0), updated in place, the layer's K/V
+// written into its cache. For a step that hands each layer's K/V on as it lands (a prefill
+// worker's, `native_forward.NativeForward` with a layer callback): the caller embeds, calls each
+// layer in turn, and applies the final norm.
+void decoder_layer(at::Tensor& residual, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                   const at::Tensor& block_ids, const at::Tensor& context_lens, const at::Tensor& query_starts,
+                   at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
+                   int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t layer) {
+  const Decoder d("decoder_layer", 2, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  TORCH_CHECK(layer >= 0 && layer < d.num_layers, "decoder_layer: layer ", layer, " of a model of ", d.num_layers);
+  TORCH_CHECK(residual.dim() == 2 && residual.size(1) == d.hidden && residual.scalar_type() == at::kFloat &&
+                  residual.is_contiguous(),
+              "decoder_layer: residual must be a contiguous float32 [tokens, ", d.hidden, "], got ", residual.sizes());
+  const int64_t rows = residual.size(0);
+  const at::Tensor pos = checked_positions("decoder_layer", d, positions, slot_mapping, rows);
+  d.layers(residual.data_ptr<float>(), rows, pos.data_ptr<int64_t>(), slot_mapping, block_ids, context_lens,
+           query_starts, d.scratch(rows, weights[0].options()), layer, layer + 1);
 }
 
 }  // namespace
@@ -438,9 +470,13 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("decoder_forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_ids, "
         "Tensor context_lens, Tensor query_starts, Tensor[] weights, Tensor(a!)[] kv_caches, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
+  m.def("decoder_layer(Tensor(a!) residual, Tensor positions, Tensor slot_mapping, Tensor block_ids, "
+        "Tensor context_lens, Tensor query_starts, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor cos, Tensor sin, "
+        "int num_heads, int num_kv_heads, float eps, float scale, int layer) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {
   m.impl("draft_passes", &draft_passes);
   m.impl("decoder_forward", &decoder_forward);
+  m.impl("decoder_layer", &decoder_layer);
 }

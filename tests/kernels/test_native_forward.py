@@ -54,7 +54,7 @@ def test_native_forward_gives_the_models_logits_and_cache(runner):
     cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     batch = [BatchEntry(s, extra, extra, start=n) for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)]
     calls = []
-    counted = lambda step: calls.append(step) or native_forward(step)  # noqa: E731
+    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
     counted.covers = native_forward.covers
     try:
         mine = _run(runner, batch, counted, cache)
@@ -118,7 +118,7 @@ def test_a_prefill_step_gives_the_models_logits_and_cache(runner, threads):
     batch = [BatchEntry(s, len(s.prompt_token_ids), 1, start=0) for s in seqs]
     empty = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
     calls = []
-    counted = lambda step: calls.append(step) or native_forward(step)  # noqa: E731
+    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
     counted.covers = native_forward.covers
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -132,6 +132,43 @@ def test_a_prefill_step_gives_the_models_logits_and_cache(runner, threads):
     assert len(calls) == 1 and mine.shape == (2, runner.cfg.vocab_size)
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+
+
+def test_a_prefill_streamed_layer_by_layer_gives_each_layers_cache_before_the_next_starts(runner):
+    """With a layer callback (a prefill worker's KV streaming) the native forward runs layer by
+    layer (`pdserve::decoder_layer`): callback i finds layer i's K/V of every new token in the
+    cache and layer i + 1's not yet written; the logits and the cache are the model's."""
+    native_forward, gen = runner.native_forward, torch.Generator().manual_seed(12)
+    seq = Sequence("p", torch.randint(0, runner.cfg.vocab_size, (45,), generator=gen).tolist(), SamplingParams(),
+                   seed=0, block_table=[0, 1, 2])
+    batch = [BatchEntry(seq, 45, 1, start=0)]
+    empty = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
+    slots = torch.arange(45)  # blocks 0-2, in order
+    seen = []
+
+    def callback(layer: int) -> None:
+        written = [bool((k.view(-1, *k.shape[2:])[slots].abs().sum((1, 2)) > 0).all()) for k, _ in runner.kv_caches]
+        seen.append((layer, written))
+
+    calls = []
+    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
+    counted.covers = native_forward.covers
+    try:
+        runner.native_forward = counted
+        for (k, v), (k0, v0) in zip(runner.kv_caches, empty):
+            k.copy_(k0), v.copy_(v0)
+        mine = runner.execute(batch, callback)
+        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        theirs = _run(runner, batch, None, empty)
+    finally:
+        runner.native_forward = native_forward
+    num_layers = runner.cfg.num_layers
+    assert len(calls) == 1 and [layer for layer, _ in seen] == list(range(num_layers))
+    assert all(written == [i <= layer for i in range(num_layers)] for layer, written in seen)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
         torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
@@ -170,7 +207,22 @@ def test_malformed_calls_are_refused_with_the_reason(runner):
         call(input_ids=torch.tensor([5, runner.cfg.vocab_size, 7]))
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         call(positions=torch.tensor([0, 1, 1 << 30]))
-    with pytest.raises(RuntimeError, match="int64 \\[tokens\\] alike"):
+    with pytest.raises(RuntimeError, match="one per row"):
         call(positions=step.positions[:2])
     with pytest.raises(RuntimeError, match="do not make a model"):
         call(weights=nf.weights[:-1])
+
+    def layer(residual, index=0):
+        with torch.inference_mode():
+            torch.ops.pdserve.decoder_layer(residual, step.positions, step.meta.slot_mapping, plan.block_ids,
+                                            plan.context_lens, plan.query_starts, nf.weights, nf.caches, nf.cos,
+                                            nf.sin, heads, kv_heads, eps, scale, index)
+
+    hidden = runner.cfg.hidden_size
+    layer(torch.zeros(3, hidden))
+    with pytest.raises(RuntimeError, match=f"layer {runner.cfg.num_layers} of a model of {runner.cfg.num_layers}"):
+        layer(torch.zeros(3, hidden), runner.cfg.num_layers)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous float32"):
+        layer(torch.zeros(3, hidden + 1))
+    with pytest.raises(RuntimeError, match="one per row"):
+        layer(torch.zeros(2, hidden))
