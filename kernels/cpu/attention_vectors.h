@@ -319,8 +319,17 @@ struct Lanes16 {
 inline void softmax_row16(float* row, int64_t visible, int64_t end) {
   const int64_t full = visible & ~int64_t{15};
   const __mmask16 tail = static_cast<__mmask16>((1u << (visible - full)) - 1);
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+  // the max in four chains: one chain of dependent maxes waited on each one's latency
+  __m512 m = _mm512_set1_ps(-INFINITY), m1 = m, m2 = m, m3 = m;
+  int64_t j = 0;
+  for (; j + 64 <= full; j += 64) {
+    m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(row + j + 16));
+    m2 = _mm512_max_ps(m2, _mm512_loadu_ps(row + j + 32));
+    m3 = _mm512_max_ps(m3, _mm512_loadu_ps(row + j + 48));
+  }
+  for (; j < full; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + j));
+  m = _mm512_max_ps(_mm512_max_ps(m, m1), _mm512_max_ps(m2, m3));
   m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + full));
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
   __m512 sum = _mm512_setzero_ps();
