@@ -108,6 +108,12 @@ class NativeForward(_NativeModel):
 
     OP, WITH_HEAD = "decoder_forward", False
 
+    def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
+        super().__init__(model, kv_caches, weights)
+        cfg = model.cfg
+        self.scratch_per_row = torch.ops.pdserve.decoder_scratch_per_row(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+
     @staticmethod
     def covers(step: StepInputs) -> bool:
         """Whether the step's attention is one native plan (what this forward runs)."""
@@ -124,7 +130,8 @@ class NativeForward(_NativeModel):
         if layer_callback is None:
             return torch.ops.pdserve.decoder_forward(step.input_ids, step.positions, *args)
         residual = torch.nn.functional.embedding(step.input_ids, self.weights[0])
+        workspace = residual.new_empty(len(residual) * self.scratch_per_row)  # every layer's, once
         for layer in range(len(self.caches) // 2):
-            torch.ops.pdserve.decoder_layer(residual, step.positions, *args, layer)
+            torch.ops.pdserve.decoder_layer(residual, workspace, step.positions, *args, layer)
             layer_callback(layer)
         return self.final_norm(residual)

@@ -212,9 +212,10 @@ def test_malformed_calls_are_refused_with_the_reason(runner):
     with pytest.raises(RuntimeError, match="do not make a model"):
         call(weights=nf.weights[:-1])
 
-    def layer(residual, index=0):
+    def layer(residual, index=0, workspace=None):
+        workspace = torch.empty(len(residual) * nf.scratch_per_row) if workspace is None else workspace
         with torch.inference_mode():
-            torch.ops.pdserve.decoder_layer(residual, step.positions, step.meta.slot_mapping, plan.block_ids,
+            torch.ops.pdserve.decoder_layer(residual, workspace, step.positions, step.meta.slot_mapping, plan.block_ids,
                                             plan.context_lens, plan.query_starts, nf.weights, nf.caches, nf.cos,
                                             nf.sin, heads, kv_heads, eps, scale, index)
 
@@ -226,3 +227,5 @@ def test_malformed_calls_are_refused_with_the_reason(runner):
         layer(torch.zeros(3, hidden + 1))
     with pytest.raises(RuntimeError, match="one per row"):
         layer(torch.zeros(2, hidden))
+    with pytest.raises(RuntimeError, match="workspace must be a contiguous float32"):
+        layer(torch.zeros(3, hidden), workspace=torch.empty(3 * nf.scratch_per_row - 1))
