@@ -22,8 +22,6 @@ class _NativeModel:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
         cfg = model.cfg
-        norm = model.model.norm
-        self.final_norm = lambda x: model.ops.rms_norm(x, norm.weight, norm.eps)  # noqa: E731
         self.weights = weights
         self.caches = [t for pair in kv_caches for t in pair]
         self.cos, self.sin = model.rope
@@ -95,8 +93,9 @@ def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: 
 class NativeForward(_NativeModel):
     """A step's forward as one call of `pdserve::decoder_forward` (`kernels/cpu/decoder.cpp`), for
     every step with a native attention plan (decode, a speculative verification, a draft's
-    catch-up, prefill chunks whose scores fit `step_inputs.MAX_NATIVE_SCORES`): every layer in C++, the projections through `linear_packed` and the attention through
-    `paged_attention_cpu` called straight, the norms, rotary and SwiGLU as loops over the rows.
+    catch-up, prefill chunks whose scores fit `step_inputs.MAX_NATIVE_SCORES`): every layer in
+    C++, the projections through `linear_packed` and the attention through `paged_attention_cpu`
+    called straight, the norms, rotary and SwiGLU as loops over the rows.
     The same result as the model's forward up to float rounding (the norms sum in another order):
     greedy decoding stays token-identical to transformers in the tests, as with the compiled
     graph, whose own generated loops also sum in their own order. Why: through the compiled graph
@@ -110,9 +109,11 @@ class NativeForward(_NativeModel):
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, weights: list[torch.Tensor]):
         super().__init__(model, kv_caches, weights)
-        cfg = model.cfg
+        cfg, norm = model.cfg, model.model.norm
+        # a streamed step's (`decoder_layer`): its workspace's floats a row, and the final norm
         self.scratch_per_row = torch.ops.pdserve.decoder_scratch_per_row(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size)
+        self.final_norm = lambda x: model.ops.rms_norm(x, norm.weight, norm.eps)  # noqa: E731
 
     @staticmethod
     def covers(step: StepInputs) -> bool:

@@ -30,7 +30,7 @@
 // pdserve::decoder_forward (below): the same layers for one engine step (decode, a speculative
 // verification, a prefill chunk), returning the final norm's output; for the target, whose step
 // through a compiled graph spent about a third of a batch-1 decode step on op dispatch and the
-// graph's own calls, and a tenth of a 96-token prompt's prefill.
+// graph's own calls, and took 1.06-1.15x as long over a 64-128-token prompt's prefill.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -308,7 +308,8 @@ struct Decoder {
       norm(w[5]);
       pdserve_native::linear_rows(nrm, rows, w[6], bias(w[7]), 2 * inter, gu);
       row_blocks(rows, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
+        for (int64_t r = b; r < e; ++r)
+          silu_times(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, ap + r * inter);
       });
       pdserve_native::linear_rows(ap, rows, w[8], bias(w[9]), hidden, op);
       add_out();
@@ -410,12 +411,6 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   return picks;
 }
 
-// pdserve::decoder_forward: one step's forward (decode, a speculative verification, a draft's
-// catch-up, prefill chunks), every layer in C++, for the engine's ModelRunner: the final
-// norm's output [tokens, hidden], the lm_head left to the caller (it scores only the rows it
-// samples). input_ids and positions [T] int64; slot_mapping, block_ids, context_lens and
-// query_starts as paged_attention_cpu takes them; weights: the embedding, the final norm, then
-// kWeightsPerLayer per layer.
 // The step's positions [T] int64, checked against the rotary table, with slot_mapping's shape.
 at::Tensor checked_positions(const char* op, const Decoder& d, const at::Tensor& positions,
                              const at::Tensor& slot_mapping, int64_t rows) {
@@ -430,6 +425,12 @@ at::Tensor checked_positions(const char* op, const Decoder& d, const at::Tensor&
   return pos;
 }
 
+// pdserve::decoder_forward: one step's forward (decode, a speculative verification, a draft's
+// catch-up, prefill chunks), every layer in C++, for the engine's ModelRunner: the final
+// norm's output [tokens, hidden], the lm_head left to the caller (it scores only the rows it
+// samples). input_ids and positions [T] int64; slot_mapping, block_ids, context_lens and
+// query_starts as paged_attention_cpu takes them; weights: the embedding, the final norm, then
+// kWeightsPerLayer per layer.
 at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
                            const at::Tensor& block_ids, const at::Tensor& context_lens, const at::Tensor& query_starts,
                            at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
@@ -463,13 +464,14 @@ at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positi
 // written into its cache; `workspace`: float32, at least T times `decoder_scratch_per_row` floats,
 // the layer's scratch (the caller's for every layer of a step: a 512-token prefill through eight
 // calls that each allocated their own took 1.01-1.08x the time of one decoder_forward, with one
-// workspace 0.98-1.04x; scratch A/B, ten interleaved repeats, one thread). For a step that hands each layer's K/V on as it lands (a prefill worker's,
-// `native_forward.NativeForward` with a layer callback): the caller embeds, calls each layer in
-// turn, and applies the final norm.
-void decoder_layer(at::Tensor& residual, at::Tensor& workspace, const at::Tensor& positions, const at::Tensor& slot_mapping,
-                   const at::Tensor& block_ids, const at::Tensor& context_lens, const at::Tensor& query_starts,
-                   at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
-                   int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t layer) {
+// workspace 0.98-1.04x; scratch A/B, ten interleaved repeats, one thread). For a step that hands
+// each layer's K/V on as it lands (a prefill worker's, `native_forward.NativeForward` with a layer
+// callback): the caller embeds, calls each layer in turn, and applies the final norm.
+void decoder_layer(at::Tensor& residual, at::Tensor& workspace, const at::Tensor& positions,
+                   const at::Tensor& slot_mapping, const at::Tensor& block_ids, const at::Tensor& context_lens,
+                   const at::Tensor& query_starts, at::TensorList weights, at::TensorList kv_caches,
+                   const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps,
+                   double scale, int64_t layer) {
   const Decoder d("decoder_layer", 2, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
   TORCH_CHECK(layer >= 0 && layer < d.num_layers, "decoder_layer: layer ", layer, " of a model of ", d.num_layers);
   TORCH_CHECK(residual.dim() == 2 && residual.size(1) == d.hidden && residual.scalar_type() == at::kFloat &&
@@ -485,7 +487,6 @@ void decoder_layer(at::Tensor& residual, at::Tensor& workspace, const at::Tensor
            query_starts, d.scratch(rows, workspace), layer, layer + 1);
 }
 
-
 }  // namespace
 
 #ifndef PDSERVE_OP_NAMESPACE
@@ -499,9 +500,9 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("decoder_forward(Tensor input_ids, Tensor positions, Tensor slot_mapping, Tensor block_ids, "
         "Tensor context_lens, Tensor query_starts, Tensor[] weights, Tensor(a!)[] kv_caches, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
-  m.def("decoder_layer(Tensor(a!) residual, Tensor(c!) workspace, Tensor positions, Tensor slot_mapping, Tensor block_ids, "
-        "Tensor context_lens, Tensor query_starts, Tensor[] weights, Tensor(b!)[] kv_caches, Tensor cos, Tensor sin, "
-        "int num_heads, int num_kv_heads, float eps, float scale, int layer) -> ()");
+  m.def("decoder_layer(Tensor(a!) residual, Tensor(c!) workspace, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_ids, Tensor context_lens, Tensor query_starts, Tensor[] weights, Tensor(b!)[] kv_caches, "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, int layer) -> ()");
   m.def("decoder_scratch_per_row(int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate) -> int",
         &decoder_scratch_per_row);
 }

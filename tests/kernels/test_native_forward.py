@@ -37,11 +37,37 @@ def _sequences(runner: ModelRunner) -> list[Sequence]:
     return seqs
 
 
-def _run(runner: ModelRunner, batch: list[BatchEntry], native_forward, caches) -> torch.Tensor:
+def _run(runner: ModelRunner, batch: list[BatchEntry], native_forward, caches, callback=None) -> torch.Tensor:
     runner.native_forward = native_forward
     for (k, v), (k0, v0) in zip(runner.kv_caches, caches):
         k.copy_(k0), v.copy_(v0)
-    return runner.execute(batch)
+    return runner.execute(batch, callback)
+
+
+def _native_against_model(runner: ModelRunner, batch: list[BatchEntry], caches, callback=None):
+    """The step from the same caches through the native forward (which must take it, once) and
+    through the model: the native logits and cache, and the model's logits; the runner's caches
+    are left holding the model's."""
+    native_forward, calls = runner.native_forward, []
+    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
+    counted.covers = native_forward.covers
+    try:
+        mine = _run(runner, batch, counted, caches, callback)
+        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+        theirs = _run(runner, batch, None, caches)
+    finally:
+        runner.native_forward = native_forward
+    assert len(calls) == 1
+    return mine, mine_cache, theirs
+
+
+def _assert_the_models(runner: ModelRunner, mine, mine_cache, theirs) -> None:
+    """The model's logits to float rounding, its greedy picks, and its K/V (the runner's caches)."""
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
+        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
 
 
 def test_native_forward_gives_the_models_logits_and_cache(runner):
@@ -53,21 +79,9 @@ def test_native_forward_gives_the_models_logits_and_cache(runner):
         runner.execute([BatchEntry(s, n, 1, start=0) for s, n in zip(seqs, PROMPT_LENS)])
     cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     batch = [BatchEntry(s, extra, extra, start=n) for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)]
-    calls = []
-    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
-    counted.covers = native_forward.covers
-    try:
-        mine = _run(runner, batch, counted, cache)
-        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        theirs = _run(runner, batch, None, cache)
-    finally:
-        runner.native_forward = native_forward
-    assert len(calls) == 1 and mine.shape == (sum(NEW_TOKENS), runner.cfg.vocab_size)
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
-    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
-        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+    mine, mine_cache, theirs = _native_against_model(runner, batch, cache)
+    assert mine.shape == (sum(NEW_TOKENS), runner.cfg.vocab_size)
+    _assert_the_models(runner, mine, mine_cache, theirs)
     written = [(s.block_table[p // BLOCK_SIZE], p % BLOCK_SIZE)
                for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS) for p in range(n, n + extra)]
     assert all(mine_cache[0][0][b, o].abs().sum() > 0 for b, o in written)  # every new token's K/V written
@@ -112,36 +126,26 @@ def test_a_prefill_step_gives_the_models_logits_and_cache(runner, threads):
     """Two fresh prompts of 70 and 40 tokens in one step (110 rows: with two threads the row
     loops split between them, as the projections and the attention do), each scoring its last
     row: the model's logits and K/V, through one native call."""
-    native_forward, gen = runner.native_forward, torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(11)
     seqs = [Sequence(f"p{i}", torch.randint(0, runner.cfg.vocab_size, (n,), generator=gen).tolist(), SamplingParams(),
                      seed=i, block_table=list(range(6 * i, 6 * i + 6))) for i, n in enumerate((70, 40))]
     batch = [BatchEntry(s, len(s.prompt_token_ids), 1, start=0) for s in seqs]
     empty = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
-    calls = []
-    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
-    counted.covers = native_forward.covers
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        mine = _run(runner, batch, counted, empty)
-        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        theirs = _run(runner, batch, None, empty)
+        mine, mine_cache, theirs = _native_against_model(runner, batch, empty)
     finally:
-        runner.native_forward = native_forward
         torch.set_num_threads(before)
-    assert len(calls) == 1 and mine.shape == (2, runner.cfg.vocab_size)
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    assert mine.argmax(-1).tolist() == theirs.argmax(-1).tolist()
-    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
-        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+    assert mine.shape == (2, runner.cfg.vocab_size)
+    _assert_the_models(runner, mine, mine_cache, theirs)
 
 
 def test_a_prefill_streamed_layer_by_layer_gives_each_layers_cache_before_the_next_starts(runner):
     """With a layer callback (a prefill worker's KV streaming) the native forward runs layer by
     layer (`pdserve::decoder_layer`): callback i finds layer i's K/V of every new token in the
     cache and layer i + 1's not yet written; the logits and the cache are the model's."""
-    native_forward, gen = runner.native_forward, torch.Generator().manual_seed(12)
+    gen = torch.Generator().manual_seed(12)
     seq = Sequence("p", torch.randint(0, runner.cfg.vocab_size, (45,), generator=gen).tolist(), SamplingParams(),
                    seed=0, block_table=[0, 1, 2])
     batch = [BatchEntry(seq, 45, 1, start=0)]
@@ -153,25 +157,11 @@ def test_a_prefill_streamed_layer_by_layer_gives_each_layers_cache_before_the_ne
         written = [bool((k.view(-1, *k.shape[2:])[slots].abs().sum((1, 2)) > 0).all()) for k, _ in runner.kv_caches]
         seen.append((layer, written))
 
-    calls = []
-    counted = lambda step, cb=None: calls.append(step) or native_forward(step, cb)  # noqa: E731
-    counted.covers = native_forward.covers
-    try:
-        runner.native_forward = counted
-        for (k, v), (k0, v0) in zip(runner.kv_caches, empty):
-            k.copy_(k0), v.copy_(v0)
-        mine = runner.execute(batch, callback)
-        mine_cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-        theirs = _run(runner, batch, None, empty)
-    finally:
-        runner.native_forward = native_forward
+    mine, mine_cache, theirs = _native_against_model(runner, batch, empty, callback)
     num_layers = runner.cfg.num_layers
-    assert len(calls) == 1 and [layer for layer, _ in seen] == list(range(num_layers))
+    assert [layer for layer, _ in seen] == list(range(num_layers))
     assert all(written == [i <= layer for i in range(num_layers)] for layer, written in seen)
-    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    for (k1, v1), (k2, v2) in zip(mine_cache, runner.kv_caches):
-        torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+    _assert_the_models(runner, mine, mine_cache, theirs)
 
 
 def test_a_chunk_past_the_native_attentions_scores_is_left_to_the_model(runner):
