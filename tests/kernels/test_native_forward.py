@@ -74,9 +74,12 @@ def test_native_forward_gives_the_models_logits_and_cache(runner):
     native_forward = runner.native_forward
     assert isinstance(native_forward, NativeForward)
     seqs = _sequences(runner)
-    with torch.inference_mode():  # the prompts (but each step's new tokens) in the cache, through the model
+    try:  # the prompts (but each step's new tokens) in the cache, through the model
         runner.native_forward = None
-        runner.execute([BatchEntry(s, n, 1, start=0) for s, n in zip(seqs, PROMPT_LENS)])
+        with torch.inference_mode():
+            runner.execute([BatchEntry(s, n, 1, start=0) for s, n in zip(seqs, PROMPT_LENS)])
+    finally:
+        runner.native_forward = native_forward
     cache = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     batch = [BatchEntry(s, extra, extra, start=n) for s, n, extra in zip(seqs, PROMPT_LENS, NEW_TOKENS)]
     mine, mine_cache, theirs = _native_against_model(runner, batch, cache)
