@@ -17,6 +17,8 @@
   block_ids, context_lens, query_starts, weights, kv_caches, cos, sin, ...)`, the same file: an
   engine step (decode, a verification, prefill chunks) through every layer in one call, the final
   norm's output returned; used through `engine.native_forward.NativeForward` by `ModelRunner`.
+  `decoder_layer(residual, workspace, positions, ..., layer)`: one of those layers on residual
+  streams in place, for a step that streams each layer's K/V as it lands (a prefill worker's).
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 - `torch.ops.pdserve.hash_uniforms(keys, codes)` (`cpu/noise.cpp`): `engine.rng.hash_uniforms`
