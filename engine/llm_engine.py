@@ -415,7 +415,7 @@ class LLMEngine:
             req.seq.finish_reason = reason
         self.scheduler.finish(req.seq)
         if self.speculator is not None:
-            self.speculator.forget(req.seq.req_id)
+            self.speculator.forget(req.seq)
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq

@@ -39,6 +39,15 @@ class DraftProposer:
         # False: the catch-up pass always runs through `execute`, and only the passes after it
         # at once (`benchmarks/draft_passes.py` measures the two side by side)
         self.catch_up_at_once = True
+        self._fresh = [0.0, 0]  # since `take_catch_up`: seconds and tokens of catching up on fresh prompts
+
+    def take_catch_up(self) -> tuple[float, int]:
+        """Seconds the draft spent catching up on fresh prompts (sequences it has not drafted for
+        yet, past any cached prefix) beyond what an ordinary pass costs, and the tokens it caught
+        up on, since the last call. A cost of speculating on those requests that no decode step
+        shows: the gate spreads it over their tokens (`SpeculationGate.observe_catch_up`)."""
+        out, self._fresh = (self._fresh[0], self._fresh[1]), [0.0, 0]
+        return out
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """Per sequence: draft tokens and, when kept, their distributions q [k, vocab_size]."""
@@ -51,8 +60,18 @@ class DraftProposer:
         entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
+        # tokens to catch up on of sequences whose prompt the draft has not seen (fresh ones),
+        # counted where the gate reads them (adaptive depth)
+        fresh = 0 if self.cost is None else sum(
+            e.num_new_tokens for e in entries if e.start < e.seq.num_prompt_tokens and e.num_new_tokens > 2)
+        # an ordinary pass's seconds, predicted before the catch-up's own pass moves the line
+        ordinary = self.cost(len(entries)) if fresh and not self.cost.is_guess else 0.0
         while active:
+            start = time.perf_counter()
             picks, q = self._run(entries, [seqs[i] for i in active], step)
+            if fresh and step == 0:
+                self._fresh[0] += max(time.perf_counter() - start - ordinary, 0.0)
+                self._fresh[1] += fresh
             for row, i in enumerate(active):
                 seqs[i].num_draft_computed_tokens = entries[row].start + entries[row].num_new_tokens
                 tokens[i].append(picks[row])

@@ -70,6 +70,7 @@ class Speculator:
     # plain decoding was cheaper (0.85x). So the gate neither measures nor moves its schedule
     # until this many pure-decode steps have run since the last step with prefill tokens.
     WARMUP_STEPS = 6
+    LENGTHS_DECAY = 0.9  # per finished request, for the gate's prompt tokens per output token
 
     def __init__(self, proposer: Proposer, depth: AdaptiveDepth, verifier, catches_up: bool):
         """verifier: a `verifier.CoupledVerifier` or `verifier.RejectionVerifier`. catches_up:
@@ -85,6 +86,7 @@ class Speculator:
         self._cohort: set[str] = set()  # the requests running when the gate was last renewed
         self._decode_run = 0  # pure-decode steps since the last step with prefill tokens
         self._propose_seconds = 0.0  # this step's, so far
+        self._lengths = [0.0, 0.0]  # decayed sums of finished requests' prompt and output tokens
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): the target's forward
@@ -105,6 +107,10 @@ class Speculator:
         self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward))
         switching = self.catches_up and self._speculated and not self._speculated_before
         self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
+        if self.catches_up:
+            seconds_caught_up, caught_up = self.proposer.take_catch_up()
+            if caught_up and not (switching and self._decode_run > self.WARMUP_STEPS):  # a switch's is apart
+                self.gate.observe_catch_up(self._regime[0], seconds_caught_up, caught_up, self._regime[1])
         if self._decode_run > self.WARMUP_STEPS:
             num_tokens = sum(len(o.new_token_ids) for o in outputs)
             if not switching:
@@ -166,5 +172,11 @@ class Speculator:
         seq.num_computed_tokens = num_tokens_before + num_accepted
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
 
-    def forget(self, req_id: str) -> None:
-        self.depth.forget(req_id)
+    def forget(self, seq: Sequence) -> None:
+        """A request finished: its acceptance is dropped, and its lengths join the gate's figure
+        of prompt tokens per output token (over which a draft's catch-up on a prompt spreads)."""
+        self.depth.forget(seq.req_id)
+        if self.catches_up and seq.num_output_tokens:
+            self._lengths = [x * self.LENGTHS_DECAY + n for x, n in
+                             zip(self._lengths, (seq.num_prompt_tokens, seq.num_output_tokens))]
+            self.gate.prompt_per_output = self._lengths[0] / self._lengths[1]

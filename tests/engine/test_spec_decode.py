@@ -469,3 +469,21 @@ def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, 
     assert drafts_before and all(drafts_before)  # proposals only on allowed steps
     assert llm.engine.speculator.stats.num_drafts > 0
     assert_all_free(llm)
+
+
+def test_the_gate_hears_of_the_drafts_catch_up_on_fresh_prompts(target, useless_draft):
+    """The draft's first pass over a fresh prompt (prompt and first token) reaches the gate as
+    a catch-up of that many tokens, and each finished request's lengths its prompt tokens per
+    output token; steady passes (one or two tokens behind) are not catch-ups."""
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
+    spec = llm.engine.speculator
+    heard, real = [], spec.gate.observe_catch_up
+    spec.gate.observe_catch_up = lambda *args: heard.append(args) or real(*args)
+    llm.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert [(b, sampled) for b, _, _, sampled in heard] == [(1, False)] and heard[0][1] > 0
+    assert 38 <= heard[0][2] <= 40  # the prompt and the tokens of any plain steps before the first proposal
+    assert spec.gate.prompt_per_output == pytest.approx(37 / 30)
+    assert spec.gate.catch_up_per_token(1) == pytest.approx(heard[0][1] / heard[0][2] * 37 / 30)
+    llm.generate([list(range(3, 13))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert spec.gate.prompt_per_output == pytest.approx((37 * 0.9 + 10) / (30 * 0.9 + 20))
+    assert_all_free(llm)

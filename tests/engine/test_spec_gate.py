@@ -299,3 +299,29 @@ def test_a_filling_batch_takes_the_verdict_of_the_batch_it_becomes():
     for _ in range(Speculator.WARMUP_STEPS):
         spec.observe_step(StepShape(is_decode_only=True), 0.02, [], target_pass=(22, 0.01))
     assert spec.allow(running, filling=10) is True  # settled: measured as what runs
+
+
+def test_a_drafts_catch_up_on_fresh_prompts_counts_against_speculating():
+    """A draft model catches up on every fresh prompt before its first proposal, in a step the
+    gate does not measure: the gate spreads those seconds over the requests' tokens (seconds per
+    prompt token caught up on, times prompt tokens per output token) and adds them to
+    speculation's cost. Speculation 5% cheaper a token than plain decoding in its own steps
+    loses once a catch-up of 40 µs a prompt token, at 0.75 prompt tokens an output token, is
+    added; without the catch-up it wins."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(32, True)
+    gate.observe_catch_up(32, seconds=0.12, num_tokens=3000, sampled=True)
+    assert gate.catch_up_per_token(32, True) == 0.0  # no request has finished: no lengths yet
+    gate.prompt_per_output = 0.75
+    assert gate.catch_up_per_token(32, True) == pytest.approx(40e-6 * 0.75)
+    assert gate.catch_up_per_token(32, False) == 0.0 and gate.catch_up_per_token(8, True) == 0.0  # per regime
+    without = Gate()
+    for _ in range(2 * Gate.BURST):
+        without.allow(32, True)
+    for g in (gate, without):
+        for _ in range(Gate.BURST):
+            g.observe(32, True, seconds=0.0095, num_tokens=40, sampled=True)  # 0.2375 ms a token
+            g.observe(32, False, seconds=0.0080, num_tokens=32, sampled=True)  # 0.25 ms a token
+    assert not gate.allow(32, True)
+    assert without.allow(32, True)
