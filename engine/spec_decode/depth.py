@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pdserve.engine.sequence import Sequence
 
 
-TARGET_PRIOR_KEPT = 1e-3  # the engine's target line: its prior's weight once steps of two sizes are seen
+TARGET_PRIOR_KEPT = 1e-3  # the engine's target line: its prior's weight once steps of three sizes are seen
 
 
 class LinearCost:
@@ -100,12 +100,16 @@ class LinearCost:
 
 def target_line() -> LinearCost:
     """The engine's line of a step's target side: a guess (5 ms + 0.5 ms a token) until steps of
-    two sizes are seen, then almost only what was measured. Kept at full weight as a plain prior,
-    its point at 64 tokens set the slope: after one 9-token prompt (2.1 ms) and forty 0.4 ms
-    decode steps the line read 0 + 0.57 ms a token, a 5-token verification (about 0.8 ms) was
-    predicted at 2.8 ms, and adaptive depth drafted once and never again (`pdserve generate`,
-    default options, AMD EPYC)."""
-    return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=2)
+    three sizes are seen, then almost only what was measured. Kept at full weight as a plain
+    prior, its point at 64 tokens set the slope: after one 9-token prompt (2.1 ms) and forty
+    0.4 ms decode steps the line read 0 + 0.57 ms a token, a 5-token verification (about 0.8 ms)
+    was predicted at 2.8 ms, and adaptive depth drafted once and never again (`pdserve generate`,
+    default options, AMD EPYC). Three sizes, not two: a prompt and plain decode steps are two,
+    and the first request's decode steps run plain until the gate measures (`gate.py`); on
+    those two alone, a 3-token prompt's first (slow) pass and 0.4 ms steps read as 0 + 0.46 ms
+    a token, every depth cost the same per token as plain decoding, and the plan never drafted.
+    The third size is the first verification, which the guess plans."""
+    return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=3)
 
 
 @dataclass(slots=True)
@@ -151,7 +155,27 @@ class AdaptiveDepth:
         tops = [max(0, min(self.max_k, r)) for r in rooms]
         if not self.adaptive or not seqs:
             return tops
-        alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
+        best_ks = self._best([self.alpha(s.req_id, not s.params.is_greedy) for s in seqs], tops)
+        for s, k in zip(seqs, best_ks):
+            if k == 0:  # not speculating: forget slowly so the sequence tries again later
+                acc = self._acc.setdefault(s.req_id, _Acceptance())
+                acc.accepted *= self.DRIFT
+                acc.trials *= self.DRIFT
+        return best_ks
+
+    def verdict(self, batch_size: int, sampled: bool) -> bool | None:
+        """Whether the model expects speculation to pay for a batch of `batch_size` new requests
+        of a kind (greedy or sampled), at their kind's recent acceptance; None until it can
+        tell: the kind's acceptance, the target's line and the draft's (a draft model's) all
+        measured. The gate (`gate.py`) starts a regime it has not seen from this verdict."""
+        kind = self._kinds.get(sampled)
+        if (not self.adaptive or kind is None or kind.trials < self.MIN_KIND_TRIALS or self.target_cost.is_guess
+                or (self.draft_cost is not None and not self._draft_measured)):
+            return None
+        return any(self._best([kind.accepted / kind.trials] * batch_size, [self.max_k] * batch_size))
+
+    def _best(self, alphas: list[float], tops: list[int]) -> list[int]:
+        """The depths, at most `tops`, that maximise the batch's expected tokens per second."""
         deepest = max(tops, default=0)
         powers = [[a ** j for j in range(deepest + 2)] for a in alphas]
         depths = range(deepest + 1)
@@ -159,7 +183,7 @@ class AdaptiveDepth:
                     for a, p in zip(alphas, powers)]
         falling = [[-x for x in p[1:deepest + 1]] for p in powers]  # -α^j, j = 1.., ascending (0 <= α <= 1)
         target, draft = self.target_cost, self.draft_cost if self._draft_measured else None
-        num_seqs = len(seqs)
+        num_seqs = len(alphas)
 
         def rate(ks: list[int]) -> float:
             total = sum(ks)
@@ -176,13 +200,8 @@ class AdaptiveDepth:
                 worth = -slope * rate(ks)  # negated, as `falling` is: the leading j with α^j >= worth stay
                 ks = [j if (j := bisect_right(f, worth)) < kk else kk for f, kk in zip(falling, ks)]
             r = rate(ks)
-            if r > best_rate:
+            if r >= best_rate:  # a tie goes deeper: what costs no more per token gets measured
                 best_ks, best_rate = ks, r
-        for s, k in zip(seqs, best_ks):
-            if k == 0:  # not speculating: forget slowly so the sequence tries again later
-                acc = self._acc.setdefault(s.req_id, _Acceptance())
-                acc.accepted *= self.DRIFT
-                acc.trials *= self.DRIFT
         return best_ks
 
     @property

@@ -6,8 +6,12 @@ and whether any request in the batch samples (acceptance differs most between gr
 requests: on the demo pair α ≈ 1.0 greedy against 0.5 at temperature 1, and one record for both
 carried the sampled batches' verdict over to greedy ones) — it keeps a decayed sum of wall
 seconds and of emitted tokens over recent pure-decode steps, with and without speculation, and
-lets a step speculate only while that is the cheaper mode per token. Each mode first runs a short burst to be measured; afterwards the losing mode runs one burst
-after a waiting period, so a change in acceptance or load is noticed. Once decided, the verdict
+lets a step speculate only while that is the cheaper mode per token. A new regime starts from
+the verdict of a decided neighbouring bucket or, failing that, of the cost model (`AdaptiveDepth.verdict`:
+the kind's acceptance and both cost lines, once measured); with neither, each mode first runs a
+short burst to be measured, and the steps it cannot measure before them decode plain (whichever
+mode wins, a draft's catch-up on the prompts is the same). Afterwards the losing mode runs one
+burst after a waiting period, so a change in acceptance or load is noticed. Once decided, the verdict
 moves only when the other mode measures cheaper by more than KEEP_MARGIN: at parity the running
 mode stays. The period starts at
 PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
@@ -32,6 +36,7 @@ model says.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -58,7 +63,10 @@ class SpeculationGate:
     KEEP_MARGIN = 0.05  # after the first verdict, the other mode must measure cheaper by more than this to move it
     FRESH = BURST  # steps after a `renew` in which a switch to speculation is cheap (see `_waits`)
 
-    def __init__(self) -> None:
+    def __init__(self, predict: Callable[[int, bool], bool | None] | None = None) -> None:
+        """predict(batch_size, sampled): the cost model's verdict for a regime, or None while it
+        cannot tell (`AdaptiveDepth.verdict`): a regime no neighbour has decided starts from it."""
+        self._predict = predict
         self._sums: dict[tuple[int, bool, bool], list] = {}  # (*regime, speculated) -> [seconds, tokens, steps]
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
         self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
@@ -78,15 +86,17 @@ class SpeculationGate:
         key = self.regime(batch_size, sampled)
         st = self._schedules.get(key)
         if st is None:
-            st = self._schedules[key] = self._borrowed(key)
-        if not settled:
-            return st.speculate
+            st = self._schedules[key] = self._borrowed(key, batch_size)
+        if not settled:  # with no verdict yet, plain: speculating is measured on settled steps
+            return st.speculate and st.period > 0
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
         costs = self._costs(st, batch_size, sampled)
         if costs is None:
             if st.period:  # a borrowed verdict: kept until its burst of the other mode measures both
+                if n == st.next_burst:
+                    st.next_burst, st.due = (n + 1, st.due) if self._waits(st, n, batch_size, sampled) else (n, None)
                 return st.speculate if n < st.next_burst else not st.speculate
             return self.seconds_per_token(batch_size, True, sampled) is None
         spec_cost, plain = costs
@@ -102,7 +112,8 @@ class SpeculationGate:
             # temperature 1 turned to speculation near its end every time, as the contexts grew
             # and plain steps got dearer than speculation's figure from the short contexts.
             st.next_burst = n
-        if n == st.next_burst and not moves and self._waits(st, n, batch_size, sampled):
+        urgent = moves and max(costs) / max(min(costs), 1e-12) - 1 >= self.RENEW_MARGIN
+        if n == st.next_burst and not urgent and self._waits(st, n, batch_size, sampled):
             st.next_burst = n + 1
             return st.speculate
         st.due = None
@@ -116,15 +127,22 @@ class SpeculationGate:
         return st.speculate
 
     def _waits(self, st: _Schedule, n: int, batch_size: int, sampled: bool) -> bool:
-        """Whether a burst of speculation due by the schedule (plain decoding winning, switching
-        costing a draft's catch-up; not one brought forward by speculation measuring cheaper)
-        waits for the batch to be mostly new (`renew`), for at most a period.
+        """Whether a burst of speculation (plain decoding running, switching costing a draft's
+        catch-up: measured in this regime, or in any while this one has no figure) waits for
+        the batch to be mostly new (`renew`), for at most a period.
         The catch-up covers every token the draft has not seen: late in the requests' lives
         their whole contexts, right after new ones arrive little more than their prompts, which
         a cached prefix may already hold (`BlockManager`'s has_draft). At batch 8, temperature 1
         on the demo pair (Intel Xeon, scratch trace), a burst at the end of a 128-token run took
-        19 ms for its first step, 6% of the run, where one 13 steps into a run took 6 ms."""
-        if st.speculate or not self._switch.get(self.regime(batch_size, sampled)):
+        19 ms for its first step, 6% of the run, where one 13 steps into a run took 6 ms. This
+        holds for the first burst of a borrowed verdict, and for one brought forward by
+        speculation measuring cheaper by less than RENEW_MARGIN, too: at batch 32, temperature 1
+        (scratch trace), such bursts came 70-90 steps into a 128-token run, and their first steps
+        took 73-80 ms against plain's 6, some 6% of the run each, where plain decoding won
+        again."""
+        key = self.regime(batch_size, sampled)
+        switch = self._switch[key] if key in self._switch else max(self._switch.values(), default=0.0)
+        if st.speculate or not switch:
             return False
         if n - st.renewed <= self.FRESH:
             return False
@@ -143,10 +161,11 @@ class SpeculationGate:
         running, other = (spec, plain) if st.speculate else (plain, spec)
         return other * (1 + self.KEEP_MARGIN) < running
 
-    def _borrowed(self, key: tuple[int, bool]) -> _Schedule:
+    def _borrowed(self, key: tuple[int, bool], batch_size: int) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
         decided (the smaller one if both have), this one starts from its verdict, with its
-        own burst of the other mode after PERIOD steps, instead of a burst of each mode now. A
+        own burst of the other mode after PERIOD steps, instead of a burst of each mode now;
+        failing that, from the cost model's verdict (`predict`) where it has one. A
         batch moves between neighbouring buckets as it fills and drains: at batch 32,
         temperature 1 on the demo pair, where plain decoding wins, the last steps of a run (31
         sequences and fewer, as some finish a step earlier) and the first of the next (still
@@ -156,10 +175,10 @@ class SpeculationGate:
         bucket, sampled = key
         decided = [(abs(b - bucket), b) for (b, s), st in self._schedules.items()
                    if s == sampled and st.period and abs(b - bucket) == 1]
-        if not decided:
+        if decided:
+            speculate = self._schedules[(min(decided)[1], sampled)].speculate
+        elif (speculate := self._predict and self._predict(batch_size, sampled)) is None:
             return _Schedule()
-        _, nearest = min(decided)
-        speculate = self._schedules[(nearest, sampled)].speculate
         steps = 2 * self.BURST  # as if both bursts had run
         return _Schedule(steps=steps, speculate=speculate, period=self.PERIOD, next_burst=steps + self.PERIOD)
 

@@ -78,7 +78,7 @@ class Speculator:
         self.proposer, self.depth, self.verifier = proposer, depth, verifier
         self.catches_up = catches_up
         self.stats = SpecDecodeStats()
-        self.gate = SpeculationGate()
+        self.gate = SpeculationGate(predict=depth.verdict)
         self._speculated = False  # whether this step proposed any draft token
         self._speculated_before = False  # whether the step before did
         self._ks: dict[str, int] = {}  # this step's depth per request, from `plan`
@@ -87,6 +87,9 @@ class Speculator:
         self._decode_run = 0  # pure-decode steps since the last step with prefill tokens
         self._propose_seconds = 0.0  # this step's, so far
         self._lengths = [0.0, 0.0]  # decayed sums of finished requests' prompt and output tokens
+        # (regime, seconds, tokens) of the latest switch to speculation, until the gate has
+        # speculation's seconds per token in that regime (a new regime's first burst) to price it
+        self._switched: tuple | None = None
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): the target's forward
@@ -94,8 +97,9 @@ class Speculator:
         a pure-decode step's wall time and emitted tokens feed the gate, which compares like with
         like. The first speculative step after plain ones is left out: its draft catches up on
         every token the plain steps emitted, a cost of switching modes that the gate's own
-        exploring causes, not of speculating: the gate gets it apart (`observe_switch`) and spaces
-        its exploring by it. Later catch-ups (a fresh
+        exploring causes, not of speculating: the gate gets it apart (`observe_switch`; in a new
+        regime, after its first speculative step is measured) and spaces its exploring by it.
+        Later catch-ups (a fresh
         prompt, a sequence whose depth was 0) are part of speculating and count."""
         proposing, self._propose_seconds = self._propose_seconds, 0.0
         if shape is None or not self.depth.adaptive:  # a fixed depth reads neither costs nor the gate
@@ -113,11 +117,15 @@ class Speculator:
                 self.gate.observe_catch_up(self._regime[0], seconds_caught_up, caught_up, self._regime[1])
         if self._decode_run > self.WARMUP_STEPS:
             num_tokens = sum(len(o.new_token_ids) for o in outputs)
-            if not switching:
+            if switching:  # what the switch cost, once speculation's steps are known here
+                self._switched = (self._regime, seconds, num_tokens)
+            else:
                 self.gate.observe(self._regime[0], self._speculated, seconds, num_tokens, self._regime[1])
-            elif (per_token := self.gate.seconds_per_token(self._regime[0], True, self._regime[1])) is not None:
-                # what the switch cost: the gate spaces its exploring by it
+            if self._switched and self._switched[0] == self._regime and (
+                    per_token := self.gate.seconds_per_token(self._regime[0], True, self._regime[1])) is not None:
+                _, seconds, num_tokens = self._switched
                 self.gate.observe_switch(self._regime[0], seconds - per_token * num_tokens, self._regime[1])
+                self._switched = None
         self._speculated_before = self._speculated
 
     def allow(self, running: list[Sequence], filling: int = 0) -> bool:

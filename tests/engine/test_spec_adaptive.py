@@ -174,18 +174,21 @@ def test_a_guessed_draft_line_is_free_until_a_pass_is_measured():
     assert guessed.plan([seq_("a")], [10]) == [0]
 
 
-def test_the_target_line_is_the_measured_steps_once_they_span_two_sizes():
-    """The engine's target line (`target_line`) is its prior until steps of two sizes are seen,
-    then almost only the measured steps. Kept at full weight, the prior's point at 64 tokens set
-    the slope after a short prompt: a 9-token prefill and forty 0.4 ms decode steps read as
-    0.57 ms a token, verification looked as dear as plain steps, and depth stayed at 0 for good."""
+def test_the_target_line_is_the_measured_steps_once_they_span_three_sizes():
+    """The engine's target line (`target_line`) is its prior until steps of three sizes are
+    seen (a prompt, decode steps, a verification), then almost only the measured steps. Kept at
+    full weight, the prior's point at 64 tokens set the slope after a short prompt: a 9-token
+    prefill and forty 0.4 ms decode steps read as 0.57 ms a token, verification looked as dear
+    as plain steps, and depth stayed at 0 for good."""
     line, as_prior = target_line(), LinearCost(5e-3, 5e-4)
     for cost in (line, as_prior):
         cost.observe(9, 0.0021)
-    assert line.is_guess  # one size so far: the prior keeps its weight
     for _ in range(40):
         for cost in (line, as_prior):
             cost.observe(1, 0.0004)
+    assert line.is_guess  # two sizes so far: the prior keeps its weight, and plans the first drafts
+    for cost in (line, as_prior):
+        cost.observe(5, 0.0008)  # the first verification
     assert not line.is_guess
     assert line(1) == pytest.approx(0.0004, rel=0.1) and line(5) < 0.0015
     assert as_prior.b > 0.0005 and as_prior(5) > 0.0025  # the prior's slope

@@ -14,6 +14,7 @@ from scipy import stats
 from tinymodels import hf_model
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.speculator import Speculator
 from pdserve.kernels import TORCH_OPS
 from pdserve.engine.sampler import param_tensors
 
@@ -477,6 +478,9 @@ def test_the_gate_hears_of_the_drafts_catch_up_on_fresh_prompts(target, useless_
     output token; steady passes (one or two tokens behind) are not catch-ups."""
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=3)
     spec = llm.engine.speculator
+    # speculating from the first step (a regime with no verdict runs plain until the gate
+    # measures, and a first proposal after plain steps is a switch, priced apart)
+    spec.gate.allow = lambda batch_size, sampled, settled=True: True
     heard, real = [], spec.gate.observe_catch_up
     spec.gate.observe_catch_up = lambda *args: heard.append(args) or real(*args)
     llm.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
@@ -486,4 +490,22 @@ def test_the_gate_hears_of_the_drafts_catch_up_on_fresh_prompts(target, useless_
     assert spec.gate.catch_up_per_token(1) == pytest.approx(heard[0][1] / heard[0][2] * 37 / 30)
     llm.generate([list(range(3, 13))], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert spec.gate.prompt_per_output == pytest.approx((37 * 0.9 + 10) / (30 * 0.9 + 20))
+    assert_all_free(llm)
+
+
+def test_a_new_regimes_first_switch_to_speculation_is_priced(target, useless_draft):
+    """A regime with no verdict decodes plain until the gate measures, so its first burst of
+    speculation opens with a switch: the draft catches up on the plain steps' tokens. That
+    switch is priced (`observe_switch`) once the burst's next step has measured speculation's
+    seconds per token there, and the gate then spaces its exploring by it."""
+    llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=2)
+    spec = llm.engine.speculator
+    spec.depth.plan = lambda seqs, rooms: [max(0, min(2, r)) for r in rooms]  # every allowed step drafts
+    proposed = []
+    real_propose = spec.propose
+    spec.propose = lambda seqs, ks: proposed.append(spec._decode_run) or real_propose(seqs, ks)
+    llm.generate([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert proposed and min(proposed) >= Speculator.WARMUP_STEPS  # nothing drafted before the gate measured
+    switch = spec.gate._switch.get(spec.gate.regime(1, False))
+    assert switch is not None and switch >= 0.0
     assert_all_free(llm)

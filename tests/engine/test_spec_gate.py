@@ -84,9 +84,10 @@ def test_a_drifting_winner_measures_the_other_mode_again_before_switching():
 
 def test_unsettled_steps_keep_the_verdict_and_do_not_move_the_schedule():
     """Steps right after a prefill (unsettled: the engine does not measure them) get the current
-    verdict, and no burst is spent on them: the measuring bursts wait for settled steps."""
+    verdict, plain while there is none, and no burst is spent on them: the measuring bursts wait
+    for settled steps."""
     gate = Gate()
-    assert [gate.allow(8, True, settled=False) for _ in range(20)] == [True] * 20  # nothing measured yet
+    assert [gate.allow(8, True, settled=False) for _ in range(20)] == [False] * 20  # nothing measured yet
     first = [gate.allow(8, True) for _ in range(2 * Gate.BURST)]
     assert first == [True] * Gate.BURST + [False] * Gate.BURST  # the bursts start at the first settled step
     for _ in range(Gate.BURST):
@@ -194,9 +195,9 @@ def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid
         cheap.observe(32, True, seconds=0.0144, num_tokens=32, sampled=True)
     assert not any(gate.allow(32, True) for _ in range(Gate.PERIOD))
     assert all(cheap.allow(32, True) for _ in range(Gate.PERIOD))
-    # and 40% cheaper is
+    # and half as dear is
     for _ in range(40):
-        gate.observe(32, True, seconds=0.0096, num_tokens=32, sampled=True)
+        gate.observe(32, True, seconds=0.008, num_tokens=32, sampled=True)
     assert all(gate.allow(32, True) for _ in range(Gate.PERIOD))
 
 
@@ -325,3 +326,66 @@ def test_a_drafts_catch_up_on_fresh_prompts_counts_against_speculating():
             g.observe(32, False, seconds=0.0080, num_tokens=32, sampled=True)  # 0.25 ms a token
     assert not gate.allow(32, True)
     assert without.allow(32, True)
+
+
+def test_a_new_regime_starts_from_the_cost_models_verdict_where_it_has_one():
+    """With no decided neighbour, a new regime takes the cost model's verdict
+    (`AdaptiveDepth.verdict`) instead of a burst of each mode, and measures the other mode after
+    PERIOD steps; while the model cannot tell (the kind's acceptance not yet measured), the
+    bursts come first, and its unmeasured steps before them are plain. At batch 32,
+    temperature 1 on the demo pair, the opening bursts and the draft's catch-up cost some 5% of
+    the first 128-token run where the model already said plain decoding wins."""
+    depth = AdaptiveDepth(4, True, LinearCost(0.004, 0.0002), LinearCost(0.001, 0.00005))
+    gate = Gate(predict=depth.verdict)
+    assert depth.verdict(32, True) is None  # no sampled request verified yet
+    assert [gate.allow(32, True, settled=False) for _ in range(3)] == [False] * 3
+    assert [gate.allow(32, True) for _ in range(2 * Gate.BURST)] == [True] * Gate.BURST + [False] * Gate.BURST
+    for i in range(20):  # sampled requests accept about half their drafts; greedy ones all
+        depth.record(f"s{i}", 4, 1 + i % 2, sampled=True)
+        depth.record(f"g{i}", 4, 4, sampled=False)
+    # a step over n tokens costs 4 ms + 0.2 ms a token: verifying 5 tokens a sequence at batch 32
+    # (36 ms) cannot pay at about 1.8 tokens each, where at batch 1 it nearly quadruples the tokens
+    assert depth.verdict(32, True) is False and depth.verdict(1, True) is True and depth.verdict(32, False) is True
+    assert gate.allow(2, True, settled=False) is True  # 2-3 speculates from the start: not 32's neighbour
+    at_2 = [gate.allow(2, True) for _ in range(Gate.PERIOD - 1 + Gate.BURST)]
+    assert _bursts(at_2, False) == [(Gate.PERIOD - 1, Gate.BURST)]  # plain decoding measured after PERIOD
+    at_128 = [gate.allow(128, True) for _ in range(Gate.PERIOD - 1 + Gate.BURST)]
+    assert _bursts(at_128, True) == [(Gate.PERIOD - 1, Gate.BURST)]  # plain from the start, speculation measured later
+
+
+def test_a_burst_of_speculation_brought_forward_by_a_small_margin_waits_for_new_requests():
+    """Speculation measuring cheaper than plain decoding by more than KEEP_MARGIN brings its
+    burst forward, but where a switch costs a draft's catch-up and the margin is under
+    RENEW_MARGIN (plain steps getting dearer as contexts grow, against speculation's figure
+    from shorter ones), the burst waits for new requests; by RENEW_MARGIN or more it comes at
+    once. The first burst of a borrowed verdict waits too, on a switch's cost measured in
+    another regime."""
+    def plain_wins() -> Gate:
+        gate = Gate()
+        for _ in range(2 * Gate.BURST):
+            gate.allow(8, True)
+        for _ in range(Gate.BURST):
+            gate.observe(8, True, seconds=0.0040, num_tokens=12, sampled=True)  # 0.33 ms a token
+            gate.observe(8, False, seconds=0.0024, num_tokens=8, sampled=True)  # 0.30 ms a token: plain wins
+        gate.observe_switch(8, 0.002, sampled=True)
+        assert gate.allow(8, True) is False
+        return gate
+
+    gate, urgent, neighbour = plain_wins(), plain_wins(), plain_wins()
+    st = gate._schedules[gate.regime(8, True)]
+    for _ in range(30):  # plain drifts to 0.36 ms a token: speculation 9% cheaper
+        gate.observe(8, False, seconds=0.00288, num_tokens=8, sampled=True)
+    assert not any(gate.allow(8, True) for _ in range(Gate.PERIOD // 2)) and st.due is not None
+    gate.renew(8, True)
+    assert [gate.allow(8, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # with the new requests
+    for _ in range(Gate.BURST):
+        gate.observe(8, True, seconds=0.0040, num_tokens=12, sampled=True)
+    assert gate.allow(8, True) is True  # and it wins
+    for _ in range(30):  # plain drifts to 0.50 ms a token: speculation 50% cheaper
+        urgent.observe(8, False, seconds=0.0040, num_tokens=8, sampled=True)
+    assert [urgent.allow(8, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # at once
+    # a neighbour borrows plain decoding; its first burst of speculation waits, a switch costing
+    # here, until its requests are new
+    assert not any(neighbour.allow(4, True) for _ in range(Gate.PERIOD + Gate.BURST))
+    neighbour.renew(4, True)
+    assert [neighbour.allow(4, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST
