@@ -145,9 +145,6 @@ def part_spec(sizes: Sizes, report: dict, tmp: Path) -> dict:
     if not path.exists():
         _build_model(sizes, path)
     batch, new = sizes.batches[0]
-    # adaptive depth decodes plain until its gate has measured (six steps after a prefill), so
-    # the smoke's six tokens would never speculate
-    new = max(new, 16)
     prompts = _prompts(sizes, batch)
     out = {}
     toks = {}

@@ -167,7 +167,7 @@ class AdaptiveDepth:
         """Whether the model expects speculation to pay for a batch of `batch_size` new requests
         of a kind (greedy or sampled), at their kind's recent acceptance; None until it can
         tell: the kind's acceptance, the target's line and the draft's (a draft model's) all
-        measured. The gate (`gate.py`) starts a regime it has not seen from this verdict."""
+        measured. The gate (`gate.py`) follows it on a new regime's steps before it measures."""
         kind = self._kinds.get(sampled)
         if (not self.adaptive or kind is None or kind.trials < self.MIN_KIND_TRIALS or self.target_cost.is_guess
                 or (self.draft_cost is not None and not self._draft_measured)):

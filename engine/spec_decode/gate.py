@@ -7,11 +7,11 @@ requests: on the demo pair α ≈ 1.0 greedy against 0.5 at temperature 1, and o
 carried the sampled batches' verdict over to greedy ones) — it keeps a decayed sum of wall
 seconds and of emitted tokens over recent pure-decode steps, with and without speculation, and
 lets a step speculate only while that is the cheaper mode per token. A new regime starts from
-the verdict of a decided neighbouring bucket or, failing that, of the cost model (`AdaptiveDepth.verdict`:
-the kind's acceptance and both cost lines, once measured); with neither, each mode first runs a
-short burst to be measured, and the steps it cannot measure before them decode plain (whichever
-mode wins, a draft's catch-up on the prompts is the same). Afterwards the losing mode runs one
-burst after a waiting period, so a change in acceptance or load is noticed. Once decided, the verdict
+the verdict of a decided neighbouring bucket; with none, each mode first runs a short burst to
+be measured, and the steps it cannot measure before them follow the cost model
+(`AdaptiveDepth.verdict`, once the kind's acceptance and both cost lines are measured).
+Afterwards the losing mode runs one burst after a waiting period, so a change in acceptance or
+load is noticed. Once decided, the verdict
 moves only when the other mode measures cheaper by more than KEEP_MARGIN: at parity the running
 mode stays. The period starts at
 PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
@@ -65,7 +65,7 @@ class SpeculationGate:
 
     def __init__(self, predict: Callable[[int, bool], bool | None] | None = None) -> None:
         """predict(batch_size, sampled): the cost model's verdict for a regime, or None while it
-        cannot tell (`AdaptiveDepth.verdict`): a regime no neighbour has decided starts from it."""
+        cannot tell (`AdaptiveDepth.verdict`): the mode of a new regime's unmeasured steps."""
         self._predict = predict
         self._sums: dict[tuple[int, bool, bool], list] = {}  # (*regime, speculated) -> [seconds, tokens, steps]
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
@@ -87,8 +87,8 @@ class SpeculationGate:
         st = self._schedules.get(key)
         if st is None:
             st = self._schedules[key] = self._borrowed(key, batch_size)
-        if not settled:  # with no verdict yet, plain: speculating is measured on settled steps
-            return st.speculate and st.period > 0
+        if not settled:
+            return st.speculate if st.period else self._predicted(batch_size, sampled)
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
@@ -125,6 +125,17 @@ class SpeculationGate:
         st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, st.speculate))
         st.next_burst = n + st.period
         return st.speculate
+
+    def _predicted(self, batch_size: int, sampled: bool) -> bool:
+        """An unmeasured step's mode in a regime with no verdict yet: the cost model's where it
+        has one, else speculation (which measures the kind's acceptance). At batch 32,
+        temperature 1 on the demo pair, speculating on the steps right after the prefill, where
+        the model already said plain decoding wins, cost some 2% of the first 128-token run. The
+        model's verdict stops there: taken as the regime's first verdict, kept for PERIOD steps,
+        one made from a young model (the target's line fit on a few steps) kept batch 1, greedy,
+        plain for 64 steps where speculating runs 2.5 times as fast."""
+        verdict = self._predict(batch_size, sampled) if self._predict else None
+        return verdict is not False
 
     def _waits(self, st: _Schedule, n: int, batch_size: int, sampled: bool) -> bool:
         """Whether a burst of speculation (plain decoding running, switching costing a draft's
@@ -164,8 +175,7 @@ class SpeculationGate:
     def _borrowed(self, key: tuple[int, bool], batch_size: int) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
         decided (the smaller one if both have), this one starts from its verdict, with its
-        own burst of the other mode after PERIOD steps, instead of a burst of each mode now;
-        failing that, from the cost model's verdict (`predict`) where it has one. A
+        own burst of the other mode after PERIOD steps, instead of a burst of each mode now. A
         batch moves between neighbouring buckets as it fills and drains: at batch 32,
         temperature 1 on the demo pair, where plain decoding wins, the last steps of a run (31
         sequences and fewer, as some finish a step earlier) and the first of the next (still
@@ -175,10 +185,9 @@ class SpeculationGate:
         bucket, sampled = key
         decided = [(abs(b - bucket), b) for (b, s), st in self._schedules.items()
                    if s == sampled and st.period and abs(b - bucket) == 1]
-        if decided:
-            speculate = self._schedules[(min(decided)[1], sampled)].speculate
-        elif (speculate := self._predict and self._predict(batch_size, sampled)) is None:
+        if not decided:
             return _Schedule()
+        speculate = self._schedules[(min(decided)[1], sampled)].speculate
         steps = 2 * self.BURST  # as if both bursts had run
         return _Schedule(steps=steps, speculate=speculate, period=self.PERIOD, next_burst=steps + self.PERIOD)
 

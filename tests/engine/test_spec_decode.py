@@ -494,12 +494,14 @@ def test_the_gate_hears_of_the_drafts_catch_up_on_fresh_prompts(target, useless_
 
 
 def test_a_new_regimes_first_switch_to_speculation_is_priced(target, useless_draft):
-    """A regime with no verdict decodes plain until the gate measures, so its first burst of
-    speculation opens with a switch: the draft catches up on the plain steps' tokens. That
-    switch is priced (`observe_switch`) once the burst's next step has measured speculation's
-    seconds per token there, and the gate then spaces its exploring by it."""
+    """Where the cost model says plain decoding wins, a new regime decodes plain until the gate
+    measures, so its first burst of speculation opens with a switch: the draft catches up on
+    the plain steps' tokens. That switch is priced (`observe_switch`) once the burst's next step
+    has measured speculation's seconds per token there, and the gate then spaces its exploring
+    by it."""
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=2)
     spec = llm.engine.speculator
+    spec.gate._predict = lambda batch_size, sampled: False  # the model's verdict, not its timings
     spec.depth.plan = lambda seqs, rooms: [max(0, min(2, r)) for r in rooms]  # every allowed step drafts
     proposed = []
     real_propose = spec.propose
