@@ -239,7 +239,12 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
     try:
         for m in tqdm(methods, desc="spec_decode: engines", unit="engine", disable=not progress):
             engines[m.name] = start_engine(m, setup)  # one at a time: start-up seconds are each one's own
-            run(m, 2, warm)  # first passes allocate and fill caches
+            # first passes allocate and fill caches, at each batch size measured: a process's first
+            # run at a batch size ran its prefill slower (the control, plain decoding in another
+            # process, measured 0.77-0.83x whole-run against 1.07x decode in its first batch-32
+            # repeat), and that landed in every method's first repeat
+            for b in sorted({2} | {b for b, _ in cases_of(m, batch_sizes, temperatures)}):
+                run(m, b, warm)
         with tqdm(total=total, desc="spec_decode", unit="gen", disable=not progress) as bar:
             for rep in range(runs):
                 for b, temp in cases:
