@@ -104,11 +104,12 @@ def target_line() -> LinearCost:
     prior, its point at 64 tokens set the slope: after one 9-token prompt (2.1 ms) and forty
     0.4 ms decode steps the line read 0 + 0.57 ms a token, a 5-token verification (about 0.8 ms)
     was predicted at 2.8 ms, and adaptive depth drafted once and never again (`pdserve generate`,
-    default options, AMD EPYC). Three sizes, not two: a prompt and plain decode steps are two,
-    and the first request's decode steps run plain until the gate measures (`gate.py`); on
-    those two alone, a 3-token prompt's first (slow) pass and 0.4 ms steps read as 0 + 0.46 ms
-    a token, every depth cost the same per token as plain decoding, and the plan never drafted.
-    The third size is the first verification, which the guess plans."""
+    default options, AMD EPYC). Three sizes, not two: a prompt and plain decode steps are two
+    (the gate's first steps in a batch size decode plain where the cost model says so, and its
+    bursts run a burst of plain steps); fit on those two alone, a 3-token prompt's first (slow)
+    pass and 0.4 ms steps read as 0 + 0.46 ms a token, every depth cost the same per token as
+    plain decoding, and the plan never drafted. The third size is the first verification,
+    which the guess plans."""
     return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=3)
 
 

@@ -86,7 +86,7 @@ class SpeculationGate:
         key = self.regime(batch_size, sampled)
         st = self._schedules.get(key)
         if st is None:
-            st = self._schedules[key] = self._borrowed(key, batch_size)
+            st = self._schedules[key] = self._borrowed(key)
         if not settled:
             return st.speculate if st.period else self._predicted(batch_size, sampled)
         st.steps = n = st.steps + 1
@@ -172,7 +172,7 @@ class SpeculationGate:
         running, other = (spec, plain) if st.speculate else (plain, spec)
         return other * (1 + self.KEEP_MARGIN) < running
 
-    def _borrowed(self, key: tuple[int, bool], batch_size: int) -> _Schedule:
+    def _borrowed(self, key: tuple[int, bool]) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
         decided (the smaller one if both have), this one starts from its verdict, with its
         own burst of the other mode after PERIOD steps, instead of a burst of each mode now. A
