@@ -112,7 +112,7 @@ class SpeculationGate:
             # temperature 1 turned to speculation near its end every time, as the contexts grew
             # and plain steps got dearer than speculation's figure from the short contexts.
             st.next_burst = n
-        urgent = moves and max(costs) / max(min(costs), 1e-12) - 1 >= self.RENEW_MARGIN
+        urgent = moves and self._gap(costs) >= self.RENEW_MARGIN
         if n == st.next_burst and not urgent and self._waits(st, n, batch_size, sampled):
             st.next_burst = n + 1
             return st.speculate
@@ -159,6 +159,11 @@ class SpeculationGate:
             return False
         st.due = n if st.due is None else st.due
         return n - st.due < st.period
+
+    @staticmethod
+    def _gap(costs: tuple[float, float]) -> float:
+        """How much dearer the losing mode is than the winning one, as a share of the winner."""
+        return max(costs) / max(min(costs), 1e-12) - 1
 
     def _challenger_wins(self, st: _Schedule, costs: tuple[float, float]) -> bool:
         """Whether the mode not running measures cheaper than the running one by more than
@@ -229,7 +234,7 @@ class SpeculationGate:
             return
         st.renewed = st.steps
         costs = self._costs(st, batch_size, sampled)
-        if costs is None or max(costs) / max(min(costs), 1e-12) - 1 < self.RENEW_MARGIN:
+        if costs is None or self._gap(costs) < self.RENEW_MARGIN:
             st.period = self._first_period(batch_size, sampled, st.speculate)
             st.next_burst = min(st.next_burst, st.steps + st.period)
 

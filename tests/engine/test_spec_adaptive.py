@@ -1,6 +1,6 @@
 """Adaptive depth, fed by hand (no wall clock in a test): the depth model (`depth.py`: one depth
 for the batch, trimmed per sequence), its cost lines and what the speculator feeds them. The gate
-(which mode is cheaper) is in test_spec_gate.py; how the engine follows both, test_spec_decode.py."""
+(which mode is cheaper) is in test_spec_gate.py; how the engine follows both, test_spec_gate_in_engine.py."""
 from __future__ import annotations
 
 import time

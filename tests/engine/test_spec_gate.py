@@ -1,7 +1,7 @@
 """The speculation gate, fed by hand (no wall clock in a test): `gate.py` decides, per regime
 (batch-size bucket, greedy or sampled), which mode is cheaper and when to measure the other
 again; the speculator picks the regime a step falls in. The depth model is in
-test_spec_adaptive.py; how the engine follows both, test_spec_decode.py."""
+test_spec_adaptive.py; how the engine follows both, test_spec_gate_in_engine.py."""
 from __future__ import annotations
 
 import copy
@@ -27,6 +27,18 @@ def _bursts(decisions: list[bool], mode: bool) -> list[tuple[int, int]]:
             runs.append((start, i - start))
             start = None
     return runs
+
+
+def _measured(batch_size: int, spec: tuple[float, int], plain: tuple[float, int]) -> Gate:
+    """A gate whose opening bursts at `batch_size`, temperature 1, measured each speculative step
+    at spec and each plain one at plain (seconds, tokens emitted)."""
+    gate = Gate()
+    for _ in range(2 * Gate.BURST):
+        gate.allow(batch_size, True)
+    for _ in range(Gate.BURST):
+        gate.observe(batch_size, True, seconds=spec[0], num_tokens=spec[1], sampled=True)
+        gate.observe(batch_size, False, seconds=plain[0], num_tokens=plain[1], sampled=True)
+    return gate
 
 
 def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often():
@@ -66,12 +78,7 @@ def test_a_drifting_winner_measures_the_other_mode_again_before_switching():
     """When the running mode's cost drifts above the other mode's last figure (contexts grow
     over a run), the other mode is measured again at once, not switched to on an old figure: if
     the burst shows it dearer after all, the running mode stays, and its wait doubles."""
-    gate = Gate()
-    for _ in range(2 * Gate.BURST):
-        gate.allow(8, True)
-    for _ in range(Gate.BURST):
-        gate.observe(8, True, seconds=0.0060, num_tokens=10, sampled=True)  # 0.60 ms per token
-        gate.observe(8, False, seconds=0.0040, num_tokens=8, sampled=True)  # 0.50 ms: plain wins
+    gate = _measured(8, spec=(0.0060, 10), plain=(0.0040, 8))  # 0.60 ms a token against 0.50: plain wins
     assert [gate.allow(8, True) for _ in range(10)] == [False] * 10
     for _ in range(20):  # longer contexts: plain steps now cost 0.65 ms per token
         gate.observe(8, False, seconds=0.0052, num_tokens=8, sampled=True)
@@ -172,12 +179,7 @@ def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid
     plain decoding wins, bursts of speculation come only as often as keeps that under
     EXPLORE_SHARE of the plain time between, and a speculation only slightly cheaper than plain
     decoding (10%) does not win the switch, where without the switch's cost it would."""
-    gate = Gate()
-    for _ in range(2 * Gate.BURST):
-        gate.allow(32, True)
-    for _ in range(Gate.BURST):
-        gate.observe(32, True, seconds=0.040, num_tokens=64, sampled=True)  # 0.625 ms per token
-        gate.observe(32, False, seconds=0.016, num_tokens=32, sampled=True)  # 0.5 ms per token: plain wins
+    gate = _measured(32, spec=(0.040, 64), plain=(0.016, 32))  # 0.625 ms a token against 0.5: plain wins
     cheap = copy.deepcopy(gate)
     gate.observe_switch(32, 0.24, sampled=True)  # a quarter second to catch the draft up
     plain_step = 0.016
@@ -205,12 +207,7 @@ def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
     that comes due waits until most of the batch is new (`renew`), when the draft has little to
     catch up on, and starts within FRESH steps of it; with no new requests, after one period more.
     Without a switch cost (an n-gram proposer) bursts keep the schedule."""
-    gate = Gate()
-    for _ in range(2 * Gate.BURST):
-        gate.allow(8, True)
-    for _ in range(Gate.BURST):
-        gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)
-        gate.observe(8, False, seconds=0.004, num_tokens=8, sampled=True)  # plain wins by 67%
+    gate = _measured(8, spec=(0.010, 12), plain=(0.004, 8))  # plain wins by 67%
     no_switch = copy.deepcopy(gate)
     gate.observe_switch(8, 0.002, sampled=True)  # cheap enough that the period stays PERIOD
     st = gate._schedules[gate.regime(8, True)]
@@ -232,12 +229,7 @@ def test_at_parity_the_running_mode_stays_and_is_not_measured_early():
     """Once decided, the verdict moves only on a margin: the other mode measuring cheaper by less
     than KEEP_MARGIN (the host's noise, at parity) neither switches the mode nor brings the other
     mode's burst forward; by more, it does both as before."""
-    gate = Gate()
-    for _ in range(2 * Gate.BURST):
-        gate.allow(8, True)
-    for _ in range(Gate.BURST):
-        gate.observe(8, True, seconds=0.0040, num_tokens=10, sampled=True)  # 0.40 ms per token: speculation wins
-        gate.observe(8, False, seconds=0.0034, num_tokens=8, sampled=True)  # 0.425 ms per token
+    gate = _measured(8, spec=(0.0040, 10), plain=(0.0034, 8))  # 0.40 ms a token against 0.425: speculation wins
     assert gate.allow(8, True) is True
     for _ in range(30):  # speculation drifts to 0.44 ms per token: 3.5% dearer than plain's last figure
         gate.observe(8, True, seconds=0.0044, num_tokens=10, sampled=True)
@@ -259,12 +251,7 @@ def test_a_new_regime_starts_from_its_decided_neighbour():
     """A batch that drains from 32 to 31 (or fills from 31 to 32) keeps the verdict of the
     bucket next to it instead of spending a burst of each mode; it still measures the other
     mode itself after PERIOD steps. Far buckets and the other kind are not neighbours."""
-    gate = Gate()
-    for _ in range(2 * Gate.BURST):
-        gate.allow(32, sampled=True)
-    for _ in range(Gate.BURST):
-        gate.observe(32, True, seconds=0.30, num_tokens=40, sampled=True)
-        gate.observe(32, False, seconds=0.10, num_tokens=32, sampled=True)
+    gate = _measured(32, spec=(0.30, 40), plain=(0.10, 32))
     assert gate.allow(32, sampled=True) is False  # plain wins at 32-63
     drained = []
     for _ in range(Gate.PERIOD + Gate.BURST):
@@ -357,12 +344,7 @@ def test_a_burst_of_speculation_brought_forward_by_a_small_margin_waits_for_new_
     once. The first burst of a borrowed verdict waits too, on a switch's cost measured in
     another regime."""
     def plain_wins() -> Gate:
-        gate = Gate()
-        for _ in range(2 * Gate.BURST):
-            gate.allow(8, True)
-        for _ in range(Gate.BURST):
-            gate.observe(8, True, seconds=0.0040, num_tokens=12, sampled=True)  # 0.33 ms a token
-            gate.observe(8, False, seconds=0.0024, num_tokens=8, sampled=True)  # 0.30 ms a token: plain wins
+        gate = _measured(8, spec=(0.0040, 12), plain=(0.0024, 8))  # 0.33 ms a token against 0.30: plain wins
         gate.observe_switch(8, 0.002, sampled=True)
         assert gate.allow(8, True) is False
         return gate
