@@ -7,22 +7,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.spec_decode.speculator import Speculator
-from test_spec_decode import GREEDY, PROMPTS, assert_all_free
-
-
-@pytest.fixture(scope="module")
-def target(checkpoint):
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def useless_draft(checkpoint):
-    return checkpoint("llama", seed=7, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-
-
-@pytest.fixture(scope="module")
-def baseline(target):
-    return [o.token_ids for o in LLM(target).generate(PROMPTS, GREEDY)]
+from test_spec_decode import GREEDY, PROMPTS, assert_all_free, baseline, target, useless_draft  # noqa: F401 (fixtures)
 
 
 def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(target, useless_draft):
