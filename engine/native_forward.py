@@ -1,8 +1,9 @@
 """The natives beside graph capture (`capture.py`): a model run by one call of an op of
-`kernels/cpu/decoder.cpp` instead of op by op, where the native CPU ops allow it (projections
-packed, float32). `NativeForward` runs an engine step of short chunks (`pdserve::decoder_forward`,
-used by `ModelRunner`); `NativePasses` runs a draft's passes (`pdserve::draft_passes`, used by
-`capture.DraftPasses`). `native_weights` lists a model's tensors as both ops take them.
+`kernels/cpu/decoder.cpp` or `draft_passes.cpp` (their layers shared, `decoder.h`) instead of op by
+op, where the native CPU ops allow it (projections packed, float32). `NativeForward` runs an engine
+step of short chunks (`pdserve::decoder_forward`, used by `ModelRunner`); `NativePasses` runs a
+draft's passes (`pdserve::draft_passes`, used by `capture.DraftPasses`). `native_weights` lists a
+model's tensors as both ops take them.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from pdserve.engine.step_inputs import StepInputs
 
 
 class _NativeModel:
-    """A model's tensors as an op of `kernels/cpu/decoder.cpp` takes them (`native_weights`), with
-    its caches flat, its rotary tables and its shape."""
+    """A model's tensors as an op of `kernels/cpu/decoder.cpp` or `draft_passes.cpp` takes them
+    (`native_weights`), with its caches flat, its rotary tables and its shape."""
 
     OP: str  # the op's name in torch.ops.pdserve
     WITH_HEAD: bool  # whether the op computes the logits (then it takes the lm_head)
@@ -36,7 +37,7 @@ class _NativeModel:
 
 
 class NativePasses(_NativeModel):
-    """A draft's passes as one call of `pdserve::draft_passes` (`kernels/cpu/decoder.cpp`): the
+    """A draft's passes as one call of `pdserve::draft_passes` (`kernels/cpu/draft_passes.cpp`): the
     whole forward and the pick of every pass in C++, the projections through `linear_packed` and
     the attention through `paged_attention_cpu`, called straight rather than op by op. The graph
     of a pass (`DraftPasses` compiled) spent most of a pass on fixed costs: on the demo draft at
@@ -58,12 +59,12 @@ class NativePasses(_NativeModel):
 
 
 def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: bool) -> list[torch.Tensor] | None:
-    """The model's tensors as `kernels/cpu/decoder.cpp`'s ops take them: the embedding, the final
-    norm's weight, with_head the lm_head (packed, a tied one copied and packed: a draft's is small)
-    and its bias, then per layer the input norm, qkv, o, the post-attention norm, gate_up and down
-    (each projection packed and its bias, an empty tensor for none). None where `op` cannot run
-    the model: the native library not loaded, a projection not packed (`cpu_linear`), or anything
-    not float32."""
+    """The model's tensors as the ops of `kernels/cpu/decoder.cpp` and `draft_passes.cpp` take them:
+    the embedding, the final norm's weight, with_head the lm_head (packed, a tied one copied and
+    packed: a draft's is small) and its bias, then per layer the input norm, qkv, o, the
+    post-attention norm, gate_up and down (each projection packed and its bias, an empty tensor for
+    none). None where `op` cannot run the model: the native library not loaded, a projection not
+    packed (`cpu_linear`), or anything not float32."""
     from pdserve.engine.model.llama import PackedLinear
     from pdserve.kernels import native
 

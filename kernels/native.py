@@ -11,14 +11,15 @@
   can, and pays about 3x for the 5 rows of a speculative verification. AVX-512 or AVX2 with FMA
   (`linear_packed_available()`); elsewhere the model keeps `nn.Linear`.
 - `torch.ops.pdserve.draft_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, ...)`
-  (`cpu/decoder.cpp`): a draft model's passes of a speculative step in one call, the whole
+  (`cpu/draft_passes.cpp`): a draft model's passes of a speculative step in one call, the whole
   forward and the pick in C++, its ops calling the two above straight (`cpu/native_ops.h`); used
   through `engine.native_forward.NativePasses`. `decoder_forward(input_ids, positions, slot_mapping,
-  block_ids, context_lens, query_starts, weights, kv_caches, cos, sin, ...)`, the same file: an
-  engine step (decode, a verification, prefill chunks) through every layer in one call, the final
-  norm's output returned; used through `engine.native_forward.NativeForward` by `ModelRunner`.
-  `decoder_layer(residual, workspace, positions, ..., layer)`: one of those layers on residual
-  streams in place, for a step that streams each layer's K/V as it lands (a prefill worker's).
+  block_ids, context_lens, query_starts, weights, kv_caches, cos, sin, ...)` (`cpu/decoder.cpp`,
+  the same layers, `cpu/decoder.h`): an engine step (decode, a verification, prefill chunks)
+  through every layer in one call, the final norm's output returned; used through
+  `engine.native_forward.NativeForward` by `ModelRunner`. `decoder_layer(residual, workspace,
+  positions, ..., layer)`: one of those layers on residual streams in place, for a step that
+  streams each layer's K/V as it lands (a prefill worker's).
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 - `torch.ops.pdserve.hash_uniforms(keys, codes)` (`cpu/noise.cpp`): `engine.rng.hash_uniforms`
@@ -49,8 +50,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _CPU = Path(__file__).with_name("cpu")
-SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp", "noise.cpp")]
-HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h")]  # included by the sources: in the build name
+SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp", "draft_passes.cpp",
+                                    "noise.cpp")]
+HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h", "decoder.h")]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever

@@ -1,10 +1,10 @@
-// The vector math of pdserve::paged_attention_cpu (paged_attention.cpp; decoder.cpp also takes the
-// exp, the softmax and the lane types, for the norms, the SwiGLU and a draft's picks): the exp of
-// non-positive floats, the softmax of a row of scores, sixteen (AVX-512) or eight (AVX2) keys' dot
-// products with a query row (with AVX-512 also sixteen keys transposed once and scored against
-// many rows, in even passes of rows), and value rows weighted into accumulators held in registers.
-// Each loop is a function of pointers and counts; what the attention reads, and in what order, is
-// the includer's.
+// The vector math of pdserve::paged_attention_cpu (paged_attention.cpp; decoder.h and
+// draft_passes.cpp also take the exp, the softmax and the lane types, for the norms, the SwiGLU and
+// a draft's picks): the exp of non-positive floats, the softmax of a row of scores, sixteen
+// (AVX-512) or eight (AVX2) keys' dot products with a query row (with AVX-512 also sixteen keys
+// transposed once and scored against many rows, in even passes of rows), and value rows weighted
+// into accumulators held in registers. Each loop is a function of pointers and counts; what the
+// attention reads, and in what order, is the includer's.
 #pragma once
 
 #include <algorithm>

@@ -376,7 +376,7 @@ void check_packed(const char* op, const at::Tensor& packed, const at::Tensor& bi
 
 // x [m_len, K] (contiguous) times a checked packed weight into y [m_len, n] (contiguous), plus
 // bias [n] or none: linear_packed's loops on raw pointers, for callers that hold their buffers
-// (decoder.cpp, through native_ops.h: no tensor made or viewed per call).
+// (decoder.h's layers, through native_ops.h: no tensor made or viewed per call).
 void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const float* bp, int64_t n, float* yp) {
   const bool half = packed.scalar_type() == at::kBFloat16;
   const int64_t k_len = packed.size(1);

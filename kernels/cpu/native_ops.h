@@ -1,7 +1,7 @@
 // The library's ops as plain C++ functions, for ops of the same library that call them straight
-// (decoder.cpp): no dispatcher, no Python between them. Hidden from the library's exports, so a
-// second build of a source beside the loaded library (a narrower instruction set, in a test or a
-// benchmark) keeps its own.
+// (decoder.h's layers, draft_passes.cpp's lm_head): no dispatcher, no Python between them. Hidden
+// from the library's exports, so a second build of a source beside the loaded library (a narrower
+// instruction set, in a test or a benchmark) keeps its own.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "attention_vectors.h"  // PDSERVE_AVX2 / PDSERVE_AVX512, and the vector loops
-#include "native_ops.h"         // this op as a C++ function, for decoder.cpp
+#include "native_ops.h"         // this op as a C++ function, for decoder.h
 
 namespace {
 

@@ -1,6 +1,6 @@
-"""A tiny checkpoint's `ModelRunner` for the tests of `kernels/cpu/decoder.cpp`'s ops
-(test_native_draft_passes.py, test_native_forward.py), and the skip of the tests of the AVX2
-variants (those and test_native_linear.py) on a CPU that cannot run them."""
+"""A tiny checkpoint's `ModelRunner` for the tests of the ops of `kernels/cpu/decoder.cpp` and
+`draft_passes.cpp` (test_native_draft_passes.py, test_native_forward.py), and the skip of the tests
+of the AVX2 variants (those and test_native_linear.py) on a CPU that cannot run them."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 def native_runner(checkpoint, arch: str, seed: int, num_blocks: int, block_size: int):
     """A `ModelRunner` of a tiny checkpoint with the native attention and packed projections (what
-    `kernels/cpu/decoder.cpp`'s ops run), on the torch reference ops otherwise; the test is skipped
+    `kernels/cpu/decoder.h`'s layers run), on the torch reference ops otherwise; the test is skipped
     on a CPU whose build has no vector loops (the projections are then not packed)."""
     from pdserve.engine.model.config import load_model_config
     from pdserve.engine.model_runner import ModelRunner

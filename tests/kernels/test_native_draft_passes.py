@@ -1,4 +1,4 @@
-"""A draft's passes in one native call (`pdserve::draft_passes`, `kernels/cpu/decoder.cpp`,
+"""A draft's passes in one native call (`pdserve::draft_passes`, `kernels/cpu/draft_passes.cpp`,
 through `native_forward.NativePasses`) against the model's own passes (`DraftPasses`, eager): the same
 picks, greedy and sampled, with and without the catch-up pass, over sequences at different
 positions, and the same K/V in the cache to float rounding. Three architectures: Llama 3 (GQA,
@@ -107,7 +107,7 @@ def test_native_passes_need_packed_float32_projections(checkpoint):
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_the_avx2_build_picks_what_the_loaded_build_picks(runner, native_variant, sampled):
-    """decoder.cpp built without AVX-512 (AVX2 lanes for the norms, SwiGLU, projections, attention
+    """draft_passes.cpp built without AVX-512 (AVX2 lanes for the norms, SwiGLU, projections, attention
     and the race's softmax; a scalar first argmax), which a CPU with AVX-512 never runs: the same
     picks as the loaded build over a catch-up and four more passes, and the same K/V."""
     require_avx2_fma()

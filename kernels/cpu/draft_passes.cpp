@@ -1,0 +1,190 @@
+// pdserve::draft_passes: a draft model's passes of a speculative step, every one in one native call:
+// pass j's pick is pass j + 1's input token, at the next position. The whole Llama forward of a
+// few rows (embedding, RMS norms, rotary, the projections through linear_packed, the K/V write and
+// attention through paged_attention_cpu, the MLP, the lm_head) and the pick, in C++. The layers are
+// decoder.h's (`Decoder::layers`), which decoder.cpp's ops run too.
+//
+// Why: a draft is small, so its passes are mostly fixed cost. On the demo draft (2 layers, hidden
+// 128) a pass's arithmetic takes about 20 µs, while its compiled graph took about 115 µs (AMD
+// EPYC, batch 1): eleven op calls and a dozen generated loops, each with a few microseconds of
+// dispatch. That fixed cost is c in the speculation's speedup, (1 - a^(k+1)) / ((1 - a)(1 + k c)).
+// Here a pass's ops call each other straight (native_ops.h) and its elementwise steps are loops
+// over a few rows.
+//
+// The math is the model's (engine/model/llama.py), in float32, with sums in another order (RMS
+// norm, softmax): the picks are a draft's proposals, which the target verifies, so they change how
+// many drafts are accepted, never what is emitted. Tested against the model's own passes.
+//
+// state [S, head + W] int64: per sequence the input token, its position, then its block ids (W of
+// them, those of the slots the passes write); with catch_up, head = 3: the token before the input
+// token (at the position before), the input token, its position. The first pass then runs both
+// tokens (their K/V written, the logits of the second). weights, as `engine/native_forward.py`'s
+// `native_weights` lists them: the embedding [vocab, hidden], the final norm's weight, the
+// lm_head (packed, bias), then per layer the input norm's weight, qkv (packed, bias), o (packed,
+// bias), the post-attention norm's weight, gate_up (packed, bias), down (packed, bias); a bias is
+// an empty tensor where the model has none. kv_caches: each layer's K then V, float32
+// [blocks, block_size, kv_heads, head_dim]. temperature [S] float32 and noise [passes, S, vocab]
+// float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
+// exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
+// picks [passes, S].
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "decoder.h"  // Decoder, Scratch, rms_norm; attention_vectors.h's softmax and lanes
+
+namespace {
+
+c10::optional<at::Tensor> bias_of(const at::Tensor& t) {  // an empty tensor stands for none
+  return t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+}
+
+// The first index of the largest of n values (as torch.argmax: NaN apart, which no row holds).
+int64_t first_max(const float* v, int64_t n) {
+#ifdef PDSERVE_AVX512
+  if (n >= 16) {  // the largest value, then the first lane holding it: two passes over a row in L1
+    __m512 top = _mm512_loadu_ps(v);
+    int64_t i = 16;
+    for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(v + i));
+    float m = _mm512_reduce_max_ps(top);
+    for (; i < n; ++i) m = std::max(m, v[i]);
+    const __m512 mv = _mm512_set1_ps(m);
+    for (i = 0; i + 16 <= n; i += 16)
+      if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), mv, _CMP_EQ_OQ))
+        return i + __builtin_ctz(hit);
+    for (; i < n; ++i)
+      if (v[i] == m) return i;
+  }
+#endif
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] > v[best]) best = i;
+  return best;
+}
+
+// The exponential race over softmax(logits / t): the first largest p / E.
+int64_t race(const float* logits, const float* noise, int64_t n, float t, std::vector<float>& probs) {
+  probs.resize(n);
+  for (int64_t i = 0; i < n; ++i) probs[i] = logits[i] / t;
+#if defined(PDSERVE_AVX512)
+  softmax_row16(probs.data(), n, n);
+#elif defined(PDSERVE_AVX2)
+  softmax_row8(probs.data(), n, n);
+#else
+  const float top = *std::max_element(probs.begin(), probs.end());
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += probs[i] = exp_nonpositive(probs[i] - top);
+  for (int64_t i = 0; i < n; ++i) probs[i] /= sum;
+#endif
+  for (int64_t i = 0; i < n; ++i) probs[i] /= noise[i];
+  return first_max(probs.data(), n);
+}
+
+at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
+                        at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                        int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
+                        const c10::optional<at::Tensor>& noise) {
+  const int64_t head = catch_up ? 3 : 2;
+  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > head && state.size(0) >= 1,
+              "draft_passes: state must be int64 [seqs, ", head, " + block ids], got ", state.sizes());
+  TORCH_CHECK(num_passes >= 1, "draft_passes: num_passes must be at least 1, got ", num_passes);
+  const Decoder d("draft_passes", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  const int64_t vocab = d.vocab, hidden = d.hidden, block_size = d.block_size;
+  const int64_t num_seqs = state.size(0), width = state.size(1) - head;
+  const bool sampled = temperature.has_value();
+  TORCH_CHECK(sampled == noise.has_value(), "draft_passes: temperature and noise come together");
+  if (sampled)
+    TORCH_CHECK(temperature->dim() == 1 && temperature->size(0) == num_seqs && temperature->scalar_type() == at::kFloat &&
+                    noise->dim() == 3 && noise->size(0) >= num_passes && noise->size(1) == num_seqs &&
+                    noise->size(2) == vocab && noise->scalar_type() == at::kFloat && noise->is_contiguous(),
+                "draft_passes: temperature must be float32 [seqs] and noise float32 [passes, seqs, vocab]");
+
+  const auto i64 = state.options();
+  const auto f32 = weights[0].options();
+  const at::Tensor st = state.contiguous();
+  const int64_t* sp = st.data_ptr<int64_t>();
+  const at::Tensor block_ids = st.narrow(1, head, width);
+  const int64_t* ids = sp + head;
+  const int64_t stride = st.size(1);
+
+  std::vector<int64_t> tokens(num_seqs), positions(num_seqs), prev(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    tokens[s] = sp[s * stride + head - 2];
+    positions[s] = sp[s * stride + head - 1];
+    if (catch_up) prev[s] = sp[s * stride];
+  }
+  at::Tensor picks = at::empty({num_passes, num_seqs}, i64);
+  int64_t* picks_p = picks.data_ptr<int64_t>();
+  std::vector<float> scratch;
+  // buffers for the most rows a pass has (the catch-up's two per sequence), and their views for
+  // each row count: made once per call, not per pass
+  const int64_t most_rows = num_seqs * (catch_up ? 2 : 1);
+  const at::Tensor slots_buf = at::empty({most_rows}, i64), lens = at::empty({num_seqs}, i64),
+                   starts = at::empty({num_seqs + 1}, i64), residual_buf = at::empty({most_rows, hidden}, f32),
+                   last = at::empty({num_seqs, hidden}, f32);
+  const Scratch most = d.scratch(most_rows, f32);
+  struct Views { at::Tensor slots, residual; Scratch scratch; };
+  const auto views_of = [&](int64_t rows) {
+    return Views{slots_buf.narrow(0, 0, rows), residual_buf.narrow(0, 0, rows), most.first(rows)};
+  };
+  const Views one_each = views_of(num_seqs), two_each = catch_up ? views_of(2 * num_seqs) : one_each;
+  std::vector<int64_t> row_token(most_rows), row_pos(most_rows);
+
+  for (int64_t pass = 0; pass < num_passes; ++pass) {
+    const int64_t nq = catch_up && pass == 0 ? 2 : 1, rows = num_seqs * nq;
+    const Views& view = nq == 2 ? two_each : one_each;
+    // each row's token and position, and where its K/V go
+    int64_t* slot_p = view.slots.data_ptr<int64_t>();
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t r = s * nq + i, pos = positions[s] - (nq - 1 - i);
+        row_token[r] = nq == 2 && i == 0 ? prev[s] : tokens[s];
+        row_pos[r] = pos;
+        TORCH_CHECK(pos >= 0 && pos < d.max_position && pos / block_size < width, "draft_passes: position ", pos,
+                    " of sequence ", s, " is outside its blocks or the rotary table");
+        TORCH_CHECK(row_token[r] >= 0 && row_token[r] < vocab, "draft_passes: token ", row_token[r], " out of range");
+        slot_p[r] = ids[s * stride + pos / block_size] * block_size + pos % block_size;
+      }
+      lens.data_ptr<int64_t>()[s] = positions[s] + 1;
+      starts.data_ptr<int64_t>()[s] = s * nq;
+    }
+    starts.data_ptr<int64_t>()[num_seqs] = rows;
+
+    float* res = view.residual.data_ptr<float>();
+    const float* emb = weights[0].data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) std::copy(emb + row_token[r] * hidden, emb + (row_token[r] + 1) * hidden, res + r * hidden);
+    d.layers(res, rows, row_pos.data(), view.slots, block_ids, lens, starts, view.scratch);
+
+    // the final norm of each sequence's last row, the logits, the pick
+    for (int64_t s = 0; s < num_seqs; ++s)
+      rms_norm(res + (s * nq + nq - 1) * hidden, weights[1].data_ptr<float>(), d.eps, 1, hidden,
+               last.data_ptr<float>() + s * hidden);
+    at::Tensor logits = pdserve_native::linear_packed(last, weights[2], bias_of(weights[3]), vocab);
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const float t = sampled ? temperature->data_ptr<float>()[s] : 0.f;
+      const int64_t pick = t <= 0.f ? first_max(lp + s * vocab, vocab)
+                                    : race(lp + s * vocab, noise->data_ptr<float>() + (pass * num_seqs + s) * vocab,
+                                           vocab, t, scratch);
+      picks_p[pass * num_seqs + s] = pick;
+      tokens[s] = pick;
+      positions[s] += 1;
+    }
+  }
+  return picks;
+}
+
+}  // namespace
+
+#ifndef PDSERVE_OP_NAMESPACE
+#define PDSERVE_OP_NAMESPACE pdserve
+#endif
+
+TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
+  m.def("draft_passes(Tensor state, int num_passes, bool catch_up, Tensor[] weights, Tensor(a!)[] kv_caches, "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, Tensor? temperature, "
+        "Tensor? noise) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) { m.impl("draft_passes", &draft_passes); }
