@@ -69,3 +69,30 @@ def test_decode_block_tables_at_full_width_on_request(full_width):
     used = len(seq.block_table)  # the widest table in the batch
     assert step.meta.decode_block_tables.shape == (1, 32 if full_width else used)
     assert step.meta.decode_block_tables[0, :used].tolist() == seq.block_table[:used]
+
+
+def test_a_native_plan_from_the_buffers_is_plan_gathers_over_two_steps():
+    """The native plan is written into the runner's buffers (`_native_plan`), not built fresh: the
+    same blocks, context lengths and query starts as `plan_gather(..., native=True)`, also in a
+    second step whose batch is smaller and shorter than the first's (stale table entries past a
+    sequence's blocks are never read)."""
+    from pdserve.kernels.gathered_attention import plan_gather
+
+    inputs = InputBuffers(BLOCK_SIZE, 32, torch.device("cpu"), plan_on_host=True, native_plans=True)
+    seqs = [_seq("a", prompt_len=16, num_outputs=5, first_block=0), _seq("b", prompt_len=30, num_outputs=2, first_block=40),
+            _seq("c", prompt_len=3, num_outputs=0, first_block=80)]
+    for batch in ([BatchEntry(seqs[0], 5, 1, start=17, extra_token_ids=[7, 8, 9, 10]), BatchEntry(seqs[1], 1, 1, start=31),
+                   BatchEntry(seqs[2], 3, 1, start=0)],
+                  [BatchEntry(seqs[2], 2, 1, start=2, extra_token_ids=[7])]):
+        step = inputs.build(batch)
+        entries = [batch[i] for i in step.order]
+        lens, queries = [e.start + e.num_new_tokens for e in entries], [e.num_new_tokens for e in entries]
+        tables = torch.tensor([e.seq.block_table for e in entries])
+        want, got = plan_gather(tables, lens, queries, BLOCK_SIZE, native=True), step.meta.plan
+        assert (got.num_seqs, got.max_query_len, got.length) == (want.num_seqs, want.max_query_len, want.length)
+        assert got.context_lens.tolist() == want.context_lens.tolist() == lens
+        assert got.query_starts.tolist() == want.query_starts.tolist()
+        for row, n in enumerate(lens):
+            blocks = -(-n // BLOCK_SIZE)
+            assert got.block_ids[row, :blocks].tolist() == want.block_ids[row, :blocks].tolist()
+            assert got.block_ids.dtype == torch.int64
