@@ -94,7 +94,7 @@ class InputBuffers:
                   "context_lens": ((self._num_seqs,), torch.int32), "cu_seqlens_q": ((self._num_seqs + 1,), torch.int32),
                   "block_tables": ((self._num_seqs, self.max_blocks), torch.int32)}
         if self.native_plans:
-            shapes |= dict(zip(_NATIVE, (((self._num_seqs * self.max_blocks,), torch.int64),  # [seqs, width], contiguous
+            shapes |= dict(zip(_NATIVE, (((self._num_seqs * self.max_blocks,), torch.int64),  # viewed [seqs, width]
                                          ((self._num_seqs,), torch.int64), ((self._num_seqs + 1,), torch.int64))))
         self.host = {n: torch.zeros(shape, dtype=dt, pin_memory=pin) for n, (shape, dt) in shapes.items()}
         self.np = {n: t.numpy() for n, t in self.host.items()}
@@ -190,15 +190,16 @@ class InputBuffers:
 
     def _native_plan(self, entries: list, num_tokens: int, width: int, starts: list[int]) -> GatherPlan:
         """`plan_gather(..., native=True)`'s plan, written into this runner's buffers: the step's
-        block tables and context lengths cast to int64 in place, and its queries' starts. Built by
-        `plan_gather` (fresh arrays, each made a tensor), the plan cost about 30 µs of a 1.05 ms
-        batch-1 step of the demo target: plain decoding ran 1.025 / 1.028 / 1.035x as fast this
-        way, speculative (draft k = 4) 1.018 / 1.028 / 1.038x (Intel Xeon, one thread, scratch
-        A/B of eight interleaved repeats; at batch 32, 0.95-1.08x, within the noise). Small
-        calls run slowly right after the forward has streamed the weights through the caches:
-        in the step, the first line of `argmax_rows` (three attribute checks) took 14 µs, where
-        a loop runs the whole function in 4 (line profiler; scratch timing). The block ids are
-        contiguous, [seqs, width], as a compiled graph called straight takes them (no stride
+        block tables and context lengths cast to int64 in place, and its queries' starts, instead
+        of fresh arrays each made a tensor. Batch-1 runs of the demo target went 1.025 / 1.028 /
+        1.035x as fast plain, 1.018 / 1.028 / 1.038x speculating (draft k = 4) (Intel Xeon, one
+        thread, `graph_capture="compile"`, whole 128-token runs; scratch A/B, eight interleaved
+        repeats; batch 32 0.95-1.08x, within the noise); `benchmarks/profile_offline.py` (decode
+        steps alone, default options) 0.98 / 1.01 / 1.03x against an A/A of 0.96 / 1.00 / 1.03x.
+        Small calls run slowly right after the forward has streamed the weights through the
+        caches: in the step, the first line of `argmax_rows` (three attribute checks) took 14 µs
+        where a loop runs the whole function in 4 (line profiler; scratch timing). The block ids
+        are contiguous, [seqs, width], as a compiled graph called straight takes them (no stride
         among its inputs). A table's entries past its sequence's blocks are stale, not -1:
         `paged_attention_cpu` reads no block past a sequence's context."""
         ns, np_ = len(entries), self.np
@@ -208,9 +209,10 @@ class InputBuffers:
         query_starts[:ns] = starts
         query_starts[ns] = num_tokens
         host = self.host
-        return GatherPlan(host["native_block_ids"][:ns * width].view(ns, width), ns, max(e.num_new_tokens for e in entries),
-                          max(e.start + e.num_new_tokens for e in entries), None, None, None, [],
-                          context_lens=host["native_context_lens"][:ns], query_starts=host["native_query_starts"][:ns + 1])
+        return GatherPlan(host["native_block_ids"][:ns * width].view(ns, width), ns,
+                          max(e.num_new_tokens for e in entries), max(e.start + e.num_new_tokens for e in entries),
+                          None, None, None, [], context_lens=host["native_context_lens"][:ns],
+                          query_starts=host["native_query_starts"][:ns + 1])
 
     def _plannable(self, entries: list) -> bool:
         """Whether the step's attention runs by one plan: every chunk short, or with native plans,

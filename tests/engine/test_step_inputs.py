@@ -79,10 +79,10 @@ def test_a_native_plan_from_the_buffers_is_plan_gathers_over_two_steps():
     from pdserve.kernels.gathered_attention import plan_gather
 
     inputs = InputBuffers(BLOCK_SIZE, 32, torch.device("cpu"), plan_on_host=True, native_plans=True)
-    seqs = [_seq("a", prompt_len=16, num_outputs=5, first_block=0), _seq("b", prompt_len=30, num_outputs=2, first_block=40),
-            _seq("c", prompt_len=3, num_outputs=0, first_block=80)]
-    for batch in ([BatchEntry(seqs[0], 5, 1, start=17, extra_token_ids=[7, 8, 9, 10]), BatchEntry(seqs[1], 1, 1, start=31),
-                   BatchEntry(seqs[2], 3, 1, start=0)],
+    seqs = [_seq("a", prompt_len=16, num_outputs=5, first_block=0),
+            _seq("b", prompt_len=30, num_outputs=2, first_block=40), _seq("c", prompt_len=3, num_outputs=0, first_block=80)]
+    for batch in ([BatchEntry(seqs[0], 5, 1, start=17, extra_token_ids=[7, 8, 9, 10]),
+                   BatchEntry(seqs[1], 1, 1, start=31), BatchEntry(seqs[2], 3, 1, start=0)],
                   [BatchEntry(seqs[2], 2, 1, start=2, extra_token_ids=[7])]):
         step = inputs.build(batch)
         entries = [batch[i] for i in step.order]
