@@ -113,7 +113,9 @@ at::Tensor linear_pack(const at::Tensor& weight) {
 // scratch A/B of five interleaved repeats), 8 KB ahead took one row 1.05-1.24x, five rows
 // 1.23-1.62x and 32 rows 1.21-1.36x faster than none, and 256 rows 0.91-1.09x; with the weights
 // in cache, 0.89-1.27x, 0.92-1.41x and 1.18-1.54x. 1, 2 and 4 KB gained less, 16 and 32 KB (into
-// L1 or L2) about the same at five rows and less at one.
+// L1 or L2) about the same at five rows and less at one. _MM_HINT_NTA instead of T0 (to spare
+// the caches the step's Python then runs from) made a batch-1 run 3.1x as long (Intel Xeon,
+// scratch A/B; BENCHMARKS.md, step cost by change).
 constexpr int64_t kAheadBytes = 8192;
 
 // Asks for the panel row kAheadBytes past row b (past the panel's end, the next panel's: panels
