@@ -73,21 +73,24 @@ def test_decode_block_tables_at_full_width_on_request(full_width):
 
 def test_a_native_plan_from_the_buffers_is_plan_gathers_over_two_steps():
     """The native plan is written into the runner's buffers (`_native_plan`), not built fresh: the
-    same blocks, context lengths and query starts as `plan_gather(..., native=True)`, also in a
-    second step whose batch is smaller and shorter than the first's (stale table entries past a
-    sequence's blocks are never read)."""
+    same blocks, context lengths and query starts as `plan_gather(..., native=True)`, with tables
+    of different lengths, and in a second step whose batch is smaller and narrower than the
+    first's. A row's entries past its sequence's blocks may be stale (`paged_attention_cpu` reads
+    none of them), so only the blocks each context covers are compared."""
     from pdserve.kernels.gathered_attention import plan_gather
 
     inputs = InputBuffers(BLOCK_SIZE, 32, torch.device("cpu"), plan_on_host=True, native_plans=True)
     seqs = [_seq("a", prompt_len=16, num_outputs=5, first_block=0),
             _seq("b", prompt_len=30, num_outputs=2, first_block=40), _seq("c", prompt_len=3, num_outputs=0, first_block=80)]
+    seqs[2].block_table = [90]  # one block: a shorter row than the others' in the first step
     for batch in ([BatchEntry(seqs[0], 5, 1, start=17, extra_token_ids=[7, 8, 9, 10]),
                    BatchEntry(seqs[1], 1, 1, start=31), BatchEntry(seqs[2], 3, 1, start=0)],
                   [BatchEntry(seqs[2], 2, 1, start=2, extra_token_ids=[7])]):
         step = inputs.build(batch)
         entries = [batch[i] for i in step.order]
         lens, queries = [e.start + e.num_new_tokens for e in entries], [e.num_new_tokens for e in entries]
-        tables = torch.tensor([e.seq.block_table for e in entries])
+        width = max(len(e.seq.block_table) for e in entries)
+        tables = torch.tensor([e.seq.block_table + [-1] * (width - len(e.seq.block_table)) for e in entries])
         want, got = plan_gather(tables, lens, queries, BLOCK_SIZE, native=True), step.meta.plan
         assert (got.num_seqs, got.max_query_len, got.length) == (want.num_seqs, want.max_query_len, want.length)
         assert got.context_lens.tolist() == want.context_lens.tolist() == lens
