@@ -180,12 +180,11 @@ class InputBuffers:
             extend_context_lens=lens[nd:],
         )
         if self.plan_on_host and self._plannable(entries):
-            if self.native_plans and self.dev is self.host:
-                meta.plan = self._native_plan(entries, num_tokens, width, starts)
-                return meta
-            meta.plan = plan_gather(tables, [e.start + e.num_new_tokens for e in entries],
-                                    [e.num_new_tokens for e in entries], self.block_size, self.uniform_plans,
-                                    self.native_plans)
+            meta.plan = (self._native_plan(entries, num_tokens, width, starts)
+                         if self.native_plans and self.dev is self.host else
+                         plan_gather(tables, [e.start + e.num_new_tokens for e in entries],
+                                     [e.num_new_tokens for e in entries], self.block_size, self.uniform_plans,
+                                     self.native_plans))
         return meta
 
     def _native_plan(self, entries: list, num_tokens: int, width: int, starts: list[int]) -> GatherPlan:
