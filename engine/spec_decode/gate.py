@@ -11,7 +11,9 @@ the verdict of a decided neighbouring bucket; with none, each mode first runs a 
 be measured, and the steps it cannot measure before them follow the cost model
 (`AdaptiveDepth.verdict`, once the kind's acceptance and both cost lines are measured).
 Afterwards the losing mode runs one burst after a waiting period, so a change in acceptance or
-load is noticed. Once decided, the verdict
+load is noticed, and the burst is judged against the running mode's steps right after it, at
+the same contexts (`_burst_wins`): a step's cost grows with its contexts over a run, so figures
+of different ages do not compare. Once decided, the verdict
 moves only when the other mode measures cheaper by more than KEEP_MARGIN: at parity the running
 mode stays. The period starts at
 PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
@@ -36,6 +38,7 @@ model says.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +53,7 @@ class _Schedule:
     next_burst: int = 0  # the step at which the next exploring burst starts
     renewed: int = -(1 << 30)  # the step of the last `renew` (most of the batch new)
     due: int | None = None  # the step since which a burst of speculation waits for a cheap switch
+    measured: int = 0  # the step at which the last exploring burst ended
 
 
 class SpeculationGate:
@@ -62,6 +66,7 @@ class SpeculationGate:
     RENEW_MARGIN = 0.2  # new requests bring the next burst forward only while the loser lost by less than this
     KEEP_MARGIN = 0.05  # after the first verdict, the other mode must measure cheaper by more than this to move it
     FRESH = BURST  # steps after a `renew` in which a switch to speculation is cheap (see `_waits`)
+    REMEASURE_AFTER = 2 * BURST  # steps after a burst before speculation's drift may bring the next forward
 
     def __init__(self, predict: Callable[[int, bool], bool | None] | None = None) -> None:
         """predict(batch_size, sampled): the cost model's verdict for a regime, or None while it
@@ -71,6 +76,8 @@ class SpeculationGate:
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
         self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
         self._catch_up: dict[tuple[int, bool], list] = {}  # regime -> [seconds, tokens] of fresh prompts' catch-ups
+        # regime -> the latest measured steps, (speculated, seconds, tokens): a burst and the steps after it
+        self._recent: dict[tuple[int, bool], deque] = {}
         # prompt tokens per output token of the requests finished lately (`Speculator.forget`)
         self.prompt_per_output = 0.0
 
@@ -104,26 +111,29 @@ class SpeculationGate:
             return self._decide(st, spec_cost <= plain, n, batch_size, sampled)
         moves = self._challenger_wins(st, costs)
         if n < st.next_burst:
-            if not moves:
+            if not (moves and st.speculate and n - st.measured >= self.REMEASURE_AFTER):
                 return st.speculate
-            # The running mode now measures dearer than the other did when last measured. That
-            # figure is old (costs drift: contexts grow, requests change), so it is measured again
-            # now rather than switched to: switching on it, a 128-token run at batch 8,
-            # temperature 1 turned to speculation near its end every time, as the contexts grew
-            # and plain steps got dearer than speculation's figure from the short contexts.
+            # Speculation now measures dearer than plain decoding did when last measured: its
+            # acceptance may have fallen, and plain decoding is measured again now. Not the other
+            # way round: plain steps get dearer as contexts grow, which says nothing of
+            # speculation, and brought forward on that, at batch 8, temperature 1 on the demo pair
+            # each 128-token run spent a burst of speculation (and its draft's catch-up) late
+            # in the run.
             st.next_burst = n
-        urgent = moves and self._gap(costs) >= self.RENEW_MARGIN
-        if n == st.next_burst and not urgent and self._waits(st, n, batch_size, sampled):
+        if n == st.next_burst and self._waits(st, n, batch_size, sampled):
             st.next_burst = n + 1
             return st.speculate
         st.due = None
         if n < st.next_burst + self.BURST:  # exploring
             return not st.speculate
-        if moves:  # the burst just ended, and the other mode measured cheaper
+        if n < st.next_burst + 2 * self.BURST:  # the running mode again, to compare the burst with
+            return st.speculate
+        st.measured = n
+        if self._burst_wins(st, batch_size, sampled, moves):  # the burst just ended, and the other mode was cheaper
             return self._decide(st, not st.speculate, n, batch_size, sampled)
         # the burst left the same winner
         st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, st.speculate))
-        st.next_burst = n + st.period
+        st.next_burst = n - self.BURST + st.period  # a period from the end of the burst
         return st.speculate
 
     def _predicted(self, batch_size: int, sampled: bool) -> bool:
@@ -146,11 +156,10 @@ class SpeculationGate:
         a cached prefix may already hold (`BlockManager`'s has_draft). At batch 8, temperature 1
         on the demo pair (Intel Xeon, scratch trace), a burst at the end of a 128-token run took
         19 ms for its first step, 6% of the run, where one 13 steps into a run took 6 ms. This
-        holds for the first burst of a borrowed verdict, and for one brought forward by
-        speculation measuring cheaper by less than RENEW_MARGIN, too: at batch 32, temperature 1
-        (scratch trace), such bursts came 70-90 steps into a 128-token run, and their first steps
-        took 73-80 ms against plain's 6, some 6% of the run each, where plain decoding won
-        again."""
+        holds for the first burst of a borrowed verdict, too, and whatever speculation's last
+        figure says: at batch 32, temperature 1 (scratch trace), bursts that came 70-90 steps
+        into a 128-token run took 73-80 ms for their first steps against plain's 6, some 6% of
+        the run each, where plain decoding won again."""
         key = self.regime(batch_size, sampled)
         switch = self._switch[key] if key in self._switch else max(self._switch.values(), default=0.0)
         if st.speculate or not switch:
@@ -176,6 +185,41 @@ class SpeculationGate:
         spec, plain = costs
         running, other = (spec, plain) if st.speculate else (plain, spec)
         return other * (1 + self.KEEP_MARGIN) < running
+
+    def _burst_wins(self, st: _Schedule, batch_size: int, sampled: bool, moves: bool) -> bool:
+        """BURST steps after an exploring burst: whether the mode it measured beat the running
+        one, by KEEP_MARGIN, in the running mode's steps since (at the same contexts, within a
+        few tokens). Afterwards the burst alone is the other mode's figure. The running mode's
+        decayed figure mixes steps of many ages, and the other mode's came from its last burst:
+        compared so, at batch 8, temperature 1 on the demo pair (Intel Xeon, scratch traces of
+        six 128-token runs), speculation measured just after new requests came in was compared
+        with plain steps from the previous requests' longer contexts, and two runs in five turned
+        to speculating (0.90x and 0.92x plain); judged on the steps after the burst, none did.
+        The running mode's steps before the burst would not do either: a burst of
+        speculation waits for new requests (`_waits`), and the steps before it are then the
+        previous requests' last. Without steps of both measured (a prefill between), the
+        decayed figures decide (`moves`)."""
+        key = self.regime(batch_size, sampled)
+        recent, other = list(self._recent.get(key, ())), not st.speculate
+        after = self._trailing(recent, st.speculate, len(recent))
+        burst = self._trailing(recent, other, len(recent) - len(after))
+        if not burst or not after:
+            return moves
+        sums = [0.0, 0.0, 0]
+        for _, seconds, tokens in burst[::-1]:  # oldest first, decayed as `observe` does
+            sums = [sums[0] * self.DECAY + seconds, sums[1] * self.DECAY + tokens, sums[2] + 1]
+        self._sums[(*key, other)] = sums
+        per_token = [sum(x[1] for x in steps) / max(sum(x[2] for x in steps), 1) for steps in (burst, after)]
+        spec, plain = per_token if other else per_token[::-1]
+        return self._challenger_wins(st, self._priced(st, batch_size, sampled, spec, plain))
+
+    def _trailing(self, recent: list, speculated: bool, end: int) -> list:
+        """The last BURST (at most) measured steps of one mode ending at recent[end - 1], newest first."""
+        steps = []
+        while end and recent[end - 1][0] == speculated and len(steps) < self.BURST:
+            end -= 1
+            steps.append(recent[end])
+        return steps
 
     def _borrowed(self, key: tuple[int, bool]) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
@@ -204,6 +248,11 @@ class SpeculationGate:
         plain = self.seconds_per_token(batch_size, False, sampled)
         if spec is None or plain is None:
             return None
+        return self._priced(st, batch_size, sampled, spec, plain)
+
+    def _priced(self, st: _Schedule, batch_size: int, sampled: bool, spec: float, plain: float) -> tuple[float, float]:
+        """(speculating, plain) seconds per token with speculation's costs outside its steps: a
+        draft's catch-up on fresh prompts, and from plain decoding the switch, repaid over PERIOD."""
         switch = 0.0 if st.speculate else self._switch.get(self.regime(batch_size, sampled), 0.0)
         return spec + self.catch_up_per_token(batch_size, sampled) + switch / (self.PERIOD * max(batch_size, 1)), plain
 
@@ -283,6 +332,11 @@ class SpeculationGate:
         sums[0] = sums[0] * self.DECAY + seconds
         sums[1] = sums[1] * self.DECAY + num_tokens
         sums[2] += 1
+        key = self.regime(batch_size, sampled)
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = deque(maxlen=2 * self.BURST)
+        recent.append((speculated, seconds, num_tokens))
 
     def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
         sums = self._sums.get((*self.regime(batch_size, sampled), speculated))

@@ -41,6 +41,18 @@ def _measured(batch_size: int, spec: tuple[float, int], plain: tuple[float, int]
     return gate
 
 
+def _drive(gate: Gate, batch_size: int, steps: int, spec: tuple[float, int], plain: tuple[float, int],
+           sampled: bool = True) -> list[bool]:
+    """`steps` steps at `batch_size`, each in the mode the gate allows and measured as the engine
+    would: at spec or plain (seconds, tokens emitted). The modes, in order."""
+    modes = []
+    for _ in range(steps):
+        mode = gate.allow(batch_size, sampled)
+        gate.observe(batch_size, mode, *(spec if mode else plain), sampled=sampled)
+        modes.append(mode)
+    return modes
+
+
 def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often():
     gate = Gate()
     first = [gate.allow(32) for _ in range(2 * Gate.BURST)]
@@ -57,14 +69,15 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     assert gaps[:4] == [2 * Gate.PERIOD, 4 * Gate.PERIOD, 8 * Gate.PERIOD, 16 * Gate.PERIOD]
     assert max(gaps) == Gate.MAX_PERIOD and gaps[-1] == Gate.MAX_PERIOD
 
-    # the winner changes: speculation now measures cheaper, is measured again at once (a burst),
-    # and wins; the wait starts again at PERIOD
-    for _ in range(30):
-        gate.observe(32, True, seconds=0.05, num_tokens=40)
-    after = [gate.allow(32) for _ in range(3 * Gate.PERIOD)]
-    assert after[0] is True
-    plain_bursts = _bursts(after, False)
-    assert plain_bursts and plain_bursts[0] == (Gate.BURST + Gate.PERIOD, Gate.BURST)
+    # the winner changes: speculation now costs 1.25 ms a token; its next burst (at most
+    # MAX_PERIOD away) measures it so, against plain's steps right before, and it wins; the
+    # wait for plain's burst starts again at PERIOD
+    after = _drive(gate, 32, Gate.MAX_PERIOD + 2 * Gate.PERIOD, spec=(0.05, 40), plain=(0.10, 32), sampled=False)
+    start, length = _bursts(after, True)[0]
+    assert start < Gate.MAX_PERIOD and length == Gate.BURST
+    # plain decoding runs BURST steps more, to compare the burst with, and then speculation wins
+    assert _bursts(after, True)[1] == (start + 2 * Gate.BURST, Gate.PERIOD)
+    assert _bursts(after, False)[1:3] == [(start + Gate.BURST, Gate.BURST), (start + 2 * Gate.BURST + Gate.PERIOD, Gate.BURST)]
 
     # batch 1 keeps its own record
     for _ in range(2 * Gate.BURST):
@@ -74,19 +87,24 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
 
 
-def test_a_drifting_winner_measures_the_other_mode_again_before_switching():
-    """When the running mode's cost drifts above the other mode's last figure (contexts grow
-    over a run), the other mode is measured again at once, not switched to on an old figure: if
-    the burst shows it dearer after all, the running mode stays, and its wait doubles."""
-    gate = _measured(8, spec=(0.0060, 10), plain=(0.0040, 8))  # 0.60 ms a token against 0.50: plain wins
-    assert [gate.allow(8, True) for _ in range(10)] == [False] * 10
-    for _ in range(20):  # longer contexts: plain steps now cost 0.65 ms per token
-        gate.observe(8, False, seconds=0.0052, num_tokens=8, sampled=True)
-    burst = [gate.allow(8, True) for _ in range(Gate.BURST)]
-    assert burst == [True] * Gate.BURST  # speculation is measured again, not switched to
-    for _ in range(Gate.BURST):  # and at these contexts it costs 0.80 ms per token
-        gate.observe(8, True, seconds=0.0080, num_tokens=10, sampled=True)
-    assert [gate.allow(8, True) for _ in range(2 * Gate.PERIOD)] == [False] * (2 * Gate.PERIOD)
+def test_a_burst_is_judged_against_the_steps_right_after_it():
+    """Over a run, contexts grow and every step gets dearer. Plain decoding getting dearer than
+    speculation's figure from shorter contexts does not bring speculation's burst forward, and
+    the scheduled burst is compared with the plain steps right after it, not with a figure that
+    mixes its old, cheaper steps: here it costs 0.63 ms a token against plain's 0.65 (within
+    KEEP_MARGIN), and plain decoding stays, where the decayed figures (0.58 against 0.65) would
+    have switched. The burst is then speculation's figure."""
+    gate = _measured(8, spec=(0.0060, 12), plain=(0.0036, 8))  # 0.50 ms a token against 0.45: plain wins
+    longer = dict(spec=(0.00756, 12), plain=(0.0052, 8))  # at longer contexts: 0.63 against 0.65
+    assert _drive(gate, 8, Gate.PERIOD, **longer) == [False] * Gate.PERIOD
+    assert _drive(gate, 8, Gate.BURST, **longer) == [True] * Gate.BURST  # the scheduled burst
+    assert _drive(gate, 8, 2 * Gate.PERIOD, **longer) == [False] * (2 * Gate.PERIOD)  # stays, and waits twice as long
+    assert gate.seconds_per_token(8, True, True) == pytest.approx(0.00063)
+    # the burst's decayed figure mixed in the opening burst's cheaper steps, which would have won
+    mixed = _measured(8, spec=(0.0060, 12), plain=(0.0036, 8))
+    for _ in range(Gate.BURST):
+        mixed.observe(8, True, *longer["spec"], sampled=True)
+    assert mixed.seconds_per_token(8, True, True) * (1 + Gate.KEEP_MARGIN) < 0.00065
 
 
 def test_unsettled_steps_keep_the_verdict_and_do_not_move_the_schedule():
@@ -127,6 +145,8 @@ def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests
     in_burst = False
     while (speculates := gate.allow(1, True)) or not in_burst:  # to the end of an exploring burst
         in_burst = in_burst or speculates
+    for _ in range(Gate.BURST):  # and of the plain steps it is compared with
+        gate.allow(1, True)
     far = copy.deepcopy(gate)
     far.renew(1, True)  # speculation lost by 67%: new requests do not bring its burst forward
     assert True not in [far.allow(1, True) for _ in range(Gate.PERIOD + 1)]
@@ -190,16 +210,14 @@ def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid
     # without a switch cost (an n-gram proposer), the first burst comes after PERIOD
     assert _bursts([cheap.allow(32, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
 
-    # speculation now measures 10% cheaper than plain: not enough to repay 0.24 s within PERIOD steps
-    for _ in range(40):
-        gate.observe(32, True, seconds=0.0144, num_tokens=32, sampled=True)
-        cheap.observe(32, True, seconds=0.0144, num_tokens=32, sampled=True)
-    assert not any(gate.allow(32, True) for _ in range(Gate.PERIOD))
-    assert all(cheap.allow(32, True) for _ in range(Gate.PERIOD))
+    # speculation now costs 10% less a token than plain decoding in its own steps: not enough to
+    # repay 0.24 s within PERIOD steps, so its bursts stay bursts; without the switch's cost, the
+    # next burst wins
+    tenth = dict(spec=(0.0144, 32), plain=(0.016, 32))
+    assert all(length == Gate.BURST for _, length in _bursts(_drive(gate, 32, 4 * want, **tenth), True))
+    assert any(length > Gate.BURST for _, length in _bursts(_drive(cheap, 32, 4 * Gate.PERIOD, **tenth), True))
     # and half as dear is
-    for _ in range(40):
-        gate.observe(32, True, seconds=0.008, num_tokens=32, sampled=True)
-    assert all(gate.allow(32, True) for _ in range(Gate.PERIOD))
+    assert _drive(gate, 32, 8 * want, spec=(0.008, 32), plain=(0.016, 32))[-Gate.PERIOD:] == [True] * Gate.PERIOD
 
 
 def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
@@ -218,10 +236,11 @@ def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
     assert fresh[:Gate.BURST] == [True] * Gate.BURST  # the burst starts at once
     for _ in range(Gate.BURST):
         gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)  # and plain still wins
-    period = st.period  # doubled: the burst left plain winning
+    assert fresh[Gate.BURST:] == [False] * Gate.BURST  # plain steps to compare the burst with
     waited = [gate.allow(8, True) for _ in range(6 * Gate.PERIOD)]  # no new requests: the period, then one more
     start, length = _bursts(waited, True)[0]
-    assert length == Gate.BURST and start + Gate.FRESH == 2 * period
+    # the burst left plain winning: the period doubled, to 2 * PERIOD from the burst's end
+    assert length == Gate.BURST and start + Gate.BURST == 2 * (2 * Gate.PERIOD)
     assert _bursts([no_switch.allow(8, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
 
 
@@ -238,12 +257,13 @@ def test_at_parity_the_running_mode_stays_and_is_not_measured_early():
     assert [gate.allow(8, True) for _ in range(Gate.BURST)] == [False] * Gate.BURST
     for _ in range(Gate.BURST):
         gate.observe(8, False, seconds=0.00336, num_tokens=8, sampled=True)
-    assert [gate.allow(8, True) for _ in range(8)] == [True] * 8
+    assert [gate.allow(8, True) for _ in range(Gate.BURST + Gate.REMEASURE_AFTER)] == [True] * (Gate.BURST + Gate.REMEASURE_AFTER)
     for _ in range(30):  # 0.60 ms per token: well past the margin, plain decoding is measured at once
         gate.observe(8, True, seconds=0.0060, num_tokens=10, sampled=True)
     assert [gate.allow(8, True) for _ in range(Gate.BURST)] == [False] * Gate.BURST
     for _ in range(Gate.BURST):
         gate.observe(8, False, seconds=0.00336, num_tokens=8, sampled=True)
+    assert [gate.allow(8, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # compared with
     assert [gate.allow(8, True) for _ in range(8)] == [False] * 8  # and it wins
 
 
@@ -336,34 +356,35 @@ def test_a_new_regimes_unmeasured_steps_follow_the_cost_models_verdict():
     assert [gate.allow(32, True) for _ in range(2 * Gate.BURST)] == [True] * Gate.BURST + [False] * Gate.BURST
 
 
-def test_a_burst_of_speculation_brought_forward_by_a_small_margin_waits_for_new_requests():
-    """Speculation measuring cheaper than plain decoding by more than KEEP_MARGIN brings its
-    burst forward, but where a switch costs a draft's catch-up and the margin is under
-    RENEW_MARGIN (plain steps getting dearer as contexts grow, against speculation's figure
-    from shorter ones), the burst waits for new requests; by RENEW_MARGIN or more it comes at
-    once. The first burst of a borrowed verdict waits too, on a switch's cost measured in
-    another regime."""
-    def plain_wins() -> Gate:
-        gate = _measured(8, spec=(0.0040, 12), plain=(0.0024, 8))  # 0.33 ms a token against 0.30: plain wins
-        gate.observe_switch(8, 0.002, sampled=True)
-        assert gate.allow(8, True) is False
-        return gate
-
-    gate, urgent, neighbour = plain_wins(), plain_wins(), plain_wins()
+def test_plain_decoding_getting_dearer_does_not_bring_speculation_forward():
+    """While plain decoding runs, its steps getting dearer than speculation's last figure (as
+    contexts grow over a run; here speculation's figure is 40% cheaper) say nothing of
+    speculation: its burst keeps the schedule and, a switch costing a draft's catch-up, still
+    waits for new requests. The first burst of a borrowed verdict waits too, on a switch's cost
+    measured in another regime. While speculation runs, its getting dearer than plain's last
+    figure (acceptance falling) does bring plain decoding's burst forward, once REMEASURE_AFTER
+    steps have passed since the last burst."""
+    gate = _measured(8, spec=(0.0040, 12), plain=(0.0024, 8))  # 0.33 ms a token against 0.30: plain wins
+    gate.observe_switch(8, 0.002, sampled=True)
+    neighbour = copy.deepcopy(gate)
     st = gate._schedules[gate.regime(8, True)]
-    for _ in range(30):  # plain drifts to 0.36 ms a token: speculation 9% cheaper
-        gate.observe(8, False, seconds=0.00288, num_tokens=8, sampled=True)
-    assert not any(gate.allow(8, True) for _ in range(Gate.PERIOD // 2)) and st.due is not None
+    drifted = _drive(gate, 8, Gate.PERIOD + Gate.PERIOD // 2, spec=(0.0040, 12), plain=(0.0044, 8))  # 0.55 ms a token
+    assert not any(drifted) and st.due is not None  # due at PERIOD, waiting
     gate.renew(8, True)
-    assert [gate.allow(8, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # with the new requests
-    for _ in range(Gate.BURST):
-        gate.observe(8, True, seconds=0.0040, num_tokens=12, sampled=True)
+    renewed = _drive(gate, 8, 2 * Gate.BURST, spec=(0.0040, 12), plain=(0.0044, 8))
+    assert renewed == [True] * Gate.BURST + [False] * Gate.BURST  # with the new requests, then plain to compare
     assert gate.allow(8, True) is True  # and it wins
-    for _ in range(30):  # plain drifts to 0.50 ms a token: speculation 50% cheaper
-        urgent.observe(8, False, seconds=0.0040, num_tokens=8, sampled=True)
-    assert [urgent.allow(8, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST  # at once
     # a neighbour borrows plain decoding; its first burst of speculation waits, a switch costing
     # here, until its requests are new
+    assert neighbour.allow(8, True) is False
     assert not any(neighbour.allow(4, True) for _ in range(Gate.PERIOD + Gate.BURST))
     neighbour.renew(4, True)
     assert [neighbour.allow(4, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST
+
+    # speculation running: its acceptance falls, and plain decoding is measured again early
+    spec_wins = _measured(8, spec=(0.0030, 12), plain=(0.0024, 8))  # 0.25 ms a token against 0.30
+    assert _drive(spec_wins, 8, Gate.REMEASURE_AFTER, spec=(0.0030, 12), plain=(0.0024, 8)) == [True] * Gate.REMEASURE_AFTER
+    fell = _drive(spec_wins, 8, 24, spec=(0.0060, 12), plain=(0.0024, 8))  # 0.50 ms a token
+    start, length = _bursts(fell, False)[0]
+    assert start < 8 and length == Gate.BURST  # measured at once
+    assert fell[start + Gate.BURST:] == [True] * Gate.BURST + [False] * (24 - start - 2 * Gate.BURST)  # and it wins
