@@ -192,9 +192,9 @@ class SpeculationGate:
         few tokens). Afterwards the burst alone is the other mode's figure. The running mode's
         decayed figure mixes steps of many ages, and the other mode's came from its last burst:
         compared so, at batch 8, temperature 1 on the demo pair (Intel Xeon, scratch traces of
-        six 128-token runs), speculation measured just after new requests came in was compared
-        with plain steps from the previous requests' longer contexts, and two runs in five turned
-        to speculating (0.90x and 0.92x plain); judged on the steps after the burst, none did.
+        128-token runs), speculation measured just after new requests came in was compared with
+        plain steps from the previous requests' longer contexts, and two runs in five turned to
+        speculating (0.90x and 0.92x plain); judged on the steps after the burst, none of six did.
         The running mode's steps before the burst would not do either: a burst of
         speculation waits for new requests (`_waits`), and the steps before it are then the
         previous requests' last. Without steps of both measured (a prefill between), the
