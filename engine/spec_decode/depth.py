@@ -189,6 +189,42 @@ class AdaptiveDepth:
 
     def _best(self, alphas: list[float], tops: list[int]) -> list[int]:
         """The depths, at most `tops`, that maximise the batch's expected tokens per second."""
+        if len(alphas) == 1:
+            return [self._best_one(alphas[0], tops[0])]
+        return self._best_batch(alphas, tops)
+
+    def _best_one(self, alpha: float, top: int) -> int:
+        """`_best_batch` for one sequence, in scalars, with the same sums in the same order (the
+        tests compare the two): it runs every speculative step, and at batch 1 the lists and the
+        closure took 19 µs of a 1.6 ms step (scratch timing, Intel Xeon, demo pair; 12 µs
+        against 4 in a loop)."""
+        target_a, target_b = self.target_cost.a, self.target_cost.b
+        draft = self.draft_cost if self._draft_measured else None
+        draft_a, draft_b = (draft.a, draft.b) if draft is not None else (0.0, 0.0)
+        slope = target_b + (draft_b if draft is not None else 0.0)
+        powers = [alpha ** j for j in range(top + 2)]
+        falling = [-x for x in powers[1:top + 1]]  # -α^j, j = 1.., ascending
+
+        def rate(k: int) -> float:
+            seconds = target_a + target_b * (k + 1)
+            if draft is not None and k:
+                seconds += draft_a * k + draft_b * k
+            return (k + 1.0 if alpha >= 1 else (1 - powers[k + 1]) / (1 - alpha)) / max(seconds, 1e-9)
+
+        best_k, best_rate = 0, 0.0
+        for k in range(top + 1):
+            kept = k
+            if k:  # the positions worth their marginal cost at depth k's rate
+                j = bisect_right(falling, -slope * rate(k))
+                kept = j if j < k else k
+            r = rate(kept)
+            if r >= best_rate:  # a tie goes deeper
+                best_k, best_rate = kept, r
+        return best_k
+
+    def _best_batch(self, alphas: list[float], tops: list[int]) -> list[int]:
+        """`_best` for any batch: each depth k for all, each sequence trimmed to the positions
+        worth their own marginal cost at k's rate."""
         deepest = max(tops, default=0)
         powers = [[a ** j for j in range(deepest + 2)] for a in alphas]
         depths = range(deepest + 1)

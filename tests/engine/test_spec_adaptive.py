@@ -3,6 +3,8 @@ for the batch, trimmed per sequence), its cost lines and what the speculator fee
 (which mode is cheaper) is in test_spec_gate.py; how the engine follows both, test_spec_gate_in_engine.py."""
 from __future__ import annotations
 
+import random
+
 import time
 
 import pytest
@@ -278,3 +280,16 @@ def test_the_target_cost_is_the_steps_wall_time_less_the_proposal():
     slow.observe_step(decode, 0.021, [], target_pass=(3, 0.004))  # never less than the forward itself
     assert slow._propose_seconds == 0.0
     assert slow.depth.target_cost(3) < LinearCost(5e-3, 5e-4)(3)  # it saw 4 ms, under the prior's 6.5 ms
+
+
+def test_the_single_sequence_plan_is_the_batch_plans():
+    """`_best_one` (batch 1, in scalars) picks what `_best_batch` picks for a batch of one, over
+    random acceptances, depth limits and cost lines (a draft's measured, guessed, or none)."""
+    rng = random.Random(1)
+    for _ in range(3000):
+        draft = None if rng.random() < 0.2 else LinearCost(rng.uniform(0, 2e-3), rng.uniform(0, 1e-4),
+                                                             guess=rng.random() < 0.2)
+        depth = AdaptiveDepth(rng.randint(1, 6), True, LinearCost(rng.uniform(0, 5e-3), rng.uniform(0, 5e-4)), draft)
+        alpha, top = rng.choice([1.0, 0.0, rng.random(), rng.uniform(0.9, 1.0)]), rng.randint(0, 6)
+        assert depth._best_one(alpha, top) == depth._best_batch([alpha], [top])[0], (alpha, top)
+
