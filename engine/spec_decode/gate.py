@@ -99,6 +99,8 @@ class SpeculationGate:
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
             return n <= self.BURST
+        if st.period and n < st.next_burst and (not st.speculate or n - st.measured < self.REMEASURE_AFTER):
+            return st.speculate  # nothing can move the verdict before the burst (most steps; no costs needed)
         costs = self._costs(st, batch_size, sampled)
         if costs is None:
             if st.period:  # a borrowed verdict: kept until its burst of the other mode measures both
