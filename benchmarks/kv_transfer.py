@@ -18,6 +18,10 @@
    of each chunk) from a second mapping of the same segment into a cache like its own, in this
    process; the push's time beyond it is the gRPC control path (messages, header, trailer, ack),
    measured on its own by the same push for a SMALL_PROMPT-token prompt.
+   Beside them, the torch.distributed path (`DistTransport`, gloo here: each chunk's bytes one send
+   over a two-rank group, its CRC-32C checked on arrival, gRPC carrying the rest) into the same
+   decode worker as the gRPC push: not a goal on a host (its device-to-device use is between
+   CUDA caches, with NCCL), reported against raw TCP like the gRPC push.
 3. TTFT at low load (one request at a time) through a router: disaggregated (prefill worker ->
    decode worker) against colocated (decode worker alone). Goal: <= 1.10. Not optimized here.
 
@@ -59,6 +63,7 @@ from pdserve.engine.disagg import read_kv, write_kv  # noqa: E402
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer  # noqa: E402
 from pdserve.engine import kv_copy  # noqa: E402
 from pdserve.engine.kv_copy import crc32c, rows_crc32c  # noqa: E402
+from pdserve.serving.kv_transfer.dist import DistTransport  # noqa: E402
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport  # noqa: E402
 from pdserve.serving.kv_transfer.shm import KVArena, PeerSegments, copy_runs, slot_runs  # noqa: E402
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport  # noqa: E402
@@ -186,6 +191,14 @@ def shm_messages(cache, slots) -> list:
     return out + [KVTrailer(len(out), 1)]
 
 
+def dist_messages(cache, slots) -> list:
+    """What `KVSender.send_refs` queues: per layer, the slots (the transport reads and sums them)."""
+    runs = slot_runs(slots.numpy())
+    flat = tuple(x for r in runs for x in r)
+    return [KVData(layer, 0, layer, 0, len(slots), b"", 0, flat) for layer in range(len(cache))] + [
+        KVTrailer(len(cache), 1)]
+
+
 def bench_paths(args, model: Path, procs, bar) -> dict:
     prompt = [(7 * i) % 500 + 3 for i in range(args.prompt_tokens)]
     num_blocks = -(-args.prompt_tokens // BLOCK_SIZE) * 2 + 8
@@ -216,9 +229,13 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
     flat_src.random_(0, 255)
     grpc_t = GrpcTransport()
     shm_t = ShmTransport(arena, GrpcTransport(), lambda group, layer: raw_layer(src, layer))
+    dist_t = DistTransport(GrpcTransport(), lambda group, layer: tuple(x.view(-1, *x.shape[2:]) for x in src[layer]),
+                           lambda: "127.0.0.1")
     try:
-        grpc_push.push_seconds(grpc_t, grpc_messages(src, slots, args.max_chunk_bytes))  # warm up both
+        grpc_push.push_seconds(grpc_t, grpc_messages(src, slots, args.max_chunk_bytes))  # warm up all three
         shm_push.push_seconds(shm_t, shm_messages(src, slots))
+        grpc_push.push_seconds(dist_t, dist_messages(src, slots))  # and make the group
+        assert dist_t.num_dist_pushes == 1, "the decode worker took no K/V over gloo"
         tcp_seconds(tcp_port, src, slots)
         assert shm_t.num_shm_pushes == 1, "the decode worker's probe could not be opened: no shared memory"
         peer = PeerSegments().open(arena.names[0], g.num_layers, arena.num_slots, shape[2:],
@@ -243,6 +260,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
                  "grpc_copied": lambda: grpc_push.push_seconds(grpc_t, lambda: grpc_messages_copied(
                      src, slots, args.max_chunk_bytes)),
                  "tcp": lambda: tcp_seconds(tcp_port, src, slots),
+                 "dist": lambda: grpc_push.push_seconds(dist_t, dist_messages(src, slots)),
                  "shm": lambda: shm_push.push_seconds(shm_t, shm_messages(src, slots)),
                  "shm_small": lambda: small_push.push_seconds(shm_t, shm_messages(src, slots[:SMALL_PROMPT])),
                  "copy": copy_seconds, "shm_copy": shm_copy_seconds}
@@ -275,7 +293,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
                 shm_vs_copy=Goal("shared-memory push / plain memory copy (speed)", ratio("shm", "copy"), 0.8,
                                  True).as_dict(),
                 shm_copy_vs_copy=ratio("shm_copy", "copy").as_dict(), copy_a_a=ratio("copy_again", "copy").as_dict(),
-                grpc_vs_copied=ratio("grpc", "grpc_copied").as_dict(),
+                grpc_vs_copied=ratio("grpc", "grpc_copied").as_dict(), dist_vs_tcp=ratio("dist", "tcp").as_dict(),
                 inner=args.inner)
 
 
@@ -383,12 +401,15 @@ def plot(result: dict, path: Path) -> None:
 
     p, t = result["paths"], result["ttft"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["grpc", "tcp", "shm", "copy", "shm_copy"]
+    bars = [("grpc", "gRPC push", "tab:blue"), ("tcp", "raw TCP", "tab:gray"), ("dist", "gloo push", "tab:purple"),
+            ("shm", "shm push", "tab:green"), ("copy", "memory copy", "tab:gray"), ("shm_copy", "shm copy\nalone",
+                                                                                   "tab:olive")]
+    bars = [b for b in bars if b[0] in p["gbps"]]
+    names = [n for n, _, _ in bars]
     med = [p["gbps"][n]["median"] for n in names]
     lo = [m - p["gbps"][n]["min"] for m, n in zip(med, names)]
     hi = [p["gbps"][n]["max"] - m for m, n in zip(med, names)]
-    axes[0].bar(["gRPC push", "raw TCP", "shm push", "memory copy", "shm copy\nalone"], med, yerr=[lo, hi],
-                color=["tab:blue", "tab:gray", "tab:green", "tab:gray", "tab:olive"])
+    axes[0].bar([label for _, label, _ in bars], med, yerr=[lo, hi], color=[c for _, _, c in bars])
     axes[0].set_title(f"{p['kv_bytes'] / 2**20:.0f} MiB of KV into a cache (GB/s, min/median/max)")
     axes[1].bar(["disaggregated", "colocated"], [t["disagg_s"]["median"] * 1e3, t["colocated_s"]["median"] * 1e3],
                 color=["tab:blue", "tab:gray"])
@@ -414,6 +435,8 @@ def markdown(result: dict) -> str:
              *([f"| the same push, chunks built then framed by a copy (the prefill side before `host_chunks`) | "
                 f"{ms('grpc_copied')} | {gb('grpc_copied')} |"] if "grpc_copied" in p["seconds"] else []),
              f"| raw TCP, same bytes, cache to cache, no checksum | {ms('tcp')} | {gb('tcp')} |",
+             *([f"| torch.distributed push (`DistTransport`, gloo: each chunk one send, CRC-32C, into the same decode "
+                f"worker's cache) | {ms('dist')} | {gb('dist')} |"] if "dist" in p["seconds"] else []),
              f"| shared-memory push (`ShmTransport`: decode copies from /dev/shm and checksums in the same pass) | {ms('shm')} | {gb('shm')} |",
              f"| plain memory copy (`torch` copy_, one thread), same bytes | {ms('copy')} | {gb('copy')} |",
              f"| the shared-memory push's copy-and-check alone (`copy_runs`, in this process) | {ms('shm_copy')} | "
@@ -426,6 +449,9 @@ def markdown(result: dict) -> str:
              "(not a goal: the push's own figure above is end to end).", "",
              *([f"The production gRPC push against the same push with its chunks built then framed by a copy: "
                 f"{_spread(p['grpc_vs_copied']).fmt(2, '×')} the speed."] if "grpc_vs_copied" in p else []), "",
+             *([f"The torch.distributed push (gloo, on this host) against raw TCP: {_spread(p['dist_vs_tcp']).fmt(2, '×')} "
+                "the speed (not a goal: between CUDA caches the same transport runs NCCL, device to device, which "
+                "no machine here has)."] if "dist_vs_tcp" in p else []), "",
              *([f"A/A control, the plain copy against the same copy run again right after each round: "
                 f"{_spread(p['copy_a_a']).fmt(2, '×')} (what the host's noise alone does to a ratio)."] if "copy_a_a" in p
                else []), "",

@@ -107,7 +107,7 @@ def _decode_worker(args: argparse.Namespace) -> int:
     from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout,
-                                kv_shm=not args.no_kv_shm)
+                                kv_shm=not args.no_kv_shm, kv_dist=not args.no_kv_dist)
     return _worker(args, lambda: DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
 
 
@@ -115,7 +115,7 @@ def _prefill_worker(args: argparse.Namespace) -> int:
     from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
     config = PrefillServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, max_chunk_bytes=args.max_chunk_bytes,
-                                 kv_shm=not args.no_kv_shm)
+                                 kv_shm=not args.no_kv_shm, kv_dist=args.kv_dist)
     return _worker(args, lambda: PrefillWorkerServicer(config, security=cluster_security(args, "prefill worker")))
 
 
@@ -177,6 +177,8 @@ def serve_config(args: argparse.Namespace):
         overrides["num_speculative_tokens"] = 0
     if args.no_kv_shm:
         overrides["kv_shm"] = False
+    if args.kv_dist:
+        overrides["kv_dist"] = True
     return load(args.config, overrides)
 
 
@@ -392,6 +394,9 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
     sv.add_argument("--no-kv-shm", action="store_true", help="never move K/V through shared memory, even between "
                     "a prefill and a decode worker on one node (default: the config's kv_shm)")
+    sv.add_argument("--kv-dist", action="store_true", help="move K/V bytes over torch.distributed groups (NCCL "
+                    "between GPU workers, gloo between CPU ones) instead of gRPC or shared memory (default: the "
+                    "config's kv_dist)")
     sv.set_defaults(func=_serve_system)
 
 

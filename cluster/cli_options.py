@@ -123,6 +123,11 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--no-kv-shm", action="store_true", help="never move K/V through shared memory, even between "
                    "workers on one node (default: a prefill worker's KV cache lives in /dev/shm and a decode worker "
                    "whose probe it can open copies from it; any other pair uses gRPC)")
+    p.add_argument("--kv-dist", action="store_true", help="prefill worker: send K/V bytes over a torch.distributed "
+                   "group (NCCL between CUDA caches, gloo between host caches) to decode workers that take it, gRPC "
+                   "carrying the rest; in place of shared memory")
+    p.add_argument("--no-kv-dist", action="store_true", help="decode worker: take no K/V over torch.distributed "
+                   "(default: take it in the backend of its cache's device)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,

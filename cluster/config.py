@@ -79,6 +79,9 @@ class ServeConfig:
     kv_transfer_timeout: float = 30.0
     stream_timeout: float = 120.0
     kv_shm: bool = True  # K/V through shared memory between a prefill and a decode worker on one node
+    # K/V bytes over a torch.distributed group (NCCL between GPU workers, device to device; gloo
+    # between CPU ones); in place of kv_shm. Off by default: each pair then holds a group open.
+    kv_dist: bool = False
     placement_timeout: float = 60.0  # for the cluster to find the resources of every worker
     start_timeout: float = 300.0  # for every placed worker to load its model and serve
     metrics_targets_file: str | None = None  # Prometheus file-SD list of every process (default: beside the Ray logs)
@@ -96,6 +99,7 @@ class ServeConfig:
         for name in ("kv_transfer_timeout", "stream_timeout", "placement_timeout", "start_timeout"):
             _positive(name, getattr(self, name))
         _check(isinstance(self.kv_shm, bool), "kv_shm", self.kv_shm, "must be true or false")
+        _check(isinstance(self.kv_dist, bool), "kv_dist", self.kv_dist, "must be true or false")
         _check_pool("prefill", self.prefill, minimum=0)
         _check_pool("decode", self.decode, minimum=1)
         _check_router(self.router)

@@ -39,6 +39,7 @@ class WorkerSpec:
     telemetry: Telemetry = Telemetry()
     kv_shm: bool = True  # K/V through shared memory with same-node peers
     model_name: str | None = None  # in metrics: the served model name, as the router's
+    kv_dist: bool = False  # prefill: K/V bytes over a torch.distributed group to decode workers that take it
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +127,7 @@ class WorkerActor:
             from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 
             return PrefillWorkerServicer(PrefillServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
-                                                             kv_shm=s.kv_shm),
+                                                             kv_shm=s.kv_shm, kv_dist=s.kv_dist),
                                          security=s.security)
         from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 

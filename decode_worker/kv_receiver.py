@@ -10,7 +10,9 @@ asyncio loop only; it writes only into the slots of a HELD sequence, which no st
 A chunk carries its bytes, or (a same-node pair, the header naming the sender's shared-memory
 segments) names the sender's slots: those are copied straight into the reserved slots and the
 checksum is computed on the copy, so bytes the sender changed or freed meanwhile fail the
-transfer instead of entering the cache.
+transfer instead of entering the cache. Or (the header naming a torch.distributed group,
+`serving/kv_transfer/dist.py`) its bytes arrive over that group, on the cache's device, and are
+checked against the chunk's checksum there before they go into the reserved slots (`fetch_dist`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
+from pdserve.serving.kv_transfer.dist import DistGroups, backend_for
 from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_pieces, copy_runs, parse_runs
 
 
@@ -36,6 +39,8 @@ class TransferProgress:
     layer_offsets: list[int] = field(default_factory=list)  # first row of each group in `covered`
     shm: list[PeerGroup] | None = None  # the sender's segments, per group, when it sends over shared memory
     shm_num_slots: int = 0
+    dist: object | None = None  # the torch.distributed group the bytes come over, when the header names one
+    dist_name: str = ""
     # the latest chunk's token range: ((token_start, num_tokens, src_runs), our slots, copy pieces
     # or None); the layers of one range share it
     plan: tuple | None = None
@@ -43,12 +48,16 @@ class TransferProgress:
 
 class KVReceiver:
     def __init__(self, groups: list[tuple[KVGroupLayout, KVCache]], dtype: torch.dtype, block_size: int,
-                 vocab_size: int):
+                 vocab_size: int, dist_groups: DistGroups | None = None):
+        """dist_groups: set to take K/V over torch.distributed (the backend its cache's device has)."""
         self.groups = groups
         self.dtype = dtype
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.peers = PeerSegments()
+        self.device = groups[0][1][0][0].device
+        self.dist_groups = dist_groups
+        self.dist_backend = backend_for(self.device) if dist_groups is not None else None
         self.accepts_shm = all(cache[0][0].device.type == "cpu" for _, cache in groups)  # a host cache
         kv_copy.prepare(groups[0][1][0][0].device)
         # per group and layer, (K, V) of a host cache as raw views and as the copy op's tensors
@@ -69,8 +78,12 @@ class KVReceiver:
         if header.groups != mine:
             raise TransferError(TransferFailure.MISMATCH, f"KV groups {list(header.groups)} differ from this "
                                 f"worker's {list(mine)}")
+        if header.shm is not None and header.dist is not None:
+            raise TransferError(TransferFailure.CORRUPT, "the header names both shared memory and a torch.distributed group")
         if header.shm is not None:
             self._open_shm(p, header)
+        if header.dist is not None and self.dist_backend is None:
+            raise TransferError(TransferFailure.MISMATCH, "this decode worker takes no K/V over torch.distributed")
         p.layer_offsets = list(np.cumsum([0] + [g.num_layers for g in mine]))
         p.covered = np.zeros((p.layer_offsets[-1], header.num_tokens), dtype=bool)
 
@@ -89,7 +102,47 @@ class KVReceiver:
             except (OSError, ValueError) as e:
                 raise TransferError(TransferFailure.MISMATCH, f"cannot map the sender's KV segment {name}: {e}") from None
 
-    def receive(self, p: TransferProgress, seq: Sequence, d: KVData) -> None:
+    async def join_dist(self, p: TransferProgress, header: KVHeader) -> None:
+        """After `open`, for a header naming a torch.distributed group: join it (or find it joined)."""
+        p.dist = await self.dist_groups.join(header.dist, self.dist_backend)
+        p.dist_name = header.dist.name
+
+    def drop_dist(self, p: TransferProgress) -> None:
+        """A transfer over a group failed or ended early: the group goes (a send or a receive left
+        unmatched would cross into its next push)."""
+        if p.dist_name:
+            self.dist_groups.drop(p.dist_name)
+
+    async def fetch_dist(self, p: TransferProgress, d: KVData) -> tuple[torch.Tensor, int]:
+        """A chunk whose bytes come over the header's torch.distributed group: received on the
+        cache's device and checked against its checksum (the bytes, and their count). The caller
+        checks the reservation is still live before `place_dist` writes them: the receive awaits."""
+        if p.dist is None:
+            raise TransferError(TransferFailure.CORRUPT, f"data chunk {d.seq} before the header")
+        expected = self._check(p, d)
+        if len(d.data) or d.src_runs:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} carries bytes or slots, but the header "
+                                "named a torch.distributed group for them")
+        layout, cache = self.groups[d.group]
+        buf = await self.dist_groups.receive(p.dist, d, (2, d.num_tokens, layout.num_kv_heads, layout.head_dim),
+                                             cache[d.layer][0].dtype, self.device, self.dist_backend)
+        return buf, expected
+
+    def place_dist(self, p: TransferProgress, seq: Sequence, d: KVData, buf: torch.Tensor, num_bytes: int) -> None:
+        """`fetch_dist`'s bytes into the reserved slots."""
+        cache = self.groups[d.group][1]
+        _, slots, _ = self._plan(p, seq, d)
+        if self.device.type == "cpu":
+            write_kv(cache, d.layer, slots, buf.view(torch.uint8).numpy())
+        else:
+            k_cache, v_cache = cache[d.layer]
+            idx = slots.to(self.device)
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, buf[0])
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, buf[1])
+        self._covered(p, d, num_bytes)
+
+    def _check(self, p: TransferProgress, d: KVData) -> int:
+        """A data chunk's place in the stream and in the prompt; its K and V bytes."""
         if p.covered is None:
             raise TransferError(TransferFailure.CORRUPT, f"data chunk {d.seq} before the header")
         if d.seq != p.num_chunks:
@@ -101,8 +154,19 @@ class KVReceiver:
         if d.num_tokens < 1 or d.token_start + d.num_tokens > p.covered.shape[1]:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} covers tokens [{d.token_start}, "
                                 f"{d.token_start + d.num_tokens}) outside the prompt's {p.covered.shape[1]}")
+        layout = self.groups[d.group][0]
+        return 2 * d.num_tokens * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
+
+    def _covered(self, p: TransferProgress, d: KVData, num_bytes: int) -> None:
+        p.covered[p.layer_offsets[d.group] + d.layer, d.token_start:d.token_start + d.num_tokens] = True
+        p.num_chunks += 1
+        p.num_bytes += num_bytes
+
+    def receive(self, p: TransferProgress, seq: Sequence, d: KVData) -> None:
+        if p.dist is not None:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} of a torch.distributed transfer taken as bytes")
+        expected = self._check(p, d)
         layout, cache = self.groups[d.group]
-        expected = 2 * d.num_tokens * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         _, slots, pieces = self._plan(p, seq, d)
         if d.src_runs:
             self._copy_shm(p, d, pieces)
@@ -116,9 +180,7 @@ class KVReceiver:
                 if kv_copy.crc32c(d.data) != d.crc32c:
                     raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum")
                 write_kv(cache, d.layer, slots, d.data)
-        p.covered[p.layer_offsets[d.group] + d.layer, d.token_start:d.token_start + d.num_tokens] = True
-        p.num_chunks += 1
-        p.num_bytes += expected
+        self._covered(p, d, expected)
 
     def _plan(self, p: TransferProgress, seq: Sequence, d: KVData) -> tuple:
         """The chunk's slots here and, from shared memory, its copy pieces: made for the first

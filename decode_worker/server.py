@@ -36,7 +36,8 @@ from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
-from pdserve.serving.kv_transfer import shm
+from pdserve.serving.kv_transfer import dist, shm
+from pdserve.serving.kv_transfer.dist import DistGroups
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, add_decode_worker_servicer, serve_push_kv
 from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
 from pdserve.serving.tickets import TicketError, issue, verify
@@ -52,6 +53,7 @@ class DecodeServerConfig:
     kv_transfer_timeout_s: float = 30.0  # reservation until the transfer is verified
     stream_timeout_s: float = 120.0  # longest wait for the next token delta
     kv_shm: bool = True  # advertise a shared-memory probe: same-node prefill workers then push K/V through /dev/shm
+    kv_dist: bool = True  # take K/V over a torch.distributed group from prefill workers that push so (dist.py)
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
@@ -110,7 +112,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         super().attach(loop, model_name)
         e = loop.engine
         groups = list(zip(kv_group_layouts(e), (kv for _, kv in kv_cache_groups(e))))
-        self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size)
+        dist_groups = DistGroups(self.config.kv_transfer_timeout_s) if self.config.kv_dist and dist.is_available() else None
+        self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size, dist_groups)
+        if self.receiver.dist_backend is not None:
+            self.info.kv_dist_backends.append(self.receiver.dist_backend)
         if self.config.kv_shm and self.receiver.accepts_shm and shm.is_available():
             shm.clean_stale_segments()
             self.probe = shm.Probe()
@@ -267,11 +272,19 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             async for msg in messages:
                 if isinstance(msg, KVHeader):
                     r = self._open(msg)
+                    if msg.dist is not None:
+                        await self.receiver.join_dist(r.progress, msg)
                 elif r is None:
                     raise TransferError(TransferFailure.CORRUPT, f"the stream starts with {type(msg).__name__}, "
                                         "not a header")
                 elif not r.is_live:
                     raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended ({r.state.value})")
+                elif isinstance(msg, KVData) and r.progress.dist is not None:
+                    buf, num_bytes = await self.receiver.fetch_dist(r.progress, msg)
+                    if not r.is_live:  # ended while the bytes came: its blocks may be another's now
+                        raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended "
+                                            f"({r.state.value})")
+                    self.receiver.place_dist(r.progress, r.seq, msg, buf, num_bytes)
                 elif isinstance(msg, KVData):
                     self.receiver.receive(r.progress, r.seq, msg)
                 elif isinstance(msg, KVTrailer) and msg.abandoned:
@@ -288,10 +301,12 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             raise TransferError(TransferFailure.CORRUPT, "transfer truncated: the stream ended without a trailer")
         except TransferError as e:
             if r is not None:
+                self.receiver.drop_dist(r.progress)
                 self._end(r, e)
             raise
         except asyncio.CancelledError:
             if r is not None:
+                self.receiver.drop_dist(r.progress)
                 self._end(r, TransferError(TransferFailure.ABORTED, "the KV push was cancelled by its sender"))
             raise
 

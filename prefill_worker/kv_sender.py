@@ -94,6 +94,18 @@ class KVSender:
             self._data(group, layer, token_start + offset, num_tokens, b"", crc, tuple(x for run in part for x in run),
                        num_bytes=num_bytes)
 
+    def send_refs(self, group: int, layer: int, token_start: int, runs: list[tuple[int, int]],
+                  bytes_per_token: int) -> None:
+        """K/V that the transport reads out of our cache itself, wherever it lies (a device:
+        `DistTransport`): each chunk names the slots that hold them, as (first slot, number of
+        slots) runs, and the transport computes their checksum where it reads them."""
+        self.began()
+        step = max(1, self._max_chunk_bytes // bytes_per_token)
+        for s, part in enumerate(split_runs(runs, step)):
+            num_tokens = sum(n for _, n in part)
+            self._data(group, layer, token_start + s * step, num_tokens, b"", 0, tuple(x for run in part for x in run),
+                       num_bytes=num_tokens * bytes_per_token)
+
     def began(self) -> None:
         """The prefill computed this request's first K/V (their messages may come later)."""
         if self.first_layer_at is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import grpc
+import torch
 
 from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, raw_layer, read_kv
@@ -33,7 +34,8 @@ from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work
 from pdserve.serving.engine_thread import EngineLoop
 from pdserve.serving.grpc_server import AioServer
 from pdserve.serving.kv_transfer import KVAck, KVHeader, KVTransport, TransferError, TransferFailure
-from pdserve.serving.kv_transfer import shm
+from pdserve.serving.kv_transfer import dist, shm
+from pdserve.serving.kv_transfer.dist import DistTransport
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, GrpcTransport
 from pdserve.serving.kv_transfer.shm_transport import ShmTransport
 from pdserve.serving.logs import REQUEST_ID_KEY, fields, request_id
@@ -51,6 +53,9 @@ class PrefillServerConfig:
     kv_transfer_timeout_s: float = 30.0  # the whole push, prefill included
     max_chunk_bytes: int = 4 << 20  # per data chunk over gRPC: fewer, larger messages move bytes faster
     kv_shm: bool = True  # KV cache in shared memory; same-node decode workers copy from it (shm.py)
+    # K/V bytes over a torch.distributed group to decode workers that take its backend (NCCL between
+    # CUDA caches, gloo between host caches; dist.py); over gRPC to the others. Takes the place of kv_shm.
+    kv_dist: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
@@ -96,6 +101,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         super().__init__(metrics, security)
         self.config = config
         self.arena: shm.KVArena | None = None  # our KV cache, when it lives in shared memory
+        if transport is None and config.kv_dist and dist.is_available():
+            transport = DistTransport(GrpcTransport(security), self._flat_layer, self._host)
         if transport is None and config.kv_shm and shm.is_available():
             shm.clean_stale_segments()
             self.arena = self.kv_allocator = shm.KVArena()
@@ -118,8 +125,19 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             self._raw_views[group, layer] = raw_layer(self._groups[group], layer)
         return self._raw_views[group, layer]
 
+    def _flat_layer(self, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of our cache, K and V as [num_slots, num_kv_heads, head_dim] views (any device)."""
+        k, v = self._groups[group][layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def _host(self) -> str:
+        """Where decode workers reach this worker: the host of its advertised address."""
+        host = self.advertised_address.rsplit(":", 1)[0].strip("[]")
+        return host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+
     def extra_stats(self) -> dict:
-        return dict(kv_transfer_shm_total=getattr(self.transport, "num_shm_pushes", 0))
+        return dict(kv_transfer_shm_total=getattr(self.transport, "num_shm_pushes", 0),
+                    kv_transfer_dist_total=getattr(self.transport, "num_dist_pushes", 0))
 
     def add_to(self, server: AioServer) -> None:
         server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self,
@@ -140,7 +158,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         step's layers once its first tokens are on their way; the decode side copies them at
         memory speed, so streaming them during the forward would only take its core."""
         self._step_chunks = chunks
-        if self.arena is not None and self.arena.segments:
+        if self.arena is not None and self.arena.segments or getattr(self.transport, "takes_slots", False):
             self._step_layers.append((group, layer))
             for c in chunks:
                 if (sender := self._senders.get(c.seq.req_id)) is not None:
@@ -171,7 +189,11 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             try:
                 runs = shm.slot_runs(c.slots.numpy()) if layers else []
                 for group, layer in layers:
-                    sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
+                    if self.arena is None:  # the transport reads the slots itself (`DistTransport`)
+                        k = self._groups[group][layer][0]
+                        sender.send_refs(group, layer, c.token_start, runs, 2 * k[0, 0].nbytes)
+                    else:
+                        sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
                 if c.token_start + c.num_tokens >= c.seq.num_prompt_tokens:
                     sender.end_of_prompt()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others

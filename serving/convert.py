@@ -90,7 +90,7 @@ def worker_info(role: str, desc) -> worker_pb2.WorkerInfo:
             msg.kv_groups.extend(worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers,
                                                           num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
                                  for g in desc.kv_groups)
-        elif field.name not in ("role", "shm_probe", "shm_probe_nonce"):  # the worker's own, not the engine's
+        elif field.name not in ("role", "shm_probe", "shm_probe_nonce", "kv_dist_backends"):  # the worker's own, not the engine's
             value = getattr(desc, field.name)
             if isinstance(value, tuple):
                 getattr(msg, field.name).extend(value)

@@ -17,9 +17,14 @@ an unreachable peer). Backends:
   (it can open that worker's probe, `shm.py`) the data chunks name slots of the prefill
   worker's KV cache in shared memory instead of carrying bytes; for any other peer it fills in
   the bytes and the stream goes as plain gRPC. Chosen per pair, once.
+- `DistTransport` (`dist.py`): the same stream, the bulk bytes of each chunk sent over a
+  two-rank torch.distributed group (NCCL between CUDA caches, device to device; gloo between
+  host caches) while gRPC carries the rest; for a decode worker that does not take the
+  backend, bytes over gRPC. Chosen per pair, once.
 
 Every data chunk carries a CRC-32C (`engine/kv_copy.py`) of its bytes, verified on arrival (over shared
-memory: after the decode side's copy into its cache).
+memory: after the decode side's copy into its cache); over a torch.distributed group, a sum
+computed where the bytes lie (`dist.sum64`, on the device), verified on the receiving device.
 
 Messages are plain values; protobuf exists only inside the gRPC backend.
 """
@@ -42,12 +47,23 @@ class KVShm:
 
 
 @dataclass(frozen=True, slots=True)
+class KVDist:
+    """The torch.distributed pair group the data chunks' bytes go over (`dist.py`)."""
+
+    host: str  # the sender's TCP store
+    port: int
+    name: str  # the group's prefix in the store (32 random hex digits)
+    backend: str  # "gloo" or "nccl"
+
+
+@dataclass(frozen=True, slots=True)
 class KVHeader:
     ticket: str  # the reservation's transfer ticket (serving/tickets.py)
     num_tokens: int  # the prompt's tokens, all of which the data chunks cover
     dtype: str  # "float32", "bfloat16", "float16"
     groups: tuple[KVGroupLayout, ...]  # every KV cache of the sender, in order (target, draft)
     shm: KVShm | None = None  # set when the data chunks name slots in shared memory
+    dist: KVDist | None = None  # set when the data chunks' bytes go over a torch.distributed group
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +80,7 @@ class KVData:
     data: bytes | memoryview
     crc32c: int  # CRC-32C of the chunk's bytes (K of every token, then V)
     src_runs: tuple[int, ...] = ()  # shared memory: (first slot, number of slots) pairs in token order
+    sum64: int = 0  # over a torch.distributed group: `dist.sum64` of the bytes, which come apart
     # the chunk already framed as its gRPC message (`grpc_transport.data_chunk_in_place`), `data`
     # a view of its data field: the sender then makes no copy of its own
     wire: bytes | None = field(default=None, repr=False, compare=False)

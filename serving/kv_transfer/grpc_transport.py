@@ -34,7 +34,7 @@ from pdserve.serving.logs import REQUEST_ID_KEY, request_id
 from pdserve.serving.tracing import metadata_value, outgoing_metadata
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.kv_transfer import (KVAck, KVData, KVEndpoint, KVHeader, KVMessage, KVShm, KVTrailer,
+from pdserve.serving.kv_transfer import (KVAck, KVData, KVDist, KVEndpoint, KVHeader, KVMessage, KVShm, KVTrailer,
                                          TransferError, TransferFailure)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -54,7 +54,7 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
     if isinstance(msg, KVData):
         return worker_pb2.KVChunk(data=worker_pb2.KVData(
             seq=msg.seq, group=msg.group, layer=msg.layer, token_start=msg.token_start, num_tokens=msg.num_tokens,
-            data=bytes(msg.data), crc32c=msg.crc32c, src_runs=msg.src_runs))
+            data=bytes(msg.data), crc32c=msg.crc32c, src_runs=msg.src_runs, sum64=msg.sum64))
     if isinstance(msg, KVHeader):
         header = worker_pb2.KVHeader(
             ticket=msg.ticket, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
@@ -62,6 +62,9 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
                                          head_dim=g.head_dim) for g in msg.groups])
         if msg.shm is not None:
             header.shm.CopyFrom(worker_pb2.KVShm(segments=msg.shm.segments, num_slots=msg.shm.num_slots))
+        if msg.dist is not None:
+            d = msg.dist
+            header.dist.CopyFrom(worker_pb2.KVDist(host=d.host, port=d.port, name=d.name, backend=d.backend))
         return worker_pb2.KVChunk(header=header)
     trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id,
                                    abandoned=msg.abandoned)
@@ -75,12 +78,14 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
     part = chunk.WhichOneof("part")
     if part == "data":
         d = chunk.data
-        return KVData(d.seq, d.group, d.layer, d.token_start, d.num_tokens, d.data, d.crc32c, tuple(d.src_runs))
+        return KVData(d.seq, d.group, d.layer, d.token_start, d.num_tokens, d.data, d.crc32c, tuple(d.src_runs),
+                      d.sum64)
     if part == "header":
         h = chunk.header
         shm = KVShm(tuple(h.shm.segments), h.shm.num_slots) if h.HasField("shm") else None
+        dist = KVDist(h.dist.host, h.dist.port, h.dist.name, h.dist.backend) if h.HasField("dist") else None
         return KVHeader(h.ticket, h.num_tokens, h.dtype, tuple(
-            KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups), shm)
+            KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups), shm, dist)
     if part == "trailer":
         t = chunk.trailer
         logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
@@ -208,7 +213,7 @@ def _batch_parts(buf: memoryview) -> list[memoryview]:
 
 
 def _decode_data(buf: memoryview, i: int) -> KVData:
-    ints = dict.fromkeys((1, 2, 3, 4, 5, 7), 0)
+    ints = dict.fromkeys((1, 2, 3, 4, 5, 7, 9), 0)
     data, runs = buf[0:0], []
     while i < len(buf):
         key, i = _read_varint(buf, i)
@@ -237,7 +242,7 @@ def _decode_data(buf: memoryview, i: int) -> KVData:
             i += 8
         else:
             raise ValueError(f"wire type {wire} in field {number}")
-    return KVData(ints[1], ints[2], ints[3], ints[4], ints[5], data, ints[7], tuple(runs))
+    return KVData(ints[1], ints[2], ints[3], ints[4], ints[5], data, ints[7], tuple(runs), ints[9])
 
 
 def add_decode_worker_servicer(servicer, server) -> None:
