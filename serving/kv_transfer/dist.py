@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import secrets
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import AsyncIterator, Callable
 
@@ -46,6 +47,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("pdserve.kv_dist")
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # a cache's device type -> the backend its bytes go over
+THREADS = 8  # each side's waits (a group's rendezvous, sends, receives) block a thread of its own pool
 _MODULUS = 32749  # `sum64`'s weights repeat with this period: the largest prime under 2^15 (each product fits an int32)
 
 
@@ -135,6 +137,7 @@ class DistTransport:
         self._takes: dict[str, bool] = {}  # decode address -> whether it takes our backend
         self._idle: dict[str, list[_Pair]] = {}
         self._limits: dict[str, asyncio.Semaphore] = {}
+        self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kv-dist-send")
         self.num_dist_pushes = 0
 
     @property
@@ -157,7 +160,7 @@ class DistTransport:
             except BaseException as e:
                 # the group goes: its sends still out are waited for (or time out) off the loop,
                 # which then lets the group go (its destructor may wait for them too)
-                asyncio.get_running_loop().run_in_executor(None, _drain, stream.sends, pair)
+                asyncio.get_running_loop().run_in_executor(self.pool, _drain, stream.sends, pair)
                 if not isinstance(e, TransferError):
                     raise
                 self._takes.pop(address, None)  # ask again next time: it may have restarted
@@ -218,8 +221,8 @@ class _Stream:
             async for msg in messages:
                 if isinstance(msg, KVHeader):
                     if pair.group is None:
-                        joining = asyncio.ensure_future(asyncio.to_thread(
-                            make_group, t._store, pair.name, 0, t.backend, self.timeout_s))
+                        joining = asyncio.get_running_loop().run_in_executor(
+                            t.pool, make_group, t._store, pair.name, 0, t.backend, self.timeout_s)
                     yield dataclasses.replace(msg, dist=KVDist(t.host(), t._store.port, pair.name, t.backend))
                 elif isinstance(msg, KVData):
                     buf = t.gather(msg)
@@ -247,7 +250,7 @@ class _Stream:
 
     async def _sent(self, sends: list) -> None:
         try:
-            await asyncio.to_thread(_wait, sends)
+            await asyncio.get_running_loop().run_in_executor(self.t.pool, _wait, sends)
         except RuntimeError as e:
             raise self._fail(TransferFailure.UNREACHABLE, f"a K/V send over torch.distributed failed: {e}")
 
@@ -258,15 +261,20 @@ class _Stream:
 
 class DistGroups:
     """The decode worker's side (rank 1): the groups it joined, by name, at most MAX_GROUPS
-    (the least recently used dropped first: a push naming it again fails, and its sender then
-    makes another), and the stores it reached them through."""
+    (the least recently used dropped first), and the stores it reached them through. A group
+    dropped here (that, or a failed push) is never joined again under its name: its store still
+    holds the first rendezvous, which a second would read. A push naming it fails at once, and
+    its sender then makes another."""
 
     MAX_GROUPS = 64
+    MAX_RETIRED = 4096
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._groups: OrderedDict[str, object] = OrderedDict()
+        self._retired: OrderedDict[str, None] = OrderedDict()
         self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kv-dist-recv")
 
     async def join(self, d: KVDist, backend: str | None):
         if d.backend != backend:
@@ -277,8 +285,14 @@ class DistGroups:
         if d.name in self._groups:
             self._groups.move_to_end(d.name)
             return self._groups[d.name]
+        if d.name in self._retired:
+            raise TransferError(TransferFailure.UNKNOWN, "the header names a torch.distributed group this decode "
+                                "worker dropped")
+        self._retired[d.name] = None  # joined once at most, whatever happens
+        while len(self._retired) > self.MAX_RETIRED:
+            self._retired.popitem(last=False)
         try:
-            group = await asyncio.to_thread(self._join, d)
+            group = await asyncio.get_running_loop().run_in_executor(self.pool, self._join, d)
         except (RuntimeError, ValueError) as e:
             raise TransferError(TransferFailure.UNREACHABLE, f"joining the sender's torch.distributed group at "
                                 f"{d.host}:{d.port} failed: {e}") from None
@@ -301,7 +315,7 @@ class DistGroups:
         """A chunk's bytes, received and checked against its checksum (`checksum`)."""
         buf = torch.empty(shape, dtype=dtype, device=device)
         try:
-            await asyncio.to_thread(group.recv([buf], 0, d.seq).wait)
+            await asyncio.get_running_loop().run_in_executor(self.pool, group.recv([buf], 0, d.seq).wait)
         except RuntimeError as e:
             raise TransferError(TransferFailure.TIMEOUT, f"chunk {d.seq} over torch.distributed: {e}") from None
         if checksum(buf, backend) != (d.crc32c, d.sum64):

@@ -114,6 +114,15 @@ def test_hand_made_push_over_a_group(cluster, fault):
             push.result()
         if fault == "corrupt":
             assert e.value.code() == grpc.StatusCode.DATA_LOSS and "CRC-32C" in e.value.details()
+            # the failed push's group is gone from D for good: a header naming it fails at once
+            again, ticket = _reserve(cluster, "dist-hand-again")
+            header = wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=len(PROMPT), dtype=info.dtype,
+                                                   groups=info.kv_groups, dist=chunks[0].header.dist))
+            with pytest.raises(grpc.RpcError) as e:
+                cluster.decode_stub("D").PushKV(iter([header]), timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "dropped" in e.value.details()
+            with pytest.raises(grpc.RpcError):
+                list(again)
         else:  # D's receive of chunk 1 waited its 5 s transfer timeout
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "chunk 1" in e.value.details()
             assert time.monotonic() - started < 15
