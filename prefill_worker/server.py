@@ -156,7 +156,9 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         overlapping the wire with the prefill. In shared memory they stay where they are and only
         their slots travel: the layer is noted, and `_after_step` describes and checksums the
         step's layers once its first tokens are on their way; the decode side copies them at
-        memory speed, so streaming them during the forward would only take its core."""
+        memory speed, so streaming them during the forward would only take its core. A transport
+        that reads the slots itself (`DistTransport`, `takes_slots`) gets them the same way, after
+        the step, and reads them where they lie (a GPU's cache: no copy to the host)."""
         self._step_chunks = chunks
         if self.arena is not None and self.arena.segments or getattr(self.transport, "takes_slots", False):
             self._step_layers.append((group, layer))
