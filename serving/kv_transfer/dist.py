@@ -135,6 +135,7 @@ class DistTransport:
         self._store: dist.TCPStore | None = None  # made at the first push, on a free port
         self._backend: str | None = None
         self._takes: dict[str, bool] = {}  # decode address -> whether it takes our backend
+        self._probes: dict[str, asyncio.Future] = {}  # decode address -> its GetInfo, while it runs
         self._idle: dict[str, list[_Pair]] = {}
         self._limits: dict[str, asyncio.Semaphore] = {}
         self.pool = ThreadPoolExecutor(THREADS, thread_name_prefix="kv-dist-send")
@@ -172,18 +173,32 @@ class DistTransport:
             return ack
 
     async def takes_dist(self, address: str) -> bool:
+        """Whether the decode worker at `address` takes our backend: asked once (pushes that
+        come meanwhile wait for the one answer)."""
         if address not in self._takes:
-            stub = worker_pb2_grpc.DecodeWorkerStub(self.grpc.channel(address))
+            if address not in self._probes:
+                self._probes[address] = asyncio.ensure_future(self._probe(address))
             try:
-                info = await stub.GetInfo(worker_pb2.InfoRequest(), timeout=self.probe_timeout_s,
-                                          metadata=self.grpc.security.metadata)
-            except grpc.aio.AioRpcError as e:
-                log.warning("probe of %s: GetInfo failed (%s); pushing K/V over gRPC", address, e.code().name)
+                takes = await asyncio.shield(self._probes[address])
+            finally:
+                if self._probes.get(address) is not None and self._probes[address].done():
+                    del self._probes[address]
+            if takes is None:
                 return False
-            self._takes[address] = self.backend is not None and self.backend in info.kv_dist_backends
-            log.info("KV to %s goes over %s", address, f"torch.distributed ({self.backend})"
-                     if self._takes[address] else "gRPC")
+            self._takes[address] = takes
         return self._takes[address]
+
+    async def _probe(self, address: str) -> bool | None:
+        stub = worker_pb2_grpc.DecodeWorkerStub(self.grpc.channel(address))
+        try:
+            info = await stub.GetInfo(worker_pb2.InfoRequest(), timeout=self.probe_timeout_s,
+                                      metadata=self.grpc.security.metadata)
+        except grpc.aio.AioRpcError as e:
+            log.warning("probe of %s: GetInfo failed (%s); pushing K/V over gRPC", address, e.code().name)
+            return None  # asked again next time
+        takes = self.backend is not None and self.backend in info.kv_dist_backends
+        log.info("KV to %s goes over %s", address, f"torch.distributed ({self.backend})" if takes else "gRPC")
+        return takes
 
     def gather(self, d: KVData) -> torch.Tensor:
         """A slot-naming chunk's K then V, [2, num_tokens, num_kv_heads, head_dim], contiguous,
@@ -202,6 +217,7 @@ class DistTransport:
 
     async def close(self) -> None:
         await self.grpc.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)  # a send still waiting ends at its timeout
 
 
 class _Stream:
