@@ -158,6 +158,8 @@ class DistTransport:
             stream = _Stream(self, pair, timeout_s)
             try:
                 ack = await self.grpc.push(address, stream.messages(messages), timeout_s)
+                if not stream.complete:
+                    raise TransferError(TransferFailure.CORRUPT, "the decode worker acked a push before its trailer")
             except BaseException as e:
                 # the group goes: its sends still out are waited for (or time out) off the loop,
                 # which then lets the group go (its destructor may wait for them too)
@@ -166,9 +168,7 @@ class DistTransport:
                     raise
                 self._takes.pop(address, None)  # ask again next time: it may have restarted
                 raise (stream.error or e) from None
-            if not stream.complete:  # every send matched: the group can take the next push
-                raise TransferError(TransferFailure.CORRUPT, "the decode worker acked a push before its trailer")
-            idle.append(pair)
+            idle.append(pair)  # every send matched: the group can take the next push
             self.num_dist_pushes += 1
             return ack
 
