@@ -33,16 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import AsyncIterator, Callable
 
-import grpc
 import torch
 import torch.distributed as dist
 
 from pdserve.engine.kv_copy import crc32c
-from pdserve.serving.kv_transfer import (KVAck, KVData, KVDist, KVHeader, KVMessage, KVTrailer, TransferError,
-                                         TransferFailure)
+from pdserve.serving.kv_transfer import KVAck, KVData, KVDist, KVHeader, KVMessage, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport
 from pdserve.serving.kv_transfer.shm import parse_runs
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.kv_dist")
 
@@ -189,12 +186,8 @@ class DistTransport:
         return self._takes[address]
 
     async def _probe(self, address: str) -> bool | None:
-        stub = worker_pb2_grpc.DecodeWorkerStub(self.grpc.channel(address))
-        try:
-            info = await stub.GetInfo(worker_pb2.InfoRequest(), timeout=self.probe_timeout_s,
-                                      metadata=self.grpc.security.metadata)
-        except grpc.aio.AioRpcError as e:
-            log.warning("probe of %s: GetInfo failed (%s); pushing K/V over gRPC", address, e.code().name)
+        info = await self.grpc.decode_info(address, self.probe_timeout_s, "torch.distributed")
+        if info is None:
             return None  # asked again next time
         takes = self.backend is not None and self.backend in info.kv_dist_backends
         log.info("KV to %s goes over %s", address, f"torch.distributed ({self.backend})" if takes else "gRPC")
@@ -262,7 +255,8 @@ class _Stream:
         try:
             return await joining
         except RuntimeError as e:
-            raise self._fail(TransferFailure.TIMEOUT, f"the decode worker did not join the torch.distributed group: {e}")
+            raise self._fail(TransferFailure.TIMEOUT, f"the decode worker did not join the torch.distributed "
+                             f"group: {e}")
 
     async def _sent(self, sends: list) -> None:
         try:
@@ -297,7 +291,8 @@ class DistGroups:
             raise TransferError(TransferFailure.MISMATCH, f"K/V over torch.distributed backend {d.backend!r}; this "
                                 f"decode worker takes {backend!r}")
         if len(d.name) != 32 or any(c not in "0123456789abcdef" for c in d.name):
-            raise TransferError(TransferFailure.CORRUPT, "the header's torch.distributed group name is not 32 hex digits")
+            raise TransferError(TransferFailure.CORRUPT, "the header's torch.distributed group name is not 32 hex "
+                                "digits")
         if d.name in self._groups:
             self._groups.move_to_end(d.name)
             return self._groups[d.name]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import logging
 from typing import AsyncIterator
 
 import grpc
@@ -37,6 +38,8 @@ from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.kv_transfer import (KVAck, KVData, KVDist, KVEndpoint, KVHeader, KVMessage, KVShm, KVTrailer,
                                          TransferError, TransferFailure)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pdserve.kv_transfer")
 
 STATUS_OF = {
     TransferFailure.CORRUPT: grpc.StatusCode.DATA_LOSS,
@@ -278,6 +281,16 @@ class GrpcTransport:
         if address not in self._channels:
             self._channels[address] = self.security.channel(address, self._options)
         return self._channels[address]
+
+    async def decode_info(self, address: str, timeout_s: float, purpose: str) -> worker_pb2.WorkerInfo | None:
+        """The decode worker's WorkerInfo (a probe of what it takes), or None, logged, when it
+        does not answer: the caller then pushes over gRPC alone."""
+        stub = worker_pb2_grpc.DecodeWorkerStub(self.channel(address))
+        try:
+            return await stub.GetInfo(worker_pb2.InfoRequest(), timeout=timeout_s, metadata=self.security.metadata)
+        except grpc.aio.AioRpcError as e:
+            log.warning("%s probe of %s: GetInfo failed (%s); pushing K/V over gRPC", purpose, address, e.code().name)
+            return None
 
     async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
         push_kv = self.channel(address).stream_unary(

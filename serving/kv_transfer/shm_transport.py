@@ -18,13 +18,11 @@ import dataclasses
 import logging
 from typing import AsyncIterator
 
-import grpc
 import numpy as np
 
 from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVShm, TransferError
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport
 from pdserve.serving.kv_transfer.shm import KVArena, can_open_probe, parse_runs
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.kv_shm")
 
@@ -53,12 +51,8 @@ class ShmTransport:
 
     async def is_same_node(self, address: str) -> bool:
         if address not in self._same_node:
-            stub = worker_pb2_grpc.DecodeWorkerStub(self.grpc.channel(address))
-            try:
-                info = await stub.GetInfo(worker_pb2.InfoRequest(), timeout=self.probe_timeout_s,
-                                          metadata=self.grpc.security.metadata)
-            except grpc.aio.AioRpcError as e:
-                log.warning("shared-memory probe of %s: GetInfo failed (%s); pushing over gRPC", address, e.code().name)
+            info = await self.grpc.decode_info(address, self.probe_timeout_s, "shared-memory")
+            if info is None:
                 return False
             self._same_node[address] = await asyncio.to_thread(can_open_probe, info.shm_probe, info.shm_probe_nonce)
             log.info("KV to %s goes over %s", address, "shared memory" if self._same_node[address] else "gRPC")

@@ -140,3 +140,24 @@ def generate_all(cluster, router: str, requests) -> list[list[gen.GenerateRespon
 
 def joined(msgs: list[gen.GenerateResponse]) -> tuple[list[int], str]:
     return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
+def greedy_tokens(cluster, router: str, prompt: list[int], max_tokens: int = 12) -> list[int]:
+    """One greedy request through a router: its tokens."""
+    msgs = list(cluster.generation(router).Generate(gen.GenerateRequest(
+        token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True)), timeout=60))
+    return [t for m in msgs for t in m.token_ids]
+
+
+def reserve(cluster, decode: str, req_id: str, prompt: list[int]):
+    """A reservation on a decode worker for a hand-made push: its event stream and its ticket."""
+    from pdserve.v1 import worker_pb2 as wk
+
+    stream = cluster.decode_stub(decode).Decode(wk.WorkRequest(
+        req_id=req_id, prompt_token_ids=prompt, sampling_params=gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
+        timeout=60)
+    event = next(stream)
+    assert event.WhichOneof("event") == "admitted"
+    return stream, event.admitted.ticket
+

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from pdserve.serving.kv_transfer.dist import checksum, make_group, sum64
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2 as wk
-from procs import Cluster, wait_ready
+from procs import Cluster, greedy_tokens, reserve, wait_ready
 
 PROMPT = list(range(40, 90))
 WORKER = ["--num-threads", "1", "--num-kv-blocks", "64", "--no-warmup"]
@@ -47,46 +47,32 @@ def cluster(serving_model, tmp_path_factory):
         c.stop()
 
 
-def _generate(c: Cluster, router: str) -> list[int]:
-    msgs = list(c.generation(router).Generate(gen.GenerateRequest(
-        token_ids=gen.TokenIds(ids=PROMPT), sampling_params=gen.SamplingParams(
-            temperature=0, max_tokens=12, ignore_eos=True)), timeout=60))
-    return [t for m in msgs for t in m.token_ids]
-
-
 def test_kv_goes_over_the_group_to_a_decode_worker_that_takes_it_and_over_grpc_to_one_that_does_not(cluster):
     assert list(cluster.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5).kv_dist_backends) == ["gloo"]
     assert list(cluster.decode_stub("DN").GetInfo(wk.InfoRequest(), timeout=5).kv_dist_backends) == []
-    reference = _generate(cluster, "RG")
+    reference = greedy_tokens(cluster, "RG", PROMPT)
     received = cluster.stats("D").kv_transfer_bytes_total
     for n in (1, 2):  # the second push reuses the group the first one made
-        assert _generate(cluster, "R") == reference and len(reference) == 12
+        assert greedy_tokens(cluster, "R", PROMPT) == reference and len(reference) == 12
         assert cluster.stats("P").kv_transfer_dist_total == n
     assert cluster.stats("D").kv_transfer_bytes_total > received
-    assert _generate(cluster, "RN") == reference  # bytes over gRPC, read out of P's cache and checksummed there
+    # bytes over gRPC, read out of P's cache and checksummed there
+    assert greedy_tokens(cluster, "RN", PROMPT) == reference
     assert cluster.stats("P").kv_transfer_dist_total == 2 and cluster.stats("DN").kv_transfer_bytes_total > 0
     cluster.wait_all_free(("P", "PG", "D", "DN"))
-
-
-def _reserve(c: Cluster, req_id: str):
-    stream = c.decode_stub("D").Decode(wk.WorkRequest(req_id=req_id, prompt_token_ids=PROMPT, sampling_params=
-                                                      gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
-                                       timeout=60)
-    event = next(stream)
-    assert event.WhichOneof("event") == "admitted"
-    return stream, event.admitted.ticket
 
 
 @pytest.mark.parametrize("fault", [None, "corrupt", "stalled"])
 def test_hand_made_push_over_a_group(cluster, fault):
     """This process as the sender (rank 0): right bytes decode; bytes that do not match their
-    checksum (CRC-32C between host caches) are DATA_LOSS; a sender that stops sending halfway has the transfer fail when the
-    decode worker's receive times out. Either way the reservation is freed and D serves on."""
+    checksum (CRC-32C between host caches) are DATA_LOSS; a sender that stops sending halfway has
+    the transfer fail when the decode worker's receive times out. Either way the reservation is
+    freed and D serves on."""
     info = cluster.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5)
     dtype = getattr(torch, info.dtype)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
     name = secrets.token_hex(16)
-    stream, ticket = _reserve(cluster, f"dist-hand-{fault}")
+    stream, ticket = reserve(cluster, "D", f"dist-hand-{fault}", PROMPT)
     chunks, bufs = [wk.KVChunk(header=wk.KVHeader(
         ticket=ticket, num_tokens=len(PROMPT), dtype=info.dtype, groups=info.kv_groups,
         dist=wk.KVDist(host="127.0.0.1", port=store.port, name=name, backend="gloo")))], []
@@ -115,7 +101,7 @@ def test_hand_made_push_over_a_group(cluster, fault):
         if fault == "corrupt":
             assert e.value.code() == grpc.StatusCode.DATA_LOSS and "CRC-32C" in e.value.details()
             # the failed push's group is gone from D for good: a header naming it fails at once
-            again, ticket = _reserve(cluster, "dist-hand-again")
+            again, ticket = reserve(cluster, "D", "dist-hand-again", PROMPT)
             header = wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=len(PROMPT), dtype=info.dtype,
                                                    groups=info.kv_groups, dist=chunks[0].header.dist))
             with pytest.raises(grpc.RpcError) as e:
@@ -129,7 +115,7 @@ def test_hand_made_push_over_a_group(cluster, fault):
         with pytest.raises(grpc.RpcError):
             list(stream)
     cluster.wait_all_free(("D",))
-    assert _generate(cluster, "RG")  # D serves on
+    assert greedy_tokens(cluster, "RG", PROMPT)  # D serves on
 
 
 def test_a_decode_worker_killed_with_a_group_open_costs_one_request(cluster):
@@ -142,7 +128,7 @@ def test_a_decode_worker_killed_with_a_group_open_costs_one_request(cluster):
     wait_ready(d3)
     wait_ready(cluster.start_router("R3", "--prefill", cluster.address("P"), "--decode", d3.address))
     pushed = cluster.stats("P").kv_transfer_dist_total
-    reference = _generate(cluster, "R3")
+    reference = greedy_tokens(cluster, "R3", PROMPT)
     assert cluster.stats("P").kv_transfer_dist_total == pushed + 1  # a group with D3 now
     request = wk.WorkRequest(req_id="dist-killed", prompt_token_ids=PROMPT,
                              sampling_params=gen.SamplingParams(temperature=0, max_tokens=3))
@@ -157,7 +143,7 @@ def test_a_decode_worker_killed_with_a_group_open_costs_one_request(cluster):
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED), e.value.details()
     assert time.monotonic() - started < 10
     cluster.wait_all_free(("P",))
-    assert _generate(cluster, "R") == reference  # to D, over its own group
+    assert greedy_tokens(cluster, "R", PROMPT) == reference  # to D, over its own group
     assert cluster.stats("P").kv_transfer_dist_total == pushed + 2
 
 

@@ -19,9 +19,8 @@ from pdserve.cluster.local import LocalProcess
 from pdserve.engine.disagg import raw_layer, read_kv, write_kv
 from pdserve.engine.kv_copy import crc32c, rows_crc32c
 from pdserve.serving.kv_transfer.shm import KVArena, Segment, copy_runs, slot_runs
-from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2 as wk
-from procs import CLUSTER_TOKEN, Cluster, wait_ready
+from procs import CLUSTER_TOKEN, Cluster, greedy_tokens, reserve, wait_ready
 
 PROMPT = list(range(40, 90))
 
@@ -62,36 +61,20 @@ def pair(serving_model, tmp_path_factory, dirs):
         c.stop()
 
 
-def _generate(c: Cluster, router: str) -> list[int]:
-    msgs = list(c.generation(router).Generate(gen.GenerateRequest(
-        token_ids=gen.TokenIds(ids=PROMPT), sampling_params=gen.SamplingParams(
-            temperature=0, max_tokens=12, ignore_eos=True)), timeout=60))
-    return [t for m in msgs for t in m.token_ids]
-
-
 def test_same_node_pair_uses_shm_and_the_other_falls_back_to_grpc(pair, dirs):
     shm_before = pair.stats("P").kv_transfer_shm_total
-    via_shm = _generate(pair, "R")
+    via_shm = greedy_tokens(pair, "R", PROMPT)
     assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
-    via_grpc = _generate(pair, "RX")  # DX's probe lives in another folder: P cannot open it
+    via_grpc = greedy_tokens(pair, "RX", PROMPT)  # DX's probe lives in another folder: P cannot open it
     assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
     assert via_shm == via_grpc and len(via_shm) == 12  # the same cache contents decode the same tokens
     assert pair.stats("DX").kv_transfer_bytes_total > 0
     bytes_before = pair.stats("D").kv_transfer_bytes_total
-    assert _generate(pair, "RN") == via_shm  # from a prefill worker without shared memory: bytes over gRPC
+    assert greedy_tokens(pair, "RN", PROMPT) == via_shm  # from a prefill worker without shared memory: bytes over gRPC
     assert pair.stats("PN").kv_transfer_shm_total == 0 and pair.stats("D").kv_transfer_bytes_total > bytes_before
     pair.wait_all_free(("P", "PN", "D", "DX"))
     names = sorted(os.listdir(dirs[0]))
     assert any(n.startswith("pdserve-kv-") for n in names) and any(n.startswith("pdserve-probe-") for n in names)
-
-
-def _reserve(c: Cluster, req_id: str):
-    stream = c.decode_stub("D").Decode(wk.WorkRequest(req_id=req_id, prompt_token_ids=PROMPT, sampling_params=
-                                                      gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
-                                       timeout=60)
-    event = next(stream)
-    assert event.WhichOneof("event") == "admitted"
-    return stream, event.admitted.ticket
 
 
 def _shm_push(c: Cluster, ticket: str, segments: list[Segment], arrays, num_slots: int, corrupt: bool):
@@ -128,7 +111,7 @@ def test_hand_made_shm_push(pair, dirs, monkeypatch, corrupt):
             for k, v in layers:
                 k.normal_(), v.normal_()
             arrays.append([raw_layer(layers, i) for i in range(group.num_layers)])
-        stream, ticket = _reserve(pair, f"shm-hand-{corrupt}")
+        stream, ticket = reserve(pair, "D", f"shm-hand-{corrupt}", PROMPT)
         chunks = list(_shm_push(pair, ticket, arena.segments, arrays, num_slots, corrupt))
         if corrupt:
             with pytest.raises(grpc.RpcError) as e:
