@@ -23,8 +23,9 @@ an unreachable peer). Backends:
   backend, bytes over gRPC. Chosen per pair, once.
 
 Every data chunk carries a CRC-32C (`engine/kv_copy.py`) of its bytes, verified on arrival (over shared
-memory: after the decode side's copy into its cache); over a torch.distributed group, a sum
-computed where the bytes lie (`dist.sum64`, on the device), verified on the receiving device.
+memory: after the decode side's copy into its cache); over a torch.distributed group between
+CUDA caches, a sum computed on the device where the bytes lie (`dist.sum64`) instead, verified on
+the receiving device.
 
 Messages are plain values; protobuf exists only inside the gRPC backend.
 """
@@ -80,7 +81,7 @@ class KVData:
     data: bytes | memoryview
     crc32c: int  # CRC-32C of the chunk's bytes (K of every token, then V)
     src_runs: tuple[int, ...] = ()  # shared memory: (first slot, number of slots) pairs in token order
-    sum64: int = 0  # over a torch.distributed group: `dist.sum64` of the bytes, which come apart
+    sum64: int = 0  # over a torch.distributed group with NCCL: `dist.sum64` of the bytes (which come apart), not a CRC
     # the chunk already framed as its gRPC message (`grpc_transport.data_chunk_in_place`), `data`
     # a view of its data field: the sender then makes no copy of its own
     wire: bytes | None = field(default=None, repr=False, compare=False)
