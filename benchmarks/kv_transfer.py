@@ -229,8 +229,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
     flat_src.random_(0, 255)
     grpc_t = GrpcTransport()
     shm_t = ShmTransport(arena, GrpcTransport(), lambda group, layer: raw_layer(src, layer))
-    dist_t = DistTransport(GrpcTransport(), lambda group, layer: tuple(x.view(-1, *x.shape[2:]) for x in src[layer]),
-                           lambda: "127.0.0.1")
+    dist_t = DistTransport(GrpcTransport(), lambda group: src, lambda: "127.0.0.1")
     try:
         grpc_push.push_seconds(grpc_t, grpc_messages(src, slots, args.max_chunk_bytes))  # warm up all three
         shm_push.push_seconds(shm_t, shm_messages(src, slots))

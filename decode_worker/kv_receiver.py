@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pdserve.engine import kv_copy
-from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, raw_layer, slot_ids, write_kv
+from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, place_kv, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
 from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.dist import DistGroups, backend_for
@@ -130,15 +130,8 @@ class KVReceiver:
 
     def place_dist(self, p: TransferProgress, seq: Sequence, d: KVData, buf: torch.Tensor, num_bytes: int) -> None:
         """`fetch_dist`'s bytes into the reserved slots."""
-        cache = self.groups[d.group][1]
         _, slots, _ = self._plan(p, seq, d)
-        if self.device.type == "cpu":
-            write_kv(cache, d.layer, slots, buf.view(torch.uint8).numpy())
-        else:
-            k_cache, v_cache = cache[d.layer]
-            idx = slots.to(self.device)
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, idx, buf[0])
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, idx, buf[1])
+        place_kv(self.groups[d.group][1], d.layer, slots, buf)
         self._covered(p, d, num_bytes)
 
     def _check(self, p: TransferProgress, d: KVData) -> int:

@@ -155,7 +155,7 @@ def read_kv(cache: KVCache, layer: int, slots: torch.Tensor) -> np.ndarray:
     [2, num_tokens, num_kv_heads, head_dim] (the KVData layout) of the cache's raw bytes."""
     k_cache, v_cache = cache[layer]
     if k_cache.device.type != "cpu":
-        return _raw(torch.stack([_flat(k_cache).index_select(0, slots), _flat(v_cache).index_select(0, slots)]).cpu())
+        return _raw(gather_kv(cache, layer, slots).cpu())
     k_host, v_host, idx = _raw(_flat(k_cache)), _raw(_flat(v_cache)), slots.numpy()
     out = np.empty((2, len(idx), *k_host.shape[1:]), dtype=k_host.dtype)
     np.take(k_host, idx, axis=0, out=out[0])
@@ -175,9 +175,29 @@ def write_kv(cache: KVCache, layer: int, slots: torch.Tensor, data: bytes | memo
         raw_k[idx] = kv[0]
         raw_v[idx] = kv[1]
         return
-    kv = torch.from_numpy(kv.copy()).view(k_cache.dtype).to(k_cache.device)  # one copy, to a writable host array
-    _flat(k_cache).index_copy_(0, slots.to(k_cache.device), kv[0])
-    _flat(v_cache).index_copy_(0, slots.to(v_cache.device), kv[1])
+    place_kv(cache, layer, slots, torch.from_numpy(kv.copy()).view(k_cache.dtype).to(k_cache.device))  # one copy,
+    # to a writable host array
+
+
+def gather_kv(cache: KVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """K then V of `slots` of one layer as a tensor on the cache's device, [2, num_tokens,
+    num_kv_heads, head_dim] in its dtype (what a device-to-device transfer sends)."""
+    k_cache, v_cache = cache[layer]
+    if k_cache.device.type == "cpu":
+        return torch.from_numpy(read_kv(cache, layer, slots)).view(k_cache.dtype)
+    idx = slots.to(k_cache.device)
+    return torch.stack([_flat(k_cache).index_select(0, idx), _flat(v_cache).index_select(0, idx)])
+
+
+def place_kv(cache: KVCache, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """`gather_kv`'s tensor (on the cache's device) into reserved slots, as `write_kv` writes bytes."""
+    k_cache, v_cache = cache[layer]
+    if k_cache.device.type == "cpu":
+        write_kv(cache, layer, slots, kv.view(torch.uint8).numpy())
+        return
+    idx = slots.to(k_cache.device)
+    _flat(k_cache).index_copy_(0, idx, kv[0])
+    _flat(v_cache).index_copy_(0, idx, kv[1])
 
 
 def raw_layer(cache: KVCache, layer: int) -> tuple[np.ndarray, np.ndarray]:

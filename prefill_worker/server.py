@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import grpc
-import torch
 
 from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, PrefillState, kv_cache_groups, kv_group_layouts, raw_layer, read_kv
@@ -102,12 +101,13 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self.config = config
         self.arena: shm.KVArena | None = None  # our KV cache, when it lives in shared memory
         if transport is None and config.kv_dist and dist.is_available():
-            transport = DistTransport(GrpcTransport(security), self._flat_layer, self._host)
+            transport = DistTransport(GrpcTransport(security), lambda group: self._groups[group], self._host)
         if transport is None and config.kv_shm and shm.is_available():
             shm.clean_stale_segments()
             self.arena = self.kv_allocator = shm.KVArena()
             transport = ShmTransport(self.arena, GrpcTransport(security), self._raw_layer)
         self.transport = transport or GrpcTransport(security)
+        self._reads_slots = getattr(self.transport, "takes_slots", False)  # it reads our cache itself (DistTransport)
         self.requests: dict[str, PrefillRequest] = {}  # asyncio loop only
         self._senders: dict[str, KVSender] = {}  # engine thread only
         self._groups = []
@@ -124,11 +124,6 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if (group, layer) not in self._raw_views:
             self._raw_views[group, layer] = raw_layer(self._groups[group], layer)
         return self._raw_views[group, layer]
-
-    def _flat_layer(self, group: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer of our cache, K and V as [num_slots, num_kv_heads, head_dim] views (any device)."""
-        k, v = self._groups[group][layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
 
     def _host(self) -> str:
         """Where decode workers reach this worker: the host of its advertised address."""
@@ -160,7 +155,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         that reads the slots itself (`DistTransport`, `takes_slots`) gets them the same way, after
         the step, and reads them where they lie (a GPU's cache: no copy to the host)."""
         self._step_chunks = chunks
-        if self.arena is not None and self.arena.segments or getattr(self.transport, "takes_slots", False):
+        if self.arena is not None and self.arena.segments or self._reads_slots:
             self._step_layers.append((group, layer))
             for c in chunks:
                 if (sender := self._senders.get(c.seq.req_id)) is not None:

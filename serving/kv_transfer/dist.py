@@ -36,6 +36,7 @@ from typing import AsyncIterator, Callable
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.disagg import KVCache, gather_kv
 from pdserve.engine.kv_copy import crc32c
 from pdserve.serving.kv_transfer import KVAck, KVData, KVDist, KVHeader, KVMessage, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport
@@ -123,11 +124,11 @@ class DistTransport:
     takes_slots = True
     MAX_GROUPS_PER_PEER = 4
 
-    def __init__(self, grpc_transport: GrpcTransport, layers: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
-                 host: Callable[[], str], probe_timeout_s: float = 5.0):
-        """layers(group, layer) -> (K, V): one layer of our cache, [num_slots, num_kv_heads,
-        head_dim] views. host(): where decode workers reach this worker (the store's address)."""
-        self.grpc, self.layers, self.host = grpc_transport, layers, host
+    def __init__(self, grpc_transport: GrpcTransport, caches: Callable[[int], KVCache], host: Callable[[], str],
+                 probe_timeout_s: float = 5.0):
+        """caches(group) -> that KV cache of ours (per layer (K, V)). host(): where decode workers
+        reach this worker (the store's address)."""
+        self.grpc, self.caches, self.host = grpc_transport, caches, host
         self.probe_timeout_s = probe_timeout_s
         self._store: dist.TCPStore | None = None  # made at the first push, on a free port
         self._backend: str | None = None
@@ -141,7 +142,7 @@ class DistTransport:
     @property
     def backend(self) -> str | None:
         if self._backend is None:
-            self._backend = backend_for(self.layers(0, 0)[0].device) or ""
+            self._backend = backend_for(self.caches(0)[0][0].device) or ""
         return self._backend or None
 
     async def push(self, address: str, messages: AsyncIterator[KVMessage], timeout_s: float) -> KVAck:
@@ -196,10 +197,10 @@ class DistTransport:
     def gather(self, d: KVData) -> torch.Tensor:
         """A slot-naming chunk's K then V, [2, num_tokens, num_kv_heads, head_dim], contiguous,
         on the cache's device."""
-        k, v = self.layers(d.group, d.layer)
-        runs = parse_runs(d.src_runs, len(k), d.num_tokens)
-        idx = torch.cat([torch.arange(s, s + n) for s, n in runs]).to(k.device)
-        return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+        cache = self.caches(d.group)
+        k = cache[d.layer][0]
+        runs = parse_runs(d.src_runs, k.shape[0] * k.shape[1], d.num_tokens)
+        return gather_kv(cache, d.layer, torch.cat([torch.arange(s, s + n) for s, n in runs]))
 
     async def _by_value(self, messages: AsyncIterator[KVMessage]):
         async for msg in messages:

@@ -88,3 +88,27 @@ def test_max_num_seqs_counts_held_sequences(checkpoint):
     decode = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, max_num_seqs=2))
     assert decode.reserve("a", PROMPT[:4], SamplingParams()) and decode.reserve("b", PROMPT[:4], SamplingParams())
     assert decode.reserve("c", PROMPT[:4], SamplingParams()) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gather_and_place_move_what_read_and_write_move(dtype):
+    """The tensor path (`gather_kv` / `place_kv`, a device-to-device transfer's) takes and puts
+    the same values as the bytes path (`read_kv` / `write_kv`)."""
+    import torch
+
+    from pdserve.engine.disagg import gather_kv, place_kv
+
+    def cache():
+        return [tuple(torch.randn(8, 4, 2, 16).to(getattr(torch, dtype)) for _ in range(2)) for _ in range(2)]
+
+    src, by_bytes = cache(), cache()
+    by_tensor = [tuple(t.clone() for t in kv) for kv in by_bytes]
+    slots, dst = torch.tensor([3, 4, 5, 17, 30]), torch.tensor([9, 10, 11, 12, 2])
+    for layer in range(2):
+        kv = gather_kv(src, layer, slots)
+        assert kv.dtype == src[layer][0].dtype and kv.shape == (2, 5, 2, 16)
+        assert kv.contiguous().view(torch.uint8).numpy().tobytes() == read_kv(src, layer, slots).tobytes()
+        write_kv(by_bytes, layer, dst, read_kv(src, layer, slots).tobytes())
+        place_kv(by_tensor, layer, dst, kv)
+    assert all(torch.equal(a, b) for pa, pb in zip(by_bytes, by_tensor) for a, b in zip(pa, pb))
+    assert torch.equal(by_tensor[1][0].view(-1, 2, 16)[9], src[1][0].view(-1, 2, 16)[3])
