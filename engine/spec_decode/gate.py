@@ -326,7 +326,8 @@ class SpeculationGate:
         by, so the second step clips it: a collection pass of 400 ms inside the first step of
         speculation's first burst (before faa571f) made speculation measure 18 ms a token against
         plain's 5 at batch 1 greedy, and the gate kept plain decoding for hundreds of steps."""
-        sums = self._sums.setdefault((*self.regime(batch_size, sampled), speculated), [0.0, 0.0, 0])
+        key = self.regime(batch_size, sampled)
+        sums = self._sums.setdefault((*key, speculated), [0.0, 0.0, 0])
         if sums[1] > 0:
             if sums[2] == 1 and sums[0] / sums[1] > self.CLIP * seconds / max(num_tokens, 1):
                 sums[0] = self.CLIP * seconds / max(num_tokens, 1) * sums[1]  # the first step, clipped by the second
@@ -334,11 +335,9 @@ class SpeculationGate:
         sums[0] = sums[0] * self.DECAY + seconds
         sums[1] = sums[1] * self.DECAY + num_tokens
         sums[2] += 1
-        key = self.regime(batch_size, sampled)
-        recent = self._recent.get(key)
-        if recent is None:
-            recent = self._recent[key] = deque(maxlen=2 * self.BURST)
-        recent.append((speculated, seconds, num_tokens))
+        if key not in self._recent:
+            self._recent[key] = deque(maxlen=2 * self.BURST)
+        self._recent[key].append((speculated, seconds, num_tokens))
 
     def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
         sums = self._sums.get((*self.regime(batch_size, sampled), speculated))
