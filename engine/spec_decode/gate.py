@@ -15,7 +15,8 @@ load is noticed, and the burst is judged against the running mode's steps right 
 the same contexts (`_burst_wins`): a step's cost grows with its contexts over a run, so figures
 of different ages do not compare. Once decided, the verdict
 moves only when the other mode measures cheaper by more than KEEP_MARGIN: at parity the running
-mode stays. The period starts at
+mode stays. A burst that measures far dearer than the running mode (`FAR_BEHIND`) ends early
+(`_burst_lost`). The period starts at
 PERIOD steps and doubles, up to MAX_PERIOD, each time a burst leaves the same mode winning; it
 starts again at PERIOD when the winner changes, and when most of the batch's requests are new
 since the period started (`renew`: acceptance belongs to requests). Exploring is not free: a
@@ -66,6 +67,8 @@ class SpeculationGate:
     RENEW_MARGIN = 0.2  # new requests bring the next burst forward only while the loser lost by less than this
     KEEP_MARGIN = 0.05  # after the first verdict, the other mode must measure cheaper by more than this to move it
     FRESH = BURST  # steps after a `renew` in which a switch to speculation is cheap (see `_waits`)
+    MIN_BURST = 2  # measured steps a burst runs at least
+    FAR_BEHIND = 0.5  # a burst that measures this much dearer per token than the running mode ends early
     REMEASURE_AFTER = 2 * BURST  # steps after a burst before speculation's drift may bring the next forward
 
     def __init__(self, predict: Callable[[int, bool], bool | None] | None = None) -> None:
@@ -76,7 +79,7 @@ class SpeculationGate:
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
         self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
         self._catch_up: dict[tuple[int, bool], list] = {}  # regime -> [seconds, tokens] of fresh prompts' catch-ups
-        # regime -> the latest measured steps, (speculated, seconds, tokens): a burst and the steps after it
+        # regime -> the latest measured steps, (speculated, seconds, tokens, the schedule's step): a burst and the steps after it
         self._recent: dict[tuple[int, bool], deque] = {}
         # prompt tokens per output token of the requests finished lately (`Speculator.forget`)
         self.prompt_per_output = 0.0
@@ -98,7 +101,9 @@ class SpeculationGate:
             return st.speculate if st.period else self._predicted(batch_size, sampled)
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
-            return n <= self.BURST
+            if n <= self.BURST + self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, True, self.BURST + 1):
+                return n <= self.BURST
+            st.steps = n = 2 * self.BURST + 1  # plain decoding lost its first burst by far: decide now
         if st.period and n < st.next_burst and (not st.speculate or n - st.measured < self.REMEASURE_AFTER):
             return st.speculate  # nothing can move the verdict before the burst (most steps; no costs needed)
         costs = self._costs(st, batch_size, sampled)
@@ -127,16 +132,47 @@ class SpeculationGate:
             return st.speculate
         st.due = None
         if n < st.next_burst + self.BURST:  # exploring
-            return not st.speculate
+            if n - st.next_burst < self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, st.speculate, st.next_burst):
+                return not st.speculate
+            st.measured = n  # the burst lost by far: it ends now, and the running mode needs no steps to compare
+            return self._keep(st, n, batch_size, sampled)
         if n < st.next_burst + 2 * self.BURST:  # the running mode again, to compare the burst with
             return st.speculate
         st.measured = n
         if self._burst_wins(st, batch_size, sampled, moves):  # the burst just ended, and the other mode was cheaper
             return self._decide(st, not st.speculate, n, batch_size, sampled)
-        # the burst left the same winner
+        return self._keep(st, n - self.BURST, batch_size, sampled)
+
+    def _keep(self, st: _Schedule, ended: int, batch_size: int, sampled: bool) -> bool:
+        """The burst that ended at step `ended` left the same winner: the period doubles."""
         st.period = max(min(2 * st.period, self.MAX_PERIOD), self._first_period(batch_size, sampled, st.speculate))
-        st.next_burst = n - self.BURST + st.period  # a period from the end of the burst
+        st.next_burst = ended + st.period
         return st.speculate
+
+    def _burst_lost(self, st: _Schedule, batch_size: int, sampled: bool, speculating: bool, start: int) -> bool:
+        """Whether the burst running since step `start` (the other mode than `speculating`) has,
+        over at least MIN_BURST measured steps, cost more than FAR_BEHIND more per token than the
+        running mode's steps right before it. Then it ends: a few more steps will not turn a gap
+        that wide, and each costs that much more. At batch 1, greedy, on the demo pair (Intel Xeon)
+        a plain step costs about three times speculation's seconds a token, and a whole burst of
+        plain decoding made the 128-token run that held it some 10% slower (51 ms against 46 in a
+        scratch trace); in an A/B of eight interleaved repeats, adaptive speculation's worst run
+        went from 2.49 to 2.62x plain decoding and its median from 2.60 to 2.63x (batches 8 and 32
+        within the host's noise)."""
+        key = self.regime(batch_size, sampled)
+        recent = list(self._recent.get(key, ()))
+        burst = self._trailing(recent, not speculating, len(recent))
+        before = self._trailing(recent, speculating, len(recent) - len(burst))
+        burst = [x for x in burst if x[3] >= start]  # not an earlier burst's, where this one's steps went unmeasured
+        if len(burst) < self.MIN_BURST or not before:
+            return False
+        spec, plain = (_per_token(before), _per_token(burst))[::1 if speculating else -1]
+        spec, plain = self._priced(st, batch_size, sampled, spec, plain)
+        running, other = (spec, plain) if speculating else (plain, spec)
+        if other <= running * (1 + self.FAR_BEHIND):
+            return False
+        self._adopt(key, not speculating, burst)
+        return True
 
     def _predicted(self, batch_size: int, sampled: bool) -> bool:
         """An unmeasured step's mode in a regime with no verdict yet: the cost model's where it
@@ -207,13 +243,16 @@ class SpeculationGate:
         burst = self._trailing(recent, other, len(recent) - len(after))
         if not burst or not after:
             return moves
-        sums = [0.0, 0.0, 0]
-        for _, seconds, tokens in burst[::-1]:  # oldest first, decayed as `observe` does
-            sums = [sums[0] * self.DECAY + seconds, sums[1] * self.DECAY + tokens, sums[2] + 1]
-        self._sums[(*key, other)] = sums
-        per_token = [sum(x[1] for x in steps) / max(sum(x[2] for x in steps), 1) for steps in (burst, after)]
-        spec, plain = per_token if other else per_token[::-1]
+        self._adopt(key, other, burst)
+        spec, plain = (_per_token(burst), _per_token(after))[::1 if other else -1]
         return self._challenger_wins(st, self._priced(st, batch_size, sampled, spec, plain))
+
+    def _adopt(self, key: tuple[int, bool], speculated: bool, burst: list) -> None:
+        """A burst's steps (newest first) become its mode's figure."""
+        sums = [0.0, 0.0, 0]
+        for _, seconds, tokens, _ in burst[::-1]:  # oldest first, decayed as `observe` does
+            sums = [sums[0] * self.DECAY + seconds, sums[1] * self.DECAY + tokens, sums[2] + 1]
+        self._sums[(*key, speculated)] = sums
 
     def _trailing(self, recent: list, speculated: bool, end: int) -> list:
         """The last BURST (at most) measured steps of one mode ending at recent[end - 1], newest first."""
@@ -337,8 +376,14 @@ class SpeculationGate:
         sums[2] += 1
         if key not in self._recent:
             self._recent[key] = deque(maxlen=2 * self.BURST)
-        self._recent[key].append((speculated, seconds, num_tokens))
+        st = self._schedules.get(key)
+        self._recent[key].append((speculated, seconds, num_tokens, st.steps if st else 0))
 
     def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
         sums = self._sums.get((*self.regime(batch_size, sampled), speculated))
         return sums[0] / sums[1] if sums and sums[1] > 0 else None
+
+
+def _per_token(steps: list) -> float:
+    """Seconds per token over measured steps (`SpeculationGate._recent`'s)."""
+    return sum(x[1] for x in steps) / max(sum(x[2] for x in steps), 1)

@@ -75,9 +75,10 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     after = _drive(gate, 32, Gate.MAX_PERIOD + 2 * Gate.PERIOD, spec=(0.05, 40), plain=(0.10, 32), sampled=False)
     start, length = _bursts(after, True)[0]
     assert start < Gate.MAX_PERIOD and length == Gate.BURST
-    # plain decoding runs BURST steps more, to compare the burst with, and then speculation wins
+    # plain decoding runs BURST steps more, to compare the burst with, and then speculation wins;
+    # plain's own burst, 150% dearer a token, ends after MIN_BURST steps (`FAR_BEHIND`)
     assert _bursts(after, True)[1] == (start + 2 * Gate.BURST, Gate.PERIOD)
-    assert _bursts(after, False)[1:3] == [(start + Gate.BURST, Gate.BURST), (start + 2 * Gate.BURST + Gate.PERIOD, Gate.BURST)]
+    assert _bursts(after, False)[1:3] == [(start + Gate.BURST, Gate.BURST), (start + 2 * Gate.BURST + Gate.PERIOD, Gate.MIN_BURST)]
 
     # batch 1 keeps its own record
     for _ in range(2 * Gate.BURST):
@@ -85,6 +86,32 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     gate.observe(1, True, seconds=0.02, num_tokens=4)  # 5 ms per token
     gate.observe(1, False, seconds=0.01, num_tokens=1)  # 10 ms per token
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST)].count(False) == Gate.BURST
+
+
+def test_a_burst_far_behind_the_running_mode_ends_early():
+    """A burst that measures more than FAR_BEHIND dearer a token than the running mode's steps
+    before it ends after MIN_BURST measured steps, the opening burst of plain decoding too (at
+    batch 1, greedy, on the demo pair plain decoding costs about three times speculation's
+    seconds a token); the period doubles from its end. One within FAR_BEHIND runs its BURST
+    steps, and a burst whose steps go unmeasured is not judged by an earlier burst's."""
+    gate = Gate()
+    opening = _drive(gate, 1, 2 * Gate.BURST, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
+    assert opening == [True] * Gate.BURST + [False] * Gate.MIN_BURST + [True] * (Gate.BURST - Gate.MIN_BURST)
+    later = _drive(gate, 1, 4 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
+    (first, length), (second, length2) = _bursts(later, False)[:2]
+    assert length == length2 == Gate.MIN_BURST
+    assert second - (first + length) == 2 * Gate.PERIOD  # the period doubled, counted from the cut burst's end
+
+    near = Gate()  # speculation 40% dearer: its bursts run whole
+    modes = _drive(near, 8, 2 * Gate.BURST + Gate.PERIOD + 2 * Gate.BURST, spec=(0.0112, 16), plain=(0.004, 8))
+    assert modes[:Gate.BURST] == [True] * Gate.BURST
+    assert _bursts(modes, True)[1] == (2 * Gate.BURST + Gate.PERIOD, Gate.BURST)
+
+    # speculation 100% dearer, and its burst's steps not measured (a prefill joined each): an
+    # earlier burst's steps, however dear, do not end it
+    far = _measured(8, spec=(0.016, 16), plain=(0.004, 8))
+    modes = [far.allow(8, True) for _ in range(Gate.PERIOD + Gate.BURST)]
+    assert _bursts(modes, True) == [(Gate.PERIOD, Gate.BURST)]
 
 
 def test_a_burst_is_judged_against_the_steps_right_after_it():
