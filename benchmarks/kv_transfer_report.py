@@ -83,6 +83,9 @@ def markdown(result: dict) -> str:
              *([f"A/A control, the plain copy against the same copy run again right after each round: "
                 f"{_spread(p['copy_a_a']).fmt(2, '×')} (what the host's noise alone does to a ratio)."] if "copy_a_a" in p
                else []), "",
-             f"TTFT ({t['prompt_tokens']}-token prompt, through a router): disaggregated "
-             f"{_spread(t['disagg_s']).fmt(3, ' s')}, colocated {_spread(t['colocated_s']).fmt(3, ' s')}."]
+             f"TTFT ({t['prompt_tokens']}-token prompt, through a router; each repeat the median of "
+             f"{t.get('inner', 1)} requests a side, alternating): disaggregated "
+             f"{_spread(t['disagg_s']).fmt(3, ' s')}, colocated {_spread(t['colocated_s']).fmt(3, ' s')}."
+             + (f" A/A control, the colocated request again right after each round against the round's: "
+                f"{_spread(t['a_a']).fmt(2, '×')}." if "a_a" in t else "")]
     return "\n".join(lines)
