@@ -79,7 +79,8 @@ class SpeculationGate:
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
         self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
         self._catch_up: dict[tuple[int, bool], list] = {}  # regime -> [seconds, tokens] of fresh prompts' catch-ups
-        # regime -> the latest measured steps, (speculated, seconds, tokens, the schedule's step): a burst and the steps after it
+        # regime -> the latest measured steps, (speculated, seconds, tokens, the schedule's step):
+        # a burst and the steps around it
         self._recent: dict[tuple[int, bool], deque] = {}
         # prompt tokens per output token of the requests finished lately (`Speculator.forget`)
         self.prompt_per_output = 0.0
@@ -132,7 +133,8 @@ class SpeculationGate:
             return st.speculate
         st.due = None
         if n < st.next_burst + self.BURST:  # exploring
-            if n - st.next_burst < self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, st.speculate, st.next_burst):
+            if (n - st.next_burst < self.MIN_BURST
+                    or not self._burst_lost(st, batch_size, sampled, st.speculate, st.next_burst)):
                 return not st.speculate
             st.measured = n  # the burst lost by far: it ends now, and the running mode needs no steps to compare
             return self._keep(st, n, batch_size, sampled)

@@ -78,7 +78,8 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     # plain decoding runs BURST steps more, to compare the burst with, and then speculation wins;
     # plain's own burst, 150% dearer a token, ends after MIN_BURST steps (`FAR_BEHIND`)
     assert _bursts(after, True)[1] == (start + 2 * Gate.BURST, Gate.PERIOD)
-    assert _bursts(after, False)[1:3] == [(start + Gate.BURST, Gate.BURST), (start + 2 * Gate.BURST + Gate.PERIOD, Gate.MIN_BURST)]
+    assert _bursts(after, False)[1:3] == [(start + Gate.BURST, Gate.BURST),
+                                          (start + 2 * Gate.BURST + Gate.PERIOD, Gate.MIN_BURST)]
 
     # batch 1 keeps its own record
     for _ in range(2 * Gate.BURST):
