@@ -102,7 +102,7 @@ class SpeculationGate:
             return st.speculate if st.period else self._predicted(batch_size, sampled)
         st.steps = n = st.steps + 1
         if n <= 2 * self.BURST:
-            if n <= self.BURST + self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, True, self.BURST + 1):
+            if n <= self.BURST + self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, self.BURST + 1):
                 return n <= self.BURST
             st.steps = n = 2 * self.BURST + 1  # plain decoding lost its first burst by far: decide now
         if st.period and n < st.next_burst and (not st.speculate or n - st.measured < self.REMEASURE_AFTER):
@@ -134,7 +134,7 @@ class SpeculationGate:
         st.due = None
         if n < st.next_burst + self.BURST:  # exploring
             if (n - st.next_burst < self.MIN_BURST
-                    or not self._burst_lost(st, batch_size, sampled, st.speculate, st.next_burst)):
+                    or not self._burst_lost(st, batch_size, sampled, st.next_burst)):
                 return not st.speculate
             st.measured = n  # the burst lost by far: it ends now, and the running mode needs no steps to compare
             return self._keep(st, n, batch_size, sampled)
@@ -151,8 +151,8 @@ class SpeculationGate:
         st.next_burst = ended + st.period
         return st.speculate
 
-    def _burst_lost(self, st: _Schedule, batch_size: int, sampled: bool, speculating: bool, start: int) -> bool:
-        """Whether the burst running since step `start` (the other mode than `speculating`) has,
+    def _burst_lost(self, st: _Schedule, batch_size: int, sampled: bool, start: int) -> bool:
+        """Whether the burst running since step `start` (the mode not running) has,
         over at least MIN_BURST measured steps, cost more than FAR_BEHIND more per token than the
         running mode's steps right before it. Then it ends: a few more steps will not turn a gap
         that wide, and each costs that much more. At batch 1, greedy, on the demo pair (Intel Xeon)
@@ -163,17 +163,16 @@ class SpeculationGate:
         within the host's noise)."""
         key = self.regime(batch_size, sampled)
         recent = list(self._recent.get(key, ()))
-        burst = self._trailing(recent, not speculating, len(recent))
-        before = self._trailing(recent, speculating, len(recent) - len(burst))
+        burst = self._trailing(recent, not st.speculate, len(recent))
+        before = self._trailing(recent, st.speculate, len(recent) - len(burst))
         burst = [x for x in burst if x[3] >= start]  # not an earlier burst's, where this one's steps went unmeasured
         if len(burst) < self.MIN_BURST or not before:
             return False
-        spec, plain = (_per_token(before), _per_token(burst))[::1 if speculating else -1]
-        spec, plain = self._priced(st, batch_size, sampled, spec, plain)
-        running, other = (spec, plain) if speculating else (plain, spec)
+        spec, plain = self._compared(st, batch_size, sampled, burst, before)
+        running, other = (spec, plain) if st.speculate else (plain, spec)
         if other <= running * (1 + self.FAR_BEHIND):
             return False
-        self._adopt(key, not speculating, burst)
+        self._adopt(key, not st.speculate, burst)
         return True
 
     def _predicted(self, batch_size: int, sampled: bool) -> bool:
@@ -246,8 +245,14 @@ class SpeculationGate:
         if not burst or not after:
             return moves
         self._adopt(key, other, burst)
-        spec, plain = (_per_token(burst), _per_token(after))[::1 if other else -1]
-        return self._challenger_wins(st, self._priced(st, batch_size, sampled, spec, plain))
+        return self._challenger_wins(st, self._compared(st, batch_size, sampled, burst, after))
+
+    def _compared(self, st: _Schedule, batch_size: int, sampled: bool, burst: list, running: list) -> tuple[float, float]:
+        """(speculating, plain) seconds per token, priced (`_priced`), of a burst's measured steps
+        and the running mode's."""
+        burst_cost, running_cost = _per_token(burst), _per_token(running)
+        spec, plain = (burst_cost, running_cost) if burst[0][0] else (running_cost, burst_cost)
+        return self._priced(st, batch_size, sampled, spec, plain)
 
     def _adopt(self, key: tuple[int, bool], speculated: bool, burst: list) -> None:
         """A burst's steps (newest first) become its mode's figure."""
