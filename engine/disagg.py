@@ -175,8 +175,8 @@ def write_kv(cache: KVCache, layer: int, slots: torch.Tensor, data: bytes | memo
         raw_k[idx] = kv[0]
         raw_v[idx] = kv[1]
         return
-    place_kv(cache, layer, slots, torch.from_numpy(kv.copy()).view(k_cache.dtype).to(k_cache.device))  # one copy,
-    # to a writable host array
+    # one copy, to a writable host array
+    place_kv(cache, layer, slots, torch.from_numpy(kv.copy()).view(k_cache.dtype).to(k_cache.device))
 
 
 def gather_kv(cache: KVCache, layer: int, slots: torch.Tensor) -> torch.Tensor:

@@ -192,12 +192,11 @@ void panel_blocks(const float* x, int64_t m_len, int64_t k_len, const W* panel, 
 }
 
 // Every row of x [M, K] against one panel; y points at the panel's first column, row stride ldy.
+// (One row takes `row_panels` instead, several panels at once.)
 template <typename W>
 void panel_all_rows(const float* x, int64_t m_len, int64_t k_len, const W* panel, float* y, int64_t ldy,
                     int64_t cols, const float* bias) {
-  const PanelMasks masks(cols);
-  if (m_len == 1) return panels_row<1>(x, panel, k_len, y, bias, &masks);
-  panel_blocks(x, m_len, k_len, panel, y, ldy, bias, masks);
+  panel_blocks(x, m_len, k_len, panel, y, ldy, bias, PanelMasks(cols));
 }
 
 #endif  // PDSERVE_LINEAR_AVX512
