@@ -2,7 +2,7 @@
 // load time into column panels, for the CPU. The panels are float32 or bfloat16: a bfloat16 panel
 // holds a weight whose every value is a bfloat16 (a bfloat16 checkpoint computed in float32), at
 // half the bytes, and each value is widened exactly to float32 as it is read, so the sums are the
-// float32 panel's, bit for bit.
+// float32 panel's, bit for bit (on the vector loops; the tile path below sums in its own order).
 //
 // Why: a decode step multiplies a few rows (1 at batch 1, k + 1 in a speculative verification,
 // the batch size at most) by every weight matrix. The BLAS's small-M path streams the weight at
@@ -27,6 +27,11 @@
 // in registers by every pass (`panel_all_rows_bf16`); with AVX2, by passes of up to six rows, and
 // for more rows (a prefill) once into a float32 copy that stays in L2.
 //
+// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 panels times 16 rows and more take
+// the tile unit instead where it pays (`tiles_pay`; linear_amx.h): x split exactly into three
+// bfloat16 parts, float32 sums in the tile unit's order, so those outputs equal the vector loops'
+// up to float rounding, not bit for bit; a row's output there does not depend on the rows beside it.
+//
 // The vector loops need AVX-512, or AVX2 with FMA (eight 8-float vectors span a panel; with
 // sixteen registers one row takes the whole panel, more rows take it in two 32-column halves,
 // three rows at a time). `linear_packed_available()` says whether this build has either (the
@@ -49,6 +54,7 @@
 #include <vector>
 
 #include "linear_loops.h"  // the vector loops, the panel layout's constants
+#include "linear_amx.h"    // the tile path for bfloat16 panels and many rows
 
 namespace {
 
@@ -57,6 +63,14 @@ using namespace pdserve_linear;
 constexpr int64_t kMinTaskMultiplyAdds = int64_t{1} << 20;  // the least work worth another thread
 
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+#ifdef PDSERVE_LINEAR_AMX
+// Whether m rows take the tile path: a block of 16 rows on the tile unit costs about what 10 rows
+// take the vector loops, and a block is paid for whole (scratch timing, the demo target's shapes,
+// Intel Xeon: 16 rows 1.0-1.04x the vector loops' speed, 17 rows 0.7x, 32 rows 1.1-1.4x,
+// 160 rows 1.35-1.8x).
+bool tiles_pay(int64_t m) { return m >= kTileRows && m >= 10 * ((m + kTileRows - 1) / kTileRows) + 6; }
+#endif
 
 at::Tensor linear_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "linear_pack: weight must be [out_features, in_features], got ",
@@ -79,6 +93,15 @@ at::Tensor linear_pack(const at::Tensor& weight) {
 bool linear_packed_available() {
 #ifdef PDSERVE_LINEAR_VECTOR
   return true;
+#else
+  return false;
+#endif
+}
+
+// Whether `rows` rows times bfloat16 panels take the tile path in this build and process.
+bool linear_tile_rows(int64_t rows) {
+#ifdef PDSERVE_LINEAR_AMX
+  return tiles_pay(rows) && tiles_permitted();
 #else
   return false;
 #endif
@@ -109,6 +132,30 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
   // panels per thread: at least kMinTaskMultiplyAdds each, or the fork and join cost more than
   // they save (a batch-1 step's projections, 4 to 48 panels of a few microseconds each)
   const int64_t grain = std::max<int64_t>(1, kMinTaskMultiplyAdds / (m_len * k_len * kPanel));
+#ifdef PDSERVE_LINEAR_AMX
+  if (half && tiles_pay(m_len) && tiles_permitted()) {
+    const int64_t m_pad = (m_len + kTileRows - 1) / kTileRows * kTileRows;
+    const int64_t k_pad = (k_len + kTileK - 1) / kTileK * kTileK;
+    thread_local std::vector<uint16_t> parts;  // reused: a fresh buffer of this size is a fresh mapping
+    parts.resize(kParts * m_pad * k_pad);
+    split_rows(xp, m_len, k_len, m_pad, k_pad, parts.data());
+    const uint16_t* pa = parts.data();
+    at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {
+      thread_local std::vector<uint32_t> tiled;
+      thread_local std::vector<float> sums;
+      tiled.resize(k_pad / 2 * kPanel);
+      sums.resize(kTileRows * kPanel);
+      configure_tiles();
+      for (int64_t j = first; j < last; ++j) {
+        tile_panel(static_cast<const uint16_t*>(pp) + j * k_len * kPanel, k_len, k_pad, tiled.data());
+        tile_panel_rows(pa, m_len, m_pad, k_pad, tiled.data(), sums.data(), yp + j * kPanel, n, std::min(kPanel, n - j * kPanel),
+                        bp == nullptr ? nullptr : bp + j * kPanel);
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {
 #ifdef PDSERVE_LINEAR_AVX512
     if (m_len == 1) {  // several panels at once (`panels_row`)
@@ -188,6 +235,7 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("linear_pack(Tensor weight) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_packed_available() -> bool", &linear_packed_available);
+  m.def("linear_tile_rows(int rows) -> bool", &linear_tile_rows);
 }
 
 TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {

@@ -2,7 +2,9 @@
 the loops split differently (one row, one pass of up to six rows, passes made even), output widths that end mid-panel,
 biases, threads, the AVX2 loops and the build with neither (built again with narrower flags),
 torch.compile, and refusals of malformed calls. Weights that are bfloat16 values packed in
-bfloat16 give the float32 panels' results bit for bit, in every build."""
+bfloat16 give the float32 panels' results bit for bit in every build, except for the row counts
+that take the tile path (`cpu/linear_amx.h`, a CPU with AMX), which are tested against float64
+sums and for rows that do not depend on the rows beside them."""
 from __future__ import annotations
 
 import pytest
@@ -36,9 +38,10 @@ def _check(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
                 torch.testing.assert_close(op_linear(x, packed, bias, n), F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
 
 
-def _check_bfloat16(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
+def _check_bfloat16(op_pack, op_linear, shapes=SHAPES, rows=ROWS, tiles=lambda m: False):
     """bfloat16 panels of weights that are bfloat16 values: the float32 panels' outputs exactly
-    (the widening is exact and the sums run in the same order), whatever the row count."""
+    (the widening is exact and the sums run in the same order), whatever the row count, except
+    where `tiles(m)` (the tile path sums in another order: `test_tile_path_*`)."""
     gen = torch.Generator().manual_seed(1)
     for n, k in shapes:
         w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
@@ -48,7 +51,8 @@ def _check_bfloat16(op_pack, op_linear, shapes=SHAPES, rows=ROWS):
             x = torch.randn(m, k, generator=gen)
             for bias in (None, b):
                 out = op_linear(x, half, bias, n)
-                assert torch.equal(out, op_linear(x, full, bias, n)), (n, k, m, bias is None)
+                if not tiles(m):
+                    assert torch.equal(out, op_linear(x, full, bias, n)), (n, k, m, bias is None)
                 torch.testing.assert_close(out, F.linear(x, w.float(), bias), rtol=1e-5, atol=1e-4)
 
 
@@ -57,7 +61,56 @@ def test_packed_linear_matches_f_linear(vector):
 
 
 def test_bfloat16_panels_give_the_float32_panels_results_bit_for_bit(vector):
-    _check_bfloat16(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed, rows=ROWS + [3, 4, 8, 18])
+    _check_bfloat16(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed, rows=ROWS + [3, 4, 8, 18, 32, 64],
+                    tiles=torch.ops.pdserve.linear_tile_rows)
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+
+
+@pytest.fixture
+def tiles(vector):
+    if not _cpu_has_amx():
+        pytest.skip("this CPU has no AMX: bfloat16 panels take the vector loops at every row count")
+    # a CPU with AMX and a Linux that lets a process use it (5.16 and later): the path must be on
+    assert torch.ops.pdserve.linear_tile_rows(32) and torch.ops.pdserve.linear_tile_rows(160)
+    assert not torch.ops.pdserve.linear_tile_rows(8) and not torch.ops.pdserve.linear_tile_rows(20)
+
+
+def test_tile_path_sums_as_closely_as_the_vector_loops(tiles):
+    """Each float32 x is split exactly into three bfloat16, so the tile path's error against
+    float64 sums is float32 rounding's, as the vector loops' is: checked against both."""
+    gen = torch.Generator().manual_seed(2)
+    for n, k in SHAPES + [(768, 256), (33, 31)]:
+        w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen)
+        half, full = torch.ops.pdserve.linear_pack(w), torch.ops.pdserve.linear_pack(w.float())
+        for m in (16, 32, 64, 100, 160):
+            assert torch.ops.pdserve.linear_tile_rows(m), m
+            x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k, dtype=torch.float32)  # every magnitude
+            exact = F.linear(x.double(), w.double(), b.double())
+            tile = torch.ops.pdserve.linear_packed(x, half, b, n).double()
+            loops = torch.ops.pdserve.linear_packed(x, full, b, n).double()
+            # what the sums' rounding scales with
+            scale = F.linear(x.double().abs(), w.double().abs(), b.double().abs()).clamp_min(1e-30)
+            tile_err, loop_err = ((tile - exact).abs() / scale).max().item(), ((loops - exact).abs() / scale).max().item()
+            assert tile_err < 4 * (k + 1) * 2.0 ** -24, (n, k, m, tile_err)
+            assert tile_err <= 4 * max(loop_err, 2.0 ** -24), (n, k, m, tile_err, loop_err)
+
+
+def test_tile_path_rows_do_not_depend_on_the_rows_beside_them(tiles):
+    """A row's output on the tile path is the same bits in a batch of 32, 64 or 160 rows (as on
+    the vector loops at any count): what makes a speculative verification's rows match plain
+    decoding's at the same batch."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 768, 256
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = torch.ops.pdserve.linear_pack(w)
+    x = torch.randn(160, k, generator=gen)
+    whole = torch.ops.pdserve.linear_packed(x, packed, None, n)
+    for m in (32, 64):
+        assert torch.equal(torch.ops.pdserve.linear_packed(x[-m:].contiguous(), packed, None, n), whole[-m:])
 
 
 def test_packed_linear_takes_any_weight_layout_and_leading_dims(vector):
