@@ -67,8 +67,8 @@ int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 #ifdef PDSERVE_LINEAR_AMX
 // Whether m rows take the tile path: a block of 16 rows on the tile unit costs about what 10 rows
 // take the vector loops, and a block is paid for whole (scratch timing, the demo target's shapes,
-// Intel Xeon: 16 rows 1.0-1.04x the vector loops' speed, 17 rows 0.7x, 32 rows 1.1-1.4x,
-// 160 rows 1.35-1.8x).
+// Intel Xeon: 16 rows 1.05-1.25x the vector loops' speed, 17 rows on tiles 0.7x, 32 rows
+// 1.05-1.7x, 160 rows 1.8-2.6x).
 bool tiles_pay(int64_t m) { return m >= kTileRows && m >= 10 * ((m + kTileRows - 1) / kTileRows) + 6; }
 #endif
 

@@ -12,16 +12,18 @@
 // a part and a weight is exact in float32, so the output differs from the float32 loops' only by
 // the order and rounding of its float32 sums (the tile unit adds pairs of products, then the pair
 // to the sum): what a BLAS's blocking also changes. Three tile products per weight tile, and still
-// 1.1-1.5x the vector loops' speed at 32 rows and 1.35-1.8x at 160 (scratch timing, the demo
-// target's shapes, one thread, Intel Xeon with AMX; the instruction's peak is some 16 times an
-// AVX-512 multiply-add's, so loads and waits, not the products, bound it). Inputs under 2^-126
+// 1.05-1.7x the vector loops' speed at 32 rows and 1.8-2.6x at 160 (scratch timing, the demo
+// target's shapes, one thread, Intel Xeon with AMX; the 768-deep down projection gains least; the
+// instruction's peak is some 16 times an AVX-512 multiply-add's, so loads and the panel's
+// rewrite, not the products, bound it). Inputs under 2^-126
 // (subnormal) count as zero in the tile unit.
 //
 // Layout: the tile unit's second operand holds two consecutive k of 16 columns in each 64-byte
 // row, so each thread rewrites a panel (K rows of 64 paired columns, linear_loops.h) once into
 // that order (`tile_panel`, a few shifts and blends per 64 bytes), then multiplies every 16 rows
 // of x by it: four 16 x 16 float32 sums (the panel's 64 columns) in four tiles, x's three parts
-// for 32 k in three more, the weight's 32 k x 16 columns in the last.
+// for 32 k in three more, the weight's 32 k x 16 columns in the last. x's parts are laid out tile
+// by tile (1 KB each, contiguous): 1.2x faster tile loads than rows of x in place (scratch timing).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) && \
@@ -68,18 +70,24 @@ inline __m512 bf16_to_float(__m256bh h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
-// x [m_len, k_len] float32 into parts [kParts, m_pad, k_pad] bfloat16, zero in the padding
-// (m_pad a multiple of kTileRows, k_pad of kTileK).
+// x [m_len, k_len] float32 into parts: kParts planes of m_pad / 16 x k_pad / 32 tiles of 16 rows
+// of 32 bfloat16, each tile's 1 KB contiguous (`part_tile`); zero in the padding (m_pad a multiple
+// of kTileRows, k_pad of kTileK).
+inline int64_t part_tile(int64_t m_pad, int64_t k_pad, int p, int64_t r0, int64_t k) {
+  return p * m_pad * k_pad + r0 * k_pad + k * kTileRows;
+}
+
 inline void split_rows(const float* x, int64_t m_len, int64_t k_len, int64_t m_pad, int64_t k_pad, uint16_t* parts) {
-  const int64_t plane = m_pad * k_pad;
-  std::fill(parts, parts + kParts * plane, uint16_t{0});
+  std::fill(parts, parts + kParts * m_pad * k_pad, uint16_t{0});
   for (int64_t m = 0; m < m_len; ++m)
     for (int64_t k = 0; k < k_len; k += 16) {
       const __mmask16 live = k_len - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k_len - k)) - 1);
       __m512 rest = _mm512_maskz_loadu_ps(live, x + m * k_len + k);
+      const int64_t at = (m / kTileRows) * kTileRows * k_pad + (k / kTileK) * kTileK * kTileRows +
+                         (m % kTileRows) * kTileK + k % kTileK;
       for (int p = 0; p < kParts; ++p) {
         const __m256bh part = _mm512_cvtneps_pbh(rest);  // round to nearest even
-        _mm256_mask_storeu_epi16(parts + p * plane + m * k_pad + k, live, (__m256i)part);
+        _mm256_mask_storeu_epi16(parts + p * m_pad * k_pad + at, live, (__m256i)part);
         rest = _mm512_sub_ps(rest, bf16_to_float(part));  // exact
       }
     }
@@ -110,7 +118,8 @@ inline void tile_panel(const uint16_t* panel, int64_t k_len, int64_t k_pad, uint
 inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad, int64_t k_pad, const uint32_t* tiled,
                             float* sums, float* y, int64_t ldy, int64_t cols, const float* bias) {
   constexpr int64_t kPanelCols = 64;
-  const int64_t plane = m_pad * k_pad, part_stride = k_pad * 2, weight_stride = kPanelCols * 4;
+  const int64_t plane = m_pad * k_pad;
+  constexpr int64_t kStride = 64, kWeightStride = kPanelCols * 4;  // bytes from a tile row to the next
   for (int64_t r0 = 0; r0 < m_len; r0 += kTileRows) {
     _tile_zero(0);
     _tile_zero(1);
@@ -118,23 +127,23 @@ inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad,
     _tile_zero(3);
     const uint16_t* a = parts + r0 * k_pad;
     for (int64_t k = 0; k < k_pad; k += kTileK) {
-      _tile_loadd(4, a + k, part_stride);
-      _tile_loadd(5, a + plane + k, part_stride);
-      _tile_loadd(6, a + 2 * plane + k, part_stride);
+      _tile_loadd(4, a + k * kTileRows, kStride);
+      _tile_loadd(5, a + plane + k * kTileRows, kStride);
+      _tile_loadd(6, a + 2 * plane + k * kTileRows, kStride);
       const uint32_t* w = tiled + (k / 2) * kPanelCols;
-      _tile_loadd(7, w, weight_stride);
+      _tile_loadd(7, w, kWeightStride);
       _tile_dpbf16ps(0, 4, 7);
       _tile_dpbf16ps(0, 5, 7);
       _tile_dpbf16ps(0, 6, 7);
-      _tile_loadd(7, w + 16, weight_stride);
+      _tile_loadd(7, w + 16, kWeightStride);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(1, 5, 7);
       _tile_dpbf16ps(1, 6, 7);
-      _tile_loadd(7, w + 32, weight_stride);
+      _tile_loadd(7, w + 32, kWeightStride);
       _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(2, 5, 7);
       _tile_dpbf16ps(2, 6, 7);
-      _tile_loadd(7, w + 48, weight_stride);
+      _tile_loadd(7, w + 48, kWeightStride);
       _tile_dpbf16ps(3, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
       _tile_dpbf16ps(3, 6, 7);
