@@ -50,6 +50,7 @@
 #include "native_ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -98,10 +99,16 @@ bool linear_packed_available() {
 #endif
 }
 
-// Whether `rows` rows times bfloat16 panels take the tile path in this build and process.
+// The tile path on or off for this process (on by default; off: the vector loops at every row
+// count, for A/B timing and their tests); returns the setting before.
+std::atomic<bool> tiles_on{true};
+
+bool linear_use_tiles(bool on) { return tiles_on.exchange(on); }
+
+// Whether `rows` rows times bfloat16 panels take the tile path in this build and process now.
 bool linear_tile_rows(int64_t rows) {
 #ifdef PDSERVE_LINEAR_AMX
-  return tiles_pay(rows) && tiles_permitted();
+  return tiles_on.load(std::memory_order_relaxed) && tiles_pay(rows) && tiles_permitted();
 #else
   return false;
 #endif
@@ -133,7 +140,7 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
   // they save (a batch-1 step's projections, 4 to 48 panels of a few microseconds each)
   const int64_t grain = std::max<int64_t>(1, kMinTaskMultiplyAdds / (m_len * k_len * kPanel));
 #ifdef PDSERVE_LINEAR_AMX
-  if (half && tiles_pay(m_len) && tiles_permitted()) {
+  if (half && linear_tile_rows(m_len)) {
     const int64_t m_pad = (m_len + kTileRows - 1) / kTileRows * kTileRows;
     const int64_t k_pad = (k_len + kTileK - 1) / kTileK * kTileK;
     thread_local std::vector<uint16_t> parts;  // reused: a fresh buffer of this size is a fresh mapping
@@ -236,6 +243,7 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("linear_packed(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_packed_available() -> bool", &linear_packed_available);
   m.def("linear_tile_rows(int rows) -> bool", &linear_tile_rows);
+  m.def("linear_use_tiles(bool on) -> bool", &linear_use_tiles);
 }
 
 TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {

@@ -61,8 +61,15 @@ def test_packed_linear_matches_f_linear(vector):
 
 
 def test_bfloat16_panels_give_the_float32_panels_results_bit_for_bit(vector):
-    _check_bfloat16(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed, rows=ROWS + [3, 4, 8, 18, 32, 64],
+    rows = ROWS + [3, 4, 8, 18, 32, 64]
+    _check_bfloat16(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed, rows=rows,
                     tiles=torch.ops.pdserve.linear_tile_rows)
+    before = torch.ops.pdserve.linear_use_tiles(False)  # the vector loops at every row count
+    try:
+        assert not any(torch.ops.pdserve.linear_tile_rows(m) for m in rows)
+        _check_bfloat16(torch.ops.pdserve.linear_pack, torch.ops.pdserve.linear_packed, rows=rows)
+    finally:
+        torch.ops.pdserve.linear_use_tiles(before)
 
 
 def _cpu_has_amx() -> bool:
