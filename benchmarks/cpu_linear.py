@@ -6,14 +6,19 @@ BLAS), on one model's projection shapes, for the row counts a CPU step multiplie
 Every projection of one layer of the model (fused q/k/v, o, fused gate/up, down) and its
 lm_head, in float32, each in 8 copies so that a pass reads its weights from memory rather than
 from the last-level cache, as a decode step does. One "pass" multiplies x [M, K] by every copy;
-M is 1 (a batch-1 decode step), 2, 5 (a batch-1 verification at k = 4), 8 and 32. Variants, timed
-in turn within each repeat, one torch thread:
+M is 1 (a batch-1 decode step), 2, 5 (a batch-1 verification at k = 4), 8, 32 (a batch-32 step),
+64 and 160 (batch 32's verifications at k = 1 and 4). Variants, timed in turn within each repeat,
+one torch thread:
 
 - `torch`: `F.linear` on the [N, K] weights (what `cpu_linear="torch"` runs);
 - `packed` : `linear_packed` of the library the engine loads (`-march=native`: AVX-512 here
   where the CPU has it);
 - `packed-avx2`: the same source built again with `-mno-avx512f`, so its AVX2 loops run (what a
-  CPU without AVX-512 gets); skipped where the CPU has no AVX2 with FMA.
+  CPU without AVX-512 gets); skipped where the CPU has no AVX2 with FMA;
+- `packed-bf16`: the weights rounded to bfloat16 and packed in bfloat16 panels, what the engine
+  runs for a bfloat16 checkpoint (the demo's): half the bytes, and on a CPU with AMX the tile path
+  (`cpu/linear_amx.h`) from 16 rows where it pays; `packed-bf16-vector`: the same with the tile
+  path switched off (`linear_use_tiles(False)`), skipped where there is none.
 
 Per variant and M: milliseconds a pass (median of --iters passes per repeat), the weights' GB/s,
 and the speedup over `torch` in the same repeat, as min / median / max over --repeats. Writes
@@ -22,6 +27,7 @@ JSON and a PNG under benchmarks/results/ and, unless --no-markdown, its section 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -42,7 +48,7 @@ from report import Spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "CPU projections by instruction set (`benchmarks/cpu_linear.py`)"
-ROWS = (1, 2, 5, 8, 32)
+ROWS = (1, 2, 5, 8, 32, 64, 160)
 COPIES = 8
 
 
@@ -72,6 +78,16 @@ def avx2_ops(build_dir: str):
     return ops if ops.linear_packed_available() else None
 
 
+@contextlib.contextmanager
+def tiles(on: bool):
+    """The library's tile path on or off (`linear_use_tiles`) for the block, as it was after."""
+    before = torch.ops.pdserve.linear_use_tiles(on)
+    try:
+        yield
+    finally:
+        torch.ops.pdserve.linear_use_tiles(before)
+
+
 def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
     if not native.load():
         raise SystemExit(f"the native library does not build here: {native.error()}")
@@ -80,23 +96,35 @@ def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
     gen = torch.Generator().manual_seed(0)
     weights = {name: [torch.randn(n, k, generator=gen) for _ in range(COPIES)] for name, n, k in shapes}
     variants = {"torch": None}
-    if torch.ops.pdserve.linear_packed_available():
-        variants["packed"] = torch.ops.pdserve
+    ops = torch.ops.pdserve
+    if ops.linear_packed_available():
+        variants["packed"] = ops
     with tempfile.TemporaryDirectory() as build_dir:
         avx2 = avx2_ops(build_dir)
     if avx2 is not None:
         variants["packed-avx2"] = avx2
-    packed = {v: {name: [ops.linear_pack(w) for w in weights[name]] for name, _, _ in shapes}
-              for v, ops in variants.items() if ops is not None}
-    weight_bytes = sum(n * k * 4 for _, n, k in shapes) * COPIES
+    if ops.linear_packed_available():
+        variants["packed-bf16"] = ops
+        if any(ops.linear_tile_rows(m) for m in ROWS):
+            variants["packed-bf16-vector"] = ops
+    half = {name: [w.bfloat16() for w in ws] for name, ws in weights.items()}
+    packed = {v: {name: [o.linear_pack(w) for w in (half if "bf16" in v else weights)[name]] for name, _, _ in shapes}
+              for v, o in variants.items() if o is not None}
+    weight_bytes = {v: sum(n * k * (2 if "bf16" in v else 4) for _, n, k in shapes) * COPIES for v in variants}
     for v in packed:  # what is timed computes F.linear's result
-        for (name, n, k), m in zip(shapes, ROWS):
+        for (name, n, k), m in zip(shapes * 2, ROWS + ROWS):
             x = torch.randn(m, k, generator=gen)
-            got = variants[v].linear_packed(x, packed[v][name][0], None, n)
-            torch.testing.assert_close(got, F.linear(x, weights[name][0]), rtol=1e-4, atol=1e-3,
+            with tiles(v != "packed-bf16-vector"):
+                got = variants[v].linear_packed(x, packed[v][name][0], None, n)
+            torch.testing.assert_close(got, F.linear(x, (half if "bf16" in v else weights)[name][0].float()),
+                                       rtol=1e-4, atol=1e-3,
                                        msg=lambda e, v=v, name=name: f"{v} differs from F.linear on {name}: {e}")
 
     def one_pass(variant: str, xs: dict) -> float:
+        with tiles(variant != "packed-bf16-vector"):
+            return timed_pass(variant, xs)
+
+    def timed_pass(variant: str, xs: dict) -> float:
         ops = variants[variant]
         start = time.perf_counter()
         for name, n, _ in shapes:
@@ -123,9 +151,9 @@ def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
             per_rep = seconds[(v, m)]
             speedups = [t / s for t, s in zip(seconds[("torch", m)], per_rep)]
             rows.append(dict(variant=v, rows=m, ms=Spread.of(s * 1e3 for s in per_rep).as_dict(),
-                             gbps=Spread.of(weight_bytes / s / 1e9 for s in per_rep).as_dict(),
+                             gbps=Spread.of(weight_bytes[v] / s / 1e9 for s in per_rep).as_dict(),
                              speedup=Spread.of(speedups).as_dict()))
-    return dict(model=model, shapes=shapes, copies=COPIES, weight_bytes=weight_bytes, repeats=repeats, iters=iters,
+    return dict(model=model, shapes=shapes, copies=COPIES, weight_bytes=weight_bytes["torch"], repeats=repeats, iters=iters,
                 variants=list(variants), rows=rows, machine=machine())
 
 
@@ -142,7 +170,10 @@ def markdown(result: dict, command: str) -> str:
              f"thread, on {host(result['machine'])}; min / median / max over {result['repeats']} interleaved "
              "repeats, speedups against `torch` (`F.linear`) in the same repeat. `packed` is the library the engine "
              "loads (built for this CPU); `packed-avx2` the same source built without AVX-512, which is what a CPU "
-             "with AVX2 and no AVX-512 runs.", "",
+             "with AVX2 and no AVX-512 runs; `packed-bf16` the weights rounded to bfloat16 in bfloat16 panels, what "
+             "the engine runs for a bfloat16 checkpoint such as the demo's (half the bytes; the tile path of "
+             "`kernels/cpu/linear_amx.h` from 16 rows where the CPU has AMX and it pays), `packed-bf16-vector` "
+             "the same with the tile path off. GB/s counts each variant's own weight bytes.", "",
              "| rows (M) | variant | ms a pass | weights GB/s | speedup over torch |", "|---|---|---|---|---|"]
     for r in result["rows"]:
         speed = "–" if r["variant"] == "torch" else _fmt(r["speedup"], 2, "×")

@@ -154,8 +154,9 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
       sums.resize(kTileRows * kPanel);
       configure_tiles();
       for (int64_t j = first; j < last; ++j) {
+        const int64_t cols = std::min(kPanel, n - j * kPanel);
         tile_panel(static_cast<const uint16_t*>(pp) + j * k_len * kPanel, k_len, k_pad, tiled.data());
-        tile_panel_rows(pa, m_len, m_pad, k_pad, tiled.data(), sums.data(), yp + j * kPanel, n, std::min(kPanel, n - j * kPanel),
+        tile_panel_rows(pa, m_len, m_pad, k_pad, tiled.data(), sums.data(), yp + j * kPanel, n, cols,
                         bp == nullptr ? nullptr : bp + j * kPanel);
       }
       _tile_release();
