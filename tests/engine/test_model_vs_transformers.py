@@ -92,6 +92,28 @@ def test_a_bfloat16_checkpoint_keeps_its_projections_in_bfloat16_panels(checkpoi
     assert LLM(checkpoint("llama")).engine.runner.model.lm_head.packed.dtype == torch.float32
 
 
+def test_a_bfloat16_checkpoint_on_the_tile_path_still_gives_transformers_tokens(checkpoint):
+    """On a CPU with AMX, bfloat16 panels times 16 rows and more run on the tile unit
+    (`kernels/cpu/linear_amx.h`), summing in another order: a batch of 32 greedy requests (a
+    prefill of them all, decode steps of 32 rows) still gives transformers' tokens, and the same
+    tokens as the vector loops; draft speculation at k = 4 (verifications of 160 rows) gives
+    plain decoding's."""
+    if not native.load() or not torch.ops.pdserve.linear_tile_rows(32):
+        pytest.skip("no tile path here (a CPU without AMX): bfloat16 panels take the vector loops")
+    path = checkpoint("llama", save_dtype="bfloat16")
+    prompts = [list(range(3 + i, 12 + 2 * i)) for i in range(32)]
+    llm = LLM(path, max_num_seqs=32)
+    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outs == hf_greedy(path, prompts, GREEDY.max_tokens)
+    before = torch.ops.pdserve.linear_use_tiles(False)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == outs
+    finally:
+        torch.ops.pdserve.linear_use_tiles(before)
+    spec = LLM(path, max_num_seqs=32, draft_model=path, num_speculative_tokens=4, spec_adaptive=False)
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == outs
+
+
 def test_half_precision_projections_stay_row_major(checkpoint):
     """The column-major layout is a float32 gain only (the half-precision CPU kernels lose ~5x)."""
     layer = LLM(checkpoint("llama"), dtype="bfloat16").engine.runner.model.model.layers[0]
