@@ -66,6 +66,8 @@ constexpr int64_t kMinTaskMultiplyAdds = int64_t{1} << 20;  // the least work wo
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 #ifdef PDSERVE_LINEAR_AMX
+static_assert(kPanel == 64, "linear_amx.h's tiles cover a panel of 64 columns");
+
 // Whether m rows take the tile path: a block of 16 rows on the tile unit costs about what 10 rows
 // take the vector loops, and a block is paid for whole (scratch timing, the demo target's shapes,
 // Intel Xeon: 16 rows 1.05-1.25x the vector loops' speed, 17 rows on tiles 0.7x, 32 rows

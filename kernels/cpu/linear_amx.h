@@ -70,13 +70,9 @@ inline __m512 bf16_to_float(__m256bh h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
-// x [m_len, k_len] float32 into parts: kParts planes of m_pad / 16 x k_pad / 32 tiles of 16 rows
-// of 32 bfloat16, each tile's 1 KB contiguous (`part_tile`); zero in the padding (m_pad a multiple
-// of kTileRows, k_pad of kTileK).
-inline int64_t part_tile(int64_t m_pad, int64_t k_pad, int p, int64_t r0, int64_t k) {
-  return p * m_pad * k_pad + r0 * k_pad + k * kTileRows;
-}
-
+// x [m_len, k_len] float32 into parts: kParts planes of m_pad x k_pad bfloat16 (zero in the
+// padding; m_pad a multiple of kTileRows, k_pad of kTileK), each laid out tile by tile: the tile
+// of rows [r0, r0 + 16) and k [k0, k0 + 32) is the 1 KB at r0 * k_pad + k0 * 16, row-major.
 inline void split_rows(const float* x, int64_t m_len, int64_t k_len, int64_t m_pad, int64_t k_pad, uint16_t* parts) {
   std::fill(parts, parts + kParts * m_pad * k_pad, uint16_t{0});
   for (int64_t m = 0; m < m_len; ++m)
@@ -113,8 +109,9 @@ inline void tile_panel(const uint16_t* panel, int64_t k_len, int64_t k_pad, uint
 // One tiled panel (`tile_panel`) times the parts of x: y [m_len, ldy] gets the panel's `cols`
 // columns, plus bias (or none). The tiles are configured on this thread; sums holds 16 rows of 64
 // floats. Per 16 rows, the panel's four 16-column sums take the three parts of each 32 k in turn.
-// (Scratch timings of other orders, the demo's shapes, 32-160 rows: each part's own sums, or two
-// row blocks by two column tiles, 10-60% slower than this one; it loads the fewest tiles.)
+// (Scratch timings of other orders, the demo's shapes, 32-160 rows, with x's parts still in rows:
+// each part's own sums, or two row blocks by two column tiles, 10-60% slower than this one; it
+// loads the fewest tiles.)
 inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad, int64_t k_pad, const uint32_t* tiled,
                             float* sums, float* y, int64_t ldy, int64_t cols, const float* bias) {
   constexpr int64_t kPanelCols = 64;
