@@ -131,9 +131,12 @@ def test_packed_linear_takes_any_weight_layout_and_leading_dims(vector):
                                F.linear(strided, w), rtol=1e-5, atol=1e-4)
 
 
-def test_packed_linear_same_result_with_two_threads(vector):
-    """Threads split the panels; each output column is computed by one thread, the same way."""
-    w, x = torch.randn(1000, 256), torch.randn(9, 256)
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 9), (torch.bfloat16, 9), (torch.bfloat16, 64)])
+def test_packed_linear_same_result_with_two_threads(vector, dtype, rows):
+    """Threads split the panels; each output column is computed by one thread, the same way (64
+    rows of bfloat16 panels: the tile path where the CPU has AMX, each thread configuring its own
+    tiles)."""
+    w, x = torch.randn(1000, 256).to(dtype), torch.randn(rows, 256)
     packed = torch.ops.pdserve.linear_pack(w)
     before = torch.get_num_threads()
     try:
@@ -144,6 +147,7 @@ def test_packed_linear_same_result_with_two_threads(vector):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+    torch.testing.assert_close(one, F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
 
 
 def test_packed_linear_runs_under_torch_compile(vector):
