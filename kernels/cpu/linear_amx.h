@@ -106,6 +106,16 @@ inline void tile_panel(const uint16_t* panel, int64_t k_len, int64_t k_pad, uint
     }
 }
 
+// Sum tile `sum` (a literal: the compiler's tile intrinsics name their tiles in the instruction)
+// gets the three parts (tiles 4-6) times the weight tile at w (into tile 7).
+#define PDSERVE_COLUMN_TILE(sum, w, stride) \
+  do {                                      \
+    _tile_loadd(7, (w), (stride));          \
+    _tile_dpbf16ps(sum, 4, 7);              \
+    _tile_dpbf16ps(sum, 5, 7);              \
+    _tile_dpbf16ps(sum, 6, 7);              \
+  } while (0)
+
 // One tiled panel (`tile_panel`) times the parts of x: y [m_len, ldy] gets the panel's `cols`
 // columns, plus bias (or none). The tiles are configured on this thread; sums holds 16 rows of 64
 // floats. Per 16 rows, the panel's four 16-column sums take the three parts of each 32 k in turn.
@@ -128,22 +138,10 @@ inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad,
       _tile_loadd(5, a + plane + k * kTileRows, kStride);
       _tile_loadd(6, a + 2 * plane + k * kTileRows, kStride);
       const uint32_t* w = tiled + (k / 2) * kPanelCols;
-      _tile_loadd(7, w, kWeightStride);
-      _tile_dpbf16ps(0, 4, 7);
-      _tile_dpbf16ps(0, 5, 7);
-      _tile_dpbf16ps(0, 6, 7);
-      _tile_loadd(7, w + 16, kWeightStride);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(1, 5, 7);
-      _tile_dpbf16ps(1, 6, 7);
-      _tile_loadd(7, w + 32, kWeightStride);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(2, 5, 7);
-      _tile_dpbf16ps(2, 6, 7);
-      _tile_loadd(7, w + 48, kWeightStride);
-      _tile_dpbf16ps(3, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_dpbf16ps(3, 6, 7);
+      PDSERVE_COLUMN_TILE(0, w, kWeightStride);
+      PDSERVE_COLUMN_TILE(1, w + 16, kWeightStride);
+      PDSERVE_COLUMN_TILE(2, w + 32, kWeightStride);
+      PDSERVE_COLUMN_TILE(3, w + 48, kWeightStride);
     }
     _tile_stored(0, sums, kPanelCols * 4);
     _tile_stored(1, sums + 16, kPanelCols * 4);
@@ -161,5 +159,7 @@ inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad,
 }
 
 }  // namespace pdserve_linear
+
+#undef PDSERVE_COLUMN_TILE
 
 #endif  // PDSERVE_LINEAR_AMX
