@@ -126,6 +126,24 @@ class WorkerService:
         return {}
 
 
+def _projections(engine) -> str:
+    """How a CPU engine's projections run, for the loaded line: packed panels (and their dtype,
+    and whether many rows take the AMX tile unit) or torch's nn.Linear; nothing on a GPU."""
+    if engine.device.type != "cpu":
+        return ""
+    if not engine.native_linear:
+        return "; projections: nn.Linear"
+    import torch
+
+    from pdserve.engine.model.llama import PackedLinear
+
+    dtypes = {m.packed.dtype for m in engine.runner.model.modules() if isinstance(m, PackedLinear)}
+    half = dtypes == {torch.bfloat16}
+    kinds = "bfloat16" if half else "float32" if dtypes == {torch.float32} else "float32 and bfloat16"
+    tiles = torch.bfloat16 in dtypes and torch.ops.pdserve.linear_tile_rows(32)
+    return f"; projections: packed {kinds} panels" + (", AMX tiles from 16 rows" if tiles else "")
+
+
 def load_engine(config: EngineConfig, role: str, warmup: bool, kv_allocator=None):
     """Load the weights, allocate the KV cache and (unless told not to) run one tiny request
     through, so the first client's request pays no first-use cost (kernel compilation on a GPU,
@@ -140,7 +158,8 @@ def load_engine(config: EngineConfig, role: str, warmup: bool, kv_allocator=None
     bm = engine.block_manager
     kv_bytes = sum(t.numel() * t.element_size() for t in _kv_tensors(engine))
     progress(f"{role} worker: loaded in {time.perf_counter() - started:.1f} s on {engine.device}: KV cache "
-             f"{bm.num_blocks} blocks of {bm.block_size} tokens ({kv_bytes / 2**20:.1f} MiB)")
+             f"{bm.num_blocks} blocks of {bm.block_size} tokens ({kv_bytes / 2**20:.1f} MiB)"
+             f"{_projections(engine)}")
     if warmup:
         started = time.perf_counter()
         engine.add_request("warmup", [0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, seed=0))

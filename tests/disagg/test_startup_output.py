@@ -13,7 +13,8 @@ def test_workers_report_loading_kv_and_warmup_then_one_ready_line(cluster):
         assert len(ready) == 1, lines
         before = lines[:ready[0]]
         steps = [r"\] " + role + r" worker: loading .* and allocating the KV cache$",
-                 r"\] " + role + r" worker: loaded in [\d.]+ s on cpu: KV cache 128 blocks of 16 tokens",
+                 r"\] " + role + r" worker: loaded in [\d.]+ s on cpu: KV cache 128 blocks of 16 tokens .*; "
+                 r"projections: (packed (float32|bfloat16|float32 and bfloat16) panels|nn.Linear)",
                  r"\] " + role + r" worker: warmed up in [\d.]+ s$"]
         assert len(before) == len(steps) and all(re.search(p, line) for p, line in zip(steps, before)), before
 
