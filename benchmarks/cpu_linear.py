@@ -108,15 +108,17 @@ def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
         if any(ops.linear_tile_rows(m) for m in ROWS):
             variants["packed-bf16-vector"] = ops
     half = {name: [w.bfloat16() for w in ws] for name, ws in weights.items()}
-    packed = {v: {name: [o.linear_pack(w) for w in (half if "bf16" in v else weights)[name]] for name, _, _ in shapes}
+    weights_of = lambda v: half if "bf16" in v else weights  # noqa: E731 - a variant's weights
+    packed = {v: {name: [o.linear_pack(w) for w in weights_of(v)[name]] for name, _, _ in shapes}
               for v, o in variants.items() if o is not None}
-    weight_bytes = {v: sum(n * k * (2 if "bf16" in v else 4) for _, n, k in shapes) * COPIES for v in variants}
+    weight_bytes = {v: sum(n * k * weights_of(v)[name][0].element_size() for name, n, k in shapes) * COPIES
+                    for v in variants}
     for v in packed:  # what is timed computes F.linear's result
         for (name, n, k), m in zip(shapes * 2, ROWS + ROWS):
             x = torch.randn(m, k, generator=gen)
             with tiles(v != "packed-bf16-vector"):
                 got = variants[v].linear_packed(x, packed[v][name][0], None, n)
-            torch.testing.assert_close(got, F.linear(x, (half if "bf16" in v else weights)[name][0].float()),
+            torch.testing.assert_close(got, F.linear(x, weights_of(v)[name][0].float()),
                                        rtol=1e-4, atol=1e-3,
                                        msg=lambda e, v=v, name=name: f"{v} differs from F.linear on {name}: {e}")
 

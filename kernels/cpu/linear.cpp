@@ -66,13 +66,11 @@ constexpr int64_t kMinTaskMultiplyAdds = int64_t{1} << 20;  // the least work wo
 int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 #ifdef PDSERVE_LINEAR_AMX
-static_assert(kPanel == 64, "linear_amx.h's tiles cover a panel of 64 columns");
-
 // Whether m rows take the tile path: a block of 16 rows on the tile unit costs about what 10 rows
 // take the vector loops, and a block is paid for whole (scratch timing, the demo target's shapes,
 // Intel Xeon: 16 rows 1.05-1.25x the vector loops' speed, 17 rows on tiles 0.7x, 32 rows
 // 1.05-1.7x, 160 rows 1.8-2.6x).
-bool tiles_pay(int64_t m) { return m >= kTileRows && m >= 10 * ((m + kTileRows - 1) / kTileRows) + 6; }
+bool tiles_pay(int64_t m) { return m >= 10 * ((m + kTileRows - 1) / kTileRows) + 6; }
 #endif
 
 at::Tensor linear_pack(const at::Tensor& weight) {
@@ -151,14 +149,12 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
     const uint16_t* pa = parts.data();
     at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {
       thread_local std::vector<uint32_t> tiled;
-      thread_local std::vector<float> sums;
       tiled.resize(k_pad / 2 * kPanel);
-      sums.resize(kTileRows * kPanel);
       configure_tiles();
       for (int64_t j = first; j < last; ++j) {
         const int64_t cols = std::min(kPanel, n - j * kPanel);
         tile_panel(static_cast<const uint16_t*>(pp) + j * k_len * kPanel, k_len, k_pad, tiled.data());
-        tile_panel_rows(pa, m_len, m_pad, k_pad, tiled.data(), sums.data(), yp + j * kPanel, n, cols,
+        tile_panel_rows(pa, m_len, m_pad, k_pad, tiled.data(), yp + j * kPanel, n, cols,
                         bp == nullptr ? nullptr : bp + j * kPanel);
       }
       _tile_release();

@@ -36,7 +36,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+
+#include "linear_loops.h"  // kPanel: a panel's 64 columns, four sum tiles wide
 
 namespace pdserve_linear {
 
@@ -74,16 +75,16 @@ inline __m512 bf16_to_float(__m256bh h) {
 // padding; m_pad a multiple of kTileRows, k_pad of kTileK), each laid out tile by tile: the tile
 // of rows [r0, r0 + 16) and k [k0, k0 + 32) is the 1 KB at r0 * k_pad + k0 * 16, row-major.
 inline void split_rows(const float* x, int64_t m_len, int64_t k_len, int64_t m_pad, int64_t k_pad, uint16_t* parts) {
-  std::fill(parts, parts + kParts * m_pad * k_pad, uint16_t{0});
-  for (int64_t m = 0; m < m_len; ++m)
-    for (int64_t k = 0; k < k_len; k += 16) {
-      const __mmask16 live = k_len - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k_len - k)) - 1);
-      __m512 rest = _mm512_maskz_loadu_ps(live, x + m * k_len + k);
+  for (int64_t m = 0; m < m_pad; ++m)
+    for (int64_t k = 0; k < k_pad; k += 16) {  // every value written once: the padding as zeros
+      const int64_t n = m < m_len ? std::clamp<int64_t>(k_len - k, 0, 16) : 0;
+      const __mmask16 live = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+      __m512 rest = _mm512_maskz_loadu_ps(live, x + m * k_len + k);  // no access where masked off
       const int64_t at = (m / kTileRows) * kTileRows * k_pad + (k / kTileK) * kTileK * kTileRows +
                          (m % kTileRows) * kTileK + k % kTileK;
       for (int p = 0; p < kParts; ++p) {
         const __m256bh part = _mm512_cvtneps_pbh(rest);  // round to nearest even
-        _mm256_mask_storeu_epi16(parts + p * m_pad * k_pad + at, live, (__m256i)part);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts + p * m_pad * k_pad + at), (__m256i)part);
         rest = _mm512_sub_ps(rest, bf16_to_float(part));  // exact
       }
     }
@@ -92,17 +93,16 @@ inline void split_rows(const float* x, int64_t m_len, int64_t k_len, int64_t m_p
 // A paired panel (K rows of 64 bfloat16, linear_loops.h's pairing) as weight tiles' rows:
 // word [p][c] = (k = 2p, column c) in its low half, (2p + 1, c) in its high half, p < k_pad / 2.
 inline void tile_panel(const uint16_t* panel, int64_t k_len, int64_t k_pad, uint32_t* out) {
-  constexpr int64_t kPanelCols = 64;
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t p = 0; p < k_pad / 2; ++p)
     for (int h = 0; h < 2; ++h) {  // each half's word i pairs its columns i and 16 + i
       const int64_t k0 = 2 * p, k1 = k0 + 1;
-      const __m512i a = k0 < k_len ? _mm512_loadu_si512(panel + k0 * kPanelCols + 32 * h) : zero;
-      const __m512i b = k1 < k_len ? _mm512_loadu_si512(panel + k1 * kPanelCols + 32 * h) : zero;
+      const __m512i a = k0 < k_len ? _mm512_loadu_si512(panel + k0 * kPanel + 32 * h) : zero;
+      const __m512i b = k1 < k_len ? _mm512_loadu_si512(panel + k1 * kPanel + 32 * h) : zero;
       const __m512i low = _mm512_mask_blend_epi16(0xAAAAAAAA, a, _mm512_slli_epi32(b, 16));
       const __m512i high = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_srli_epi32(a, 16), b);
-      _mm512_storeu_si512(out + p * kPanelCols + 32 * h, low);
-      _mm512_storeu_si512(out + p * kPanelCols + 32 * h + 16, high);
+      _mm512_storeu_si512(out + p * kPanel + 32 * h, low);
+      _mm512_storeu_si512(out + p * kPanel + 32 * h + 16, high);
     }
 }
 
@@ -117,16 +117,16 @@ inline void tile_panel(const uint16_t* panel, int64_t k_len, int64_t k_pad, uint
   } while (0)
 
 // One tiled panel (`tile_panel`) times the parts of x: y [m_len, ldy] gets the panel's `cols`
-// columns, plus bias (or none). The tiles are configured on this thread; sums holds 16 rows of 64
-// floats. Per 16 rows, the panel's four 16-column sums take the three parts of each 32 k in turn.
+// columns, plus bias (or none). The tiles are configured on this thread. Per 16 rows, the panel's
+// four 16-column sums take the three parts of each 32 k in turn.
 // (Scratch timings of other orders, the demo's shapes, 32-160 rows, with x's parts still in rows:
 // each part's own sums, or two row blocks by two column tiles, 10-60% slower than this one; it
 // loads the fewest tiles.)
 inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad, int64_t k_pad, const uint32_t* tiled,
-                            float* sums, float* y, int64_t ldy, int64_t cols, const float* bias) {
-  constexpr int64_t kPanelCols = 64;
+                            float* y, int64_t ldy, int64_t cols, const float* bias) {
   const int64_t plane = m_pad * k_pad;
-  constexpr int64_t kStride = 64, kWeightStride = kPanelCols * 4;  // bytes from a tile row to the next
+  alignas(64) float sums[kTileRows * kPanel];
+  constexpr int64_t kStride = 64, kWeightStride = kPanel * 4;  // bytes from a tile row to the next
   for (int64_t r0 = 0; r0 < m_len; r0 += kTileRows) {
     _tile_zero(0);
     _tile_zero(1);
@@ -137,21 +137,21 @@ inline void tile_panel_rows(const uint16_t* parts, int64_t m_len, int64_t m_pad,
       _tile_loadd(4, a + k * kTileRows, kStride);
       _tile_loadd(5, a + plane + k * kTileRows, kStride);
       _tile_loadd(6, a + 2 * plane + k * kTileRows, kStride);
-      const uint32_t* w = tiled + (k / 2) * kPanelCols;
+      const uint32_t* w = tiled + (k / 2) * kPanel;
       PDSERVE_COLUMN_TILE(0, w, kWeightStride);
       PDSERVE_COLUMN_TILE(1, w + 16, kWeightStride);
       PDSERVE_COLUMN_TILE(2, w + 32, kWeightStride);
       PDSERVE_COLUMN_TILE(3, w + 48, kWeightStride);
     }
-    _tile_stored(0, sums, kPanelCols * 4);
-    _tile_stored(1, sums + 16, kPanelCols * 4);
-    _tile_stored(2, sums + 32, kPanelCols * 4);
-    _tile_stored(3, sums + 48, kPanelCols * 4);
+    _tile_stored(0, sums, kPanel * 4);
+    _tile_stored(1, sums + 16, kPanel * 4);
+    _tile_stored(2, sums + 32, kPanel * 4);
+    _tile_stored(3, sums + 48, kPanel * 4);
     const int64_t rows = std::min(kTileRows, m_len - r0);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; c += 16) {
         const __mmask16 live = cols - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - c)) - 1);
-        __m512 v = _mm512_loadu_ps(sums + r * kPanelCols + c);
+        __m512 v = _mm512_loadu_ps(sums + r * kPanel + c);
         if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + c));
         _mm512_mask_storeu_ps(y + (r0 + r) * ldy + c, live, v);
       }
