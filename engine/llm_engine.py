@@ -78,9 +78,13 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._speculate = False  # this step's gate decision
         self._shape: StepShape | None = None  # this step's, for the gate
-        # prefill worker: called on this thread inside each forward pass that runs prefill-only
-        # sequences, once layer `layer` of KV group `group` (0 target, 1 draft) is in the cache
+        # prefill worker: called on this thread for each forward pass that runs prefill-only
+        # sequences, once layer `layer` of KV group `group` (0 target, 1 draft) is in the cache:
+        # inside the pass as each layer lands (kv_hook_streams), or for every layer once the pass
+        # is done, so that it runs whole (a hook that sends the K/V only after the step anyway)
         self.kv_hook: KVHook | None = None
+        self.kv_hook_streams = True
+        self.forward_started_at: float | None = None  # perf_counter: the last step's target pass began
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         if self.capture == "compile":
@@ -288,12 +292,19 @@ class LLMEngine:
 
     def _run(self, batch: list[BatchEntry]):
         """The target's forward pass over the flat batch; for prefill-only sequences, their K/V
-        go to `kv_hook` layer by layer as they land (the draft's after, when there is a draft)."""
+        go to `kv_hook` layer by layer, as they land when `kv_hook_streams`, else once the pass
+        is done (the draft's after, when there is a draft)."""
         handoff = [e for e in batch if e.seq.is_prefill_only]
         hook, chunks = self.kv_hook, None
         if handoff and hook is not None:
             chunks = [prefill_chunk(e, self.block_manager.block_size) for e in handoff]
-        logits = self.runner.execute(batch, None if chunks is None else (lambda layer: hook(0, layer, chunks)))
+        self.forward_started_at = time.perf_counter()
+        if chunks is not None and self.kv_hook_streams:
+            logits = self.runner.execute(batch, lambda layer: hook(0, layer, chunks))
+        else:
+            logits = self.runner.execute(batch)
+            for layer in range(len(self.runner.kv_caches) if chunks is not None else 0):
+                hook(0, layer, chunks)
         if handoff and self.draft_runner is not None:  # the draft's K/V of the same tokens travel too
             self.draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff])
             if chunks is not None:

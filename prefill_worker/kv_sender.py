@@ -106,10 +106,11 @@ class KVSender:
             self._data(group, layer, token_start + s * step, num_tokens, b"", 0, tuple(x for run in part for x in run),
                        num_bytes=num_tokens * bytes_per_token)
 
-    def began(self) -> None:
-        """The prefill computed this request's first K/V (their messages may come later)."""
+    def began(self, at: float | None = None) -> None:
+        """The prefill computed this request's first K/V (their messages may come later); `at`:
+        when the pass that computed them began (perf_counter), when told after a whole pass."""
         if self.first_layer_at is None:
-            self.first_layer_at = time.perf_counter()
+            self.first_layer_at = time.perf_counter() if at is None else at
 
     def end_of_prompt(self) -> None:
         """After the step that completed the prompt (its first token already posted to the loop):

@@ -143,23 +143,33 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self._groups = [cache for _, cache in kv_cache_groups(loop.engine)]
         kv_copy.prepare(self._groups[0][0][0].device)
         loop.engine.kv_hook = self._on_layer
+        loop.engine.kv_hook_streams = not self._after_the_step
         loop.after_step = self._after_step
 
+    @property
+    def _after_the_step(self) -> bool:
+        """Whether the K/V go only after each step: our cache is in shared memory (only slots
+        travel), or the transport reads the slots itself."""
+        return self.arena is not None and bool(self.arena.segments) or self._reads_slots
+
     def _on_layer(self, group: int, layer: int, chunks) -> None:
-        """The engine's KV hook (engine thread, inside the forward pass): this layer's K/V of each
-        chunk are in the cache. Off this node they are copied out now and stream layer by layer,
+        """The engine's KV hook (engine thread): this layer's K/V of each chunk are in the cache.
+        Off this node they are copied out now, inside the forward pass, and stream layer by layer,
         overlapping the wire with the prefill. In shared memory they stay where they are and only
-        their slots travel: the layer is noted, and `_after_step` describes and checksums the
+        their slots travel: the engine runs the pass whole and then calls this for each layer
+        (`kv_hook_streams` off), which notes it, and `_after_step` describes and checksums the
         step's layers once its first tokens are on their way; the decode side copies them at
-        memory speed, so streaming them during the forward would only take its core. A transport
-        that reads the slots itself (`DistTransport`, `takes_slots`) gets them the same way, after
-        the step, and reads them where they lie (a GPU's cache: no copy to the host)."""
+        memory speed, so streaming them during the forward would only take its core. The whole
+        pass is also the faster one: in the worker, the demo target's prefill of 256-768 tokens
+        took about 1.15x the CPU time layer by layer (BENCHMARKS.md, TTFT at low load). A
+        transport that reads the slots itself (`DistTransport`, `takes_slots`) gets them the same
+        way, after the step, and reads them where they lie (a GPU's cache: no copy to the host)."""
         self._step_chunks = chunks
-        if self.arena is not None and self.arena.segments or self._reads_slots:
+        if self._after_the_step:
             self._step_layers.append((group, layer))
             for c in chunks:
                 if (sender := self._senders.get(c.seq.req_id)) is not None:
-                    sender.began()
+                    sender.began(self.engine.forward_started_at)
             return
         on_host = self._groups[group][layer][0].device.type == "cpu"
         for c in chunks:

@@ -21,14 +21,17 @@ def engines(path, **options):
 
 
 def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, req_id: str, params: SamplingParams):
-    """Prefill on one engine, copying every hooked layer chunk into the other's reservation."""
+    """Prefill on one engine, copying every hooked layer chunk into the other's reservation.
+    Each call's record ends with whether the chunk's K/V of the last layer were in the cache."""
     seq = decode.reserve(req_id, PROMPT, params)
     assert seq is not None and seq.status is SequenceStatus.HELD
     src, dst = kv_cache_groups(prefill), kv_cache_groups(decode)
     calls = []
 
     def hook(group, layer, chunks):
-        calls.append((group, layer, [(c.token_start, c.num_tokens) for c in chunks]))
+        last = len(src[group][1]) - 1
+        calls.append((group, layer, [(c.token_start, c.num_tokens) for c in chunks],
+                      all(read_kv(src[group][1], last, c.slots).any() for c in chunks)))
         for c in chunks:
             kv = read_kv(src[group][1], layer, c.slots)
             write_kv(dst[group][1], layer, slot_ids(seq, decode.block_manager.block_size, c.token_start, c.num_tokens),
@@ -45,15 +48,21 @@ def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, req_id: str, params:
     return first, calls
 
 
-@pytest.mark.parametrize("with_draft", [False, True])
-def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_draft):
+@pytest.mark.parametrize("with_draft,streams", [(False, True), (True, True), (False, False), (True, False)])
+def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_draft, streams):
+    """streams: the hook runs inside the pass as each layer lands (`kv_hook_streams`), or for each
+    layer once the pass is done."""
     path = checkpoint("llama", seed=1)
     options = dict(draft_model=str(path), num_speculative_tokens=2, spec_adaptive=False) if with_draft else {}
     prefill, decode = engines(path, **options)
+    prefill.kv_hook_streams = streams
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
     first, calls = prefill_and_ship(prefill, decode, "r", params)
     layers = prefill.model_config.num_layers
     assert [c[2] for c in calls if c[:2] == (0, 0)] == [[(0, 16)], [(16, 16)], [(32, 8)]]  # layer by layer, per chunk
+    assert [c[1] for c in calls if c[0] == 0] == list(range(layers)) * 3  # in order, each chunk
+    # streamed, the first layer's call comes before the last layer's K/V exist; else after the pass
+    assert [c[3] for c in calls if c[:2] == (0, 0)] == [not streams] * 3
     assert {c[0] for c in calls} == ({0, 1} if with_draft else {0}) and len(calls) >= 3 * layers
 
     out = decode.activate("r", first)
