@@ -74,7 +74,12 @@ class Segment:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, max(size, 1))  # zero-filled, as the KV cache must start
-            self.mmap = mmap.mmap(fd, max(size, 1))
+            # the pages reserved now: where /dev/shm has no room for them this fails (ENOSPC),
+            # not a write into the cache later, which a full tmpfs answers with SIGBUS, killing
+            # the process mid-request; and mapped now (MAP_POPULATE), so that the first requests'
+            # K/V writes do not fault them in one by one
+            os.posix_fallocate(fd, 0, max(size, 1))
+            self.mmap = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             os.rename(tmp, _path(name))
         except BaseException:
             os.close(fd)
@@ -154,20 +159,35 @@ def can_open_probe(name: str, nonce: str) -> bool:
 # ---- the prefill worker's KV cache in shared memory -------------------------------------------
 class KVArena:
     """Allocates a prefill worker's KV caches in segments, one per KV group (the engine's
-    `kv_allocator`). Only a CPU cache can live here; for another device it declines and the
-    engine allocates as usual (the transfers then go over gRPC)."""
+    `kv_allocator`). Only a CPU cache can live here; for another device, or where /dev/shm has
+    no room for the target's cache, it declines (with a warning for the latter) and the engine
+    allocates as usual: the transfers then go over gRPC. Where the target's cache fit but the
+    draft's does not, RuntimeError: the groups cannot be split between the two."""
 
     def __init__(self):
         self.tag = secrets.token_hex(8)
         self.segments: list[Segment] = []
         self.num_slots = 0
+        self.declined = False  # a group's cache did not fit: the later ones stay out too
 
     def __call__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        if device.type != "cpu" or not is_available():
+        if device.type != "cpu" or not is_available() or self.declined:
             return None
         per_tensor = int(np.prod(shape)) * dtype.itemsize
-        seg = Segment(f"{KV_PREFIX}{self.tag}-{len(self.segments)}", 2 * num_layers * per_tensor)
+        size = 2 * num_layers * per_tensor
+        try:
+            seg = Segment(f"{KV_PREFIX}{self.tag}-{len(self.segments)}", size)
+        except OSError as e:
+            stat = os.statvfs(shm_dir())
+            room = (f"{shm_dir()} has no room for the {'draft' if self.segments else 'target'}'s KV cache "
+                    f"({size / 2**20:.0f} MiB; {stat.f_bavail * stat.f_frsize / 2**20:.0f} MiB free: {e.strerror})")
+            advice = "give it more (docker run --shm-size, a Memory emptyDir at /dev/shm) or turn kv_shm off (--no-kv-shm)"
+            if self.segments:
+                raise RuntimeError(f"{room} beside the target's: {advice}") from e
+            self.declined = True
+            log.warning("%s: it stays in ordinary memory and K/V go over gRPC; %s", room, advice)
+            return None
         self.segments.append(seg)
         self.num_slots = shape[0] * shape[1]
         flat = torch.frombuffer(seg.mmap, dtype=torch.uint8)

@@ -170,3 +170,48 @@ def test_shm_copy_writes_what_the_bytes_path_writes():
             assert torch.equal(kb, ks) and torch.equal(vb, vs)
     finally:
         arena.close()
+
+
+ROOMLESS = """
+import torch
+from pdserve.serving.kv_transfer.shm import KVArena
+f32, cpu = torch.float32, torch.device("cpu")
+a = KVArena()  # one layer's K and V of [blocks, 16, 2, 32] float32: 8 KiB a block
+assert a(1, (256, 16, 2, 32), f32, cpu) is None  # 2 MiB in a 1 MiB /dev/shm: declined, nothing left
+assert a.declined and a.segments == [] and a(1, (4, 16, 2, 32), f32, cpu) is None  # the later groups too
+b = KVArena()
+(k, v), = b(1, (64, 16, 2, 32), f32, cpu)  # 512 KiB: fits, and every byte of it can be written
+k.fill_(1.0), v.fill_(2.0)
+try:
+    b(1, (96, 16, 2, 32), f32, cpu)  # a draft's 768 KiB beside it: no room, and no splitting the groups
+except RuntimeError as e:
+    print("draft:", e)
+"""
+
+
+def test_a_dev_shm_without_room_for_the_cache_is_said_at_allocation_not_a_sigbus(tmp_path):
+    """Where /dev/shm is smaller than the cache (Docker's and Kubernetes' default is 64 MiB), the
+    arena declines at allocation and the worker keeps its cache in ordinary memory, K/V over
+    gRPC. Before, the segment was made sparse and the first K/V write past the room killed the
+    process with SIGBUS. A tmpfs of a set size needs a mount namespace of our own (root, or
+    unprivileged user namespaces)."""
+    import shutil
+    import subprocess
+    import sys
+
+    room = tmp_path / "shm"
+    room.mkdir()
+    script = tmp_path / "roomless.py"
+    script.write_text(ROOMLESS)
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to mount a small tmpfs")
+    flags = ["-m"] if os.geteuid() == 0 else ["-r", "-m"]
+    run = subprocess.run(["unshare", *flags, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {room} || exit 99; "
+                          f"exec {sys.executable} {script}"], env={**os.environ, "PDSERVE_SHM_DIR": str(room)},
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode == 99 or "unshare failed" in run.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip()[:200]}")
+    assert run.returncode == 0, run.stderr  # 135 would be the SIGBUS
+    assert "no room for the target's KV cache (2 MiB" in run.stderr and "--no-kv-shm" in run.stderr
+    assert "draft: /" in run.stdout and "no room for the draft's KV cache (1 MiB" in run.stdout
+    assert "beside the target's" in run.stdout
