@@ -1,6 +1,6 @@
 """Disaggregated against colocated TTFT at low load, measured by `pdserve bench` side by side.
 
-    python benchmarks/ttft_low_load.py [--quick] [--repeats 5] [--num-requests 20]
+    python benchmarks/ttft_low_load.py [--quick] [--repeats 5] [--num-requests 20] [--no-kv-shm]
 
 Two systems run at once, each with single-threaded workers pinned to cores:
 
@@ -16,7 +16,9 @@ prompts, so noise from the rest of this shared machine lands on both. Each repea
 median TTFT disagg / median TTFT colocated. Goal: every repeat <= 1.10.
 
 Writes benchmarks/results/ttft_low_load.json and .png and the "TTFT at low load" section of
-BENCHMARKS.md (not with --quick).
+BENCHMARKS.md (not with --quick, another --output-len or --no-kv-shm: those write files of their
+own and print their table). --no-kv-shm moves the prefill worker's K/V over gRPC, as to a decode
+worker on another node.
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ def workload(output_len: str = OUTPUT_LEN) -> WorkloadConfig:
                           LengthDistribution.parse(output_len), tokenizer=MODEL)
 
 
-def start(run: Launcher) -> dict:
-    prefill = run.worker("prefill-worker", "disagg-P", WORKER, [0])
+def start(run: Launcher, prefill_args: list[str] = ()) -> dict:
+    prefill = run.worker("prefill-worker", "disagg-P", [*WORKER, *prefill_args], [0])
     decode = run.worker("decode-worker", "disagg-D", WORKER, [1])
     colocated = run.worker("decode-worker", "colocated-D", WORKER, [0])
     routers = {"disagg": run.router("disagg-R", MODEL, [prefill], [decode]),
@@ -118,6 +120,8 @@ def main() -> None:
                    "benchmarks/results/ttft_low_load, with _quick after it for --quick)")
     p.add_argument("--output-len", default=OUTPUT_LEN, help="output lengths (fixed:1: answers that end at the "
                    "first token); only the default run rewrites BENCHMARKS.md")
+    p.add_argument("--no-kv-shm", action="store_true", help="the prefill worker's K/V over gRPC, as to a decode "
+                   "worker on another node (it does not rewrite BENCHMARKS.md)")
     args = p.parse_args()
     if args.out is None:  # a smoke run leaves the measured files alone
         args.out = str(RESULTS / ("ttft_low_load_quick" if args.quick else "ttft_low_load"))
@@ -125,7 +129,7 @@ def main() -> None:
         args.repeats, args.num_requests, args.block = 2, 4, 2
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
-        routers = start(run)
+        routers = start(run, ["--no-kv-shm"] if args.no_kv_shm else [])
         addresses = {arm: router.address for arm, router in routers.items()}
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
             runs.append(one_repeat(addresses, r, args.num_requests, args.block, args.output_len))
@@ -135,15 +139,17 @@ def main() -> None:
     result = {"repeats": runs, "stages_mean_s": stages, "goal": goal.as_dict(), "machine": machine(),
               "workload": {"prompt_len": PROMPT_LEN, "output_len": args.output_len}, "config": vars(args)}
     out = Path(args.out)
-    if args.output_len != OUTPUT_LEN and args.out == str(RESULTS / "ttft_low_load"):
-        out = RESULTS / f"ttft_low_load_{args.output_len.replace(':', '')}"  # the default run's files stay
+    if (args.output_len != OUTPUT_LEN or args.no_kv_shm) and args.out == str(RESULTS / "ttft_low_load"):
+        # the default run's files stay
+        out = RESULTS / "_".join(["ttft_low_load", *(["no_kv_shm"] if args.no_kv_shm else []),
+                                  *([args.output_len.replace(':', '')] if args.output_len != OUTPUT_LEN else [])])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(runs, out.with_suffix(".png"))
     out_name = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)
     body = markdown(runs, stages, goal, args, host(result["machine"]), out_name)
     print(body)
-    if not args.quick and args.output_len == OUTPUT_LEN:
+    if not args.quick and args.output_len == OUTPUT_LEN and not args.no_kv_shm:
         update_section(REPO / "BENCHMARKS.md", "TTFT at low load (`benchmarks/ttft_low_load.py`)", body)
 
 
@@ -153,10 +159,13 @@ def markdown(runs: list[dict], stages: dict, goal: Goal, args, host_line: str,
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/ttft_low_load.py --repeats "
              f"{args.repeats} --num-requests {args.num_requests} --block {args.block}"
              + (f" --output-len {args.output_len}" if args.output_len != OUTPUT_LEN else "")
+             + (" --no-kv-shm" if args.no_kv_shm else "")
              + f"`, through `pdserve bench` (`--max-concurrency 1`), prompts {PROMPT_LEN} tokens of code, "
              f"{args.output_len} output tokens, "
              "demo target, one torch thread per worker, workers pinned (disagg: prefill core 0, decode core 1; "
-             "colocated: one worker on core 0), default worker settings otherwise. Output: "
+             "colocated: one worker on core 0), "
+             + ("the prefill worker's K/V over gRPC (`--no-kv-shm`), " if args.no_kv_shm else "")
+             + "default worker settings otherwise. Output: "
              f"`{out_name}.json`, `.png`. "
              f"Machine: {host_line}.", "",
              "| arm | TTFT p50 (ms), min / median / max over repeats | TTFT p90 (ms) | TPOT p50 (ms) |",

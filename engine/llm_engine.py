@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from pdserve.engine.block_manager import BlockManager, cdiv
 from pdserve.engine.capture import resolve_capture
 from pdserve.engine.disagg import KVHook, prefill_chunk

@@ -3,8 +3,9 @@
 A prefill (`Prefill`; `PrefillStream` is the same call answering the first token as soon as it
 is sampled) checks the transfer ticket (a decode worker's signed reservation for this request:
 the K/V go to the address it names, nowhere else), queues the prompt (queued), the engine
-prefills it in chunks while its K/V stream to that decode worker (prefilling: layer by layer as
-each layer lands; from a shared-memory cache, step by step as each step ends), samples the first
+prefills it in chunks while its K/V stream to that decode worker (prefilling: from a GPU's cache
+layer by layer as each layer lands; from a host cache, shared memory or not, step by step as
+each step ends), samples the first
 token and sends the trailer (sending), and the call returns once the decode side has verified
 the transfer (done). Whatever happens (done, failed, cancelled), the request's blocks are then
 released. The states are `PrefillState`, derived from the request's progress. On
@@ -148,22 +149,26 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
 
     @property
     def _after_the_step(self) -> bool:
-        """Whether the K/V go only after each step: our cache is in shared memory (only slots
-        travel), or the transport reads the slots itself."""
-        return self.arena is not None and bool(self.arena.segments) or self._reads_slots
+        """Whether the K/V go only after each step: our cache is in host memory, or the
+        transport reads the slots itself (see `_on_layer`)."""
+        return self._groups[0][0][0].device.type == "cpu" or self._reads_slots
 
     def _on_layer(self, group: int, layer: int, chunks) -> None:
         """The engine's KV hook (engine thread): this layer's K/V of each chunk are in the cache.
-        Off this node they are copied out now, inside the forward pass, and stream layer by layer,
-        overlapping the wire with the prefill. In shared memory they stay where they are and only
-        their slots travel: the engine runs the pass whole and then calls this for each layer
-        (`kv_hook_streams` off), which notes it, and `_after_step` describes and checksums the
-        step's layers once its first tokens are on their way; the decode side copies them at
-        memory speed, so streaming them during the forward would only take its core. The whole
-        pass is also the faster one: in the worker, the demo target's prefill of 256-768 tokens
-        took about 1.15x the CPU time layer by layer (BENCHMARKS.md, TTFT at low load). A
-        transport that reads the slots itself (`DistTransport`, `takes_slots`) gets them the same
-        way, after the step, and reads them where they lie (a GPU's cache: no copy to the host)."""
+        From a GPU's cache they are copied out now, inside the forward pass, and stream layer by
+        layer, the wire overlapping the prefill's kernels. From our host cache they go after the
+        step: the engine runs the pass whole and then calls this for each layer
+        (`kv_hook_streams` off), which notes it, and `_after_step` hands the step's layers over
+        once its first tokens are on their way: in shared memory only their slots, described and
+        checksummed (the decode side copies them at memory speed), else their bytes, checksummed
+        and copied once into the gRPC messages. On a CPU the wire's work would take the cores the
+        pass runs on, so streaming overlaps nothing: with the demo target, one pinned core a
+        worker and 256-768-token prompts, the whole pass cut the disaggregated TTFT from 1.33x
+        the colocated one to 1.03-1.05x over gRPC (and from 1.18x to 1.04x through shared memory),
+        at the cost of the transfer no longer hidden before the second token (BENCHMARKS.md, TTFT
+        at low load). A transport that reads the slots itself (`DistTransport`, `takes_slots`)
+        gets them after the step too, and reads them where they lie (a GPU's cache: no copy to
+        the host)."""
         self._step_chunks = chunks
         if self._after_the_step:
             self._step_layers.append((group, layer))
@@ -171,14 +176,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 if (sender := self._senders.get(c.seq.req_id)) is not None:
                     sender.began(self.engine.forward_started_at)
             return
-        on_host = self._groups[group][layer][0].device.type == "cpu"
         for c in chunks:
-            if (sender := self._senders.get(c.seq.req_id)) is None:
-                continue
-            if on_host:  # copied once, out of the cache into the chunks' gRPC messages
-                runs = shm.slot_runs(c.slots.numpy())
-                sender.send_rows(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
-            else:
+            if (sender := self._senders.get(c.seq.req_id)) is not None:
                 sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
 
     def _after_step(self, ok: bool) -> None:
@@ -196,11 +195,13 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             try:
                 runs = shm.slot_runs(c.slots.numpy()) if layers else []
                 for group, layer in layers:
-                    if self.arena is None:  # the transport reads the slots itself (`DistTransport`)
+                    if self._reads_slots:  # the transport reads the slots itself (`DistTransport`)
                         k = self._groups[group][layer][0]
                         sender.send_refs(group, layer, c.token_start, runs, 2 * k[0, 0].nbytes)
-                    else:
+                    elif self.arena is not None and self.arena.segments:  # they stay in shared memory
                         sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
+                    else:  # copied once, out of our host cache into the chunks' gRPC messages
+                        sender.send_rows(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
                 if c.token_start + c.num_tokens >= c.seq.num_prompt_tokens:
                     sender.end_of_prompt()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
