@@ -6,12 +6,12 @@ the K/V go to the address it names, nowhere else), queues the prompt (queued), t
 prefills it in chunks while its K/V stream to that decode worker (prefilling: from a GPU's cache
 layer by layer as each layer lands; from a host cache, shared memory or not, step by step as
 each step ends), samples the first token and sends the trailer (sending), and the call returns
-once the decode side has verified the transfer (done). Whatever happens (done, failed, cancelled), the request's blocks are then
-released. The states are `PrefillState`, derived from the request's progress. On
-`PrefillStream`, a first token that ends the request (a stop token, max_tokens 1) says how, and
-its push is abandoned (unless it already ended; one stalled in transit is cut after
-ABANDON_WAIT_S): the router has all it needs, and the decode worker's reservation ends with the
-abandoned push or the router's cancelled Decode call.
+once the decode side has verified the transfer (done). Whatever happens (done, failed,
+cancelled), the request's blocks are then released. The states are `PrefillState`, derived from
+the request's progress. On `PrefillStream`, a first token that ends the request (a stop token,
+max_tokens 1) says how, and its push is abandoned (unless it already ended; one stalled in
+transit is cut after ABANDON_WAIT_S): the router has all it needs, and the decode worker's
+reservation ends with the abandoned push or the router's cancelled Decode call.
 """
 from __future__ import annotations
 
