@@ -23,6 +23,7 @@ blocks and counts no failure.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -54,6 +55,9 @@ class KVSender:
         self.created_at = time.perf_counter()
         self.first_layer_at: float | None = None  # when the first K/V were queued (prefill began)
         self.finished_at: float | None = None  # when the trailer was queued (first token sampled)
+        # set on the loop once the first token is out to the caller (or will not be: a call that
+        # waits for the whole push, a request that ended); the engine thread may wait for it
+        self.first_sent = threading.Event()
         self._queue.put_nowait(header)
 
     # ---- engine thread -------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -45,6 +46,7 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
 ABANDON_WAIT_S = 1.0  # a request that went away: how long its push may take to say so before it is cut
+FIRST_TOKEN_WAIT_S = 0.005  # one core: how long a step's K/V hand-over waits for its first tokens to go out
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +147,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         loop.engine.kv_hook = self._on_layer
         loop.engine.kv_hook_streams = not self._after_the_step
         loop.after_step = self._after_step
+        self._one_core = len(os.sched_getaffinity(0)) == 1 if hasattr(os, "sched_getaffinity") else False
 
     @property
     def _after_the_step(self) -> bool:
@@ -187,6 +190,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self._step_chunks, self._step_layers = None, []
         if not ok or not chunks:
             return
+        if self._one_core and layers:
+            self._let_first_tokens_out(chunks)
         for c in chunks:
             sender = self._senders.get(c.seq.req_id)
             if sender is None:
@@ -206,6 +211,17 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
                 log.exception("KV hand-over failed req_id=%s", c.seq.req_id)
                 self.loop.aio.call_soon_threadsafe(sender.fail, f"KV hand-over failed: {e!r}")
+
+    def _let_first_tokens_out(self, chunks) -> None:
+        """Engine thread, on a worker with one core: wait (FIRST_TOKEN_WAIT_S at most) until the
+        loop has sent the first tokens this step sampled, before checksumming and copying the
+        step's K/V. On one core the two would share it, and the first token, the one a user
+        waits for, would go out at half speed."""
+        deadline = time.perf_counter() + FIRST_TOKEN_WAIT_S
+        for c in chunks:
+            sender = self._senders.get(c.seq.req_id)
+            if sender is not None and c.token_start + c.num_tokens >= c.seq.num_prompt_tokens:
+                sender.first_sent.wait(max(0.0, deadline - time.perf_counter()))
 
     @property
     def num_live_requests(self) -> int:
@@ -261,6 +277,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                         token_id=tok, logprobs=logprobs_message(logprobs) if logprobs else None,
                         ends_request=reason is not None,
                         finish_reason=FINISH_REASONS[reason.value] if reason is not None else 0))
+                    r.sender.first_sent.set()
                     if reason is not None:  # the push was abandoned when the token came (`_on_output`)
                         pushed = await _cut(push)
                         r.ended, ack = PrefillState.DONE, pushed if isinstance(pushed, KVAck) else KVAck(0, 0)
@@ -269,6 +286,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         except TransferError as e:
             await context.abort(STATUS_OF[e.failure], str(e))
         finally:
+            r.sender.first_sent.set()  # whatever happened, nothing more to wait for
             if push is not None and not push.done():  # the caller went away: give the push up
                 r.sender.abandon()
                 await _cut(push)
@@ -324,6 +342,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                 r.sender.abandon()
             if not r.first.done():  # first, so the token's event is written before the last K/V
                 r.first.set_result((tok, logprobs))
+            if r.finish_reason_of is None:  # `Prefill`: the token goes out with the push's end
+                r.sender.first_sent.set()
             r.sender.finish(tok, logprobs)
 
     async def _push(self, r: PrefillRequest, address: str):

@@ -323,6 +323,36 @@ def test_the_first_token_reaches_the_client_before_the_transfer_ends(text_checkp
     assert len(only) == 1 and list(only[0].token_ids) == want.token_ids[:1] and only[0].finish_reason == gen.LENGTH
 
 
+def test_on_one_core_the_first_token_goes_out_before_the_kv_are_copied(text_checkpoint, monkeypatch):
+    """A prefill worker on one core waits, after a step, until that step's first tokens were sent
+    before it checksums and copies their K/V into the transfer's messages (the two would share the
+    core). Each prompt's last hand-over finds its first token already sent; the output is the
+    offline engine's."""
+    from pdserve.prefill_worker import kv_sender, server
+
+    monkeypatch.setattr(server, "FIRST_TOKEN_WAIT_S", 30.0)  # a missed signal fails below, not a slow test
+    seen = []
+    send_rows = kv_sender.KVSender.send_rows
+
+    def recording(self, *args):
+        seen.append(self.first_sent.is_set())
+        return send_rows(self, *args)
+
+    monkeypatch.setattr(kv_sender.KVSender, "send_rows", recording)
+    want = LLM(text_checkpoint).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            system.prefill._one_core = True
+            got = await asyncio.gather(*(system.generate(p, 6) for p in PROMPTS))
+            await system.wait_all_free()
+            return got
+
+    for msgs, out in zip(run(scenario()), want):
+        assert joined(msgs) == out.token_ids
+    assert seen and all(seen)  # every prompt here is one step: each hand-over after its first token
+
+
 async def collect(stream) -> list:
     return [m async for m in stream]
 
