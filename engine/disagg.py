@@ -232,6 +232,11 @@ class PrefillChunk:
     num_tokens: int
     slots: torch.Tensor  # [num_tokens] int64
 
+    @property
+    def completes_prompt(self) -> bool:
+        """Whether this step finishes the prompt (and so samples its first token)."""
+        return self.token_start + self.num_tokens >= self.seq.num_prompt_tokens
+
 
 # (group, layer, this step's chunks): called on the engine thread once that layer's K/V are cached
 KVHook = Callable[[int, int, list[PrefillChunk]], None]

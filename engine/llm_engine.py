@@ -297,11 +297,13 @@ class LLMEngine:
         if handoff and hook is not None:
             chunks = [prefill_chunk(e, self.block_manager.block_size) for e in handoff]
         self.forward_started_at = time.perf_counter()
-        if chunks is not None and self.kv_hook_streams:
+        if chunks is None:
+            logits = self.runner.execute(batch)
+        elif self.kv_hook_streams:
             logits = self.runner.execute(batch, lambda layer: hook(0, layer, chunks))
         else:
             logits = self.runner.execute(batch)
-            for layer in range(len(self.runner.kv_caches) if chunks is not None else 0):
+            for layer in range(len(self.runner.kv_caches)):
                 hook(0, layer, chunks)
         if handoff and self.draft_runner is not None:  # the draft's K/V of the same tokens travel too
             self.draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff])

@@ -116,6 +116,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self._raw_views: dict[tuple[int, int], tuple] = {}  # (group, layer) -> `raw_layer`'s views
         self._step_chunks = None  # engine thread: the running step's prefill chunks (kv hook)
         self._step_layers: list[tuple[int, int]] = []  # engine thread: its (group, layer)s noted for `_after_step`
+        # set by `attach`, once the cache exists: whether the K/V go only after each step (our
+        # cache is in host memory, or the transport reads the slots itself: see `_on_layer`),
+        # whether they stay in shared memory, and whether this worker runs on one core
+        self._after_the_step = self._in_shm = self._one_core = False
 
     def close(self) -> None:
         if self.arena is not None:
@@ -144,16 +148,12 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         super().attach(loop, model_name)
         self._groups = [cache for _, cache in kv_cache_groups(loop.engine)]
         kv_copy.prepare(self._groups[0][0][0].device)
+        self._after_the_step = self._groups[0][0][0].device.type == "cpu" or self._reads_slots
+        self._in_shm = self.arena is not None and bool(self.arena.segments)
+        self._one_core = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
         loop.engine.kv_hook = self._on_layer
         loop.engine.kv_hook_streams = not self._after_the_step
         loop.after_step = self._after_step
-        self._one_core = len(os.sched_getaffinity(0)) == 1 if hasattr(os, "sched_getaffinity") else False
-
-    @property
-    def _after_the_step(self) -> bool:
-        """Whether the K/V go only after each step: our cache is in host memory, or the
-        transport reads the slots itself (see `_on_layer`)."""
-        return self._groups[0][0][0].device.type == "cpu" or self._reads_slots
 
     def _on_layer(self, group: int, layer: int, chunks) -> None:
         """The engine's KV hook (engine thread): this layer's K/V of each chunk are in the cache.
@@ -202,11 +202,11 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                     if self._reads_slots:  # the transport reads the slots itself (`DistTransport`)
                         k = self._groups[group][layer][0]
                         sender.send_refs(group, layer, c.token_start, runs, 2 * k[0, 0].nbytes)
-                    elif self.arena is not None and self.arena.segments:  # they stay in shared memory
+                    elif self._in_shm:  # they stay in shared memory
                         sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
                     else:  # copied once, out of our host cache into the chunks' gRPC messages
                         sender.send_rows(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
-                if c.token_start + c.num_tokens >= c.seq.num_prompt_tokens:
+                if c.completes_prompt:
                     sender.end_of_prompt()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
                 log.exception("KV hand-over failed req_id=%s", c.seq.req_id)
@@ -220,7 +220,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         deadline = time.perf_counter() + FIRST_TOKEN_WAIT_S
         for c in chunks:
             sender = self._senders.get(c.seq.req_id)
-            if sender is not None and c.token_start + c.num_tokens >= c.seq.num_prompt_tokens:
+            if sender is not None and c.completes_prompt:
                 sender.first_sent.wait(max(0.0, deadline - time.perf_counter()))
 
     @property

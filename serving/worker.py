@@ -140,8 +140,10 @@ def _projections(engine) -> str:
     dtypes = {m.packed.dtype for m in engine.runner.model.modules() if isinstance(m, PackedLinear)}
     half = dtypes == {torch.bfloat16}
     kinds = "bfloat16" if half else "float32" if dtypes == {torch.float32} else "float32 and bfloat16"
-    tiles = torch.bfloat16 in dtypes and torch.ops.pdserve.linear_tile_rows(32)
-    return f"; projections: packed {kinds} panels" + (", AMX tiles from 16 rows" if tiles else "")
+    # the fewest rows that take the tile unit (none: no AMX, or it is off)
+    fewest = next((m for m in range(1, 65) if torch.ops.pdserve.linear_tile_rows(m)), None)
+    tiles = f", AMX tiles from {fewest} rows" if torch.bfloat16 in dtypes and fewest else ""
+    return f"; projections: packed {kinds} panels{tiles}"
 
 
 def load_engine(config: EngineConfig, role: str, warmup: bool, kv_allocator=None):
