@@ -156,3 +156,74 @@ def add_public_security_args(p: argparse.ArgumentParser) -> None:
                    "'authorization: Bearer <key>' (repeatable; or PDSERVE_API_KEY, comma separated)")
     g.add_argument("--api-key-rate-limit", type=float, default=None, help="requests per second per key")
     g.add_argument("--api-key-max-concurrency", type=int, default=None, help="requests in flight per key")
+
+
+# `pdserve serve` flags a container may set through the environment instead
+_SERVE_ENV = {"--config": "PDSERVE_CONFIG", "--model": "PDSERVE_MODEL", "--draft-model": "PDSERVE_DRAFT_MODEL",
+              "--served-model-name": "PDSERVE_SERVED_MODEL_NAME", "--host": "PDSERVE_HOST",
+              "--grpc-port": "PDSERVE_GRPC_PORT", "--http-port": "PDSERVE_HTTP_PORT"}
+
+
+def add_serve_args(sv) -> None:
+    """`pdserve serve`'s options: flags over the config file's settings."""
+    add(sv, "--config", help="YAML file describing the pools (see deploy/pdserve.yaml); flags override it")
+    sv.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto' or HOST:PORT) instead "
+                    "of starting a private local one")
+    sv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded Ray (default: all)")
+    sv.add_argument("--no-ray-dashboard", dest="ray_dashboard", action="store_false",
+                    help="start the embedded Ray without its dashboard's modules: about 2 s less to start and ten "
+                    "processes fewer, but no `ray list actors` (Ray's state API is one of them)")
+    add_logging_args(sv, otlp=True)
+    for flag, kind, what in [
+            ("--model", str, "checkpoint directory (default: the demo model)"),
+            ("--draft-model", str, "draft checkpoint (default: the demo draft)"),
+            ("--num-speculative-tokens", int, "speculation depth k of the decode pool"),
+            ("--speculative-method", str, "'draft' or 'ngram'"),
+            ("--served-model-name", str, "model name in the API and metrics"),
+            ("--dtype", str, "auto, float32, bfloat16 or float16"),
+            ("--prefill-workers", int, "prefill workers (0: colocated)"),
+            ("--decode-workers", int, "decode workers"),
+            ("--prefill-cpus", float, "CPUs per prefill worker (fractions allowed)"),
+            ("--decode-cpus", float, "CPUs per decode worker"),
+            ("--gpus-per-worker", float, "GPUs per worker of both pools"),
+            ("--host", str, "the router's address"),
+            ("--grpc-port", int, "the public gRPC API (0: a free port)"),
+            ("--http-port", int, "the OpenAI HTTP API and /metrics (0: a free port)"),
+            ("--drain-timeout", float, "seconds in-flight requests get on shutdown"),
+            ("--max-failovers", int, "times a request may move after a worker fails"),
+            ("--placement-timeout", float, "seconds to place and load every worker"),
+            ("--metrics-targets-file", str, "where to write the Prometheus file-SD target list"),
+            ("--cluster-token-file", str, "the internal RPCs' shared secret (default: a new one per run)"),
+            ("--tls-cert", str, "TLS certificate of the public ports"), ("--tls-key", str, "and its key")]:
+        if flag in _SERVE_ENV:
+            add(sv, flag, variable=_SERVE_ENV[flag], type=kind, help=what + " (default: the config's)")
+        else:
+            sv.add_argument(flag, type=kind, default=None, help=what + " (default: the config's)")
+    sv.add_argument("--api-key", action="append", default=None, help="an API key clients must present (repeatable)")
+    sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
+    sv.add_argument("--no-kv-shm", action="store_true", help="never move K/V through shared memory, even between "
+                    "a prefill and a decode worker on one node (default: the config's kv_shm)")
+    sv.add_argument("--kv-dist", action="store_true", help="move K/V bytes over torch.distributed groups (NCCL "
+                    "between GPU workers, gloo between CPU ones) instead of gRPC or shared memory (default: the "
+                    "config's kv_dist)")
+
+
+def add_profile_args(p) -> None:
+    """`pdserve profile`'s options."""
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=0, help="k, for speculative steps at fixed depth")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (as the workers will run)")
+    p.add_argument("--cpus", default=None, help="pin to these cores first, taskset's form: 0 or 0,2 or 0-3")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0, help="of the speculative steps (acceptance depends on it)")
+    p.add_argument("--transfer-bandwidth", type=float, default=None, help="bytes/s (default: measure loopback gRPC)")
+    p.add_argument("--transfer-overlap", type=float, default=0.0, help="share of the KV transfer hidden by compute")
+    p.add_argument("--request-overhead", type=float, default=0.0, help="seconds from router arrival to the workers")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (a minute or so)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", required=True, help="profile JSON to write")
