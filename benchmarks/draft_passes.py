@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.capture import DraftPasses  # noqa: E402
+from pdserve.engine.draft_passes import DraftPasses  # noqa: E402
 from report import Spread, host, machine, publish  # noqa: E402
 from prompts import code_prompts  # noqa: E402
 

@@ -16,7 +16,8 @@ import torch
 
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
-from pdserve.engine.capture import CompiledForward, DraftPasses
+from pdserve.engine.capture import CompiledForward
+from pdserve.engine.draft_passes import DraftPasses
 from pdserve.engine.native_forward import NativeForward
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -141,7 +142,7 @@ class ModelRunner:
     def draft_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], num_passes: int,
                      temperatures: list[float] | None = None, noise: torch.Tensor | None = None,
                      previous_ids: list[int] | None = None) -> list[list[int]] | None:
-        """Each sequence's next num_passes tokens (`capture.DraftPasses`): token_ids[i] at
+        """Each sequence's next num_passes tokens (`draft_passes.DraftPasses`): token_ids[i] at
         positions[i] goes in first, then each pick at the next position, their K/V written into
         the sequence's blocks. With previous_ids, the first pass is a catch-up: previous_ids[i]
         goes in at positions[i] - 1 beside token_ids[i]. Greedy picks, unless temperatures (0:

@@ -2,7 +2,7 @@
 `kernels/cpu/decoder.cpp` or `draft_passes.cpp` (their layers shared, `decoder.h`) instead of op by
 op, where the native CPU ops allow it (projections packed, float32). `NativeForward` runs an engine
 step of short chunks (`pdserve::decoder_forward`, used by `ModelRunner`); `NativePasses` runs a
-draft's passes (`pdserve::draft_passes`, used by `capture.DraftPasses`). `native_weights` lists a
+draft's passes (`pdserve::draft_passes`, used by `draft_passes.DraftPasses`). `native_weights` lists a
 model's tensors as both ops take them.
 """
 from __future__ import annotations

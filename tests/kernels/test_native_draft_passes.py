@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.capture import DraftPasses
+from pdserve.engine.draft_passes import DraftPasses
 from pdserve.engine.native_forward import NativePasses
 from pdserve.engine.model.config import load_model_config
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
