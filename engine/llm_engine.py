@@ -26,11 +26,7 @@ from pdserve.engine.sampler import Sampler, stack_rows
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost, target_line
-from pdserve.engine.spec_decode.draft import DraftProposer
-from pdserve.engine.spec_decode.ngram import NgramProposer
-from pdserve.engine.spec_decode.speculator import Proposal, Speculator, StepShape
-from pdserve.engine.spec_decode.verifier import build_verifier
+from pdserve.engine.spec_decode.speculator import Proposal, StepShape, build_speculator
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import native, select_ops
 
@@ -66,7 +62,8 @@ class LLMEngine:
                                   self.native_attention, self.native_linear, config.max_num_batched_tokens)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
-        self.speculator = self._build_speculator()
+        self.speculator = build_speculator(config, self.sampler, self.draft_runner,
+                                           warm_up=self.capture == "compile")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
@@ -111,24 +108,6 @@ class LLMEngine:
                            self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
                            self._kv_allocator, self.native_attention, self.native_linear,
                            self.config.max_num_batched_tokens)
-
-    def _build_speculator(self) -> Speculator | None:
-        config, method = self.config, self.config.spec_method
-        if method is None:
-            return None
-        self.target_cost = target_line()
-        verifier = build_verifier(config.spec_verifier, self.sampler)
-        draft_cost = None
-        if method == "ngram":
-            proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        else:
-            draft_cost = LinearCost(a=2e-3, b=5e-5, guess=True)  # free until a pass is measured
-            proposer = DraftProposer(self.draft_runner, self.sampler, draft_cost if config.spec_adaptive else None,
-                                     verifier.draft_stream, keep_probs=verifier.needs_draft_probs)
-            if self.capture == "compile":
-                self.draft_runner.warm_up_draft_passes()
-        depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, self.target_cost, draft_cost)
-        return Speculator(proposer, depth, verifier, catches_up=draft_cost is not None)
 
     def _check_draft_matches(self) -> None:
         draft, target = self.draft_config, self.model_config

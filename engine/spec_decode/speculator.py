@@ -4,7 +4,8 @@ Per step: `allow` (the gate: whether this step speculates), `plan` (each decodin
 depth k; the scheduler reserves KV slots for k lookahead tokens by `choose_k`), `propose` (draft
 tokens and, for the rejection sampler, their q), then after the target's forward `verify` (the
 whole batch at once, by the configured verifier) and `rollback` (cut both caches back to what
-was accepted; the blocks past it are freed by the engine).
+was accepted; the blocks past it are freed by the engine). `build_speculator` makes one from the
+engine's config.
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth
+from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost, target_line
+from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.gate import SpeculationGate
+from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.proposer import Proposal, Proposer
+from pdserve.engine.spec_decode.verifier import build_verifier
 
 
 @dataclass(slots=True)
@@ -188,3 +192,24 @@ class Speculator:
             self._lengths = [x * self.LENGTHS_DECAY + n for x, n in
                              zip(self._lengths, (seq.num_prompt_tokens, seq.num_output_tokens))]
             self.gate.prompt_per_output = self._lengths[0] / self._lengths[1]
+
+
+def build_speculator(config, sampler, draft_runner, warm_up: bool) -> Speculator | None:
+    """The engine's speculator for its `EngineConfig` (None: no speculation): the proposer (a
+    draft model's passes on `draft_runner`, or n-grams), the depth model with its cost lines, and
+    the verifier. warm_up: compile the draft's passes now, not in the first requests."""
+    method = config.spec_method
+    if method is None:
+        return None
+    verifier = build_verifier(config.spec_verifier, sampler)
+    draft_cost = None
+    if method == "ngram":
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        draft_cost = LinearCost(a=2e-3, b=5e-5, guess=True)  # free until a pass is measured
+        proposer = DraftProposer(draft_runner, sampler, draft_cost if config.spec_adaptive else None,
+                                 verifier.draft_stream, keep_probs=verifier.needs_draft_probs)
+        if warm_up:
+            draft_runner.warm_up_draft_passes()
+    depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, target_line(), draft_cost)
+    return Speculator(proposer, depth, verifier, catches_up=draft_cost is not None)
