@@ -7,14 +7,12 @@ import torch
 from paged_kv_cases import dense_causal_attention, make_paged_kv
 
 from pdserve.kernels.paged_attention import (
-    choose_block_n,
-    choose_partition_size,
-    choose_prefetch,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_with_partitions,
 )
 from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
+from pdserve.kernels.paged_launch import choose_block_n, choose_partition_size, choose_prefetch
 
 BLOCK_SIZE = 16
 # context 1, block boundary -1/0/+1, several blocks, and a batch of very different lengths
