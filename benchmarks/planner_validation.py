@@ -8,10 +8,11 @@ for a few configurations of the demo pair on this machine.
 2. Three systems at once, workers single-threaded and pinned one per core: 1P:1D, 1P:1D with
    speculation (k = 4, fixed depth), and 2 colocated decode workers.
 3. The router's own overhead (arrival to the workers starting) and the serving loop's per step
-   (streaming each step's tokens through the router) are not in the profile, which times the
-   engine alone: they are calibrated once, as measured unloaded TTFT and TPOT minus simulated
-   on 1P:1D, the first added to each request and the second to each decode step (--no-calibrate
-   to leave the profile as measured). Everything loaded is predicted.
+   and per sequence of a step (streaming each step's tokens through the router) are not in the
+   profile, which times the engine alone: they are calibrated once on 1P:1D as `pdserve
+   calibrate` does (`loadgen/calibrate.py`: unloaded TTFT and TPOT, and TPOT at a rate that keeps
+   about eight requests in flight; --no-calibrate to leave the profile as measured). The rates
+   validated are predicted, not calibrated.
 4. For each configuration: SLOs at 3x its measured unloaded TTFT and 2x its TPOT (p90s); the
    simulator's goodput on the exact traffic bench sends (same arrival times and lengths);
    measured latencies at fractions of that rate beside the simulator's for the same requests
@@ -39,11 +40,12 @@ from launcher import Launcher  # noqa: E402
 from pdserve.cluster.local import PDSERVE  # noqa: E402
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench  # noqa: E402
+from pdserve.loadgen.calibrate import Calibration, calibrate as calibrate_profile, predict  # noqa: E402
 from pdserve.loadgen.costs import CostProfile  # noqa: E402
 from pdserve.loadgen.goodput import Bisection  # noqa: E402
 from pdserve.loadgen.lengths import LengthDistribution  # noqa: E402
-from pdserve.loadgen.simulator import Shape, bench_inputs, simulate  # noqa: E402
-from pdserve.loadgen.stats import SLO, summarize  # noqa: E402
+from pdserve.loadgen.simulator import Shape  # noqa: E402
+from pdserve.loadgen.stats import SLO  # noqa: E402
 from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,10 +90,6 @@ def bench(address: str, rates=(), **kw) -> list:
     return run_bench(cfg, progress=False)
 
 
-def predict(profile: CostProfile, shape: Shape, cfg: BenchConfig, rate: float):
-    return summarize(simulate(profile, shape, bench_inputs(cfg, rate), cfg.seed).records, rate, cfg.slo)
-
-
 def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float, steps: int):
     search = Bisection(low, high, steps)
     while (rate := search.next_rate()) is not None:
@@ -100,31 +98,10 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
 
 
 def calibrate(profile: CostProfile, address: str, num: int) -> tuple[CostProfile, dict]:
-    cfg = BenchConfig(target=address, workload=workload(), rates=(float("inf"),), num_requests=num,
-                      max_concurrency=1, num_warmup=2, seed=100)
-    (measured,) = run_bench(cfg, progress=False).summaries()
-    predicted = predict(profile, CONFIGS["1P:1D"], dataclasses.replace(cfg, rates=(0.01,)), 0.01)
-    return calibrated(profile, measured.ttft.p50, predicted.ttft.p50, measured.tpot.p50, predicted.tpot.p50)
-
-
-def calibrated(profile: CostProfile, measured_ttft: float, simulated_ttft: float, measured_tpot: float,
-               simulated_tpot: float) -> tuple[CostProfile, dict]:
-    """The profile with what unloaded requests measured beyond the simulation added: to each
-    request (the router's overhead, TTFT) and to each decode step, speculative or not (the
-    serving loop's: streaming a step's tokens to the router and on to the client, TPOT). The
-    profile times the engine's steps alone; once `decoder_forward` made a step 2.7x cheaper, the
-    serving loop's cost per step was most of a served token's (938a1f5 run against 2846619's)."""
-    request = max(0.0, measured_ttft - simulated_ttft)
-    step = max(0.0, measured_tpot - simulated_tpot)
-    spec = profile.speculation
-    if spec is not None and spec.step is not None:
-        spec = dataclasses.replace(spec, step=dataclasses.replace(spec.step, fixed_s=spec.step.fixed_s + step))
-    profile = dataclasses.replace(profile, request_overhead_s=profile.request_overhead_s + request,
-                                  decode=dataclasses.replace(profile.decode, fixed_s=profile.decode.fixed_s + step),
-                                  speculation=spec)
-    return profile, {"measured_unloaded_ttft_s": measured_ttft, "simulated_unloaded_ttft_s": simulated_ttft,
-                     "request_overhead_s": request, "measured_unloaded_tpot_s": measured_tpot,
-                     "simulated_unloaded_tpot_s": simulated_tpot, "step_overhead_s": step}
+    """`pdserve calibrate`'s calibration on 1P:1D: unloaded, then about eight requests in flight."""
+    cfg = BenchConfig(target=address, workload=workload(), num_warmup=2, seed=100)
+    profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8.0)
+    return profile, dataclasses.asdict(cal)
 
 
 def main() -> None:
@@ -230,12 +207,7 @@ def report(result: dict, args) -> None:
         print(f"| {name} | {c['slo']['ttft_s'] * 1e3:.0f} / {c['slo']['tpot_s'] * 1e3:.0f} | {pred:.2f} | "
               f"{med:.2f} ({lo:.2f}–{hi:.2f}) | {_err(pred, med)} |")
     if result.get("calibration"):
-        cal = result["calibration"]
-        print(f"\nrequest overhead calibrated on unloaded 1P:1D requests: {cal['request_overhead_s'] * 1e3:.1f} ms "
-              f"(measured TTFT {cal['measured_unloaded_ttft_s'] * 1e3:.1f} ms, simulated "
-              f"{cal['simulated_unloaded_ttft_s'] * 1e3:.1f} ms); per decode step: "
-              f"{cal['step_overhead_s'] * 1e3:.2f} ms (measured TPOT {cal['measured_unloaded_tpot_s'] * 1e3:.2f} ms, "
-              f"simulated {cal['simulated_unloaded_tpot_s'] * 1e3:.2f} ms)")
+        print(f"\ncalibrated on 1P:1D (loadgen/calibrate.py): {Calibration(**result['calibration']).describe()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

@@ -322,10 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.set_defaults(func=_router)
     _add_serve_parser(sub)
     _add_scale_parser(sub)
-    from pdserve.loadgen.cli import add_bench_parser, add_plan_parser  # argparse only; commands import the rest
+    from pdserve.loadgen.cli import add_bench_parser, add_calibrate_parser, add_plan_parser  # argparse only
 
     add_bench_parser(sub)
     add_plan_parser(sub)
+    add_calibrate_parser(sub)
     _add_profile_parser(sub)
     for command in sub.choices.values():  # every command: defaults in --help, --log-level and --log-format
         command.formatter_class = HelpFormatter

@@ -14,21 +14,7 @@ import sys
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="drive load against a running system; latency, throughput, goodput",
                        description="Open-loop load against a running pdserve router (gRPC or OpenAI HTTP).")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--target", help="the router's gRPC address, HOST:PORT")
-    where.add_argument("--http", help="the router's OpenAI-compatible base URL, http://HOST:PORT")
-    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="code", help="random | code (stdlib source cuts) | jsonl (--dataset)")
-    w.add_argument("--dataset", default=None, help="JSONL file: {\"prompt\": str | [ids], \"max_tokens\": n} per line")
-    w.add_argument("--tokenizer", default=None, help="tokenizer.json or model dir: exact token lengths for 'code'")
-    w.add_argument("--prompt-len", default="uniform:32,256", help="fixed:N | uniform:LO,HI | lognormal:MEAN,SIGMA[,MAX]")
-    w.add_argument("--output-len", default="uniform:16,128", help="same forms as --prompt-len")
-    w.add_argument("--vocab-size", type=int, default=256, help="random prompts draw token ids below this")
-    w.add_argument("--chars-per-token", type=float, default=4.0, help="'code' without --tokenizer")
-    w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument("--top-p", type=float, default=None)
-    w.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
+    _add_target_and_workload_args(p)
     load = p.add_argument_group("load")
     rate = load.add_mutually_exclusive_group()
     rate.add_argument("--request-rate", default=None, help="requests per second (or inf: all at once)")
@@ -54,6 +40,25 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     out.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=bench_main)
     return p
+
+
+def _add_target_and_workload_args(p: argparse.ArgumentParser) -> None:
+    """The router to drive and the requests to send: `pdserve bench`'s and `pdserve calibrate`'s."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="the router's gRPC address, HOST:PORT")
+    where.add_argument("--http", help="the router's OpenAI-compatible base URL, http://HOST:PORT")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer <key>'")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="code", help="random | code (stdlib source cuts) | jsonl (--dataset)")
+    w.add_argument("--dataset", default=None, help="JSONL file: {\"prompt\": str | [ids], \"max_tokens\": n} per line")
+    w.add_argument("--tokenizer", default=None, help="tokenizer.json or model dir: exact token lengths for 'code'")
+    w.add_argument("--prompt-len", default="uniform:32,256", help="fixed:N | uniform:LO,HI | lognormal:MEAN,SIGMA[,MAX]")
+    w.add_argument("--output-len", default="uniform:16,128", help="same forms as --prompt-len")
+    w.add_argument("--vocab-size", type=int, default=256, help="random prompts draw token ids below this")
+    w.add_argument("--chars-per-token", type=float, default=4.0, help="'code' without --tokenizer")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--top-p", type=float, default=None)
+    w.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
 
 
 def parse_rate(text: str, flag: str) -> float:
@@ -226,4 +231,44 @@ def plan_main(args: argparse.Namespace) -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result.to_json(), indent=1))
         print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def add_calibrate_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("calibrate", help="add a running deployment's serving overheads to a cost profile",
+                       description="Measure a running deployment unloaded and under load, beside the simulator's "
+                                   "prediction for the same requests, and write the profile with the router's and the "
+                                   "serving loop's overheads added (per request, per decode step, per sequence of a "
+                                   "step), which `pdserve profile` cannot time: then `pdserve plan` on it.")
+    p.add_argument("--profile", required=True, help="cost profile JSON (pdserve profile) of the deployment's model")
+    p.add_argument("--output", required=True, help="the calibrated profile JSON to write")
+    p.add_argument("--prefill-workers", type=int, default=1, help="of the running deployment (0: colocated)")
+    p.add_argument("--decode-workers", type=int, default=1, help="of the running deployment")
+    p.add_argument("--speculation", action="store_true", help="the deployment's decode workers speculate")
+    _add_target_and_workload_args(p)
+    p.add_argument("--num-requests", type=int, default=16, help="requests measured at each of the two points")
+    p.add_argument("--concurrency", type=float, default=8.0,
+                   help="requests in flight at the loaded point, about (0: calibrate unloaded only)")
+    p.add_argument("--seed", type=int, default=100)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=calibrate_main, request_rate=None, request_rates=None, goodput_search=None, search_steps=4,
+                   arrival="poisson", burstiness=1.0, duration=None, max_concurrency=None, warmup=1,
+                   request_timeout=300.0, slo_ttft=None, slo_tpot=None, label="")
+    return p
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    from pdserve.loadgen.calibrate import calibrate
+    from pdserve.loadgen.costs import CostProfile
+    from pdserve.loadgen.simulator import Shape
+
+    profile = CostProfile.load(args.profile)
+    shape = Shape(args.prefill_workers, args.decode_workers, args.speculation)
+    if shape.speculate and profile.speculation is None:
+        raise ValueError(f"--speculation: {args.profile} has no speculation costs (pdserve profile --draft-model)")
+    config = config_from_args(args)
+    profile, cal = calibrate(profile, shape, config, args.num_requests, args.concurrency, progress=not args.quiet)
+    profile.save(args.output)
+    print(f"{shape.label}: {cal.describe()}")
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -1,0 +1,183 @@
+"""Calibrating a cost profile on a running deployment (`pdserve calibrate`).
+
+`pdserve profile` times the engine's steps alone. A served request also pays what the profile
+never sees: the router (parsing, tokenizing, admission, the gRPC calls to both workers) and, on
+every decode step, the serving loop (each sequence's token delta streamed to the router and on
+to the client, detokenized on the way). Measured against a 1P:1D pair of the demo model, that
+was most of a served token (BENCHMARKS.md, planner validation): unloaded, the simulator on the
+engine's profile alone predicted a TPOT of 0.9 ms where the pair measured 1.4, and under load the
+gap grew with the batch, as a per-sequence cost does.
+
+Two measured points on the running deployment, each beside the simulator's prediction for the
+same requests (`simulator.bench_inputs`: the same arrival times and lengths), set three
+overheads of the profile:
+
+    unloaded (one request at a time): TPOT              -> the overhead of a step of one sequence
+                                      TTFT              -> request_overhead_s (each request)
+    loaded (an open-loop rate that keeps about `concurrency` requests in flight):
+                                      TPOT              -> how much of that is per sequence
+                                                           (decode.per_seq_s; the rest: decode.fixed_s)
+
+each the value at which the simulator predicts what was measured (bisection: TPOT and TTFT grow
+with every overhead).
+Where the loaded point asks more of each sequence than the unloaded step's whole excess, the
+step's fixed part is 0 and the unloaded TPOT is then over-predicted: the loaded point, which
+decides goodput, wins.
+
+Speculative steps measured as a whole (`SpeculationCost.step`) get the same two step overheads.
+An excess that is negative (the simulation already slower) changes nothing. What is left out:
+the loaded point's TTFT (queueing, which the simulator models) and any cost that grows with
+prompt length beyond the profile's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from pdserve.loadgen.costs import CostProfile, StepCost
+from pdserve.loadgen.simulator import Shape, bench_inputs, simulate
+from pdserve.loadgen.stats import RunSummary, summarize
+
+BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
+MAX_DOUBLINGS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What was measured and simulated at both points, and the overheads that follow (seconds)."""
+
+    measured_unloaded_ttft_s: float
+    simulated_unloaded_ttft_s: float
+    measured_unloaded_tpot_s: float
+    simulated_unloaded_tpot_s: float
+    loaded_rate: float  # requests per second of the loaded point
+    measured_loaded_tpot_s: float
+    simulated_loaded_tpot_s: float  # with the unloaded overheads, before the per-sequence one
+    request_overhead_s: float
+    step_overhead_s: float
+    per_seq_overhead_s: float
+
+    def describe(self) -> str:
+        ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+        return (f"per request {ms(self.request_overhead_s)} (unloaded TTFT measured {ms(self.measured_unloaded_ttft_s)}, "
+                f"simulated {ms(self.simulated_unloaded_ttft_s)}); per decode step {ms(self.step_overhead_s)} "
+                f"(unloaded TPOT measured {ms(self.measured_unloaded_tpot_s)}, simulated "
+                f"{ms(self.simulated_unloaded_tpot_s)}); per sequence of a decode step {ms(self.per_seq_overhead_s)} "
+                f"(TPOT at {self.loaded_rate:.2f} req/s measured {ms(self.measured_loaded_tpot_s)}, simulated "
+                f"{ms(self.simulated_loaded_tpot_s)} before it)")
+
+
+def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float = 0.0,
+                   per_seq_s: float = 0.0) -> CostProfile:
+    """The profile with these overheads added: to each request, and to each decode step (fixed
+    and per sequence), plain or speculative (where speculative steps are measured whole)."""
+    def add(cost: StepCost) -> StepCost:
+        return dataclasses.replace(cost, fixed_s=cost.fixed_s + step_s, per_seq_s=cost.per_seq_s + per_seq_s)
+
+    spec = profile.speculation
+    if spec is not None and spec.step is not None:
+        spec = dataclasses.replace(spec, step=add(spec.step))
+    return dataclasses.replace(profile, request_overhead_s=profile.request_overhead_s + request_s,
+                               decode=add(profile.decode), speculation=spec)
+
+
+def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
+    """The simulator's summary of the requests `pdserve bench` sends at `rate` for `config`."""
+    return summarize(simulate(profile, shape, bench_inputs(config, rate), config.seed).records, rate, config.slo)
+
+
+def solve(f, target: float) -> float | None:
+    """The x >= 0 where f, increasing, reaches `target`: 0 when f(0) already does; else a bracket
+    doubled from `target` up (a speculative step's overhead is several times its TPOT's share)
+    and bisected; None when no bracket reaches it."""
+    low, high = 0.0, max(target, 1e-9)
+    if f(low) >= target:
+        return 0.0
+    for _ in range(MAX_DOUBLINGS):
+        if f(high) >= target:
+            break
+        low, high = high, 2 * high
+    else:
+        return None
+    for _ in range(BISECTION_STEPS):
+        mid = (low + high) / 2
+        low, high = (mid, high) if f(mid) < target else (low, mid)
+    # the simulated median can jump where an overhead reorders events (a request admitted a step
+    # earlier or later): of the two ends, the one that predicts the target more closely
+    return low if target - f(low) < f(high) - target else high
+
+
+def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloaded_config,
+               loaded: RunSummary | None = None, loaded_config=None) -> tuple[CostProfile, Calibration]:
+    """The calibration from measured summaries (`unloaded`: one request at a time; `loaded`: an
+    open-loop rate, or None for none) of the requests `unloaded_config` / `loaded_config` send.
+
+    Each overhead is found on the simulator, as the value at which it predicts what was measured
+    (a speculative step's overhead spreads over the tokens it emits, so a TPOT's excess is not
+    a step's): the overhead of a step of one sequence from the unloaded TPOT; then the request's
+    from the unloaded TTFT; then, under load, how much of the one-sequence step's overhead is
+    per sequence (the rest is the step's fixed part)."""
+    quiet = dataclasses.replace(unloaded_config, rates=(0.01,))
+    sim = predict(profile, shape, quiet, 0.01)
+    one = solve(lambda x: predict(with_overheads(profile, step_s=x), shape, quiet, 0.01).tpot.p50, unloaded.tpot.p50)
+    if one is None:
+        raise ValueError("calibration: no step overhead makes the simulated unloaded TPOT the measured "
+                         f"{unloaded.tpot.p50:.6f} s: is the profile for this deployment (--speculation)?")
+    stepped = with_overheads(profile, step_s=one)
+    request = max(0.0, unloaded.ttft.p50 - predict(stepped, shape, quiet, 0.01).ttft.p50)
+    rate, measured_loaded, simulated_loaded, per_seq = math.nan, math.nan, math.nan, 0.0
+    if loaded is not None:
+        rate, measured_loaded = loaded.rate, loaded.tpot.p50
+        base = with_overheads(profile, request)
+        simulated_loaded = predict(with_overheads(base, step_s=one), shape, loaded_config, rate).tpot.p50
+
+        def loaded_tpot(x: float) -> float:  # x of the one-sequence step's overhead per sequence
+            return predict(with_overheads(base, step_s=max(0.0, one - x), per_seq_s=x), shape, loaded_config,
+                           rate).tpot.p50
+
+        per_seq = solve(loaded_tpot, measured_loaded)
+        if per_seq is None:
+            raise ValueError(f"calibration: at {rate:.2f} req/s the simulated steps never hold enough sequences to "
+                             f"reach the measured TPOT {measured_loaded:.6f} s: raise the concurrency")
+    step = max(0.0, one - per_seq)
+    profile = with_overheads(profile, request, step, per_seq)
+    notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
+                 f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {per_seq:.6f} s a sequence")
+    profile = dataclasses.replace(profile, notes=notes)
+    return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, rate,
+                                measured_loaded, simulated_loaded, request, step, per_seq)
+
+
+def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: float = 8.0,
+              progress: bool = False) -> tuple[CostProfile, Calibration]:
+    """Measure both points on the deployment `config` targets (a `BenchConfig`: its workload,
+    sampling and seed; its rates are ignored) and calibrate the profile. The loaded point's rate
+    keeps about `concurrency` requests in flight: that many over the unloaded end-to-end time
+    (0: no loaded point)."""
+    from pdserve.loadgen.bench import run_bench
+
+    if num_requests < 2:
+        raise ValueError(f"calibrating needs at least 2 requests per point, got {num_requests}")
+    if concurrency < 0 or math.isnan(concurrency):
+        raise ValueError(f"concurrency must be >= 0, got {concurrency}")
+    unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
+                                          duration_s=None, search=None)
+    (unloaded,) = run_bench(unloaded_config, progress=progress).summaries()
+    _check_measured(unloaded, "unloaded")
+    loaded, loaded_config = None, None
+    if concurrency > 0:
+        rate = concurrency / unloaded.e2e.p50
+        loaded_config = dataclasses.replace(unloaded_config, rates=(rate,), max_concurrency=None)
+        (loaded,) = run_bench(loaded_config, progress=progress).summaries()
+        _check_measured(loaded, f"loaded ({rate:.2f} req/s)")
+    return calibrated(profile, shape, unloaded, unloaded_config, loaded, loaded_config)
+
+
+def _check_measured(summary: RunSummary, what: str) -> None:
+    if summary.num_ok < summary.num_requests:
+        raise ValueError(f"calibration: {summary.num_requests - summary.num_ok} of {summary.num_requests} {what} "
+                         f"requests failed ({summary.failures}): the deployment must serve them all")
+    if summary.tpot is None:
+        raise ValueError("calibration: no request had a second token, so there is no TPOT to measure: "
+                         "use outputs of 2 tokens or more (--output-len)")

@@ -1,0 +1,68 @@
+"""`loadgen.calibrate` on measurements whose overheads are known: summaries made by simulating a
+profile with overheads added (per request, per decode step, per sequence of a step) are
+calibrated from the profile without them, and the overheads must come back, both points
+predicted as "measured". The real deployment's calibration is tests/disagg/test_calibrate.py."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from pdserve.loadgen.bench import BenchConfig
+from pdserve.loadgen.calibrate import calibrated, predict, with_overheads
+from pdserve.loadgen.costs import CostProfile, SpeculationCost, StepCost, TransferCost, WorkerLimits
+from pdserve.loadgen.lengths import LengthDistribution
+from pdserve.loadgen.simulator import Shape
+from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
+
+BASE = CostProfile("m", "h", prefill=StepCost(0.002, per_token_s=2e-5), decode=StepCost(1e-3, per_seq_s=5e-5),
+                   transfer=TransferCost(1000, 1e9), limits=WorkerLimits(max_num_seqs=32),
+                   speculation=SpeculationCost(3, 0.7, 0.1, step=StepCost(2e-3, per_seq_s=1e-4)))
+UNLOADED = BenchConfig(target="unused:0", workload=WorkloadConfig(
+    WorkloadKind.RANDOM, LengthDistribution.parse("uniform:32,256"), LengthDistribution.parse("uniform:16,64"),
+    vocab_size=300), rates=(math.inf,), num_requests=40, max_concurrency=1, seed=100)
+LOADED_RATE = 150.0  # about eight requests in flight on BASE with the overheads below
+
+
+def _measured(truth: CostProfile, shape: Shape):
+    """What a deployment costing `truth` would measure at both points (the simulator standing in)."""
+    unloaded = predict(truth, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
+    loaded_config = dataclasses.replace(UNLOADED, rates=(LOADED_RATE,), max_concurrency=None)
+    return unloaded, loaded_config, predict(truth, shape, loaded_config, LOADED_RATE)
+
+
+@pytest.mark.parametrize("shape", [Shape(1, 1), Shape(1, 1, True), Shape(0, 2)], ids=lambda s: s.label)
+def test_known_overheads_come_back(shape):
+    truth = with_overheads(BASE, request_s=0.005, step_s=0.001, per_seq_s=3e-4)
+    unloaded, loaded_config, loaded = _measured(truth, shape)
+    assert loaded.tpot.p50 > 2 * unloaded.tpot.p50  # the loaded point's steps do hold several sequences
+    profile, cal = calibrated(BASE, shape, unloaded, UNLOADED, loaded, loaded_config)
+    assert cal.request_overhead_s == pytest.approx(0.005, rel=0.02)
+    assert cal.per_seq_overhead_s == pytest.approx(3e-4, rel=0.05)
+    assert cal.step_overhead_s == pytest.approx(0.001, rel=0.05)
+    assert profile.decode.per_seq_s == pytest.approx(5e-5 + cal.per_seq_overhead_s)
+    assert profile.speculation.step.fixed_s == pytest.approx(2e-3 + cal.step_overhead_s)
+    assert profile.prefill == BASE.prefill and "calibration" in profile.notes
+    # and the calibrated profile predicts both points as measured
+    again = predict(profile, shape, loaded_config, LOADED_RATE)
+    assert again.tpot.p50 == pytest.approx(loaded.tpot.p50, rel=0.02)
+    assert again.ttft.p50 == pytest.approx(loaded.ttft.p50, rel=0.1)
+    first = predict(profile, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
+    assert first.ttft.p50 == pytest.approx(unloaded.ttft.p50, rel=0.02)
+
+
+def test_unloaded_only_puts_the_step_excess_in_the_fixed_cost():
+    truth = with_overheads(BASE, request_s=0.002, step_s=0.0015)
+    unloaded, _, _ = _measured(truth, Shape(1, 1))
+    profile, cal = calibrated(BASE, Shape(1, 1), unloaded, UNLOADED)
+    assert cal.step_overhead_s == pytest.approx(0.0015, rel=0.02) and cal.per_seq_overhead_s == 0
+    assert math.isnan(cal.loaded_rate) and profile.decode.per_seq_s == BASE.decode.per_seq_s
+
+
+def test_a_simulation_slower_than_measured_changes_nothing():
+    slow = with_overheads(BASE, request_s=0.01, step_s=0.002, per_seq_s=1e-4)
+    unloaded, loaded_config, loaded = _measured(BASE, Shape(1, 1))
+    profile, cal = calibrated(slow, Shape(1, 1), unloaded, UNLOADED, loaded, loaded_config)
+    assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s) == (0, 0, 0)
+    assert dataclasses.replace(profile, notes=slow.notes) == slow
