@@ -17,17 +17,19 @@ overheads of the profile:
     loaded (an open-loop rate that keeps about `concurrency` requests in flight):
                                       TPOT              -> how much of that is per sequence
                                                            (decode.per_seq_s; the rest: decode.fixed_s)
+                                      TTFT              -> prefill.per_seq_s (each prompt's serving on
+                                                           the prefill side: what queues prompts under load)
 
 each the value at which the simulator predicts what was measured (bisection: TPOT and TTFT grow
-with every overhead).
-Where the loaded point asks more of each sequence than the unloaded step's whole excess, the
-step's fixed part is 0 and the unloaded TPOT is then over-predicted: the loaded point, which
-decides goodput, wins.
+with every overhead). The per-sequence and per-prompt overheads come out of the unloaded
+excesses, which paid them once: where the loaded point asks more than that, the rest is 0 and the
+unloaded point is over-predicted (the loaded point, nearer where goodput is decided, wins).
 
-Speculative steps measured as a whole (`SpeculationCost.step`) get the same two step overheads.
-An excess that is negative (the simulation already slower) changes nothing. What is left out:
-the loaded point's TTFT (queueing, which the simulator models) and any cost that grows with
-prompt length beyond the profile's.
+Speculative steps measured as a whole (`SpeculationCost.step`) get the same two step overheads,
+and a draft's prefill steps the prompt's. An excess that is negative (the simulation already
+slower) changes nothing. What is left out: any cost that grows with prompt length beyond the
+profile's, and an overhead that is not the workers' (the router's, or a load generator's on the
+same cores) except as the time it adds.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from pdserve.loadgen.stats import RunSummary, summarize
 
 BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
 MAX_DOUBLINGS = 20
+LOADED_ROUNDS = 3  # of the two loaded solves in turn (the per-sequence one once more at the end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +57,12 @@ class Calibration:
     loaded_rate: float  # requests per second of the loaded point
     measured_loaded_tpot_s: float
     simulated_loaded_tpot_s: float  # with the unloaded overheads, before the per-sequence one
+    measured_loaded_ttft_s: float
+    simulated_loaded_ttft_s: float  # with every overhead but the prefill's
     request_overhead_s: float
     step_overhead_s: float
     per_seq_overhead_s: float
+    prefill_overhead_s: float  # per request prefilled, in the step that prefills it
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -65,21 +71,26 @@ class Calibration:
                 f"(unloaded TPOT measured {ms(self.measured_unloaded_tpot_s)}, simulated "
                 f"{ms(self.simulated_unloaded_tpot_s)}); per sequence of a decode step {ms(self.per_seq_overhead_s)} "
                 f"(TPOT at {self.loaded_rate:.2f} req/s measured {ms(self.measured_loaded_tpot_s)}, simulated "
-                f"{ms(self.simulated_loaded_tpot_s)} before it)")
+                f"{ms(self.simulated_loaded_tpot_s)} before it); per prompt prefilled {ms(self.prefill_overhead_s)} "
+                f"(TTFT there measured {ms(self.measured_loaded_ttft_s)}, simulated {ms(self.simulated_loaded_ttft_s)} "
+                f"before it)")
 
 
-def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float = 0.0,
-                   per_seq_s: float = 0.0) -> CostProfile:
-    """The profile with these overheads added: to each request, and to each decode step (fixed
-    and per sequence), plain or speculative (where speculative steps are measured whole)."""
-    def add(cost: StepCost) -> StepCost:
-        return dataclasses.replace(cost, fixed_s=cost.fixed_s + step_s, per_seq_s=cost.per_seq_s + per_seq_s)
+def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float = 0.0, per_seq_s: float = 0.0,
+                   prefill_s: float = 0.0) -> CostProfile:
+    """The profile with these overheads added: to each request; to each decode step (fixed and
+    per sequence), plain or speculative (where speculative steps are measured whole); and to each
+    prefill step per sequence it prefills (a draft's prefill too)."""
+    def add(cost: StepCost, fixed: float, per_seq: float) -> StepCost:
+        return dataclasses.replace(cost, fixed_s=cost.fixed_s + fixed, per_seq_s=cost.per_seq_s + per_seq)
 
     spec = profile.speculation
-    if spec is not None and spec.step is not None:
-        spec = dataclasses.replace(spec, step=add(spec.step))
+    if spec is not None:
+        spec = dataclasses.replace(spec, step=spec.step and add(spec.step, step_s, per_seq_s),
+                                   prefill=spec.prefill and add(spec.prefill, 0.0, prefill_s))
     return dataclasses.replace(profile, request_overhead_s=profile.request_overhead_s + request_s,
-                               decode=add(profile.decode), speculation=spec)
+                               decode=add(profile.decode, step_s, per_seq_s),
+                               prefill=add(profile.prefill, 0.0, prefill_s), speculation=spec)
 
 
 def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
@@ -117,7 +128,8 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
     (a speculative step's overhead spreads over the tokens it emits, so a TPOT's excess is not
     a step's): the overhead of a step of one sequence from the unloaded TPOT; then the request's
     from the unloaded TTFT; then, under load, how much of the one-sequence step's overhead is
-    per sequence (the rest is the step's fixed part)."""
+    per sequence (the rest is the step's fixed part) and how much of the request's is each
+    prompt's prefill."""
     quiet = dataclasses.replace(unloaded_config, rates=(0.01,))
     sim = predict(profile, shape, quiet, 0.01)
     one = solve(lambda x: predict(with_overheads(profile, step_s=x), shape, quiet, 0.01).tpot.p50, unloaded.tpot.p50)
@@ -127,26 +139,37 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
     stepped = with_overheads(profile, step_s=one)
     request = max(0.0, unloaded.ttft.p50 - predict(stepped, shape, quiet, 0.01).ttft.p50)
     rate, measured_loaded, simulated_loaded, per_seq = math.nan, math.nan, math.nan, 0.0
+    measured_ttft, simulated_ttft, prefill = math.nan, math.nan, 0.0
     if loaded is not None:
-        rate, measured_loaded = loaded.rate, loaded.tpot.p50
-        base = with_overheads(profile, request)
-        simulated_loaded = predict(with_overheads(base, step_s=one), shape, loaded_config, rate).tpot.p50
+        rate, measured_loaded, measured_ttft = loaded.rate, loaded.tpot.p50, loaded.ttft.p50
 
-        def loaded_tpot(x: float) -> float:  # x of the one-sequence step's overhead per sequence
-            return predict(with_overheads(base, step_s=max(0.0, one - x), per_seq_s=x), shape, loaded_config,
-                           rate).tpot.p50
+        def at_load(per_seq: float, prefill: float) -> RunSummary:
+            """The loaded point's prediction with these two out of the unloaded excesses."""
+            return predict(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq,
+                                          prefill), shape, loaded_config, rate)
 
-        per_seq = solve(loaded_tpot, measured_loaded)
-        if per_seq is None:
-            raise ValueError(f"calibration: at {rate:.2f} req/s the simulated steps never hold enough sequences to "
-                             f"reach the measured TPOT {measured_loaded:.6f} s: raise the concurrency")
-    step = max(0.0, one - per_seq)
-    profile = with_overheads(profile, request, step, per_seq)
+        before = at_load(0.0, 0.0)
+        simulated_loaded, simulated_ttft = before.tpot.p50, before.ttft.p50
+        # TPOT under load gives the per-sequence overhead; TTFT under load what each prompt's
+        # serving on the prefill side costs (its K/V handed over, its stream), as time its prefill
+        # step takes. Each moves the other (colocated, a prompt's prefill runs inside a decode
+        # step), so they are found in turn, the per-sequence one last.
+        for round_ in range(LOADED_ROUNDS):
+            per_seq = solve(lambda x: at_load(x, prefill).tpot.p50, measured_loaded)
+            if per_seq is None:
+                raise ValueError(f"calibration: at {rate:.2f} req/s the simulated steps never hold enough sequences "
+                                 f"to reach the measured TPOT {measured_loaded:.6f} s: raise the concurrency")
+            if round_ < LOADED_ROUNDS - 1:
+                prefill = solve(lambda x: at_load(per_seq, x).ttft.p50, measured_ttft) or 0.0
+    step, request = max(0.0, one - per_seq), max(0.0, request - prefill)
+    profile = with_overheads(profile, request, step, per_seq, prefill)
     notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
-                 f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {per_seq:.6f} s a sequence")
+                 f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {per_seq:.6f} s a sequence, "
+                 f"prefill {prefill:.6f} s a prompt")
     profile = dataclasses.replace(profile, notes=notes)
     return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, rate,
-                                measured_loaded, simulated_loaded, request, step, per_seq)
+                                measured_loaded, simulated_loaded, measured_ttft, simulated_ttft, request, step,
+                                per_seq, prefill)
 
 
 def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: float = 8.0,

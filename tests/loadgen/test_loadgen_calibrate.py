@@ -1,5 +1,6 @@
 """`loadgen.calibrate` on measurements whose overheads are known: summaries made by simulating a
-profile with overheads added (per request, per decode step, per sequence of a step) are
+profile with overheads added (per request, per decode step, per sequence of a step, per prompt
+prefilled) are
 calibrated from the profile without them, and the overheads must come back, both points
 predicted as "measured". The real deployment's calibration is tests/disagg/test_calibrate.py."""
 from __future__ import annotations
@@ -34,22 +35,27 @@ def _measured(truth: CostProfile, shape: Shape):
 
 @pytest.mark.parametrize("shape", [Shape(1, 1), Shape(1, 1, True), Shape(0, 2)], ids=lambda s: s.label)
 def test_known_overheads_come_back(shape):
-    truth = with_overheads(BASE, request_s=0.005, step_s=0.001, per_seq_s=3e-4)
+    truth = with_overheads(BASE, request_s=0.005, step_s=0.001, per_seq_s=3e-4, prefill_s=0.002)
     unloaded, loaded_config, loaded = _measured(truth, shape)
     assert loaded.tpot.p50 > 2 * unloaded.tpot.p50  # the loaded point's steps do hold several sequences
     profile, cal = calibrated(BASE, shape, unloaded, UNLOADED, loaded, loaded_config)
-    assert cal.request_overhead_s == pytest.approx(0.005, rel=0.02)
-    assert cal.per_seq_overhead_s == pytest.approx(3e-4, rel=0.05)
-    assert cal.step_overhead_s == pytest.approx(0.001, rel=0.05)
+    # a prompt's prefill overhead and the request's are told apart only by queueing under load,
+    # and a median TTFT of 40 requests moves in jumps: their sum is what comes back closely
+    assert cal.request_overhead_s + cal.prefill_overhead_s == pytest.approx(0.007, rel=0.05)
+    assert cal.prefill_overhead_s > 0.0005
+    # colocated, prompts are prefilled inside decode steps: per-sequence and prefill costs mix
+    assert cal.per_seq_overhead_s == pytest.approx(3e-4, rel=0.2 if shape.is_colocated else 0.05)
+    assert cal.step_overhead_s == pytest.approx(0.001, rel=0.1)
     assert profile.decode.per_seq_s == pytest.approx(5e-5 + cal.per_seq_overhead_s)
     assert profile.speculation.step.fixed_s == pytest.approx(2e-3 + cal.step_overhead_s)
-    assert profile.prefill == BASE.prefill and "calibration" in profile.notes
+    assert profile.prefill.per_seq_s == pytest.approx(cal.prefill_overhead_s) and "calibration" in profile.notes
     # and the calibrated profile predicts both points as measured
     again = predict(profile, shape, loaded_config, LOADED_RATE)
-    assert again.tpot.p50 == pytest.approx(loaded.tpot.p50, rel=0.02)
+    assert again.tpot.p50 == pytest.approx(loaded.tpot.p50, rel=0.05)
     assert again.ttft.p50 == pytest.approx(loaded.ttft.p50, rel=0.1)
     first = predict(profile, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
-    assert first.ttft.p50 == pytest.approx(unloaded.ttft.p50, rel=0.02)
+    assert first.ttft.p50 == pytest.approx(unloaded.ttft.p50, rel=0.03)
+    assert first.tpot.p50 == pytest.approx(unloaded.tpot.p50, rel=0.03)
 
 
 def test_unloaded_only_puts_the_step_excess_in_the_fixed_cost():
@@ -57,6 +63,7 @@ def test_unloaded_only_puts_the_step_excess_in_the_fixed_cost():
     unloaded, _, _ = _measured(truth, Shape(1, 1))
     profile, cal = calibrated(BASE, Shape(1, 1), unloaded, UNLOADED)
     assert cal.step_overhead_s == pytest.approx(0.0015, rel=0.02) and cal.per_seq_overhead_s == 0
+    assert cal.request_overhead_s == pytest.approx(0.002, rel=0.02) and cal.prefill_overhead_s == 0
     assert math.isnan(cal.loaded_rate) and profile.decode.per_seq_s == BASE.decode.per_seq_s
 
 
@@ -64,5 +71,5 @@ def test_a_simulation_slower_than_measured_changes_nothing():
     slow = with_overheads(BASE, request_s=0.01, step_s=0.002, per_seq_s=1e-4)
     unloaded, loaded_config, loaded = _measured(BASE, Shape(1, 1))
     profile, cal = calibrated(slow, Shape(1, 1), unloaded, UNLOADED, loaded, loaded_config)
-    assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s) == (0, 0, 0)
+    assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s) == (0,) * 4
     assert dataclasses.replace(profile, notes=slow.notes) == slow
