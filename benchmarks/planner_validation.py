@@ -11,8 +11,9 @@ for a few configurations of the demo pair on this machine.
    and per sequence of a step (streaming each step's tokens through the router) are not in the
    profile, which times the engine alone: they are calibrated once on 1P:1D as `pdserve
    calibrate` does (`loadgen/calibrate.py`: unloaded TTFT and TPOT, and TPOT at a rate that keeps
-   about eight requests in flight; --no-calibrate to leave the profile as measured). The rates
-   validated are predicted, not calibrated.
+   about eight requests in flight; --no-calibrate to leave the profile as measured), and
+   speculation's acceptance rate on 1P:1D +spec's requests served one at a time (the profile's
+   is measured on its own prompts). The rates validated are predicted, not calibrated.
 4. For each configuration: SLOs at 3x its measured unloaded TTFT and 2x its TPOT (p90s); the
    simulator's goodput on the exact traffic bench sends (same arrival times and lengths);
    measured latencies at fractions of that rate beside the simulator's for the same requests
@@ -40,7 +41,7 @@ from launcher import Launcher  # noqa: E402
 from pdserve.cluster.local import PDSERVE  # noqa: E402
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench  # noqa: E402
-from pdserve.loadgen.calibrate import Calibration, calibrate as calibrate_profile, predict  # noqa: E402
+from pdserve.loadgen.calibrate import Calibration, acceptance, calibrate as calibrate_profile, predict  # noqa: E402
 from pdserve.loadgen.costs import CostProfile  # noqa: E402
 from pdserve.loadgen.goodput import Bisection  # noqa: E402
 from pdserve.loadgen.lengths import LengthDistribution  # noqa: E402
@@ -97,11 +98,19 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
     return search.result()
 
 
-def calibrate(profile: CostProfile, address: str, num: int) -> tuple[CostProfile, dict]:
-    """`pdserve calibrate`'s calibration on 1P:1D: unloaded, then about eight requests in flight."""
-    cfg = BenchConfig(target=address, workload=workload(), num_warmup=2, seed=100)
+def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProfile, dict]:
+    """`pdserve calibrate`'s calibration on 1P:1D (unloaded, then about eight requests in flight),
+    and speculation's acceptance rate from 1P:1D +spec's requests served one at a time."""
+    cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
     profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8.0)
-    return profile, dataclasses.asdict(cal)
+    spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"], rates=(float("inf"),), num_requests=num,
+                               max_concurrency=1)
+    records = [r for run in run_bench(spec, progress=False).runs for r in run.records]
+    alpha = acceptance(records, profile.speculation.num_speculative_tokens)
+    if alpha is not None:
+        profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
+                                                                               acceptance_rate=alpha))
+    return profile, dataclasses.asdict(dataclasses.replace(cal, acceptance_rate=alpha or float("nan")))
 
 
 def main() -> None:
@@ -127,7 +136,7 @@ def main() -> None:
         addresses = {name: r.address for name, r in routers.items()}
         calibration = None
         if not args.no_calibrate:
-            profile, calibration = calibrate(profile, addresses["1P:1D"], 4 if args.quick else 10)
+            profile, calibration = calibrate(profile, addresses, 4 if args.quick else 10)
         result = validate(profile, addresses, args)
     result.update(calibration=calibration, profile=profile.to_json(), config=vars(args))
     report(result, args)

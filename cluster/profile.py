@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.loadgen.costs import (CostProfile, SpeculationCost, TransferCost, WorkerLimits,
-                                   chunk_attention)
+                                   acceptance_from_tokens_per_step, chunk_attention)
 from pdserve.loadgen.fit import StepPoint, fit_step_cost
 
 
@@ -284,7 +284,7 @@ def _measure_speculation(config, prompts, plain: DecodeRun, notes, measurements,
     draft = measure_decode(config, config.draft_model, prompts)
     ratios = [d.seconds / t.seconds for d, t in zip(draft.points, plain.points)]
     tokens_per_step = spec.num_tokens / spec.num_steps_seqs
-    alpha = _acceptance_from_tokens_per_step(tokens_per_step, k)
+    alpha = acceptance_from_tokens_per_step(tokens_per_step, k)
     measurements["speculative"] = [_point_json(p) for p in spec.points]
     measurements["draft"] = [_point_json(p) for p in draft.points]
     notes["speculation.step"] = f"measured: speculative engine steps at fixed k={k}, {where}; {step.describe()}"
@@ -293,15 +293,6 @@ def _measure_speculation(config, prompts, plain: DecodeRun, notes, measurements,
     notes["speculation.draft_cost_ratio"] = "measured: median of draft-only / target-only plain decode steps, same shapes"
     notes["speculation.verify_cost_ratio"] = "unused: the measured step includes verification"
     return SpeculationCost(k, alpha, statistics.median(ratios), 1.0, step.cost, prefill.cost)
-
-
-def _acceptance_from_tokens_per_step(tokens: float, k: int) -> float:
-    """α with (1 − α^(k+1)) / (1 − α) = tokens, by bisection (the mean is increasing in α)."""
-    lo, hi = 0.0, 0.999999
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if (1 - mid ** (k + 1)) / (1 - mid) < tokens else (lo, mid)
-    return lo
 
 
 def _point_json(p: StepPoint) -> dict:

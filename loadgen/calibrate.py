@@ -26,7 +26,10 @@ excesses, which paid them once: where the loaded point asks more than that, the 
 unloaded point is over-predicted (the loaded point, nearer where goodput is decided, wins).
 
 Speculative steps measured as a whole (`SpeculationCost.step`) get the same two step overheads,
-and a draft's prefill steps the prompt's. An excess that is negative (the simulation already
+and a draft's prefill steps the prompt's. A speculating deployment's acceptance rate is measured
+too, from the tokens its unloaded decode steps stream (`acceptance`): `pdserve profile` measures
+it on its own prompts, and on the planner validation's requests the demo pair accepted far less
+(per-position α about 0.6 against the profile's 0.73). An excess that is negative (the simulation already
 slower) changes nothing. What is left out: any cost that grows with prompt length beyond the
 profile's, and an overhead that is not the workers' (the router's, or a load generator's on the
 same cores) except as the time it adds.
@@ -37,7 +40,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from pdserve.loadgen.costs import CostProfile, StepCost
+from pdserve.loadgen.costs import CostProfile, StepCost, acceptance_from_tokens_per_step
+from pdserve.loadgen.records import RequestRecord
 from pdserve.loadgen.simulator import Shape, bench_inputs, simulate
 from pdserve.loadgen.stats import RunSummary, summarize
 
@@ -63,6 +67,7 @@ class Calibration:
     step_overhead_s: float
     per_seq_overhead_s: float
     prefill_overhead_s: float  # per request prefilled, in the step that prefills it
+    acceptance_rate: float = math.nan  # a speculating deployment's α, from its unloaded deltas (nan: none)
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -73,7 +78,8 @@ class Calibration:
                 f"(TPOT at {self.loaded_rate:.2f} req/s measured {ms(self.measured_loaded_tpot_s)}, simulated "
                 f"{ms(self.simulated_loaded_tpot_s)} before it); per prompt prefilled {ms(self.prefill_overhead_s)} "
                 f"(TTFT there measured {ms(self.measured_loaded_ttft_s)}, simulated {ms(self.simulated_loaded_ttft_s)} "
-                f"before it)")
+                f"before it)" + ("" if math.isnan(self.acceptance_rate) else
+                                 f"; speculation's acceptance rate {self.acceptance_rate:.3f}"))
 
 
 def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float = 0.0, per_seq_s: float = 0.0,
@@ -120,9 +126,11 @@ def solve(f, target: float) -> float | None:
 
 
 def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloaded_config,
-               loaded: RunSummary | None = None, loaded_config=None) -> tuple[CostProfile, Calibration]:
+               loaded: RunSummary | None = None, loaded_config=None,
+               acceptance_rate: float | None = None) -> tuple[CostProfile, Calibration]:
     """The calibration from measured summaries (`unloaded`: one request at a time; `loaded`: an
-    open-loop rate, or None for none) of the requests `unloaded_config` / `loaded_config` send.
+    open-loop rate, or None for none) of the requests `unloaded_config` / `loaded_config` send;
+    `acceptance_rate`, where given, replaces the profile's speculation α first (`acceptance`).
 
     Each overhead is found on the simulator, as the value at which it predicts what was measured
     (a speculative step's overhead spreads over the tokens it emits, so a TPOT's excess is not
@@ -130,6 +138,9 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
     from the unloaded TTFT; then, under load, how much of the one-sequence step's overhead is
     per sequence (the rest is the step's fixed part) and how much of the request's is each
     prompt's prefill."""
+    if acceptance_rate is not None and profile.speculation is not None:
+        profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
+                                                                               acceptance_rate=acceptance_rate))
     quiet = dataclasses.replace(unloaded_config, rates=(0.01,))
     sim = predict(profile, shape, quiet, 0.01)
     one = solve(lambda x: predict(with_overheads(profile, step_s=x), shape, quiet, 0.01).tpot.p50, unloaded.tpot.p50)
@@ -169,7 +180,17 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
     profile = dataclasses.replace(profile, notes=notes)
     return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, rate,
                                 measured_loaded, simulated_loaded, measured_ttft, simulated_ttft, request, step,
-                                per_seq, prefill)
+                                per_seq, prefill, math.nan if acceptance_rate is None else acceptance_rate)
+
+
+def acceptance(records: list[RequestRecord], k: int) -> float | None:
+    """A speculating deployment's acceptance rate α, from the deltas of requests served one at a
+    time: each decode step streams one delta a sequence, so the deltas between the first (the
+    prefill's token) and the last (a step cut short by max_tokens, which counted made a
+    self-drafting pair that accepts everything read 0.94) carry a step's tokens, whose mean gives
+    α at depth k as `pdserve profile` solves it. None when no request had such a delta."""
+    steps = [n for r in records if r.is_ok for n in r.delta_tokens[1:-1]]
+    return acceptance_from_tokens_per_step(sum(steps) / len(steps), k) if steps else None
 
 
 def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: float = 8.0,
@@ -186,15 +207,19 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         raise ValueError(f"concurrency must be >= 0, got {concurrency}")
     unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
                                           duration_s=None, search=None)
-    (unloaded,) = run_bench(unloaded_config, progress=progress).summaries()
+    quiet = run_bench(unloaded_config, progress=progress)
+    (unloaded,) = quiet.summaries()
     _check_measured(unloaded, "unloaded")
+    alpha = None
+    if shape.speculate:  # the deployment's own α: the profile's was measured on its own prompts
+        alpha = acceptance([r for run in quiet.runs for r in run.records], profile.speculation.num_speculative_tokens)
     loaded, loaded_config = None, None
     if concurrency > 0:
         rate = concurrency / unloaded.e2e.p50
         loaded_config = dataclasses.replace(unloaded_config, rates=(rate,), max_concurrency=None)
         (loaded,) = run_bench(loaded_config, progress=progress).summaries()
         _check_measured(loaded, f"loaded ({rate:.2f} req/s)")
-    return calibrated(profile, shape, unloaded, unloaded_config, loaded, loaded_config)
+    return calibrated(profile, shape, unloaded, unloaded_config, loaded, loaded_config, alpha)
 
 
 def _check_measured(summary: RunSummary, what: str) -> None:

@@ -85,6 +85,16 @@ class SpeculationCost:
         return (1 - a ** (k + 1)) / (1 - a)
 
 
+def acceptance_from_tokens_per_step(tokens: float, k: int) -> float:
+    """α with (1 − α^(k+1)) / (1 − α) = tokens (a speculative step's mean tokens per sequence at
+    depth k), by bisection (the mean is increasing in α); in [0, 1)."""
+    lo, hi = 0.0, 0.999999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (1 - mid ** (k + 1)) / (1 - mid) < tokens else (lo, mid)
+    return lo
+
+
 @dataclass(frozen=True, slots=True)
 class TransferCost:
     """Shipping a prompt's KV (target and draft) from a prefill to a decode worker."""

@@ -37,6 +37,8 @@ def test_the_calibrated_profile_predicts_what_the_deployment_measured(cluster):
     profile, cal = calibrate(ENGINE, SHAPE, config, num_requests=8, concurrency=4.0)
     assert cal.request_overhead_s + cal.prefill_overhead_s > 0 and cal.step_overhead_s + cal.per_seq_overhead_s > 0
     assert cal.measured_loaded_tpot_s > 0 and math.isfinite(cal.loaded_rate) and cal.loaded_rate > 0
+    # D drafts with the target itself at greedy: every draft token is accepted, 4 tokens a step
+    assert cal.acceptance_rate > 0.95 and profile.speculation.acceptance_rate == cal.acceptance_rate
     unloaded = dataclasses.replace(config, rates=(0.01,), num_requests=8, max_concurrency=1)
     again = predict(profile, SHAPE, unloaded, 0.01)
     if cal.step_overhead_s > 0:

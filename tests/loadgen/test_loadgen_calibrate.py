@@ -73,3 +73,24 @@ def test_a_simulation_slower_than_measured_changes_nothing():
     profile, cal = calibrated(slow, Shape(1, 1), unloaded, UNLOADED, loaded, loaded_config)
     assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s) == (0,) * 4
     assert dataclasses.replace(profile, notes=slow.notes) == slow
+
+
+def test_acceptance_comes_from_the_tokens_each_decode_step_streamed():
+    from pdserve.loadgen.calibrate import acceptance
+    from pdserve.loadgen.costs import SpeculationCost
+    from pdserve.loadgen.records import RequestRecord
+
+    def record(tokens: list[int]) -> RequestRecord:
+        r = RequestRecord(0, 0.0, sum(tokens), 10, sent_s=0.0)
+        for i, n in enumerate(tokens):
+            r.add_delta(0.01 * (i + 1), n)
+        return r
+
+    # the first delta (the prefill's token) and the last (cut short by max_tokens) aside, steps of
+    # 3 and 4 tokens: 3.5 a step at k = 4
+    alpha = acceptance([record([1, 3, 4, 3, 1]), record([1, 4, 2])], k=4)
+    assert SpeculationCost(4, alpha, 0.1).mean_tokens_per_step == pytest.approx(3.5)
+    assert acceptance([record([1, 2])], k=4) is None  # no whole decode step seen
+    profile, cal = calibrated(BASE, Shape(1, 1, True), *_measured(BASE, Shape(1, 1, True))[:1], UNLOADED,
+                              acceptance_rate=0.5)
+    assert profile.speculation.acceptance_rate == 0.5 and cal.acceptance_rate == 0.5
