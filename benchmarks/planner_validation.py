@@ -99,10 +99,10 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
 
 
 def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProfile, dict]:
-    """`pdserve calibrate`'s calibration on 1P:1D (unloaded, then about eight requests in flight),
+    """`pdserve calibrate`'s calibration on 1P:1D (unloaded, then 40 requests, eight in flight),
     and speculation's acceptance rate from 1P:1D +spec's requests served one at a time."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
-    profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8.0)
+    profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40)
     spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"], rates=(float("inf"),), num_requests=num,
                                max_concurrency=1)
     records = [r for run in run_bench(spec, progress=False).runs for r in run.records]

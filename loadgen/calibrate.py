@@ -14,7 +14,7 @@ overheads of the profile:
 
     unloaded (one request at a time): TPOT              -> the overhead of a step of one sequence
                                       TTFT              -> request_overhead_s (each request)
-    loaded (an open-loop rate that keeps about `concurrency` requests in flight):
+    loaded (`concurrency` requests in flight, each sent as another ends; replayed at those times):
                                       TPOT              -> how much of that is per sequence
                                                            (decode.per_seq_s; the rest: decode.fixed_s)
                                       TTFT              -> prefill.per_seq_s (each prompt's serving on
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from pdserve.loadgen.costs import CostProfile, StepCost, acceptance_from_tokens_per_step
 from pdserve.loadgen.records import RequestRecord
-from pdserve.loadgen.simulator import Shape, bench_inputs, simulate
-from pdserve.loadgen.stats import RunSummary, summarize
+from pdserve.loadgen.simulator import Shape, SimInput, bench_inputs, simulate
+from pdserve.loadgen.stats import SLO, RunSummary, summarize
 
 BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
 MAX_DOUBLINGS = 20
@@ -58,16 +58,18 @@ class Calibration:
     simulated_unloaded_ttft_s: float
     measured_unloaded_tpot_s: float
     simulated_unloaded_tpot_s: float
-    loaded_rate: float  # requests per second of the loaded point
+    loaded_concurrency: int  # requests in flight at the loaded point (0: none measured)
     measured_loaded_tpot_s: float
-    simulated_loaded_tpot_s: float  # with the unloaded overheads, before the per-sequence one
+    simulated_loaded_tpot_s: float  # with the unloaded overheads only
     measured_loaded_ttft_s: float
-    simulated_loaded_ttft_s: float  # with every overhead but the prefill's
+    simulated_loaded_ttft_s: float  # the same
     request_overhead_s: float
     step_overhead_s: float
     per_seq_overhead_s: float
     prefill_overhead_s: float  # per request prefilled, in the step that prefills it
     acceptance_rate: float = math.nan  # a speculating deployment's α, from its unloaded deltas (nan: none)
+    calibrated_loaded_tpot_s: float = math.nan  # the loaded point as the calibrated profile predicts it
+    calibrated_loaded_ttft_s: float = math.nan
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
@@ -75,10 +77,11 @@ class Calibration:
                 f"simulated {ms(self.simulated_unloaded_ttft_s)}); per decode step {ms(self.step_overhead_s)} "
                 f"(unloaded TPOT measured {ms(self.measured_unloaded_tpot_s)}, simulated "
                 f"{ms(self.simulated_unloaded_tpot_s)}); per sequence of a decode step {ms(self.per_seq_overhead_s)} "
-                f"(TPOT at {self.loaded_rate:.2f} req/s measured {ms(self.measured_loaded_tpot_s)}, simulated "
-                f"{ms(self.simulated_loaded_tpot_s)} before it); per prompt prefilled {ms(self.prefill_overhead_s)} "
-                f"(TTFT there measured {ms(self.measured_loaded_ttft_s)}, simulated {ms(self.simulated_loaded_ttft_s)} "
-                f"before it)" + ("" if math.isnan(self.acceptance_rate) else
+                f"(TPOT with {self.loaded_concurrency} requests in flight measured {ms(self.measured_loaded_tpot_s)}, "
+                f"simulated {ms(self.simulated_loaded_tpot_s)} before, {ms(self.calibrated_loaded_tpot_s)} after); "
+                f"per prompt prefilled {ms(self.prefill_overhead_s)} (TTFT there measured "
+                f"{ms(self.measured_loaded_ttft_s)}, simulated {ms(self.simulated_loaded_ttft_s)} before, "
+                f"{ms(self.calibrated_loaded_ttft_s)} after)" + ("" if math.isnan(self.acceptance_rate) else
                                  f"; speculation's acceptance rate {self.acceptance_rate:.3f}"))
 
 
@@ -101,7 +104,22 @@ def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float =
 
 def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
     """The simulator's summary of the requests `pdserve bench` sends at `rate` for `config`."""
-    return summarize(simulate(profile, shape, bench_inputs(config, rate), config.seed).records, rate, config.slo)
+    return replay(profile, shape, bench_inputs(config, rate), config.seed, rate, config.slo)
+
+
+def replay(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: int = 0, rate: float = math.nan,
+           slo: SLO = SLO()) -> RunSummary:
+    """The simulator's summary of these requests (arrival times and lengths)."""
+    return summarize(simulate(profile, shape, inputs, seed).records, rate, slo)
+
+
+def sent_inputs(config, records: list[RequestRecord]) -> list[SimInput]:
+    """The requests of a measured run as the simulator takes them: each sent when it was (a run
+    capped at some concurrency sends a request as one finishes, so its arrivals are the system's
+    own pace) with its lengths (`bench_inputs`' for the same config)."""
+    lengths = bench_inputs(config, 1.0)
+    return [SimInput(r.sent_s, lengths[r.index].prompt_len, lengths[r.index].output_len)
+            for r in sorted(records, key=lambda r: r.sent_s) if r.sent_s is not None]
 
 
 def solve(f, target: float) -> float | None:
@@ -126,10 +144,10 @@ def solve(f, target: float) -> float | None:
 
 
 def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloaded_config,
-               loaded: RunSummary | None = None, loaded_config=None,
-               acceptance_rate: float | None = None) -> tuple[CostProfile, Calibration]:
-    """The calibration from measured summaries (`unloaded`: one request at a time; `loaded`: an
-    open-loop rate, or None for none) of the requests `unloaded_config` / `loaded_config` send;
+               loaded: RunSummary | None = None, loaded_inputs: list[SimInput] | None = None,
+               acceptance_rate: float | None = None, loaded_concurrency: int = 0) -> tuple[CostProfile, Calibration]:
+    """The calibration from measured summaries: `unloaded`, of the requests `unloaded_config`
+    sends one at a time; `loaded` (or None), of `loaded_inputs` (as `sent_inputs` replays them).
     `acceptance_rate`, where given, replaces the profile's speculation α first (`acceptance`).
 
     Each overhead is found on the simulator, as the value at which it predicts what was measured
@@ -149,15 +167,15 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
                          f"{unloaded.tpot.p50:.6f} s: is the profile for this deployment (--speculation)?")
     stepped = with_overheads(profile, step_s=one)
     request = max(0.0, unloaded.ttft.p50 - predict(stepped, shape, quiet, 0.01).ttft.p50)
-    rate, measured_loaded, simulated_loaded, per_seq = math.nan, math.nan, math.nan, 0.0
-    measured_ttft, simulated_ttft, prefill = math.nan, math.nan, 0.0
+    measured_loaded, simulated_loaded, per_seq = math.nan, math.nan, 0.0
+    measured_ttft, simulated_ttft, prefill, after = math.nan, math.nan, 0.0, None
     if loaded is not None:
-        rate, measured_loaded, measured_ttft = loaded.rate, loaded.tpot.p50, loaded.ttft.p50
+        measured_loaded, measured_ttft = loaded.tpot.p50, loaded.ttft.p50
 
         def at_load(per_seq: float, prefill: float) -> RunSummary:
             """The loaded point's prediction with these two out of the unloaded excesses."""
-            return predict(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq,
-                                          prefill), shape, loaded_config, rate)
+            return replay(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq,
+                                         prefill), shape, loaded_inputs, unloaded_config.seed)
 
         before = at_load(0.0, 0.0)
         simulated_loaded, simulated_ttft = before.tpot.p50, before.ttft.p50
@@ -168,19 +186,21 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
         for round_ in range(LOADED_ROUNDS):
             per_seq = solve(lambda x: at_load(x, prefill).tpot.p50, measured_loaded)
             if per_seq is None:
-                raise ValueError(f"calibration: at {rate:.2f} req/s the simulated steps never hold enough sequences "
-                                 f"to reach the measured TPOT {measured_loaded:.6f} s: raise the concurrency")
+                raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
+                                 f"reach the measured TPOT {measured_loaded:.6f} s: raise the concurrency")
             if round_ < LOADED_ROUNDS - 1:
                 prefill = solve(lambda x: at_load(per_seq, x).ttft.p50, measured_ttft) or 0.0
+        after = at_load(per_seq, prefill)
     step, request = max(0.0, one - per_seq), max(0.0, request - prefill)
     profile = with_overheads(profile, request, step, per_seq, prefill)
     notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
                  f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {per_seq:.6f} s a sequence, "
                  f"prefill {prefill:.6f} s a prompt")
     profile = dataclasses.replace(profile, notes=notes)
-    return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, rate,
+    return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, loaded_concurrency,
                                 measured_loaded, simulated_loaded, measured_ttft, simulated_ttft, request, step,
-                                per_seq, prefill, math.nan if acceptance_rate is None else acceptance_rate)
+                                per_seq, prefill, math.nan if acceptance_rate is None else acceptance_rate,
+                                after.tpot.p50 if after else math.nan, after.ttft.p50 if after else math.nan)
 
 
 def acceptance(records: list[RequestRecord], k: int) -> float | None:
@@ -193,18 +213,20 @@ def acceptance(records: list[RequestRecord], k: int) -> float | None:
     return acceptance_from_tokens_per_step(sum(steps) / len(steps), k) if steps else None
 
 
-def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: float = 8.0,
-              progress: bool = False) -> tuple[CostProfile, Calibration]:
+def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: int = 8,
+              loaded_requests: int | None = None, progress: bool = False) -> tuple[CostProfile, Calibration]:
     """Measure both points on the deployment `config` targets (a `BenchConfig`: its workload,
-    sampling and seed; its rates are ignored) and calibrate the profile. The loaded point's rate
-    keeps about `concurrency` requests in flight: that many over the unloaded end-to-end time
-    (0: no loaded point)."""
+    sampling and seed; its rates are ignored) and calibrate the profile: `num_requests` one at a
+    time, then `loaded_requests` (default 4 x concurrency) with `concurrency` in flight, each sent
+    as another ends (0: no loaded point). Replayed in the simulator at the times they were sent,
+    the loaded requests meet the load they met: an open-loop rate picked beforehand overloaded
+    the demo pair or left it idle, and its TPOT then said more about the queue than the steps."""
     from pdserve.loadgen.bench import run_bench
 
     if num_requests < 2:
         raise ValueError(f"calibrating needs at least 2 requests per point, got {num_requests}")
-    if concurrency < 0 or math.isnan(concurrency):
-        raise ValueError(f"concurrency must be >= 0, got {concurrency}")
+    if concurrency < 0 or concurrency == 1:
+        raise ValueError(f"concurrency must be 0 (unloaded only) or at least 2, got {concurrency}")
     unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
                                           duration_s=None, search=None)
     quiet = run_bench(unloaded_config, progress=progress)
@@ -213,13 +235,15 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
     alpha = None
     if shape.speculate:  # the deployment's own α: the profile's was measured on its own prompts
         alpha = acceptance([r for run in quiet.runs for r in run.records], profile.speculation.num_speculative_tokens)
-    loaded, loaded_config = None, None
-    if concurrency > 0:
-        rate = concurrency / unloaded.e2e.p50
-        loaded_config = dataclasses.replace(unloaded_config, rates=(rate,), max_concurrency=None)
-        (loaded,) = run_bench(loaded_config, progress=progress).summaries()
-        _check_measured(loaded, f"loaded ({rate:.2f} req/s)")
-    return calibrated(profile, shape, unloaded, unloaded_config, loaded, loaded_config, alpha)
+    loaded, inputs = None, None
+    if concurrency:
+        loaded_config = dataclasses.replace(unloaded_config, max_concurrency=concurrency,
+                                            num_requests=loaded_requests or 4 * concurrency)
+        busy = run_bench(loaded_config, progress=progress)
+        (loaded,) = busy.summaries()
+        _check_measured(loaded, f"loaded ({concurrency} in flight)")
+        inputs = sent_inputs(loaded_config, busy.runs[0].records)
+    return calibrated(profile, shape, unloaded, unloaded_config, loaded, inputs, alpha, concurrency)
 
 
 def _check_measured(summary: RunSummary, what: str) -> None:

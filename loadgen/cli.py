@@ -246,9 +246,11 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--decode-workers", type=int, default=1, help="of the running deployment")
     p.add_argument("--speculation", action="store_true", help="the deployment's decode workers speculate")
     _add_target_and_workload_args(p)
-    p.add_argument("--num-requests", type=int, default=16, help="requests measured at each of the two points")
-    p.add_argument("--concurrency", type=float, default=8.0,
-                   help="requests in flight at the loaded point, about (0: calibrate unloaded only)")
+    p.add_argument("--num-requests", type=int, default=16, help="requests measured one at a time")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight at the loaded point (0: calibrate unloaded only)")
+    p.add_argument("--loaded-requests", type=int, default=None, help="requests at the loaded point "
+                   "(default: 4 x --concurrency)")
     p.add_argument("--seed", type=int, default=100)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=calibrate_main, request_rate=None, request_rates=None, goodput_search=None, search_steps=4,
@@ -267,7 +269,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
     if shape.speculate and profile.speculation is None:
         raise ValueError(f"--speculation: {args.profile} has no speculation costs (pdserve profile --draft-model)")
     config = config_from_args(args)
-    profile, cal = calibrate(profile, shape, config, args.num_requests, args.concurrency, progress=not args.quiet)
+    profile, cal = calibrate(profile, shape, config, args.num_requests, args.concurrency, args.loaded_requests,
+                             progress=not args.quiet)
     profile.save(args.output)
     print(f"{shape.label}: {cal.describe()}")
     print(f"wrote {args.output}", file=sys.stderr)

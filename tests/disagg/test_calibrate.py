@@ -34,9 +34,9 @@ WORKLOAD = WorkloadConfig(WorkloadKind.RANDOM, LengthDistribution.parse("uniform
 def test_the_calibrated_profile_predicts_what_the_deployment_measured(cluster):
     cluster.wait_all_free(("P", "D"))
     config = BenchConfig(target=cluster.address("R"), workload=WORKLOAD, seed=7, num_warmup=1, request_timeout_s=60)
-    profile, cal = calibrate(ENGINE, SHAPE, config, num_requests=8, concurrency=4.0)
+    profile, cal = calibrate(ENGINE, SHAPE, config, num_requests=8, concurrency=4, loaded_requests=12)
     assert cal.request_overhead_s + cal.prefill_overhead_s > 0 and cal.step_overhead_s + cal.per_seq_overhead_s > 0
-    assert cal.measured_loaded_tpot_s > 0 and math.isfinite(cal.loaded_rate) and cal.loaded_rate > 0
+    assert cal.measured_loaded_tpot_s > 0 and cal.loaded_concurrency == 4
     # D drafts with the target itself at greedy: every draft token is accepted, 4 tokens a step
     assert cal.acceptance_rate > 0.95 and profile.speculation.acceptance_rate == cal.acceptance_rate
     unloaded = dataclasses.replace(config, rates=(0.01,), num_requests=8, max_concurrency=1)
@@ -50,11 +50,9 @@ def test_the_calibrated_profile_predicts_what_the_deployment_measured(cluster):
     else:  # the loaded point asked more of each prompt's prefill than the unloaded TTFT's excess
         assert again.ttft.p50 >= cal.measured_unloaded_ttft_s
     if cal.per_seq_overhead_s > 0:  # else the simulation was already as slow as the loaded point
-        # eight requests' simulated median TPOT jumps where an overhead reorders the events of a
-        # loaded run (seen: 14% at the bisection's end), so within 20% here
-        loaded = dataclasses.replace(config, rates=(cal.loaded_rate,), num_requests=8, max_concurrency=None)
-        assert predict(profile, SHAPE, loaded, cal.loaded_rate).tpot.p50 == pytest.approx(
-            cal.measured_loaded_tpot_s, rel=0.2)
+        # twelve requests' simulated median TPOT jumps where an overhead reorders the events of a
+        # loaded run, so within 20% here
+        assert cal.calibrated_loaded_tpot_s == pytest.approx(cal.measured_loaded_tpot_s, rel=0.2)
     cluster.wait_all_free(("P", "D"))
 
 
@@ -64,7 +62,7 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
     out = subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / "engine.json"), "--output",
                           str(tmp_path / "calibrated.json"), "--speculation", "--target", cluster.address("R"),
                           "--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64",
-                          "--output-len", "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--quiet"],
+                          "--output-len", "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("1P:1D +spec: per request") and "per sequence of a decode step" in out.stdout
@@ -81,6 +79,7 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
     (["--target", "127.0.0.1:1"], "127.0.0.1:1"),
     (["--target", "127.0.0.1:1", "--prefill-workers", "-1"], "num_prefill"),
     (["--target", "127.0.0.1:1", "--num-requests", "1"], "at least 2 requests"),
+    (["--target", "127.0.0.1:1", "--concurrency", "1"], "at least 2"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     ENGINE.save(tmp_path / "engine.json")

@@ -11,10 +11,10 @@ import math
 import pytest
 
 from pdserve.loadgen.bench import BenchConfig
-from pdserve.loadgen.calibrate import calibrated, predict, with_overheads
+from pdserve.loadgen.calibrate import calibrated, predict, replay, with_overheads
 from pdserve.loadgen.costs import CostProfile, SpeculationCost, StepCost, TransferCost, WorkerLimits
 from pdserve.loadgen.lengths import LengthDistribution
-from pdserve.loadgen.simulator import Shape
+from pdserve.loadgen.simulator import Shape, bench_inputs
 from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
 
 BASE = CostProfile("m", "h", prefill=StepCost(0.002, per_token_s=2e-5), decode=StepCost(1e-3, per_seq_s=5e-5),
@@ -27,18 +27,19 @@ LOADED_RATE = 150.0  # about eight requests in flight on BASE with the overheads
 
 
 def _measured(truth: CostProfile, shape: Shape):
-    """What a deployment costing `truth` would measure at both points (the simulator standing in)."""
+    """What a deployment costing `truth` would measure at both points (the simulator standing in):
+    requests one at a time, and the same requests arriving at LOADED_RATE (the loaded inputs)."""
     unloaded = predict(truth, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
-    loaded_config = dataclasses.replace(UNLOADED, rates=(LOADED_RATE,), max_concurrency=None)
-    return unloaded, loaded_config, predict(truth, shape, loaded_config, LOADED_RATE)
+    inputs = bench_inputs(dataclasses.replace(UNLOADED, rates=(LOADED_RATE,), max_concurrency=None), LOADED_RATE)
+    return unloaded, inputs, replay(truth, shape, inputs, UNLOADED.seed)
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 1), Shape(1, 1, True), Shape(0, 2)], ids=lambda s: s.label)
 def test_known_overheads_come_back(shape):
     truth = with_overheads(BASE, request_s=0.005, step_s=0.001, per_seq_s=3e-4, prefill_s=0.002)
-    unloaded, loaded_config, loaded = _measured(truth, shape)
+    unloaded, inputs, loaded = _measured(truth, shape)
     assert loaded.tpot.p50 > 2 * unloaded.tpot.p50  # the loaded point's steps do hold several sequences
-    profile, cal = calibrated(BASE, shape, unloaded, UNLOADED, loaded, loaded_config)
+    profile, cal = calibrated(BASE, shape, unloaded, UNLOADED, loaded, inputs)
     # a prompt's prefill overhead and the request's are told apart only by queueing under load,
     # and a median TTFT of 40 requests moves in jumps: their sum is what comes back closely
     assert cal.request_overhead_s + cal.prefill_overhead_s == pytest.approx(0.007, rel=0.05)
@@ -50,7 +51,8 @@ def test_known_overheads_come_back(shape):
     assert profile.speculation.step.fixed_s == pytest.approx(2e-3 + cal.step_overhead_s)
     assert profile.prefill.per_seq_s == pytest.approx(cal.prefill_overhead_s) and "calibration" in profile.notes
     # and the calibrated profile predicts both points as measured
-    again = predict(profile, shape, loaded_config, LOADED_RATE)
+    again = replay(profile, shape, inputs, UNLOADED.seed)
+    assert (cal.calibrated_loaded_tpot_s, cal.calibrated_loaded_ttft_s) == (again.tpot.p50, again.ttft.p50)
     assert again.tpot.p50 == pytest.approx(loaded.tpot.p50, rel=0.05)
     assert again.ttft.p50 == pytest.approx(loaded.ttft.p50, rel=0.1)
     first = predict(profile, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
@@ -64,13 +66,13 @@ def test_unloaded_only_puts_the_step_excess_in_the_fixed_cost():
     profile, cal = calibrated(BASE, Shape(1, 1), unloaded, UNLOADED)
     assert cal.step_overhead_s == pytest.approx(0.0015, rel=0.02) and cal.per_seq_overhead_s == 0
     assert cal.request_overhead_s == pytest.approx(0.002, rel=0.02) and cal.prefill_overhead_s == 0
-    assert math.isnan(cal.loaded_rate) and profile.decode.per_seq_s == BASE.decode.per_seq_s
+    assert cal.loaded_concurrency == 0 and profile.decode.per_seq_s == BASE.decode.per_seq_s
 
 
 def test_a_simulation_slower_than_measured_changes_nothing():
     slow = with_overheads(BASE, request_s=0.01, step_s=0.002, per_seq_s=1e-4)
-    unloaded, loaded_config, loaded = _measured(BASE, Shape(1, 1))
-    profile, cal = calibrated(slow, Shape(1, 1), unloaded, UNLOADED, loaded, loaded_config)
+    unloaded, inputs, loaded = _measured(BASE, Shape(1, 1))
+    profile, cal = calibrated(slow, Shape(1, 1), unloaded, UNLOADED, loaded, inputs)
     assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s) == (0,) * 4
     assert dataclasses.replace(profile, notes=slow.notes) == slow
 
