@@ -208,7 +208,10 @@ def acceptance(records: list[RequestRecord], k: int) -> float | None:
     time: each decode step streams one delta a sequence, so the deltas between the first (the
     prefill's token) and the last (a step cut short by max_tokens, which counted made a
     self-drafting pair that accepts everything read 0.94) carry a step's tokens, whose mean gives
-    α at depth k as `pdserve profile` solves it. None when no request had such a delta."""
+    α at depth k as `pdserve profile` solves it. None when no request had such a delta. The
+    deployment must draft at that fixed depth (`--no-spec-adaptive`): with adaptive depth a step
+    streams the tokens of the depth it chose, and α reads low (0.24 on `pdserve serve`'s demo
+    pair, whose default depth adapts)."""
     steps = [n for r in records if r.is_ok for n in r.delta_tokens[1:-1]]
     return acceptance_from_tokens_per_step(sum(steps) / len(steps), k) if steps else None
 

@@ -244,7 +244,8 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the calibrated profile JSON to write")
     p.add_argument("--prefill-workers", type=int, default=1, help="of the running deployment (0: colocated)")
     p.add_argument("--decode-workers", type=int, default=1, help="of the running deployment")
-    p.add_argument("--speculation", action="store_true", help="the deployment's decode workers speculate")
+    p.add_argument("--speculation", action="store_true", help="the deployment's decode workers speculate, at the "
+                   "profile's fixed depth (--no-spec-adaptive): their acceptance rate is measured too")
     _add_target_and_workload_args(p)
     p.add_argument("--num-requests", type=int, default=16, help="requests measured one at a time")
     p.add_argument("--concurrency", type=int, default=8,
