@@ -9,8 +9,8 @@ engine's profile alone predicted a TPOT of 0.9 ms where the pair measured 1.4, a
 gap grew with the batch, as a per-sequence cost does.
 
 Two measured points on the running deployment, each beside the simulator's prediction for the
-same requests (`simulator.bench_inputs`: the same arrival times and lengths), set three
-overheads of the profile:
+same requests (the same lengths; unloaded ones far apart, loaded ones at the times they were
+sent), set four overheads of the profile:
 
     unloaded (one request at a time): TPOT              -> the overhead of a step of one sequence
                                       TTFT              -> request_overhead_s (each request)
@@ -167,40 +167,55 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
                          f"{unloaded.tpot.p50:.6f} s: is the profile for this deployment (--speculation)?")
     stepped = with_overheads(profile, step_s=one)
     request = max(0.0, unloaded.ttft.p50 - predict(stepped, shape, quiet, 0.01).ttft.p50)
-    measured_loaded, simulated_loaded, per_seq = math.nan, math.nan, 0.0
-    measured_ttft, simulated_ttft, prefill, after = math.nan, math.nan, 0.0, None
+    loaded_fit = _LoadedFit()
     if loaded is not None:
-        measured_loaded, measured_ttft = loaded.tpot.p50, loaded.ttft.p50
-
-        def at_load(per_seq: float, prefill: float) -> RunSummary:
-            """The loaded point's prediction with these two out of the unloaded excesses."""
-            return replay(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq,
-                                         prefill), shape, loaded_inputs, unloaded_config.seed)
-
-        before = at_load(0.0, 0.0)
-        simulated_loaded, simulated_ttft = before.tpot.p50, before.ttft.p50
-        # TPOT under load gives the per-sequence overhead; TTFT under load what each prompt's
-        # serving on the prefill side costs (its K/V handed over, its stream), as time its prefill
-        # step takes. Each moves the other (colocated, a prompt's prefill runs inside a decode
-        # step), so they are found in turn, the per-sequence one last.
-        for round_ in range(LOADED_ROUNDS):
-            per_seq = solve(lambda x: at_load(x, prefill).tpot.p50, measured_loaded)
-            if per_seq is None:
-                raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
-                                 f"reach the measured TPOT {measured_loaded:.6f} s: raise the concurrency")
-            if round_ < LOADED_ROUNDS - 1:
-                prefill = solve(lambda x: at_load(per_seq, x).ttft.p50, measured_ttft) or 0.0
-        after = at_load(per_seq, prefill)
+        loaded_fit = _fit_loaded(profile, shape, loaded, loaded_inputs, unloaded_config.seed, request, one)
+    per_seq, prefill, after = loaded_fit.per_seq, loaded_fit.prefill, loaded_fit.after
     step, request = max(0.0, one - per_seq), max(0.0, request - prefill)
     profile = with_overheads(profile, request, step, per_seq, prefill)
     notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
                  f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {per_seq:.6f} s a sequence, "
                  f"prefill {prefill:.6f} s a prompt")
     profile = dataclasses.replace(profile, notes=notes)
+    measured = (loaded.tpot.p50, loaded.ttft.p50) if loaded is not None else (math.nan, math.nan)
+    before = (loaded_fit.before.tpot.p50, loaded_fit.before.ttft.p50) if loaded_fit.before else (math.nan, math.nan)
     return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, loaded_concurrency,
-                                measured_loaded, simulated_loaded, measured_ttft, simulated_ttft, request, step,
-                                per_seq, prefill, math.nan if acceptance_rate is None else acceptance_rate,
+                                measured[0], before[0], measured[1], before[1], request, step, per_seq, prefill,
+                                math.nan if acceptance_rate is None else acceptance_rate,
                                 after.tpot.p50 if after else math.nan, after.ttft.p50 if after else math.nan)
+
+
+@dataclass(slots=True)
+class _LoadedFit:
+    per_seq: float = 0.0
+    prefill: float = 0.0
+    before: RunSummary | None = None  # the loaded point predicted with the unloaded overheads only
+    after: RunSummary | None = None  # and calibrated
+
+
+def _fit_loaded(profile: CostProfile, shape: Shape, loaded: RunSummary, inputs: list[SimInput], seed: int,
+                request: float, one: float) -> _LoadedFit:
+    """The per-sequence and per-prompt overheads, out of the unloaded request's (`request`) and
+    one-sequence step's (`one`) excesses, at which the replayed loaded requests' TPOT and TTFT
+    are the measured ones. TPOT under load gives the per-sequence overhead; TTFT under load what
+    each prompt's serving on the prefill side costs (its K/V handed over, its stream), as time
+    its prefill step takes. Each moves the other (colocated, a prompt's prefill runs inside a
+    decode step), so they are found in turn, the per-sequence one last."""
+    def at_load(per_seq: float, prefill: float) -> RunSummary:
+        return replay(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill),
+                      shape, inputs, seed)
+
+    fit = _LoadedFit(before=at_load(0.0, 0.0))
+    for round_ in range(LOADED_ROUNDS):
+        per_seq = solve(lambda x: at_load(x, fit.prefill).tpot.p50, loaded.tpot.p50)
+        if per_seq is None:
+            raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
+                             f"reach the measured TPOT {loaded.tpot.p50:.6f} s: raise the concurrency")
+        fit.per_seq = per_seq
+        if round_ < LOADED_ROUNDS - 1:
+            fit.prefill = solve(lambda x: at_load(fit.per_seq, x).ttft.p50, loaded.ttft.p50) or 0.0
+    fit.after = at_load(fit.per_seq, fit.prefill)
+    return fit
 
 
 def acceptance(records: list[RequestRecord], k: int) -> float | None:
