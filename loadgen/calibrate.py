@@ -159,14 +159,16 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloade
     if acceptance_rate is not None and profile.speculation is not None:
         profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
                                                                                acceptance_rate=acceptance_rate))
-    quiet = dataclasses.replace(unloaded_config, rates=(0.01,))
-    sim = predict(profile, shape, quiet, 0.01)
-    one = solve(lambda x: predict(with_overheads(profile, step_s=x), shape, quiet, 0.01).tpot.p50, unloaded.tpot.p50)
+    # the unloaded requests far apart, their workload built once (every solve's step simulates them)
+    quiet = bench_inputs(unloaded_config, 0.01)
+    sim = replay(profile, shape, quiet, unloaded_config.seed)
+    one = solve(lambda x: replay(with_overheads(profile, step_s=x), shape, quiet, unloaded_config.seed).tpot.p50,
+                unloaded.tpot.p50)
     if one is None:
         raise ValueError("calibration: no step overhead makes the simulated unloaded TPOT the measured "
                          f"{unloaded.tpot.p50:.6f} s: is the profile for this deployment (--speculation)?")
     stepped = with_overheads(profile, step_s=one)
-    request = max(0.0, unloaded.ttft.p50 - predict(stepped, shape, quiet, 0.01).ttft.p50)
+    request = max(0.0, unloaded.ttft.p50 - replay(stepped, shape, quiet, unloaded_config.seed).ttft.p50)
     loaded_fit = _LoadedFit()
     if loaded is not None:
         loaded_fit = _fit_loaded(profile, shape, loaded, loaded_inputs, unloaded_config.seed, request, one)
@@ -247,12 +249,12 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         raise ValueError(f"concurrency must be 0 (unloaded only) or at least 2, got {concurrency}")
     unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
                                           duration_s=None, search=None)
-    quiet = run_bench(unloaded_config, progress=progress)
-    (unloaded,) = quiet.summaries()
+    one_at_a_time = run_bench(unloaded_config, progress=progress)
+    (unloaded,) = one_at_a_time.summaries()
     _check_measured(unloaded, "unloaded")
     alpha = None
     if shape.speculate:  # the deployment's own α: the profile's was measured on its own prompts
-        alpha = acceptance([r for run in quiet.runs for r in run.records], profile.speculation.num_speculative_tokens)
+        alpha = acceptance(one_at_a_time.runs[0].records, profile.speculation.num_speculative_tokens)
     loaded, inputs = None, None
     if concurrency:
         loaded_config = dataclasses.replace(unloaded_config, max_concurrency=concurrency,
