@@ -1,8 +1,9 @@
 """The simulator's workers: each runs one engine step at a time, its cost from the profile.
 
 Prefill worker (disaggregated):   queued ──chunks, FCFS, under the token budget──► done (first token sampled)
-Decode worker (disaggregated):    reserved (at admission) ──KV arrived──► joining
-                                  ──step boundary: first token out──► running ──last token──► finished
+Decode worker (disaggregated):    reserved (at admission; the first token went out when the prefill worker
+                                  sampled it) ──KV arrived──► joining ──step boundary──► running
+                                  ──last token──► finished
 Colocated worker:                 waiting (prefill chunks beside the running decodes) ──► running ──► finished
 
 A step's sequences are chosen when it starts and get their tokens when it ends, as in the
@@ -103,11 +104,19 @@ class Decoder:
 
 
 class PrefillWorker:
-    def __init__(self, clock: Clock, profile: CostProfile, cost: StepCost, on_done: Callable[[SimRequest], None]):
+    """Prefills prompts in chunks, then hands each prompt's K/V over, one prompt at a time: a
+    worker's sends share its link (and, on the CPU, the core its serving loop runs on), so the
+    prompts one step completes arrive one after another."""
+
+    def __init__(self, clock: Clock, profile: CostProfile, cost: StepCost,
+                 on_done: Callable[[SimRequest, float], None]):
+        """on_done(request, kv_arrival_s): a prompt is prefilled, its first token sampled now."""
         self.clock, self.cost, self.limits, self.on_done = clock, cost, profile.limits, on_done
+        self.transfer = profile.transfer
         self.jobs: list[SimRequest] = []
         self.queued_tokens = 0
         self.is_busy = False
+        self.link_free_s = 0.0  # when the hand-over under way ends
 
     def submit(self, req: SimRequest) -> None:
         self.jobs.append(req)
@@ -129,7 +138,8 @@ class PrefillWorker:
             if req.num_computed == req.prompt_len:
                 self.jobs.remove(req)
                 req.prefill_end_s = self.clock.now
-                self.on_done(req)
+                self.link_free_s = max(self.link_free_s, self.clock.now) + self.transfer.seconds(req.prompt_len)
+                self.on_done(req, self.link_free_s)
         self._step()
 
 
@@ -182,10 +192,13 @@ class DecodeWorker:
         if not self.is_busy:
             self._step()
 
+    def release(self, req: SimRequest) -> None:
+        """A reservation whose request ended with its first token (sampled by the prefill worker)."""
+        self.num_reserved -= 1
+        self._free(req)
+
     def _step(self) -> None:
-        for req in self.joining:  # the first token (sampled by the prefill worker) goes out now
-            req.emit(self.clock.now, 1)
-            (self._free if req.is_done else self.running.append)(req)
+        self.running.extend(self.joining)
         self.joining.clear()
         self.is_busy = bool(self.running)
         if self.running:

@@ -2,9 +2,10 @@
 
     arrival ──(request_overhead_s)──► router queue (FCFS)
         ──admission: a decode worker with a free slot and KV room (most free KV first)──►
-    disaggregated: prefill worker with the fewest queued prompt tokens (chunked prefill)
-        ──KV transfer──► decode worker: first token at its next step boundary, then continuous
-        batching, plain or speculative
+    disaggregated: prefill worker with the fewest queued prompt tokens (chunked prefill): the
+        first token goes out as it is sampled ──KV transfer (a prefill worker's one after
+        another)──► decode worker: joins at its next step boundary, then continuous batching,
+        plain or speculative
     colocated: the decode worker prefills it in chunks beside its running decodes
 
 It produces the same `RequestRecord`s as `pdserve bench`, so the same summaries, SLO
@@ -116,9 +117,12 @@ class Router:
             if self.prefill:
                 min(self.prefill, key=lambda p: p.queued_tokens).submit(req)
 
-    def _prefilled(self, req: SimRequest) -> None:
-        delay = self.profile.transfer.seconds(req.prompt_len)
-        self.clock.at(self.clock.now + delay, req.decode_worker.kv_arrived, req)
+    def _prefilled(self, req: SimRequest, kv_arrival_s: float) -> None:
+        req.emit(self.clock.now, 1)  # the prefill worker's first token goes to the router at once
+        if req.is_done:
+            req.decode_worker.release(req)
+            return
+        self.clock.at(kv_arrival_s, req.decode_worker.kv_arrived, req)
 
 
 def simulate(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: int = 0) -> SimResult:

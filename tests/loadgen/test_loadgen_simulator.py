@@ -39,13 +39,24 @@ def test_md1_mean_wait_matches_the_formula():
 
 
 def test_one_request_end_to_end_by_hand():
-    # prefill 10 tokens: 0.1 + 0.01·10 = 0.2 s; transfer 0.05 s -> KV at 0.25, first token out then;
-    # decode steps 0.02 + 0.01·1 = 0.03 s -> tokens at 0.28 and 0.31
+    # prefill 10 tokens: 0.1 + 0.01·10 = 0.2 s, the first token out then; transfer 0.05 s -> KV at
+    # 0.25; decode steps 0.02 + 0.01·1 = 0.03 s -> tokens at 0.28 and 0.31
     p = profile(prefill=StepCost(0.1, per_token_s=0.01), decode=StepCost(0.02, per_seq_s=0.01),
                 transfer=TransferCost(0, 1.0, latency_s=0.05))
     (rec,) = simulate(p, Shape(1, 1), [SimInput(0.0, 10, 3)]).records
-    assert times(rec) == [(0.25, 1), (0.28, 1), (0.31, 1)]
-    assert rec.ttft_s == pytest.approx(0.25) and rec.e2e_s == pytest.approx(0.31) and rec.tpot_s == pytest.approx(0.03)
+    assert times(rec) == [(0.2, 1), (0.28, 1), (0.31, 1)]
+    assert rec.ttft_s == pytest.approx(0.2) and rec.e2e_s == pytest.approx(0.31) and rec.tpot_s == pytest.approx(0.055)
+
+
+def test_a_prefill_worker_hands_its_prompts_over_one_at_a_time():
+    # A prefilled alone in [0, .1), B in [.1, .2) (it came as A's step had started); each
+    # hand-over takes .15 s, and B's waits for A's: KV at .25 and .4, second tokens then (decode free)
+    p = profile(prefill=StepCost(0.1), transfer=TransferCost(0, 1.0, latency_s=0.15))
+    a, b = simulate(p, Shape(1, 1), [SimInput(0.0, 4, 2), SimInput(0.0, 4, 2)]).records
+    assert times(a) == [(0.1, 1), (0.25, 1)] and times(b) == [(0.2, 1), (0.4, 1)]
+    # two prefill workers prefill and hand over side by side
+    a, b = simulate(p, Shape(2, 1), [SimInput(0.0, 4, 2), SimInput(0.0, 4, 2)]).records
+    assert times(a) == [(0.1, 1), (0.25, 1)] and times(b) == [(0.1, 1), (0.25, 1)]
 
 
 def test_chunked_prefill_under_a_token_budget_by_hand():
@@ -72,12 +83,12 @@ def test_attention_cost_counts_query_key_pairs():
 
 def test_a_kv_arriving_mid_step_joins_at_the_next_boundary():
     # A: KV at 0 (free prefill), decode steps 0.1 s: A tokens at 0, .1, .2, .3
-    # B arrives at .15 with free prefill/transfer: its first token waits for the boundary at .2,
-    # then it shares the steps ending .3 and .4
+    # B arrives at .15 with free prefill/transfer: its first token goes out at once, its KV waits
+    # for the boundary at .2, then it shares the steps ending .3 and .4
     p = profile(decode=StepCost(0.1))
     result = simulate(p, Shape(1, 1), [SimInput(0.0, 4, 4), SimInput(0.15, 4, 3)])
     assert times(result.records[0]) == [(0.0, 1), (0.1, 1), (0.2, 1), (0.3, 1)]
-    assert times(result.records[1]) == [(0.2, 1), (0.3, 1), (0.4, 1)]
+    assert times(result.records[1]) == [(0.15, 1), (0.3, 1), (0.4, 1)]
 
 
 def test_colocated_step_pays_decode_plus_prefill_marginal():
@@ -116,6 +127,16 @@ def test_kv_capacity_makes_requests_wait_and_oversized_ones_fail():
     a, b, c = result.records
     assert a.e2e_s == pytest.approx(0.4) and b.ttft_s == pytest.approx(0.4) and b.e2e_s == pytest.approx(0.8)
     assert c.status == "RESOURCE_EXHAUSTED" and not c.is_ok
+
+
+def test_a_request_ended_by_its_first_token_frees_its_reservation_at_once():
+    # capacity 12 tokens: A (10 + 1) is done when the prefill worker samples its token at .1, and
+    # its decode reservation goes then, not when its KV would have arrived (transfer 1 s): B is
+    # admitted at .1 and prefilled by .2
+    p = profile(prefill=StepCost(0.1), transfer=TransferCost(0, 1.0, latency_s=1.0),
+                limits=WorkerLimits(kv_capacity_tokens=12))
+    a, b = simulate(p, Shape(1, 1), [SimInput(0.0, 10, 1), SimInput(0.0, 10, 1)]).records
+    assert times(a) == [(0.1, 1)] and times(b) == [(0.2, 1)]
 
 
 def test_request_overhead_delays_everything():
