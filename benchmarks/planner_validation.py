@@ -110,7 +110,7 @@ def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProf
     if alpha is not None:
         profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
                                                                                acceptance_rate=alpha))
-    return profile, dataclasses.asdict(dataclasses.replace(cal, acceptance_rate=alpha or float("nan")))
+    return profile, dataclasses.replace(cal, acceptance_rate=alpha or float("nan")).to_json()
 
 
 def main() -> None:
@@ -120,7 +120,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=80)
     p.add_argument("--load-fractions", default="0.5,0.8", help="of the predicted goodput, for the latency rows")
-    p.add_argument("--search-steps", type=int, default=3)
+    p.add_argument("--search-steps", type=int, default=5, help="bisection steps of each measured goodput, "
+                   "after the bracket's ends (3 left a grid of 15%% steps, the goal's size: the goodput "
+                   "found, the highest passing rate, read up to 15%% low)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out", default=None, help="path stem of the JSON and PNG (default: "
                    "benchmarks/results/planner_validation, with _quick after it for --quick)")
@@ -147,7 +149,7 @@ def validate(profile: CostProfile, addresses: dict, args) -> dict:
     plans = {}
     for name, shape in CONFIGS.items():  # SLOs, predicted goodput and the rates to measure at
         plans[name] = plan_config(profile, shape, addresses[name], fractions, args)
-    rows, goodputs = {n: [] for n in CONFIGS}, {n: [] for n in CONFIGS}
+    rows, goodputs, searches = {n: [] for n in CONFIGS}, {n: [] for n in CONFIGS}, {n: [] for n in CONFIGS}
     for r in range(args.repeats):
         for name in list(CONFIGS)[r % 3:] + list(CONFIGS)[:r % 3]:
             plan, cfg = plans[name], plans[name]["cfg"]
@@ -156,6 +158,7 @@ def validate(profile: CostProfile, addresses: dict, args) -> dict:
             search = run_bench(dataclasses.replace(cfg, rates=(), search=RateSearch(*plan["search"], args.search_steps),
                                                    seed=r), progress=False)
             goodputs[name].append(search.goodput["bisection"].rate or 0.0)
+            searches[name].append([(s.rate, s.slo_attainment) for s in search.summaries()])
         print(f"repeat {r + 1}/{args.repeats} done", flush=True)
     out = {"configs": {}}
     for name, shape in CONFIGS.items():
@@ -164,7 +167,8 @@ def validate(profile: CostProfile, addresses: dict, args) -> dict:
                      for rate in plan["rates"]]
         out["configs"][name] = {"slo": dataclasses.asdict(plan["slo"]), "rates": plan["rates"],
                                 "predicted": predicted, "measured": rows[name],
-                                "predicted_goodput": plan["predicted_goodput"], "measured_goodput": goodputs[name]}
+                                "predicted_goodput": plan["predicted_goodput"], "measured_goodput": goodputs[name],
+                                "measured_search": searches[name]}
     return out
 
 
@@ -216,7 +220,7 @@ def report(result: dict, args) -> None:
         print(f"| {name} | {c['slo']['ttft_s'] * 1e3:.0f} / {c['slo']['tpot_s'] * 1e3:.0f} | {pred:.2f} | "
               f"{med:.2f} ({lo:.2f}–{hi:.2f}) | {_err(pred, med)} |")
     if result.get("calibration"):
-        print(f"\ncalibrated on 1P:1D (loadgen/calibrate.py): {Calibration(**result['calibration']).describe()}")
+        print(f"\ncalibrated on 1P:1D (loadgen/calibrate.py):\n{Calibration.from_json(result['calibration']).describe()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

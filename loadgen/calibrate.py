@@ -10,18 +10,26 @@ gap grew with the batch, as a per-sequence cost does.
 
 Two measured points on the running deployment, each beside the simulator's prediction for the
 same requests (the same lengths; unloaded ones far apart, loaded ones at the times they were
-sent), set four overheads of the profile:
+sent), set five overheads of the profile. A request's TPOT is split in two there: the gap from
+its first delta (the token the prefill worker sampled) to its second (the decode worker's first
+step, once the K/V came), and the time per token after that (`Point`). Fitted on TPOT whole,
+a hand-over the simulator made too short was paid for by steps it made too cheap, and under
+open-loop load the 1P:1D pair's median TPOT came out 22-24% under the measured (8-15% split,
+BENCHMARKS.md, planner validation):
 
-    unloaded (one request at a time): TPOT              -> the overhead of a step of one sequence
-                                      TTFT              -> request_overhead_s (each request)
+    unloaded (one request at a time): TPOT after the 2nd delta -> the overhead of a step of one sequence
+                                      1st to 2nd delta   -> each prompt's hand-over (disaggregated:
+                                                            transfer.latency_s, a prefill worker's
+                                                            transfers one after another)
+                                      TTFT               -> request_overhead_s (each request)
     loaded (`concurrency` requests in flight, each sent as another ends; replayed at those times):
-                                      TPOT              -> how much of that is per sequence
-                                                           (decode.per_seq_s; the rest: decode.fixed_s)
-                                      TTFT              -> prefill.per_seq_s (each prompt's serving on
-                                                           the prefill side: what queues prompts under load)
+                                      TPOT after the 2nd delta -> how much of that is per sequence
+                                                            (decode.per_seq_s; the rest: decode.fixed_s)
+                                      TTFT               -> prefill.per_seq_s (each prompt's serving on
+                                                            the prefill side: what queues prompts under load)
 
-each the value at which the simulator predicts what was measured (bisection: TPOT and TTFT grow
-with every overhead). The per-sequence and per-prompt overheads come out of the unloaded
+each the value at which the simulator predicts what was measured (bisection: each grows with
+its overhead). The per-sequence and per-prompt overheads come out of the unloaded
 excesses, which paid them once: where the loaded point asks more than that, the rest is 0 and the
 unloaded point is over-predicted (the loaded point, nearer where goodput is decided, wins).
 
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 
 from pdserve.loadgen.costs import CostProfile, StepCost, acceptance_from_tokens_per_step
@@ -51,45 +60,80 @@ LOADED_ROUNDS = 3  # of the two loaded solves in turn (the per-sequence one once
 
 
 @dataclass(frozen=True, slots=True)
+class Point:
+    """The medians calibration compares, over one run's requests (measured or simulated) that
+    streamed at least three deltas."""
+
+    ttft_s: float
+    tpot_s: float
+    steady_tpot_s: float  # per token after the second delta: the decode steps alone
+    first_gap_s: float  # first delta to second: the K/V hand-over, then a decode step
+
+    @classmethod
+    def of(cls, records: list[RequestRecord]) -> "Point":
+        ok = [r for r in records if r.is_ok and len(r.delta_times_s) >= 3]
+        if not ok:
+            raise ValueError("calibration: no request streamed three deltas (its first token and two decode "
+                             "steps): use longer outputs (--output-len)")
+        med = statistics.median
+        return cls(med(r.ttft_s for r in ok), med(r.tpot_s for r in ok),
+                   med((r.delta_times_s[-1] - r.delta_times_s[1]) / sum(r.delta_tokens[2:]) for r in ok),
+                   med(r.delta_times_s[1] - r.delta_times_s[0] for r in ok))
+
+    def describe(self) -> str:
+        return (f"TTFT {self.ttft_s * 1e3:.2f} ms, TPOT {self.tpot_s * 1e3:.2f} ms (after the second delta "
+                f"{self.steady_tpot_s * 1e3:.2f} ms; first to second delta {self.first_gap_s * 1e3:.2f} ms)")
+
+
+@dataclass(frozen=True, slots=True)
 class Calibration:
     """What was measured and simulated at both points, and the overheads that follow (seconds)."""
 
-    measured_unloaded_ttft_s: float
-    simulated_unloaded_ttft_s: float
-    measured_unloaded_tpot_s: float
-    simulated_unloaded_tpot_s: float
-    loaded_concurrency: int  # requests in flight at the loaded point (0: none measured)
-    measured_loaded_tpot_s: float
-    simulated_loaded_tpot_s: float  # with the unloaded overheads only
-    measured_loaded_ttft_s: float
-    simulated_loaded_ttft_s: float  # the same
+    measured_unloaded: Point
+    simulated_unloaded: Point  # the profile as given
     request_overhead_s: float
     step_overhead_s: float
     per_seq_overhead_s: float
     prefill_overhead_s: float  # per request prefilled, in the step that prefills it
+    handover_s: float = 0.0  # per prompt handed over by a prefill worker (disaggregated), one after another
+    loaded_concurrency: int = 0  # requests in flight at the loaded point (0: none measured)
+    measured_loaded: Point | None = None
+    simulated_loaded: Point | None = None  # with the unloaded overheads only
+    calibrated_loaded: Point | None = None  # with all of them
     acceptance_rate: float = math.nan  # a speculating deployment's α, from its unloaded deltas (nan: none)
-    calibrated_loaded_tpot_s: float = math.nan  # the loaded point as the calibrated profile predicts it
-    calibrated_loaded_ttft_s: float = math.nan
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Calibration":
+        points = {k: None if obj.get(k) is None else Point(**obj[k])
+                  for k in ("measured_unloaded", "simulated_unloaded", "measured_loaded", "simulated_loaded",
+                            "calibrated_loaded")}
+        return cls(**{**obj, **points})
 
     def describe(self) -> str:
         ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
-        return (f"per request {ms(self.request_overhead_s)} (unloaded TTFT measured {ms(self.measured_unloaded_ttft_s)}, "
-                f"simulated {ms(self.simulated_unloaded_ttft_s)}); per decode step {ms(self.step_overhead_s)} "
-                f"(unloaded TPOT measured {ms(self.measured_unloaded_tpot_s)}, simulated "
-                f"{ms(self.simulated_unloaded_tpot_s)}); per sequence of a decode step {ms(self.per_seq_overhead_s)} "
-                f"(TPOT with {self.loaded_concurrency} requests in flight measured {ms(self.measured_loaded_tpot_s)}, "
-                f"simulated {ms(self.simulated_loaded_tpot_s)} before, {ms(self.calibrated_loaded_tpot_s)} after); "
-                f"per prompt prefilled {ms(self.prefill_overhead_s)} (TTFT there measured "
-                f"{ms(self.measured_loaded_ttft_s)}, simulated {ms(self.simulated_loaded_ttft_s)} before, "
-                f"{ms(self.calibrated_loaded_ttft_s)} after)" + ("" if math.isnan(self.acceptance_rate) else
-                                 f"; speculation's acceptance rate {self.acceptance_rate:.3f}"))
+        lines = [f"unloaded: measured {self.measured_unloaded.describe()}; simulated on the profile as given "
+                 f"{self.simulated_unloaded.describe()}"]
+        if self.measured_loaded is not None:
+            lines.append(f"{self.loaded_concurrency} in flight: measured {self.measured_loaded.describe()}; "
+                         f"simulated with the unloaded overheads {self.simulated_loaded.describe()}; calibrated "
+                         f"{self.calibrated_loaded.describe()}")
+        lines.append(f"overheads: per request {ms(self.request_overhead_s)}; per decode step "
+                     f"{ms(self.step_overhead_s)} + {ms(self.per_seq_overhead_s)} a sequence; per prompt prefilled "
+                     f"{ms(self.prefill_overhead_s)}; per prompt handed over {ms(self.handover_s)}"
+                     + ("" if math.isnan(self.acceptance_rate) else
+                        f"; speculation's acceptance rate {self.acceptance_rate:.3f}"))
+        return "\n".join(lines)
 
 
 def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float = 0.0, per_seq_s: float = 0.0,
-                   prefill_s: float = 0.0) -> CostProfile:
+                   prefill_s: float = 0.0, handover_s: float = 0.0) -> CostProfile:
     """The profile with these overheads added: to each request; to each decode step (fixed and
-    per sequence), plain or speculative (where speculative steps are measured whole); and to each
-    prefill step per sequence it prefills (a draft's prefill too)."""
+    per sequence), plain or speculative (where speculative steps are measured whole); to each
+    prefill step per sequence it prefills (a draft's prefill too); and to each prompt's K/V
+    transfer (its latency, which a prefill worker's transfers pay one after another)."""
     def add(cost: StepCost, fixed: float, per_seq: float) -> StepCost:
         return dataclasses.replace(cost, fixed_s=cost.fixed_s + fixed, per_seq_s=cost.per_seq_s + per_seq)
 
@@ -97,9 +141,10 @@ def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float =
     if spec is not None:
         spec = dataclasses.replace(spec, step=spec.step and add(spec.step, step_s, per_seq_s),
                                    prefill=spec.prefill and add(spec.prefill, 0.0, prefill_s))
+    transfer = dataclasses.replace(profile.transfer, latency_s=profile.transfer.latency_s + handover_s)
     return dataclasses.replace(profile, request_overhead_s=profile.request_overhead_s + request_s,
                                decode=add(profile.decode, step_s, per_seq_s),
-                               prefill=add(profile.prefill, 0.0, prefill_s), speculation=spec)
+                               prefill=add(profile.prefill, 0.0, prefill_s), speculation=spec, transfer=transfer)
 
 
 def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
@@ -143,79 +188,87 @@ def solve(f, target: float) -> float | None:
     return low if target - f(low) < f(high) - target else high
 
 
-def calibrated(profile: CostProfile, shape: Shape, unloaded: RunSummary, unloaded_config,
-               loaded: RunSummary | None = None, loaded_inputs: list[SimInput] | None = None,
+def point(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: int = 0) -> Point:
+    """The simulator's `Point` for these requests."""
+    return Point.of(simulate(profile, shape, inputs, seed).records)
+
+
+def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_config,
+               loaded: Point | None = None, loaded_inputs: list[SimInput] | None = None,
                acceptance_rate: float | None = None, loaded_concurrency: int = 0) -> tuple[CostProfile, Calibration]:
-    """The calibration from measured summaries: `unloaded`, of the requests `unloaded_config`
-    sends one at a time; `loaded` (or None), of `loaded_inputs` (as `sent_inputs` replays them).
+    """The calibration from measured points: `unloaded`, of the requests `unloaded_config` sends
+    one at a time; `loaded` (or None), of `loaded_inputs` (as `sent_inputs` replays them).
     `acceptance_rate`, where given, replaces the profile's speculation α first (`acceptance`).
 
     Each overhead is found on the simulator, as the value at which it predicts what was measured
     (a speculative step's overhead spreads over the tokens it emits, so a TPOT's excess is not
-    a step's): the overhead of a step of one sequence from the unloaded TPOT; then the request's
-    from the unloaded TTFT; then, under load, how much of the one-sequence step's overhead is
-    per sequence (the rest is the step's fixed part) and how much of the request's is each
-    prompt's prefill."""
+    a step's): the overhead of a step of one sequence from the unloaded TPOT after the second
+    delta; disaggregated, each prompt's hand-over from the unloaded gap between the first delta
+    (the prefill worker's token) and the second (the decode worker's first step, after the K/V
+    came); the request's from the unloaded TTFT; then, under load, how much of the one-sequence
+    step's overhead is per sequence (the rest is the step's fixed part) and how much of the
+    request's is each prompt's prefill."""
     if acceptance_rate is not None and profile.speculation is not None:
         profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
                                                                                acceptance_rate=acceptance_rate))
     # the unloaded requests far apart, their workload built once (every solve's step simulates them)
-    quiet = bench_inputs(unloaded_config, 0.01)
-    sim = replay(profile, shape, quiet, unloaded_config.seed)
-    one = solve(lambda x: replay(with_overheads(profile, step_s=x), shape, quiet, unloaded_config.seed).tpot.p50,
-                unloaded.tpot.p50)
+    quiet, seed = bench_inputs(unloaded_config, 0.01), unloaded_config.seed
+    sim = point(profile, shape, quiet, seed)
+    one = solve(lambda x: point(with_overheads(profile, step_s=x), shape, quiet, seed).steady_tpot_s,
+                unloaded.steady_tpot_s)
     if one is None:
         raise ValueError("calibration: no step overhead makes the simulated unloaded TPOT the measured "
-                         f"{unloaded.tpot.p50:.6f} s: is the profile for this deployment (--speculation)?")
-    stepped = with_overheads(profile, step_s=one)
-    request = max(0.0, unloaded.ttft.p50 - replay(stepped, shape, quiet, unloaded_config.seed).ttft.p50)
-    loaded_fit = _LoadedFit()
+                         f"{unloaded.steady_tpot_s:.6f} s: is the profile for this deployment (--speculation)?")
+    handover = 0.0
+    if not shape.is_colocated:
+        handover = solve(lambda x: point(with_overheads(profile, step_s=one, handover_s=x), shape, quiet,
+                                         seed).first_gap_s, unloaded.first_gap_s) or 0.0
+    stepped = with_overheads(profile, step_s=one, handover_s=handover)
+    request = max(0.0, unloaded.ttft_s - point(stepped, shape, quiet, seed).ttft_s)
+    fit = _LoadedFit()
     if loaded is not None:
-        loaded_fit = _fit_loaded(profile, shape, loaded, loaded_inputs, unloaded_config.seed, request, one)
-    per_seq, prefill, after = loaded_fit.per_seq, loaded_fit.prefill, loaded_fit.after
-    step, request = max(0.0, one - per_seq), max(0.0, request - prefill)
-    profile = with_overheads(profile, request, step, per_seq, prefill)
+        fit = _fit_loaded(profile, shape, loaded, loaded_inputs, seed, request, one, handover)
+    step, request = max(0.0, one - fit.per_seq), max(0.0, request - fit.prefill)
+    profile = with_overheads(profile, request, step, fit.per_seq, fit.prefill, handover)
     notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
-                 f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {per_seq:.6f} s a sequence, "
-                 f"prefill {prefill:.6f} s a prompt")
+                 f"(pdserve calibrate): request {request:.6f} s, decode step {step:.6f} s + {fit.per_seq:.6f} s a "
+                 f"sequence, prefill {fit.prefill:.6f} s a prompt, hand-over {handover:.6f} s a prompt")
     profile = dataclasses.replace(profile, notes=notes)
-    measured = (loaded.tpot.p50, loaded.ttft.p50) if loaded is not None else (math.nan, math.nan)
-    before = (loaded_fit.before.tpot.p50, loaded_fit.before.ttft.p50) if loaded_fit.before else (math.nan, math.nan)
-    return profile, Calibration(unloaded.ttft.p50, sim.ttft.p50, unloaded.tpot.p50, sim.tpot.p50, loaded_concurrency,
-                                measured[0], before[0], measured[1], before[1], request, step, per_seq, prefill,
-                                math.nan if acceptance_rate is None else acceptance_rate,
-                                after.tpot.p50 if after else math.nan, after.ttft.p50 if after else math.nan)
+    return profile, Calibration(unloaded, sim, request, step, fit.per_seq, fit.prefill, handover, loaded_concurrency,
+                                loaded, fit.before, fit.after,
+                                math.nan if acceptance_rate is None else acceptance_rate)
 
 
 @dataclass(slots=True)
 class _LoadedFit:
     per_seq: float = 0.0
     prefill: float = 0.0
-    before: RunSummary | None = None  # the loaded point predicted with the unloaded overheads only
-    after: RunSummary | None = None  # and calibrated
+    before: Point | None = None  # the loaded point predicted with the unloaded overheads only
+    after: Point | None = None  # and calibrated
 
 
-def _fit_loaded(profile: CostProfile, shape: Shape, loaded: RunSummary, inputs: list[SimInput], seed: int,
-                request: float, one: float) -> _LoadedFit:
+def _fit_loaded(profile: CostProfile, shape: Shape, loaded: Point, inputs: list[SimInput], seed: int,
+                request: float, one: float, handover: float) -> _LoadedFit:
     """The per-sequence and per-prompt overheads, out of the unloaded request's (`request`) and
-    one-sequence step's (`one`) excesses, at which the replayed loaded requests' TPOT and TTFT
-    are the measured ones. TPOT under load gives the per-sequence overhead; TTFT under load what
-    each prompt's serving on the prefill side costs (its K/V handed over, its stream), as time
-    its prefill step takes. Each moves the other (colocated, a prompt's prefill runs inside a
-    decode step), so they are found in turn, the per-sequence one last."""
-    def at_load(per_seq: float, prefill: float) -> RunSummary:
-        return replay(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill),
-                      shape, inputs, seed)
+    one-sequence step's (`one`) excesses, at which the replayed loaded
+    requests' TPOT after the second delta and TTFT are the measured ones. The first gives the
+    per-sequence overhead; TTFT under load what each prompt's serving on the prefill side costs
+    (its K/V handed over, its stream), as time its prefill step takes. Each moves the other
+    (colocated, a prompt's prefill runs inside a decode step), so they are found in turn, the
+    per-sequence one last."""
+    def at_load(per_seq: float, prefill: float) -> Point:
+        return point(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill,
+                                    handover), shape, inputs, seed)
 
     fit = _LoadedFit(before=at_load(0.0, 0.0))
     for round_ in range(LOADED_ROUNDS):
-        per_seq = solve(lambda x: at_load(x, fit.prefill).tpot.p50, loaded.tpot.p50)
+        per_seq = solve(lambda x: at_load(x, fit.prefill).steady_tpot_s, loaded.steady_tpot_s)
         if per_seq is None:
             raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
-                             f"reach the measured TPOT {loaded.tpot.p50:.6f} s: raise the concurrency")
+                             f"reach the measured TPOT {loaded.steady_tpot_s:.6f} s: raise the concurrency")
         fit.per_seq = per_seq
         if round_ < LOADED_ROUNDS - 1:
-            fit.prefill = solve(lambda x: at_load(fit.per_seq, x).ttft.p50, loaded.ttft.p50) or 0.0
+            fit.prefill = solve(lambda x: at_load(fit.per_seq, x).ttft_s, loaded.ttft_s) or 0.0
     fit.after = at_load(fit.per_seq, fit.prefill)
     return fit
 
@@ -250,26 +303,23 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
     unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
                                           duration_s=None, search=None)
     one_at_a_time = run_bench(unloaded_config, progress=progress)
-    (unloaded,) = one_at_a_time.summaries()
-    _check_measured(unloaded, "unloaded")
+    records = one_at_a_time.runs[0].records
+    _check_measured(records, "unloaded")
     alpha = None
     if shape.speculate:  # the deployment's own α: the profile's was measured on its own prompts
-        alpha = acceptance(one_at_a_time.runs[0].records, profile.speculation.num_speculative_tokens)
+        alpha = acceptance(records, profile.speculation.num_speculative_tokens)
     loaded, inputs = None, None
     if concurrency:
         loaded_config = dataclasses.replace(unloaded_config, max_concurrency=concurrency,
                                             num_requests=loaded_requests or 4 * concurrency)
-        busy = run_bench(loaded_config, progress=progress)
-        (loaded,) = busy.summaries()
-        _check_measured(loaded, f"loaded ({concurrency} in flight)")
-        inputs = sent_inputs(loaded_config, busy.runs[0].records)
-    return calibrated(profile, shape, unloaded, unloaded_config, loaded, inputs, alpha, concurrency)
+        busy = run_bench(loaded_config, progress=progress).runs[0].records
+        _check_measured(busy, f"loaded ({concurrency} in flight)")
+        loaded, inputs = Point.of(busy), sent_inputs(loaded_config, busy)
+    return calibrated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha, concurrency)
 
 
-def _check_measured(summary: RunSummary, what: str) -> None:
-    if summary.num_ok < summary.num_requests:
-        raise ValueError(f"calibration: {summary.num_requests - summary.num_ok} of {summary.num_requests} {what} "
-                         f"requests failed ({summary.failures}): the deployment must serve them all")
-    if summary.tpot is None:
-        raise ValueError("calibration: no request had a second token, so there is no TPOT to measure: "
-                         "use outputs of 2 tokens or more (--output-len)")
+def _check_measured(records: list[RequestRecord], what: str) -> None:
+    failed = [r for r in records if not r.is_ok]
+    if failed:
+        raise ValueError(f"calibration: {len(failed)} of {len(records)} {what} requests failed (the first: "
+                         f"{failed[0].status} {failed[0].error}): the deployment must serve them all")

@@ -239,7 +239,8 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                        description="Measure a running deployment unloaded and under load, beside the simulator's "
                                    "prediction for the same requests, and write the profile with the router's and the "
                                    "serving loop's overheads added (per request, per decode step, per sequence of a "
-                                   "step), which `pdserve profile` cannot time: then `pdserve plan` on it.")
+                                   "step, per prompt prefilled, per prompt's K/V handed over), which `pdserve profile` "
+                                   "cannot time: then `pdserve plan` on it. Outputs need 3 tokens or more.")
     p.add_argument("--profile", required=True, help="cost profile JSON (pdserve profile) of the deployment's model")
     p.add_argument("--output", required=True, help="the calibrated profile JSON to write")
     p.add_argument("--prefill-workers", type=int, default=1, help="of the running deployment (0: colocated)")

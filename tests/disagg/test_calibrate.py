@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from pdserve.loadgen.bench import BenchConfig
-from pdserve.loadgen.calibrate import calibrate, predict
+from pdserve.loadgen.calibrate import calibrate, point
 from pdserve.loadgen.costs import CostProfile, SpeculationCost, StepCost, TransferCost, WorkerLimits
 from pdserve.loadgen.lengths import LengthDistribution
-from pdserve.loadgen.simulator import Shape
+from pdserve.loadgen.simulator import Shape, bench_inputs
 from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
 
 from procs import MAX_NUM_SEQS, NUM_KV_BLOCKS
@@ -36,23 +36,25 @@ def test_the_calibrated_profile_predicts_what_the_deployment_measured(cluster):
     config = BenchConfig(target=cluster.address("R"), workload=WORKLOAD, seed=7, num_warmup=1, request_timeout_s=60)
     profile, cal = calibrate(ENGINE, SHAPE, config, num_requests=8, concurrency=4, loaded_requests=12)
     assert cal.request_overhead_s + cal.prefill_overhead_s > 0 and cal.step_overhead_s + cal.per_seq_overhead_s > 0
-    assert cal.measured_loaded_tpot_s > 0 and cal.loaded_concurrency == 4
+    assert cal.measured_loaded.steady_tpot_s > 0 and cal.loaded_concurrency == 4
     # D drafts with the target itself at greedy: every draft token is accepted, 4 tokens a step
     assert cal.acceptance_rate > 0.95 and profile.speculation.acceptance_rate == cal.acceptance_rate
-    unloaded = dataclasses.replace(config, rates=(0.01,), num_requests=8, max_concurrency=1)
-    again = predict(profile, SHAPE, unloaded, 0.01)
+    again = point(profile, SHAPE, bench_inputs(dataclasses.replace(config, num_requests=8), 0.01), config.seed)
+    measured = cal.measured_unloaded
     if cal.step_overhead_s > 0:
-        assert again.tpot.p50 == pytest.approx(cal.measured_unloaded_tpot_s, rel=0.05)
+        assert again.steady_tpot_s == pytest.approx(measured.steady_tpot_s, rel=0.05)
     else:  # the loaded point asked more of each sequence than an unloaded step's whole excess
-        assert again.tpot.p50 >= cal.measured_unloaded_tpot_s
+        assert again.steady_tpot_s >= measured.steady_tpot_s
+    if cal.handover_s > 0:  # the K/V's hand-over: the gap from the prefill's token to the first step's
+        assert again.first_gap_s == pytest.approx(measured.first_gap_s, rel=0.1)
     if cal.request_overhead_s > 0:
-        assert again.ttft.p50 == pytest.approx(cal.measured_unloaded_ttft_s, rel=0.05)
+        assert again.ttft_s == pytest.approx(measured.ttft_s, rel=0.05)
     else:  # the loaded point asked more of each prompt's prefill than the unloaded TTFT's excess
-        assert again.ttft.p50 >= cal.measured_unloaded_ttft_s
+        assert again.ttft_s >= measured.ttft_s
     if cal.per_seq_overhead_s > 0:  # else the simulation was already as slow as the loaded point
-        # twelve requests' simulated median TPOT jumps where an overhead reorders the events of a
+        # twelve requests' simulated median jumps where an overhead reorders the events of a
         # loaded run, so within 20% here
-        assert cal.calibrated_loaded_tpot_s == pytest.approx(cal.measured_loaded_tpot_s, rel=0.2)
+        assert cal.calibrated_loaded.steady_tpot_s == pytest.approx(cal.measured_loaded.steady_tpot_s, rel=0.2)
     cluster.wait_all_free(("P", "D"))
 
 
@@ -65,7 +67,8 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
                           "--output-len", "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("1P:1D +spec: per request") and "per sequence of a decode step" in out.stdout
+    assert out.stdout.startswith("1P:1D +spec: unloaded: measured TTFT") and "a sequence; per prompt prefilled" in out.stdout
+    assert "per prompt handed over" in out.stdout and "2 in flight: measured" in out.stdout
     profile = CostProfile.load(tmp_path / "calibrated.json")
     assert "pdserve calibrate" in profile.notes["calibration"]
     assert profile.request_overhead_s + profile.prefill.per_seq_s > 0  # the router's and prefill side's time

@@ -1,8 +1,7 @@
-"""`loadgen.calibrate` on measurements whose overheads are known: summaries made by simulating a
+"""`loadgen.calibrate` on measurements whose overheads are known: points made by simulating a
 profile with overheads added (per request, per decode step, per sequence of a step, per prompt
-prefilled) are
-calibrated from the profile without them, and the overheads must come back, both points
-predicted as "measured". The real deployment's calibration is tests/disagg/test_calibrate.py."""
+prefilled, per prompt handed over) are calibrated from the profile without them, and the
+overheads must come back, both points predicted as "measured". The real deployment's calibration is tests/disagg/test_calibrate.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +10,7 @@ import math
 import pytest
 
 from pdserve.loadgen.bench import BenchConfig
-from pdserve.loadgen.calibrate import calibrated, predict, replay, with_overheads
+from pdserve.loadgen.calibrate import Calibration, calibrated, point, with_overheads
 from pdserve.loadgen.costs import CostProfile, SpeculationCost, StepCost, TransferCost, WorkerLimits
 from pdserve.loadgen.lengths import LengthDistribution
 from pdserve.loadgen.simulator import Shape, bench_inputs
@@ -29,16 +28,17 @@ LOADED_RATE = 150.0  # about eight requests in flight on BASE with the overheads
 def _measured(truth: CostProfile, shape: Shape):
     """What a deployment costing `truth` would measure at both points (the simulator standing in):
     requests one at a time, and the same requests arriving at LOADED_RATE (the loaded inputs)."""
-    unloaded = predict(truth, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
+    unloaded = point(truth, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed)
     inputs = bench_inputs(dataclasses.replace(UNLOADED, rates=(LOADED_RATE,), max_concurrency=None), LOADED_RATE)
-    return unloaded, inputs, replay(truth, shape, inputs, UNLOADED.seed)
+    return unloaded, inputs, point(truth, shape, inputs, UNLOADED.seed)
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 1), Shape(1, 1, True), Shape(0, 2)], ids=lambda s: s.label)
 def test_known_overheads_come_back(shape):
-    truth = with_overheads(BASE, request_s=0.005, step_s=0.001, per_seq_s=3e-4, prefill_s=0.002)
+    handover = 0.0 if shape.is_colocated else 0.004
+    truth = with_overheads(BASE, request_s=0.005, step_s=0.001, per_seq_s=3e-4, prefill_s=0.002, handover_s=handover)
     unloaded, inputs, loaded = _measured(truth, shape)
-    assert loaded.tpot.p50 > 2 * unloaded.tpot.p50  # the loaded point's steps do hold several sequences
+    assert loaded.steady_tpot_s > 2 * unloaded.steady_tpot_s  # the loaded point's steps do hold several sequences
     profile, cal = calibrated(BASE, shape, unloaded, UNLOADED, loaded, inputs)
     # a prompt's prefill overhead and the request's are told apart only by queueing under load,
     # and a median TTFT of 40 requests moves in jumps: their sum is what comes back closely
@@ -47,17 +47,23 @@ def test_known_overheads_come_back(shape):
     # colocated, prompts are prefilled inside decode steps: per-sequence and prefill costs mix
     assert cal.per_seq_overhead_s == pytest.approx(3e-4, rel=0.2 if shape.is_colocated else 0.05)
     assert cal.step_overhead_s == pytest.approx(0.001, rel=0.1)
+    # the hand-over is the gap between the prefill worker's token and the decode worker's first
+    # step, which a step's length rounds: within 10%
+    assert cal.handover_s == pytest.approx(handover, rel=0.1, abs=1e-9)
     assert profile.decode.per_seq_s == pytest.approx(5e-5 + cal.per_seq_overhead_s)
     assert profile.speculation.step.fixed_s == pytest.approx(2e-3 + cal.step_overhead_s)
     assert profile.prefill.per_seq_s == pytest.approx(cal.prefill_overhead_s) and "calibration" in profile.notes
+    assert profile.transfer.latency_s == pytest.approx(cal.handover_s)
     # and the calibrated profile predicts both points as measured
-    again = replay(profile, shape, inputs, UNLOADED.seed)
-    assert (cal.calibrated_loaded_tpot_s, cal.calibrated_loaded_ttft_s) == (again.tpot.p50, again.ttft.p50)
-    assert again.tpot.p50 == pytest.approx(loaded.tpot.p50, rel=0.05)
-    assert again.ttft.p50 == pytest.approx(loaded.ttft.p50, rel=0.1)
-    first = predict(profile, shape, dataclasses.replace(UNLOADED, rates=(0.01,)), 0.01)
-    assert first.ttft.p50 == pytest.approx(unloaded.ttft.p50, rel=0.03)
-    assert first.tpot.p50 == pytest.approx(unloaded.tpot.p50, rel=0.03)
+    again = point(profile, shape, inputs, UNLOADED.seed)
+    assert cal.calibrated_loaded == again
+    assert again.steady_tpot_s == pytest.approx(loaded.steady_tpot_s, rel=0.05)
+    assert again.tpot_s == pytest.approx(loaded.tpot_s, rel=0.1)
+    assert again.ttft_s == pytest.approx(loaded.ttft_s, rel=0.1)
+    first = point(profile, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed)
+    for name in ("ttft_s", "tpot_s", "steady_tpot_s", "first_gap_s"):
+        assert getattr(first, name) == pytest.approx(getattr(unloaded, name), rel=0.03), name
+    assert Calibration.from_json(cal.to_json()) == cal
 
 
 def test_unloaded_only_puts_the_step_excess_in_the_fixed_cost():
@@ -67,13 +73,15 @@ def test_unloaded_only_puts_the_step_excess_in_the_fixed_cost():
     assert cal.step_overhead_s == pytest.approx(0.0015, rel=0.02) and cal.per_seq_overhead_s == 0
     assert cal.request_overhead_s == pytest.approx(0.002, rel=0.02) and cal.prefill_overhead_s == 0
     assert cal.loaded_concurrency == 0 and profile.decode.per_seq_s == BASE.decode.per_seq_s
+    assert cal.handover_s == 0 and cal.measured_loaded is None
 
 
 def test_a_simulation_slower_than_measured_changes_nothing():
     slow = with_overheads(BASE, request_s=0.01, step_s=0.002, per_seq_s=1e-4)
     unloaded, inputs, loaded = _measured(BASE, Shape(1, 1))
     profile, cal = calibrated(slow, Shape(1, 1), unloaded, UNLOADED, loaded, inputs)
-    assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s) == (0,) * 4
+    assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s,
+            cal.handover_s) == (0,) * 5
     assert dataclasses.replace(profile, notes=slow.notes) == slow
 
 
