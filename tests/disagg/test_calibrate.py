@@ -41,12 +41,15 @@ def test_the_calibrated_profile_predicts_what_the_deployment_measured(cluster):
     assert cal.acceptance_rate > 0.95 and profile.speculation.acceptance_rate == cal.acceptance_rate
     again = point(profile, SHAPE, bench_inputs(dataclasses.replace(config, num_requests=8), 0.01), config.seed)
     measured = cal.measured_unloaded
+    # the K/V's hand-over: the gap from the prefill's token to the decode worker's first step
     if cal.step_overhead_s > 0:
         assert again.steady_tpot_s == pytest.approx(measured.steady_tpot_s, rel=0.05)
-    else:  # the loaded point asked more of each sequence than an unloaded step's whole excess
+        if cal.handover_s > 0:
+            assert again.first_gap_s == pytest.approx(measured.first_gap_s, rel=0.1)
+    else:  # the loaded point asked more of each sequence than an unloaded step's whole excess,
+        # and the first gap holds one of those steps
         assert again.steady_tpot_s >= measured.steady_tpot_s
-    if cal.handover_s > 0:  # the K/V's hand-over: the gap from the prefill's token to the first step's
-        assert again.first_gap_s == pytest.approx(measured.first_gap_s, rel=0.1)
+        assert again.first_gap_s >= 0.95 * measured.first_gap_s
     if cal.request_overhead_s > 0:
         assert again.ttft_s == pytest.approx(measured.ttft_s, rel=0.05)
     else:  # the loaded point asked more of each prompt's prefill than the unloaded TTFT's excess
