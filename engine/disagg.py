@@ -1,6 +1,7 @@
 """The engine's side of prefill/decode disaggregation: the life cycle of a request on each kind
-of worker, what a worker runs (for pairing), where a prompt's K/V live, and copying them
-between the cache and a transfer. The life-cycle methods themselves are `LLMEngine`'s
+of worker, what a worker runs (for pairing), where a prompt's K/V live, copying them between
+the cache and a transfer, and the prefill worker's forward pass that hands them over layer by
+layer (`run_handing_off`). The life-cycle methods themselves are `LLMEngine`'s
 (`add_prefill`, `release`, `reserve`, `activate`, `abort`); this module holds no gRPC.
 
 On a prefill worker (`PrefillState`):
@@ -28,11 +29,11 @@ import numpy as np
 import torch
 
 from pdserve.engine.model.llama import PackedLinear
+from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.model_runner import BatchEntry
 
 
 class PrefillState(enum.Enum):
@@ -247,3 +248,26 @@ def prefill_chunk(entry: BatchEntry, block_size: int) -> PrefillChunk:
     send_from = 0 if start == seq.num_cached_tokens else start
     num_send = start + entry.num_new_tokens - send_from
     return PrefillChunk(seq, send_from, num_send, slot_ids(seq, block_size, send_from, num_send))
+
+
+def run_handing_off(runner: ModelRunner, draft_runner: ModelRunner | None, batch: list[BatchEntry],
+                    hook: KVHook | None, streams: bool, block_size: int) -> torch.Tensor:
+    """The target's forward pass over `batch`, its logits. Prefill-only sequences' K/V go to
+    `hook` layer by layer: as each lands when `streams`, else once the pass is done; with a
+    draft, the draft's pass over the same tokens follows and its layers go after the target's."""
+    handoff = [e for e in batch if e.seq.is_prefill_only]
+    chunks = [prefill_chunk(e, block_size) for e in handoff] if handoff and hook is not None else None
+    if chunks is None:
+        logits = runner.execute(batch)
+    elif streams:
+        logits = runner.execute(batch, lambda layer: hook(0, layer, chunks))
+    else:
+        logits = runner.execute(batch)
+        for layer in range(len(runner.kv_caches)):
+            hook(0, layer, chunks)
+    if handoff and draft_runner is not None:  # the draft's K/V of the same tokens travel too
+        draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff])
+        if chunks is not None:
+            for layer in range(len(draft_runner.kv_caches)):
+                hook(1, layer, chunks)
+    return logits

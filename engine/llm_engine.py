@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.block_manager import BlockManager, cdiv
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.capture import resolve_capture
-from pdserve.engine.disagg import KVHook, prefill_chunk
+from pdserve.engine.disagg import KVHook, run_handing_off
 from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.model.config import load_model_config
-from pdserve.engine.model_runner import BatchEntry, KVAllocator, ModelRunner, kv_bytes_per_block
+from pdserve.engine.model.config import check_draft_matches, load_model_config
+from pdserve.engine.model_runner import BatchEntry, KVAllocator, ModelRunner, num_kv_blocks
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.penalties import penalize
 from pdserve.engine.sampler import Sampler, stack_rows
@@ -92,30 +92,20 @@ class LLMEngine:
             gc.collect()
 
     def _num_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        if self.draft_config:
-            per_block += kv_bytes_per_block(self.draft_config, self.config.block_size, self.dtype)
-        useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
-        return max(1, min(self.config.kv_cache_memory_bytes // per_block, useful))
+        c = self.config
+        models = [self.model_config] + ([self.draft_config] if self.draft_config else [])
+        return c.num_kv_blocks or num_kv_blocks(c.kv_cache_memory_bytes, c.max_num_seqs, self.max_model_len,
+                                                c.block_size, models, self.dtype)
 
     def _build_draft_runner(self, num_blocks: int) -> ModelRunner | None:
         if self.draft_config is None:
             return None
-        self._check_draft_matches()
+        check_draft_matches(self.model_config, self.draft_config, Path(self.config.model),
+                            Path(self.config.draft_model))
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
                            self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
                            self._kv_allocator, self.native_attention, self.native_linear,
                            self.config.max_num_batched_tokens)
-
-    def _check_draft_matches(self) -> None:
-        draft, target = self.draft_config, self.model_config
-        if draft.vocab_size != target.vocab_size:
-            raise ValueError(f"draft model vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
-        paths = [Path(self.config.model) / "tokenizer.json", Path(self.config.draft_model) / "tokenizer.json"]
-        if all(p.is_file() for p in paths) and paths[0].read_bytes() != paths[1].read_bytes():
-            raise ValueError("draft model's tokenizer.json differs from the target's: they must share one tokenizer")
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -268,28 +258,11 @@ class LLMEngine:
         return batch, self._propose(batch)
 
     def _run(self, batch: list[BatchEntry]):
-        """The target's forward pass over the flat batch; for prefill-only sequences, their K/V
-        go to `kv_hook` layer by layer, as they land when `kv_hook_streams`, else once the pass
-        is done (the draft's after, when there is a draft)."""
-        handoff = [e for e in batch if e.seq.is_prefill_only]
-        hook, chunks = self.kv_hook, None
-        if handoff and hook is not None:
-            chunks = [prefill_chunk(e, self.block_manager.block_size) for e in handoff]
+        """The target's forward pass over the flat batch (prefill-only sequences' K/V to
+        `kv_hook`: `disagg.run_handing_off`)."""
         self.forward_started_at = time.perf_counter()
-        if chunks is None:
-            logits = self.runner.execute(batch)
-        elif self.kv_hook_streams:
-            logits = self.runner.execute(batch, lambda layer: hook(0, layer, chunks))
-        else:
-            logits = self.runner.execute(batch)
-            for layer in range(len(self.runner.kv_caches)):
-                hook(0, layer, chunks)
-        if handoff and self.draft_runner is not None:  # the draft's K/V of the same tokens travel too
-            self.draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff])
-            if chunks is not None:
-                for layer in range(len(self.draft_runner.kv_caches)):
-                    hook(1, layer, chunks)
-        return logits
+        return run_handing_off(self.runner, self.draft_runner, batch, self.kv_hook, self.kv_hook_streams,
+                               self.block_manager.block_size)
 
     def _lookahead(self, seq: Sequence) -> int:
         if not self._speculate:

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pdserve.engine.block_manager import cdiv
 from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
 from pdserve.engine.capture import CompiledForward
@@ -49,6 +50,15 @@ KVAllocator = Callable[[int, tuple, torch.dtype, torch.device], "list[tuple[torc
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def num_kv_blocks(memory_bytes: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                  models: list[ModelConfig], dtype: torch.dtype) -> int:
+    """KV blocks for the caches of `models` (target, then draft: a block holds a slot in each)
+    in `memory_bytes`, never more than `max_num_seqs` sequences of `max_model_len` can use."""
+    per_block = sum(kv_bytes_per_block(m, block_size, dtype) for m in models)
+    useful = max_num_seqs * cdiv(max_model_len, block_size)
+    return max(1, min(memory_bytes // per_block, useful))
 
 
 class ModelRunner:

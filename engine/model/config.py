@@ -153,3 +153,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     gen_path = path / "generation_config.json"
     gen_cfg = _read_json(gen_path) if gen_path.is_file() else {}
     return parse_config(_read_json(path / "config.json"), path, gen_cfg)
+
+
+def check_draft_matches(target: ModelConfig, draft: ModelConfig, target_dir: Path, draft_dir: Path) -> None:
+    """A draft model must share the target's vocabulary and tokenizer (ValueError otherwise)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft model vocab_size {draft.vocab_size} differs from the target's {target.vocab_size}")
+    paths = [target_dir / "tokenizer.json", draft_dir / "tokenizer.json"]
+    if all(p.is_file() for p in paths) and paths[0].read_bytes() != paths[1].read_bytes():
+        raise ValueError("draft model's tokenizer.json differs from the target's: they must share one tokenizer")
