@@ -14,7 +14,7 @@ sent), set five overheads of the profile. A request's TPOT is split in two there
 its first delta (the token the prefill worker sampled) to its second (the decode worker's first
 step, once the K/V came), and the time per token after that (`Point`). Fitted on TPOT whole,
 a hand-over the simulator made too short was paid for by steps it made too cheap, and under
-open-loop load the 1P:1D pair's median TPOT came out 22-24% under the measured (8-15% split,
+open-loop load the 1P:1D pair's median TPOT came out 22-24% under the measured (2-11% split;
 BENCHMARKS.md, planner validation):
 
     unloaded (one request at a time): TPOT after the 2nd delta -> the overhead of a step of one sequence
@@ -250,12 +250,11 @@ class _LoadedFit:
 def _fit_loaded(profile: CostProfile, shape: Shape, loaded: Point, inputs: list[SimInput], seed: int,
                 request: float, one: float, handover: float) -> _LoadedFit:
     """The per-sequence and per-prompt overheads, out of the unloaded request's (`request`) and
-    one-sequence step's (`one`) excesses, at which the replayed loaded
-    requests' TPOT after the second delta and TTFT are the measured ones. The first gives the
-    per-sequence overhead; TTFT under load what each prompt's serving on the prefill side costs
-    (its K/V handed over, its stream), as time its prefill step takes. Each moves the other
-    (colocated, a prompt's prefill runs inside a decode step), so they are found in turn, the
-    per-sequence one last."""
+    one-sequence step's (`one`) excesses, at which the replayed loaded requests' TPOT after the
+    second delta and TTFT are the measured ones. The first gives the per-sequence overhead; TTFT
+    under load what each prompt's serving on the prefill side costs (its stream, its K/V sent),
+    as time its prefill step takes. Each moves the other (colocated, a prompt's prefill runs
+    inside a decode step), so they are found in turn, the per-sequence one last."""
     def at_load(per_seq: float, prefill: float) -> Point:
         return point(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill,
                                     handover), shape, inputs, seed)
