@@ -57,6 +57,7 @@ from pdserve.loadgen.stats import SLO, RunSummary, summarize
 BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
 MAX_DOUBLINGS = 20
 LOADED_ROUNDS = 3  # of the two loaded solves in turn (the per-sequence one once more at the end)
+SPECULATING_TOKENS_PER_STEP = 1.2  # a plain deployment streams exactly 1 a decode step (a speculating one 2-5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +305,7 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
     one_at_a_time = run_bench(unloaded_config, progress=progress)
     records = one_at_a_time.runs[0].records
     _check_measured(records, "unloaded")
+    _check_speculation(records, shape.speculate)
     alpha = None
     if shape.speculate:  # the deployment's own α: the profile's was measured on its own prompts
         alpha = acceptance(records, profile.speculation.num_speculative_tokens)
@@ -315,6 +317,26 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         _check_measured(busy, f"loaded ({concurrency} in flight)")
         loaded, inputs = Point.of(busy), sent_inputs(loaded_config, busy)
     return calibrated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha, concurrency)
+
+
+def _check_speculation(records: list[RequestRecord], speculate: bool) -> None:
+    """Refuse a deployment calibrated as what it is not: a plain decode step streams one token
+    a sequence, a speculative one its accepted drafts too. Calibrated as plain, `pdserve serve`'s
+    default pair (adaptive speculation) measured 0.86 ms a token unloaded, cheaper than the plain
+    steps the simulator made of the engine's profile (1.04 ms), so the step overhead came out 0
+    without a word, and the loaded point's overheads fitted a mix of both modes."""
+    steps = [n for r in records if r.is_ok for n in r.delta_tokens[1:-1]]
+    if not steps:
+        return
+    per_step = sum(steps) / len(steps)
+    if not speculate and per_step > SPECULATING_TOKENS_PER_STEP:
+        raise ValueError(f"calibration: the deployment speculates (its decode steps streamed {per_step:.2f} tokens "
+                         "each): calibrate it with --speculation and a profile with speculation costs, with its "
+                         "decode workers at a fixed depth (--no-spec-adaptive; engine spec_adaptive: false), or "
+                         "deploy it with --no-speculation")
+    if speculate and per_step <= SPECULATING_TOKENS_PER_STEP:
+        raise ValueError(f"calibration: --speculation, but the deployment's decode steps streamed {per_step:.2f} "
+                         "tokens each: it does not speculate (or its adaptive depth chose plain decoding)")
 
 
 def _check_measured(records: list[RequestRecord], what: str) -> None:

@@ -95,6 +95,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.parametrize("router, args, message", [
+    ("R", [], "the deployment speculates (its decode steps streamed 4.00 tokens each)"),  # every draft accepted
+    ("R2", ["--prefill-workers", "0", "--speculation"], "it does not speculate"),
+])
+def test_a_deployment_calibrated_as_what_it_is_not_is_refused(cluster, tmp_path, router, args, message):
+    # R's decode worker drafts with the target itself at greedy (4 tokens a step); R2's does not draft
+    cluster.wait_all_free(("P", "D", "D2"))
+    ENGINE.save(tmp_path / "engine.json")
+    out = subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / "engine.json"), "--output",
+                          str(tmp_path / "out.json"), "--target", cluster.address(router), "--workload", "random",
+                          "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len", "uniform:12,24",
+                          "--num-requests", "2", "--concurrency", "0", "--quiet", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_speculation_needs_a_profile_that_has_its_costs(tmp_path):
     dataclasses.replace(ENGINE, speculation=None).save(tmp_path / "plain.json")
     out = subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / "plain.json"), "--output",
