@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pdserve.loadgen.costs import CostProfile, StepCost, acceptance_from_tokens_per_step
 from pdserve.loadgen.records import RequestRecord
 from pdserve.loadgen.simulator import Shape, SimInput, bench_inputs, simulate
-from pdserve.loadgen.stats import SLO, RunSummary, summarize
+from pdserve.loadgen.stats import RunSummary, summarize
 
 BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
 MAX_DOUBLINGS = 20
@@ -150,13 +150,7 @@ def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float =
 
 def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
     """The simulator's summary of the requests `pdserve bench` sends at `rate` for `config`."""
-    return replay(profile, shape, bench_inputs(config, rate), config.seed, rate, config.slo)
-
-
-def replay(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: int = 0, rate: float = math.nan,
-           slo: SLO = SLO()) -> RunSummary:
-    """The simulator's summary of these requests (arrival times and lengths)."""
-    return summarize(simulate(profile, shape, inputs, seed).records, rate, slo)
+    return summarize(simulate(profile, shape, bench_inputs(config, rate), config.seed).records, rate, config.slo)
 
 
 def sent_inputs(config, records: list[RequestRecord]) -> list[SimInput]:
@@ -282,7 +276,7 @@ def acceptance(records: list[RequestRecord], k: int) -> float | None:
     deployment must draft at that fixed depth (`--no-spec-adaptive`): with adaptive depth a step
     streams the tokens of the depth it chose, and α reads low (0.24 on `pdserve serve`'s demo
     pair, whose default depth adapts)."""
-    steps = [n for r in records if r.is_ok for n in r.delta_tokens[1:-1]]
+    steps = _decode_step_tokens(records)
     return acceptance_from_tokens_per_step(sum(steps) / len(steps), k) if steps else None
 
 
@@ -319,13 +313,19 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
     return calibrated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha, concurrency)
 
 
+def _decode_step_tokens(records: list[RequestRecord]) -> list[int]:
+    """The tokens each whole decode step streamed a request: its deltas but the first (the
+    prefill's token) and the last (a step cut short by max_tokens)."""
+    return [n for r in records if r.is_ok for n in r.delta_tokens[1:-1]]
+
+
 def _check_speculation(records: list[RequestRecord], speculate: bool) -> None:
     """Refuse a deployment calibrated as what it is not: a plain decode step streams one token
     a sequence, a speculative one its accepted drafts too. Calibrated as plain, `pdserve serve`'s
     default pair (adaptive speculation) measured 0.86 ms a token unloaded, cheaper than the plain
     steps the simulator made of the engine's profile (1.04 ms), so the step overhead came out 0
     without a word, and the loaded point's overheads fitted a mix of both modes."""
-    steps = [n for r in records if r.is_ok for n in r.delta_tokens[1:-1]]
+    steps = _decode_step_tokens(records)
     if not steps:
         return
     per_step = sum(steps) / len(steps)
