@@ -55,6 +55,7 @@ class _Schedule:
     renewed: int = -(1 << 30)  # the step of the last `renew` (most of the batch new)
     due: int | None = None  # the step since which a burst of speculation waits for a cheap switch
     measured: int = 0  # the step at which the last exploring burst ended
+    far_behind: bool = False  # it ended early, far behind the running mode (`_burst_lost`)
 
 
 class SpeculationGate:
@@ -105,8 +106,12 @@ class SpeculationGate:
             if n <= self.BURST + self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, self.BURST + 1):
                 return n <= self.BURST
             st.steps = n = 2 * self.BURST + 1  # plain decoding lost its first burst by far: decide now
-        if st.period and n < st.next_burst and (not st.speculate or n - st.measured < self.REMEASURE_AFTER):
-            return st.speculate  # nothing can move the verdict before the burst (most steps; no costs needed)
+        if st.period and n < st.next_burst and (not st.speculate or n - st.measured < self.REMEASURE_AFTER
+                                                or (n - st.measured) % self.BURST):
+            # nothing can move the verdict before the burst (most steps; no costs needed): while
+            # speculating, its drift is checked every BURST steps, not every step (the check cost
+            # 8 µs, 0.5% of a batch-1 greedy step on the demo pair, scratch timing)
+            return st.speculate
         costs = self._costs(st, batch_size, sampled)
         if costs is None:
             if st.period:  # a borrowed verdict: kept until its burst of the other mode measures both
@@ -133,14 +138,13 @@ class SpeculationGate:
             return st.speculate
         st.due = None
         if n < st.next_burst + self.BURST:  # exploring
-            if (n - st.next_burst < self.MIN_BURST
-                    or not self._burst_lost(st, batch_size, sampled, st.next_burst)):
+            if not self._burst_lost(st, batch_size, sampled, st.next_burst):
                 return not st.speculate
             st.measured = n  # the burst lost by far: it ends now, and the running mode needs no steps to compare
             return self._keep(st, n, batch_size, sampled)
         if n < st.next_burst + 2 * self.BURST:  # the running mode again, to compare the burst with
             return st.speculate
-        st.measured = n
+        st.measured, st.far_behind = n, False
         if self._burst_wins(st, batch_size, sampled, moves):  # the burst just ended, and the other mode was cheaper
             return self._decide(st, not st.speculate, n, batch_size, sampled)
         return self._keep(st, n - self.BURST, batch_size, sampled)
@@ -160,19 +164,23 @@ class SpeculationGate:
         plain decoding made the 128-token run that held it some 10% slower (51 ms against 46 in a
         scratch trace); in an A/B of eight interleaved repeats, adaptive speculation's worst run
         went from 2.49 to 2.62x plain decoding and its median from 2.60 to 2.63x (batches 8 and 32
-        within the host's noise)."""
+        within the host's noise). Where the mode's last burst ended so too (`far_behind`), one
+        measured step that confirms it is enough: two plain steps in a 128-token batch-1 greedy
+        run cost about 3% of it, and a stall of the host would have to fall on that one step, and
+        the mode have caught up since its last burst, for the verdict to stay wrong a period."""
         key = self.regime(batch_size, sampled)
         recent = list(self._recent.get(key, ()))
         burst = self._trailing(recent, not st.speculate, len(recent))
         before = self._trailing(recent, st.speculate, len(recent) - len(burst))
         burst = [x for x in burst if x[3] >= start]  # not an earlier burst's, where this one's steps went unmeasured
-        if len(burst) < self.MIN_BURST or not before:
+        if len(burst) < (1 if st.far_behind else self.MIN_BURST) or not before:
             return False
         spec, plain = self._compared(st, batch_size, sampled, burst, before)
         running, other = (spec, plain) if st.speculate else (plain, spec)
         if other <= running * (1 + self.FAR_BEHIND):
             return False
         self._adopt(key, not st.speculate, burst)
+        st.far_behind = True
         return True
 
     def _predicted(self, batch_size: int, sampled: bool) -> bool:
@@ -306,6 +314,7 @@ class SpeculationGate:
 
     def _decide(self, st: _Schedule, winner: bool, n: int, batch_size: int, sampled: bool) -> bool:
         """A new winner (or the first): its first period starts now."""
+        st.far_behind = st.far_behind and winner == st.speculate  # a burst far behind: of the mode still losing
         st.speculate, st.period = winner, self._first_period(batch_size, sampled, winner)
         st.next_burst = n + st.period
         return winner

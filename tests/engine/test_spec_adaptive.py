@@ -293,3 +293,22 @@ def test_the_single_sequence_plan_is_the_batch_plans():
         alpha, top = rng.choice([1.0, 0.0, rng.random(), rng.uniform(0.9, 1.0)]), rng.randint(0, 6)
         assert depth._best_one(alpha, top) == depth._best_batch([alpha], [top])[0], (alpha, top)
 
+
+
+def test_a_single_sequences_kept_plan_follows_its_acceptance_and_the_cost_lines():
+    """A batch of one's depth is kept per acceptance step while the predicted costs stay within
+    LINES_MOVED (`_best_one_kept`): kept, it is what `_best_one` picks for some acceptance in
+    the same step; once a line moves further, it is picked again: at α = 0.9 the full depth wins
+    while the draft is cheap; its passes then get 100 times dearer, and the kept depth gives
+    way."""
+    depth = AdaptiveDepth(4, True, LinearCost(1e-3, 1e-5), LinearCost(2e-5, 1e-6))
+    rng = random.Random(2)
+    for _ in range(500):
+        alpha, top = rng.random(), rng.randint(0, 4)
+        kept = depth._best_one_kept(alpha, top)
+        step = int(alpha * depth.ALPHA_STEPS)  # picked at some acceptance in the same step: deeper the higher
+        low, high = step / depth.ALPHA_STEPS, (step + 1) / depth.ALPHA_STEPS - 1e-12
+        assert depth._best_one(low, top) <= kept <= depth._best_one(high, top), (alpha, top)
+    assert depth._best_one_kept(0.9, 4) == 4
+    depth.draft_cost = LinearCost(2e-3, 1e-6)  # a pass now costs twice a verification
+    assert depth._best_one(0.9, 4) < 4 and depth._best_one_kept(0.9, 4) == depth._best_one(0.9, 4)

@@ -93,15 +93,23 @@ def test_a_burst_far_behind_the_running_mode_ends_early():
     """A burst that measures more than FAR_BEHIND dearer a token than the running mode's steps
     before it ends after MIN_BURST measured steps, the opening burst of plain decoding too (at
     batch 1, greedy, on the demo pair plain decoding costs about three times speculation's
-    seconds a token); the period doubles from its end. One within FAR_BEHIND runs its BURST
-    steps, and a burst whose steps go unmeasured is not judged by an earlier burst's."""
+    seconds a token); the period doubles from its end. Where the mode's last burst ended so too,
+    its first measured step is enough, if it confirms the gap; if not, the burst goes on. One
+    within FAR_BEHIND runs its BURST steps, and a burst whose steps go unmeasured is not judged
+    by an earlier burst's."""
     gate = Gate()
     opening = _drive(gate, 1, 2 * Gate.BURST, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
     assert opening == [True] * Gate.BURST + [False] * Gate.MIN_BURST + [True] * (Gate.BURST - Gate.MIN_BURST)
     later = _drive(gate, 1, 4 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
     (first, length), (second, length2) = _bursts(later, False)[:2]
-    assert length == length2 == Gate.MIN_BURST
+    assert length == length2 == 1  # the opening burst lost by far: one confirming step each
     assert second - (first + length) == 2 * Gate.PERIOD  # the period doubled, counted from the cut burst's end
+    # plain decoding catches up (30% dearer a token): its next burst's first step does not
+    # confirm the gap, and the burst runs whole; the one after needs MIN_BURST steps again
+    caught_up = _drive(gate, 1, 4 * Gate.PERIOD + 2 * Gate.BURST, spec=(0.002, 5), plain=(0.00052, 1), sampled=False)
+    assert _bursts(caught_up, False)[0][1] == Gate.BURST
+    cut = _drive(gate, 1, 8 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
+    assert _bursts(cut, False)[0][1] == Gate.MIN_BURST
 
     near = Gate()  # speculation 40% dearer: its bursts run whole
     modes = _drive(near, 8, 2 * Gate.BURST + Gate.PERIOD + 2 * Gate.BURST, spec=(0.0112, 16), plain=(0.004, 8))
