@@ -1,14 +1,100 @@
-"""The report of `spec_decode.py`: its rows (one per method, batch and temperature, as
-`spec_decode.collect` makes them) as the Markdown table BENCHMARKS.md holds, the goals of issue 14
-they meet or miss, and the plot. Functions of the result dicts only: nothing here measures."""
+"""The report of `spec_decode.py`: its rows (one per method, batch and temperature, made here by
+`collect` from the runs' records), its engines' first runs (`first_runs`), the Markdown table
+BENCHMARKS.md holds, the goals of issue 14 they meet or miss, and the plot. Functions of the runs'
+records and the result dicts only: nothing here measures."""
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # report.py, beside this script
 
 from report import GOAL_HEADER, Goal, Spread, host  # noqa: E402
+
+
+def ideal_speedup(alpha: float, k: float, c: float) -> float:
+    tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (1 + k * c)
+
+
+def first_runs(first: dict[tuple, dict], methods: tuple) -> list[dict]:
+    """Each method's first run of each case (its warm-up, right after its engine started): the
+    whole run's and the decode phase's speed against its baseline's first run of the case. Not
+    interleaved (the engines warm up one after another, minutes apart), so only a rough figure
+    of what a fresh engine's first requests cost."""
+    out = []
+    for (b, t, name), r in first.items():
+        m = next(m for m in methods if m.name == name)
+        base = next((first.get((b, t, x.name)) for x in methods if x.is_plain and x.is_newcomer == m.is_newcomer), None)
+        if m.is_plain or base is None:
+            continue
+        out.append(dict(batch_size=b, temperature=t, method=name, speedup=base["seconds"] / r["seconds"],
+                        decode_speedup=decode_spt(base) / decode_spt(r)))
+    return out
+
+
+def decode_spt(r: dict) -> float:
+    """Seconds per token of a run's decode phase (`generate_timed`)."""
+    return r["decode_seconds"] / max(r["decode_tokens"], 1)
+
+
+def collect(raw: dict, methods: tuple, cases: list[tuple]) -> list[dict]:
+    """The table's rows from every run's record (`spec_decode.run_once`'s, keyed by batch,
+    temperature and method name; `methods`: spec_decode's `Method`s measured)."""
+    rows = []
+    for b, temp in cases:
+        plain_runs = raw[(b, temp, "plain")]
+        target_s = statistics.median(r["target_forward_s"] for r in plain_runs if r["target_forward_s"])
+        # c is the pair's, not a method's: every draft forward over exactly b tokens (one per
+        # sequence, past the catch-up pass) at this batch and temperature, whichever method ran it
+        draft_times = [r["draft_forward_s"] for m in methods if (b, temp, m.name) in raw and not m.is_newcomer
+                       for r in raw[(b, temp, m.name)] if r["draft_forward_s"]]
+        c = statistics.median(draft_times) / target_s if draft_times else None
+        for m in methods:
+            runs = raw.get((b, temp, m.name))
+            if runs is None:
+                continue
+            row = summarize(m, runs, c if m.uses_draft else 0.0)
+            row.update(batch_size=b, temperature=temp, is_newcomer=m.is_newcomer,
+                       target_forward_ms=target_s * 1e3, draft_forward_ms=c * target_s * 1e3 if c else None)
+            if not m.is_plain and (temp == 0 or "rejection" not in m.name):  # coupled: same tokens as plain
+                row["same_tokens_as_plain"] = all(r["token_ids"] == r["baseline_token_ids"] for r in runs)
+            rows.append(row)
+    return rows
+
+
+def summarize(method, runs: list[dict], c: float | None) -> dict:
+    rates = Spread.of(r["num_tokens"] / r["seconds"] for r in runs)
+    out = dict(method=method.name, tokens_per_s=rates.as_dict(), num_tokens=runs[0]["num_tokens"])
+    if method.is_plain:  # the A/A control: a plain run against the one before it, one method run between
+        pairs = [r["previous_baseline_seconds"] / r["seconds"] for r in runs if "previous_baseline_seconds" in r]
+        if pairs:
+            out["a_a"] = Spread.of(pairs).as_dict()
+        decode_pairs = [r["previous_baseline_decode_spt"] / decode_spt(r) for r in runs
+                        if "previous_baseline_decode_spt" in r]
+        if decode_pairs:
+            out["a_a_decode"] = Spread.of(decode_pairs).as_dict()
+        return out
+    speedup = Spread.of(r["baseline_seconds"] / r["seconds"] for r in runs)  # same tokens, neighbouring runs
+    decode = Spread.of(r["baseline_decode_spt"] / decode_spt(r) for r in runs)
+    out.update(speedup=speedup.as_dict(), decode_speedup=decode.as_dict())
+    if method.is_control:  # plain decoding: nothing speculative to report
+        return out
+    drafts = sum(r["num_drafts"] for r in runs)
+    draft_tokens = sum(r["num_draft_tokens"] for r in runs)
+    accepted = sum(r["num_accepted_tokens"] for r in runs)
+    alpha = accepted / draft_tokens if draft_tokens else 0.0
+    mean_k = draft_tokens / drafts if drafts else 0.0
+    out.update(alpha=alpha, mean_accepted_length=(accepted + drafts) / drafts if drafts else 0.0,
+               mean_k=mean_k, num_drafts=drafts, c=c,
+               accepted_per_pos=[sum(x) for x in zip(*(r["accepted_per_pos"] for r in runs))])
+    if c is not None and drafts:
+        ideal = ideal_speedup(alpha, mean_k, c)
+        out["ideal_speedup"] = ideal
+        # the ideal is a decode-phase figure (tokens per step over a step's cost): the decode phase's speedup
+        out["share_of_ideal"] = Spread.of(s / ideal for s in decode.values).as_dict()
+    return out
 
 
 def _sp(d: dict | None) -> Spread | None:
@@ -85,9 +171,24 @@ def markdown(result: dict, stem: str = "spec_decode") -> str:
         "speedup against the newcomer plain engine):", "",
         markdown_table(newcomer), "",
         *GOAL_HEADER, *(g.row() for g in goals(result["rows"])), "",
+        *first_runs_text(result.get("first_runs", [])),
         f"Start-up seconds (weights, caches, graph capture; not in any timed run): {start}.", "",
         f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`.",
     ])
+
+
+def first_runs_text(first: list[dict]) -> list[str]:
+    """A paragraph: the adaptive methods' first run of each case (the warm-up before the timed
+    repeats), whole run and decode phase against plain decoding's first run."""
+    adaptive = [r for r in first if "adaptive" in r["method"] or r["method"].startswith("newcomer draft")]
+    if not adaptive:
+        return []
+    parts = [f"{r['method']} batch {r['batch_size']} temp {r['temperature']:g}: {r['speedup']:.2f}× "
+             f"({r['decode_speedup']:.2f}× decode)" for r in adaptive]
+    return ["First runs (not in the table: each engine runs every case once, whole, right after it starts and "
+            "before the timed repeats; a fresh engine's first requests, where an adaptive engine's gate runs its "
+            "opening bursts; not interleaved with plain decoding's first runs, which ran minutes before or after): "
+            + "; ".join(parts) + ".", ""]
 
 
 def plot(rows: list[dict], path: Path) -> None:

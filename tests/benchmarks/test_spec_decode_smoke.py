@@ -65,6 +65,12 @@ def test_core_runs_and_outputs_match(bench):
     drafts = [r for r in rows if r["method"] == "draft k=2"]
     assert all(r["c"] is not None and r["c"] > 0 for r in drafts)
     assert all("share_of_ideal" in r for r in drafts if r["num_drafts"])
+    # every method's first run of each of its cases (its warm-up) is reported apart, against its
+    # baseline's first run of the case
+    first = {(r["batch_size"], r["temperature"], r["method"]): r for r in result["first_runs"]}
+    assert first.keys() == {(b, t, m.name) for m in methods if not m.is_plain
+                            for b, t in bench.cases_of(m, [1, 2], [0.0, 1.0])}
+    assert all(r["speedup"] > 0 and r["decode_speedup"] > 0 for r in first.values())
 
 
 def test_markdown_has_a_line_per_row_and_goals(report):
@@ -90,6 +96,12 @@ def test_markdown_has_a_line_per_row_and_goals(report):
     # default options are judged beside the tuned ones
     assert verdicts["batch 1 greedy, newcomer draft k=4: speedup"] is True
     assert verdicts["batch 1 greedy, newcomer draft k=4: share of ideal"] is False
+    # the adaptive methods' first runs, apart from the table
+    first = [dict(batch_size=8, temperature=1.0, method="draft adaptive", speedup=0.91, decode_speedup=0.97),
+             dict(batch_size=8, temperature=1.0, method="draft k=2", speedup=0.8, decode_speedup=0.8)]
+    text = " ".join(report.first_runs_text(first))
+    assert "draft adaptive batch 8 temp 1: 0.91× (0.97× decode)" in text and "k=2" not in text
+    assert report.first_runs_text(first[1:]) == []
 
 
 def test_each_method_runs_between_two_runs_of_its_baseline(bench):
