@@ -41,8 +41,8 @@ def measure(processes: int, rounds: int, batch_sizes: list[int], max_tokens: int
 
     model, draft = str(REPO / "models" / "demo"), str(REPO / "models" / "demo-draft")
     max_b = max(batch_sizes)
-    setup = spec_decode.Setup(model, draft, max_b * (-(-(128 + max_tokens + 8) // 16)) + 16, max_b,
-                              tuned if tuned is not None else {"graph_capture": "compile"}, 1, 1)
+    setup = spec_decode.Setup.of(model, draft, max_b, max_tokens,
+                                 tuned if tuned is not None else {"graph_capture": "compile"}, threads=1)
     prompts = code_prompts(Tokenizer.from_dir(model), max_b)
     plain = spec_decode.METHODS[0]
     engines = []

@@ -144,6 +144,13 @@ class Setup:
     threads: int
     default_threads: int
 
+    @classmethod
+    def of(cls, model: str, draft: str, max_batch: int, max_tokens: int, tuned: dict, threads: int) -> Setup:
+        """The setup for batches up to `max_batch` of `code_prompts` (up to 128 tokens) generating
+        `max_tokens`: a KV cache every sequence fits in at once (16-token blocks, a few spare)."""
+        return cls(model, draft, max_batch * (-(-(128 + max_tokens + 8) // 16)) + 16, max_batch, tuned, threads,
+                   torch.get_num_threads())
+
 
 def build(method: Method, setup: Setup) -> tuple[LLM, float]:
     """The engine and its start-up seconds (weights, caches, graph capture)."""
@@ -223,8 +230,8 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
     """The whole measurement: every method × batch × temperature, `runs` interleaved repeats,
     each method's engine in a process of its own (`start_engine`)."""
     max_b = max(batch_sizes)
-    setup = Setup(model, draft, max_b * (-(-(128 + max_tokens + 8) // 16)) + 16, max_b,
-                  tuned if tuned is not None else {"graph_capture": "compile"}, threads, torch.get_num_threads())
+    setup = Setup.of(model, draft, max_b, max_tokens, tuned if tuned is not None else {"graph_capture": "compile"},
+                     threads)
     prompts = code_prompts(Tokenizer.from_dir(model), max_b)
     warm = dict(temperature=0, max_tokens=16, ignore_eos=True)
     cases = [(b, t) for t in temperatures for b in batch_sizes]
