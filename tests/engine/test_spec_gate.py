@@ -186,8 +186,8 @@ def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests
     far = copy.deepcopy(gate)
     far.renew(1, True)  # speculation lost by 67%: new requests do not bring its burst forward
     assert True not in [far.allow(1, True) for _ in range(Gate.PERIOD + 1)]
-    for _ in range(30):  # now it loses by 10% only
-        gate.observe(1, True, seconds=0.0066, num_tokens=2, sampled=True)
+    for _ in range(30):  # now it loses by 5% only
+        gate.observe(1, True, seconds=0.0063, num_tokens=2, sampled=True)
     gate.allow(1, True)
     renewed = copy.deepcopy(gate)
     renewed.renew(1, True)  # most requests are new: measured again within PERIOD
@@ -424,3 +424,43 @@ def test_plain_decoding_getting_dearer_does_not_bring_speculation_forward():
     start, length = _bursts(fell, False)[0]
     assert start < 8 and length == Gate.BURST  # measured at once
     assert fell[start + Gate.BURST:] == [True] * Gate.BURST + [False] * (24 - start - 2 * Gate.BURST)  # and it wins
+
+
+def test_new_requests_bring_a_burst_forward_on_its_last_same_context_verdict():
+    """How far the losing mode lost, for `renew`, is its last burst's verdict against the
+    running mode's steps right after it, not the decayed figures. Over a run plain decoding gets
+    dearer as contexts grow; speculation's figure stays that of its burst early in the run. Here
+    speculation lost its burst by 29% at the same contexts; by the end of the run plain's figure
+    is within 5% of it, but the next batch does not bring the burst back: the waits still double.
+    A burst that lost by 5% is brought forward by new requests."""
+    def lost_burst(spec_step: tuple[float, int]) -> Gate:
+        gate = _measured(8, spec=(0.0060, 12), plain=(0.0032, 8))  # 0.50 ms a token against 0.40
+        assert _drive(gate, 8, Gate.PERIOD, spec=spec_step, plain=(0.0032, 8)) == [False] * Gate.PERIOD
+        assert _drive(gate, 8, 2 * Gate.BURST + 1, spec=spec_step, plain=(0.0032, 8)) == (
+            [True] * Gate.BURST + [False] * (Gate.BURST + 1))  # the burst, plain's steps to compare, the verdict
+        return gate
+
+    clear = lost_burst((0.0062, 12))  # 0.517 ms a token: 29% dearer than plain's 0.40
+    assert clear._schedules[clear.regime(8, True)].lost_by == pytest.approx(0.0062 / 12 / 0.0004 - 1)
+    later = _drive(clear, 8, 40, spec=(0.0062, 12), plain=(0.0040, 8))  # plain at 0.50 ms a token, contexts longer
+    assert not any(later)
+    costs = clear._costs(clear._schedules[clear.regime(8, True)], 8, True)
+    assert clear._gap(costs) < Gate.RENEW_MARGIN  # the decayed figures, of different ages, read close
+    clear.renew(8, True)
+    assert not any(_drive(clear, 8, Gate.PERIOD + Gate.BURST, spec=(0.0062, 12), plain=(0.0032, 8)))
+
+    close = lost_burst((0.0050, 12))  # 0.417 ms a token: 4% dearer, within KEEP_MARGIN
+    assert close._schedules[close.regime(8, True)].lost_by == pytest.approx(0.0050 / 12 / 0.0004 - 1)
+    _drive(close, 8, 40, spec=(0.0050, 12), plain=(0.0032, 8))
+    close.renew(8, True)
+    assert any(_drive(close, 8, Gate.PERIOD + Gate.BURST, spec=(0.0050, 12), plain=(0.0032, 8)))
+
+
+def test_the_first_verdict_is_speculations_only_when_it_wins_by_the_margin():
+    """Speculation costs more than its measured steps show (the ragged end of a batch), so where
+    the opening bursts measure within KEEP_MARGIN of each other plain decoding is the verdict;
+    speculation clearly cheaper is."""
+    par = _measured(32, spec=(0.0098, 35), plain=(0.0091, 32))  # 0.280 ms a token against 0.284
+    assert _drive(par, 32, Gate.PERIOD - 1, spec=(0.0098, 35), plain=(0.0091, 32)) == [False] * (Gate.PERIOD - 1)
+    wins = _measured(32, spec=(0.0090, 35), plain=(0.0091, 32))  # 0.257 against 0.284: 10% cheaper
+    assert _drive(wins, 32, Gate.PERIOD - 1, spec=(0.0090, 35), plain=(0.0091, 32)) == [True] * (Gate.PERIOD - 1)
