@@ -25,7 +25,10 @@ every repeat), each configuration's run between two plain runs (B m1 B m2 B …:
 over seconds, so a speedup divides by the plain runs right beside the method's): tokens/s, and
 that speedup, as min / median / max, for the whole run and for its decode phase (after every
 prompt's first token: what speculation can speed, and what the ideal speedup below models; the
-prefill is the same work either way); plain's own row gives, in the speedup column, one plain run
+prefill is the same work either way); and a speculative method's run, between two runs of its
+own engine with its speculator set aside (B O m O B), its speedup against those: one process,
+so none of what separates two processes of one configuration (`process_spread.py`, up to 10%
+at batch 32 on the Xeon); plain's own row gives, in the speedup column, one plain run
 against the plain run before it, one configuration's run apart (an A/A control: what the host's
 drift alone does to a ratio); the acceptance rate α, the mean accepted length (tokens per verification
 step), the mean depth k, the draft/target step-cost ratio c (one draft forward against one
@@ -237,10 +240,12 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
     cases = [(b, t) for t in temperatures for b in batch_sizes]
     raw: dict[tuple, list[dict]] = {}
     total = runs * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
-                                        lambda m: dict(seconds=1.0, token_ids=None)))) for b, t in cases)
+                                        lambda m, own_plain=False: dict(seconds=1.0, token_ids=None))))
+                for b, t in cases)
     engines: dict[str, ChildProcess] = {}
     first: dict[tuple, dict] = {}  # (batch, temperature, method) -> the engine's first run of the case
-    run = lambda m, b, params: engines[m.name].ask(dict(prompts=prompts[:b], params=params))  # noqa: E731
+    run = lambda m, b, params, own_plain=False: engines[m.name].ask(  # noqa: E731
+        dict(prompts=prompts[:b], params=params, own_plain=own_plain))
     try:
         for m in tqdm(methods, desc="spec_decode: engines", unit="engine", disable=not progress):
             engines[m.name] = start_engine(m, setup)  # one at a time: start-up seconds are each one's own
@@ -262,7 +267,7 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
                     params = dict(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
                     measured = [m for m in methods if (b, temp) in cases_of(m, batch_sizes, temperatures)]
                     order = measured if rep % 2 == 0 else measured[::-1]  # alternate who runs first
-                    for m, r in _paired(order, lambda m: run(m, b, params)):
+                    for m, r in _paired(order, lambda m, own_plain=False: run(m, b, params, own_plain)):
                         raw.setdefault((b, temp, m.name), []).append(r)
                         bar.update(1)
     finally:
@@ -292,17 +297,23 @@ def serve(spec: str) -> None:
               ForwardTimer(llm.engine.draft_runner) if llm.engine.draft_runner else None)
     reply(out, startup)
     for req in requests():
-        reply(out, _timed_run(llm, timers, req["prompts"], SamplingParams(**req["params"]), method, setup))
+        reply(out, _timed_run(llm, timers, req["prompts"], SamplingParams(**req["params"]), method, setup,
+                              req.get("own_plain", False)))
 
 
 def _paired(order: list[Method], run):
     """Runs `order`'s methods with each one's baseline (plain decoding; the newcomer plain engine
     for the newcomer draft) right before and right after it: B m1 B m2 B … The host drifts over
     seconds, so a speedup divides a method's run by its two neighbouring baseline runs (their
-    mean), not by one baseline run several runs away. Yields (method, run) for every run, the
-    baselines' included. A method's run carries `baseline_seconds` and `baseline_token_ids`; a
-    baseline run right after another of the same engine's (one method between them) carries
-    `previous_baseline_seconds`, the A/A control: how far the same engine moves between two runs."""
+    mean), not by one baseline run several runs away. A speculative method's run also sits between
+    two runs of its own engine with its speculator set aside (`_timed_run`'s own_plain): B O m O B.
+    Processes of one configuration differ by more than the batch-32 goals' margin
+    (`process_spread.py`), and that ratio is within one process, the same target weights and
+    caches. Yields (method, run) for every run, the baselines' included (not the own plain runs).
+    A method's run carries `baseline_seconds` and `baseline_token_ids`, and a speculative one's
+    `own_plain_seconds` and `own_plain_token_ids`; a baseline run right after another of the same
+    engine's (one method's runs between them) carries `previous_baseline_seconds`, the A/A control:
+    how far the same engine moves between two runs."""
     base_of = lambda m: next(b for b in order if b.is_plain and b.is_newcomer == m.is_newcomer)  # noqa: E731
     previous: tuple[Method, dict] | None = None  # the latest baseline run, while it is the latest run
     last_of: dict[str, dict] = {}  # baseline name -> its latest run
@@ -324,23 +335,40 @@ def _paired(order: list[Method], run):
             last_of.pop(b.name, None)  # not adjacent: no A/A pair across other engines' runs
             before = baseline(b)
             yield b, before
+        own = m.options.get("num_speculative_tokens") is not None  # a speculative engine: its own plain runs too
+        own_before = run(m, own_plain=True) if own else None
         r = run(m)
+        own_after = run(m, own_plain=True) if own else None
         after = baseline(b)
         r["baseline_seconds"] = (before["seconds"] + after["seconds"]) / 2
         if "decode_seconds" in r:  # per decode-phase token: the phases' token counts may differ by a step's
             r["baseline_decode_spt"] = (decode_spt(before) + decode_spt(after)) / 2
         r["baseline_token_ids"] = after["token_ids"]
+        if own:
+            r["own_plain_seconds"] = (own_before["seconds"] + own_after["seconds"]) / 2
+            if "decode_seconds" in r:
+                r["own_plain_decode_spt"] = (decode_spt(own_before) + decode_spt(own_after)) / 2
+            r["own_plain_token_ids"] = own_after["token_ids"]
         yield m, r
         yield b, after
         previous = (b, after)
 
 
-def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup) -> dict:
+def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup, own_plain: bool = False) -> dict:
+    """One run's record. own_plain: with the engine's speculator set aside for the run, so it
+    decodes plainly (`LLMEngine.step` without one): the same target weights, caches and process
+    as the method's runs; its gate sees none of it."""
     torch.set_num_threads(setup.default_threads if method.is_newcomer else setup.threads)
     for t in timers:
         if t is not None:
             t.calls.clear()
-    r = run_once(llm, prompts, params)
+    speculator = llm.engine.speculator
+    if own_plain:
+        llm.engine.speculator = None
+    try:
+        r = run_once(llm, prompts, params)
+    finally:
+        llm.engine.speculator = speculator
     tt, dt = timers
     r["target_forward_s"] = tt.median_at(len(prompts))
     r["draft_forward_s"] = dt.median_at(len(prompts)) if dt else None

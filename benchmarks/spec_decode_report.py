@@ -59,7 +59,9 @@ def collect(raw: dict, methods: tuple, cases: list[tuple]) -> list[dict]:
             row.update(batch_size=b, temperature=temp, is_newcomer=m.is_newcomer,
                        target_forward_ms=target_s * 1e3, draft_forward_ms=c * target_s * 1e3 if c else None)
             if not m.is_plain and (temp == 0 or "rejection" not in m.name):  # coupled: same tokens as plain
-                row["same_tokens_as_plain"] = all(r["token_ids"] == r["baseline_token_ids"] for r in runs)
+                row["same_tokens_as_plain"] = all(r["token_ids"] == r["baseline_token_ids"]
+                                                  and r.get("own_plain_token_ids", r["token_ids"]) == r["token_ids"]
+                                                  for r in runs)
             rows.append(row)
     return rows
 
@@ -81,6 +83,9 @@ def summarize(method, runs: list[dict], c: float | None) -> dict:
     out.update(speedup=speedup.as_dict(), decode_speedup=decode.as_dict())
     if method.is_control:  # plain decoding: nothing speculative to report
         return out
+    if all("own_plain_seconds" in r for r in runs):  # against its own engine, speculation set aside
+        out["own_speedup"] = Spread.of(r["own_plain_seconds"] / r["seconds"] for r in runs).as_dict()
+        out["own_decode_speedup"] = Spread.of(r["own_plain_decode_spt"] / decode_spt(r) for r in runs).as_dict()
     drafts = sum(r["num_drafts"] for r in runs)
     draft_tokens = sum(r["num_draft_tokens"] for r in runs)
     accepted = sum(r["num_accepted_tokens"] for r in runs)
@@ -103,9 +108,10 @@ def _sp(d: dict | None) -> Spread | None:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| batch | temp | method | tokens/s (min / med / max) | speedup (min / med / max) "
-             "| decode speedup (min / med / max) | α | mean accepted length "
+             "| decode speedup (min / med / max) | speedup vs its own engine, speculation off (min / med / max) "
+             "| α | mean accepted length "
              "| mean k | c | ideal | share of ideal, decode (min / med / max) | same tokens as plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         same = r.get("same_tokens_as_plain")
@@ -113,9 +119,10 @@ def markdown_table(rows: list[dict]) -> str:
         decode, a_a_decode = _sp(r.get("decode_speedup")), _sp(r.get("a_a_decode"))
         decode_text = decode.fmt(2) if decode else f"A/A {a_a_decode.fmt(2)}" if a_a_decode else "–"
         speed_text = speed.fmt(2) if speed else f"A/A {a_a.fmt(2)}" if a_a else "–"
+        own = _sp(r.get("own_speedup"))
         lines.append(
             f"| {r['batch_size']} | {r['temperature']:g} | {r['method']} | {_sp(r['tokens_per_s']).fmt(0)} | "
-            f"{speed_text} | {decode_text} | {fmt(r.get('alpha'), '.2f')} | "
+            f"{speed_text} | {decode_text} | {own.fmt(2) if own else '–'} | {fmt(r.get('alpha'), '.2f')} | "
             f"{fmt(r.get('mean_accepted_length'), '.2f')} | "
             f"{fmt(r.get('mean_k'), '.2f')} | {fmt(r.get('c'), '.2f')} | {fmt(r.get('ideal_speedup'), '.2f')} | "
             f"{share.fmt(2) if share else '–'} | {'–' if same is None else ('yes' if same else '**no**')} |")
@@ -140,11 +147,15 @@ def goals(rows: list[dict]) -> list[Goal]:
         for t in (0.0, 1.0):
             for name in ("draft adaptive", "ngram adaptive"):
                 r = row(b, t, name)
-                if r and r.get("speedup"):
-                    sp = _sp(r["speedup"])
-                    out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup (median)", Spread(sp.median, sp.median,
-                                    sp.median, (sp.median,)), 1.0, True))
-                    out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup (every repeat)", sp, 0.95, True))
+                # against plain decoding's process, and against the method's own engine with
+                # speculation set aside (one process: none of the processes' own differences)
+                for key, against in (("speedup", ""), ("own_speedup", ", vs its own engine")):
+                    if r and r.get(key):
+                        sp = _sp(r[key])
+                        out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup{against} (median)",
+                                        Spread(sp.median, sp.median, sp.median, (sp.median,)), 1.0, True))
+                        out.append(Goal(f"batch {b}, temp {t:g}, {name}: speedup{against} (every repeat)", sp, 0.95,
+                                        True))
     r = row(1, 0.0, "draft k=4")
     if r and r.get("c") is not None:
         out.append(Goal("draft/target forward cost c at batch 1", Spread.of([r["c"]]), 0.17, False))
@@ -160,7 +171,9 @@ def markdown(result: dict, stem: str = "spec_decode") -> str:
         f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
         f"over them; each method's engine runs in a process of its own; a speedup divides by the two plain runs "
         f"right before and after the method's run, and plain's row gives in that column, marked A/A, a plain run "
-        f"against the one before it, one method's run apart: the host's drift alone; \"plain, another process\" "
+        f"against the one before it, one method's runs apart: the host's drift alone; a speculative method's run "
+        f"also sits between two runs of its own engine with speculation set aside, its speedup against them in "
+        f"the column \"vs its own engine\": one process, the same weights and caches; \"plain, another process\" "
         f"is plain decoding in a second process, measured like a method: how far two processes of the same "
         f"configuration differ). Tuned options: "
         f"`{result['tuned_options']}`, {result['threads']} torch thread(s). Load average (1 min) at the start and "

@@ -52,7 +52,8 @@ def test_core_runs_and_outputs_match(bench):
         if r["method"] == "plain, another process":
             assert "decode_speedup" in r
             continue
-        assert {"speedup", "alpha", "mean_accepted_length", "mean_k", "c"} <= r.keys()
+        assert {"speedup", "own_speedup", "own_decode_speedup", "alpha", "mean_accepted_length", "mean_k", "c"} <= r.keys()
+        assert len(r["own_speedup"]["values"]) == 2 and r["own_speedup"]["min"] > 0
         assert 0 <= r["alpha"] <= 1 and r["speedup"]["min"] <= r["speedup"]["median"] <= r["speedup"]["max"]
         assert 0 < r["decode_speedup"]["min"] <= r["decode_speedup"]["max"]
         if "rejection" in r["method"]:
@@ -96,6 +97,17 @@ def test_markdown_has_a_line_per_row_and_goals(report):
     # default options are judged beside the tuned ones
     assert verdicts["batch 1 greedy, newcomer draft k=4: speedup"] is True
     assert verdicts["batch 1 greedy, newcomer draft k=4: share of ideal"] is False
+    # at batches 8 and 32 the adaptive methods are judged against plain decoding's process and,
+    # apart, against their own engine with speculation set aside
+    b8 = dict(rows[1], method="draft adaptive", batch_size=8, speedup=dict(min=0.93, median=0.97, max=1.0,
+                                                                          values=[0.93, 0.97, 1.0]),
+              own_speedup=dict(min=0.99, median=1.02, max=1.04, values=[0.99, 1.02, 1.04]))
+    verdicts = {g.name: g.is_met for g in report.goals([b8])}
+    assert verdicts == {"batch 8, temp 0, draft adaptive: speedup (median)": False,
+                        "batch 8, temp 0, draft adaptive: speedup (every repeat)": False,
+                        "batch 8, temp 0, draft adaptive: speedup, vs its own engine (median)": True,
+                        "batch 8, temp 0, draft adaptive: speedup, vs its own engine (every repeat)": True}
+    assert "| 0.99 / 1.02 / 1.04 |" in report.markdown_table([b8])
     # the adaptive methods' first runs, apart from the table
     first = [dict(batch_size=8, temperature=1.0, method="draft adaptive", speedup=0.91, decode_speedup=0.97),
              dict(batch_size=8, temperature=1.0, method="draft k=2", speedup=0.8, decode_speedup=0.8)]
@@ -105,21 +117,37 @@ def test_markdown_has_a_line_per_row_and_goals(report):
 
 
 def test_each_method_runs_between_two_runs_of_its_baseline(bench):
-    """B m1 B m2 B …, the newcomer draft between newcomer plain runs: a speedup divides by its
-    neighbours, and an A/A pair is two baseline runs one method apart, never across engines."""
+    """B O m1 O B O m2 O B …, the newcomer draft between newcomer plain runs, and each
+    speculative method's run between two of its own engine's with speculation set aside (O): a
+    speedup divides by its neighbours, and an A/A pair is two baseline runs one method's runs
+    apart, never across engines. The control, plain decoding in another process, has no own runs."""
     plain, k4, k2 = bench.METHODS[:3]
+    control = next(m for m in bench.METHODS if m.is_control)
     new_plain, new_k4 = bench.NEWCOMER
     clock = iter(range(1, 100))
-    runs = list(bench._paired([new_k4, k2, plain, k4, new_plain], lambda m: dict(seconds=float(next(clock)),
-                                                                                 token_ids=[m.name])))
+    calls = []
+
+    def run(m, own_plain=False):
+        calls.append(("own " if own_plain else "") + m.name)
+        return dict(seconds=float(next(clock)), token_ids=[m.name, own_plain])
+
+    runs = list(bench._paired([new_k4, k2, plain, control, k4, new_plain], run))
+    assert calls == ["newcomer plain", "own newcomer draft k=4", "newcomer draft k=4", "own newcomer draft k=4",
+                     "newcomer plain", "plain", "own draft k=2", "draft k=2", "own draft k=2", "plain",
+                     "plain, another process", "plain", "own draft k=4", "draft k=4", "own draft k=4", "plain"]
     assert [m.name for m, _ in runs] == ["newcomer plain", "newcomer draft k=4", "newcomer plain", "plain", "draft k=2",
-                                         "plain", "draft k=4", "plain"]
+                                         "plain", "plain, another process", "plain", "draft k=4", "plain"]
     by_name = {m.name: r for m, r in runs}
-    assert by_name["newcomer draft k=4"]["baseline_seconds"] == (1 + 3) / 2
-    assert by_name["newcomer draft k=4"]["baseline_token_ids"] == ["newcomer plain"]
-    assert by_name["draft k=2"]["baseline_seconds"] == (4 + 6) / 2 and by_name["draft k=4"]["baseline_seconds"] == (6 + 8) / 2
+    assert by_name["newcomer draft k=4"]["baseline_seconds"] == (1 + 5) / 2
+    assert by_name["newcomer draft k=4"]["own_plain_seconds"] == (2 + 4) / 2
+    assert by_name["newcomer draft k=4"]["baseline_token_ids"] == ["newcomer plain", False]
+    assert by_name["newcomer draft k=4"]["own_plain_token_ids"] == ["newcomer draft k=4", True]
+    assert by_name["draft k=2"]["baseline_seconds"] == (6 + 10) / 2 and by_name["draft k=2"]["own_plain_seconds"] == (7 + 9) / 2
+    assert by_name["plain, another process"]["baseline_seconds"] == (10 + 12) / 2
+    assert "own_plain_seconds" not in by_name["plain, another process"]
+    assert by_name["draft k=4"]["baseline_seconds"] == (12 + 16) / 2
     pairs = [(r["previous_baseline_seconds"], r["seconds"]) for _, r in runs if "previous_baseline_seconds" in r]
-    assert pairs == [(1.0, 3.0), (4.0, 6.0), (6.0, 8.0)]  # none from newcomer plain (3) to plain (4)
+    assert pairs == [(1.0, 5.0), (6.0, 10.0), (10.0, 12.0), (12.0, 16.0)]  # none from newcomer plain (5) to plain (6)
 
 
 def test_an_engine_process_that_dies_is_named_not_waited_on(bench):
