@@ -60,6 +60,7 @@ class _Schedule:
     # the same contexts (`_burst_wins`, `_burst_lost`; below 0 where it lost on KEEP_MARGIN
     # alone); None from the losing mode's next measured step until its burst is judged
     lost_by: float | None = None
+    last_spec: int = -(1 << 30)  # the last step allowed to speculate (plain steps right after it are cold)
 
 
 class SpeculationGate:
@@ -75,6 +76,8 @@ class SpeculationGate:
     MIN_BURST = 2  # measured steps a burst runs at least
     FAR_BEHIND = 0.5  # a burst that measures this much dearer per token than the running mode ends early
     REMEASURE_AFTER = 2 * BURST  # steps after a burst before speculation's drift may bring the next forward
+    COLD = 4  # plain steps right after speculative ones that are not compared: `observe`
+    OPENING = 2 * BURST + COLD  # a new regime's opening: a burst of speculation, then one of plain decoding
 
     def __init__(self, predict: Callable[[int, bool], bool | None] | None = None) -> None:
         """predict(batch_size, sampled): the cost model's verdict for a regime, or None while it
@@ -105,11 +108,18 @@ class SpeculationGate:
             st = self._schedules[key] = self._borrowed(key)
         if not settled:
             return st.speculate if st.period else self._predicted(batch_size, sampled)
-        st.steps = n = st.steps + 1
-        if n <= 2 * self.BURST:
+        st.steps = st.steps + 1
+        if speculate := self._settled(st, batch_size, sampled):
+            st.last_spec = st.steps
+        return speculate
+
+    def _settled(self, st: _Schedule, batch_size: int, sampled: bool) -> bool:
+        """`allow` for a settled step, the schedule's st.steps-th."""
+        n = st.steps
+        if n <= self.OPENING:
             if n <= self.BURST + self.MIN_BURST or not self._burst_lost(st, batch_size, sampled, self.BURST + 1):
                 return n <= self.BURST
-            st.steps = n = 2 * self.BURST + 1  # plain decoding lost its first burst by far: decide now
+            st.steps = n = self.OPENING + 1  # plain decoding lost its first burst by far: decide now
         if st.period and n < st.next_burst and (not st.speculate or n - st.measured < self.REMEASURE_AFTER
                                                 or (n - st.measured) % self.BURST):
             # nothing can move the verdict before the burst (most steps; no costs needed): while
@@ -148,17 +158,20 @@ class SpeculationGate:
             st.next_burst = n + 1
             return st.speculate
         st.due = None
-        if n < st.next_burst + self.BURST:  # exploring
+        # a burst of plain decoding, and plain decoding's steps after a burst of speculation,
+        # run COLD steps more: the first after speculative steps are not compared (`observe`)
+        ended = st.next_burst + self.BURST + (self.COLD if st.speculate else 0)
+        if n < ended:  # exploring
             if not self._burst_lost(st, batch_size, sampled, st.next_burst):
                 return not st.speculate
             st.measured = n  # the burst lost by far: it ends now, and the running mode needs no steps to compare
             return self._keep(st, n, batch_size, sampled)
-        if n < st.next_burst + 2 * self.BURST:  # the running mode again, to compare the burst with
+        if n < ended + self.BURST + (0 if st.speculate else self.COLD):  # the running mode again, to compare with
             return st.speculate
         st.measured, st.far_behind = n, False
         if self._burst_wins(st, batch_size, sampled, moves):  # the burst just ended, and the other mode was cheaper
             return self._decide(st, not st.speculate, n, batch_size, sampled)
-        return self._keep(st, n - self.BURST, batch_size, sampled)
+        return self._keep(st, ended, batch_size, sampled)
 
     def _keep(self, st: _Schedule, ended: int, batch_size: int, sampled: bool) -> bool:
         """The burst that ended at step `ended` left the same winner: the period doubles."""
@@ -181,8 +194,8 @@ class SpeculationGate:
         the mode have caught up since its last burst, for the verdict to stay wrong a period."""
         key = self.regime(batch_size, sampled)
         recent = list(self._recent.get(key, ()))
-        burst = self._trailing(recent, not st.speculate, len(recent))
-        before = self._trailing(recent, st.speculate, len(recent) - len(burst))
+        burst, start_at = self._trailing(recent, not st.speculate, len(recent), cold=True)
+        before, _ = self._trailing(recent, st.speculate, start_at)
         burst = [x for x in burst if x[3] >= start]  # not an earlier burst's, where this one's steps went unmeasured
         if len(burst) < (1 if st.far_behind else self.MIN_BURST) or not before:
             return False
@@ -259,8 +272,8 @@ class SpeculationGate:
         decayed figures decide (`moves`)."""
         key = self.regime(batch_size, sampled)
         recent, other = list(self._recent.get(key, ())), not st.speculate
-        after = self._trailing(recent, st.speculate, len(recent))
-        burst = self._trailing(recent, other, len(recent) - len(after))
+        after, start_at = self._trailing(recent, st.speculate, len(recent))
+        burst, _ = self._trailing(recent, other, start_at)
         if not burst or not after:
             return moves
         self._adopt(key, other, burst)
@@ -280,17 +293,19 @@ class SpeculationGate:
     def _adopt(self, key: tuple[int, bool], speculated: bool, burst: list) -> None:
         """A burst's steps (newest first) become its mode's figure."""
         sums = [0.0, 0.0, 0]
-        for _, seconds, tokens, _ in burst[::-1]:  # oldest first, decayed as `observe` does
+        for _, seconds, tokens, _, _ in burst[::-1]:  # oldest first, decayed as `observe` does
             sums = [sums[0] * self.DECAY + seconds, sums[1] * self.DECAY + tokens, sums[2] + 1]
         self._sums[(*key, speculated)] = sums
 
-    def _trailing(self, recent: list, speculated: bool, end: int) -> list:
-        """The last BURST (at most) measured steps of one mode ending at recent[end - 1], newest first."""
-        steps = []
-        while end and recent[end - 1][0] == speculated and len(steps) < self.BURST:
-            end -= 1
-            steps.append(recent[end])
-        return steps
+    def _trailing(self, recent: list, speculated: bool, end: int, cold: bool = False) -> tuple[list, int]:
+        """The last BURST (at most) measured steps of one mode's run of steps ending at
+        recent[end - 1], newest first, its cold ones (`observe`) left out unless `cold`; and the
+        index in `recent` where that run starts."""
+        start = end
+        while start and recent[start - 1][0] == speculated:
+            start -= 1
+        steps = [recent[i] for i in range(end - 1, start - 1, -1) if cold or not recent[i][4]]
+        return steps[:self.BURST], start
 
     def _borrowed(self, key: tuple[int, bool]) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
@@ -308,7 +323,7 @@ class SpeculationGate:
         if not decided:
             return _Schedule()
         speculate = self._schedules[(min(decided)[1], sampled)].speculate
-        steps = 2 * self.BURST  # as if both bursts had run
+        steps = self.OPENING  # as if both bursts had run
         return _Schedule(steps=steps, speculate=speculate, period=self.PERIOD, next_burst=steps + self.PERIOD)
 
     def _costs(self, st: _Schedule, batch_size: int, sampled: bool) -> tuple[float, float] | None:
@@ -405,22 +420,37 @@ class SpeculationGate:
         change still shows within a few steps. A mode's first step has no figure to be clipped
         by, so the second step clips it: a collection pass of 400 ms inside the first step of
         speculation's first burst (before faa571f) made speculation measure 18 ms a token against
-        plain's 5 at batch 1 greedy, and the gate kept plain decoding for hundreds of steps."""
+        plain's 5 at batch 1 greedy, and the gate kept plain decoding for hundreds of steps.
+
+        The first COLD plain steps after a speculative one are cold: kept (`_recent`) only to end
+        a burst far behind (`_burst_lost`), neither compared nor in the figures. Speculation's
+        working set (the draft's weights and caches, the verification's wider activations) pushes
+        the target's out of the caches, and plain steps run slow until it is back: at batch 32,
+        temperature 1 on the demo pair (Intel Xeon, scratch timing, medians of five runs), the
+        plain steps right after speculative ones took 36, 34, 29 and 21% longer than plain
+        decoding's at the same contexts, 5-8% the next four, within the noise after (at batches
+        1 and 8, whose caches fit, no difference). Compared so, plain decoding's four-step bursts
+        measured level with speculation, which costs 15-30% more a token there, and a gate that
+        had speculation won it from the opening bursts kept it for eight runs out of eight
+        (1.5-1.9 s a run against plain decoding's 1.2-1.4); and plain steps right after a burst
+        of speculation made that burst look cheaper than it was."""
         key = self.regime(batch_size, sampled)
-        sums = self._sums.setdefault((*key, speculated), [0.0, 0.0, 0])
-        if sums[1] > 0:
-            if sums[2] == 1 and sums[0] / sums[1] > self.CLIP * seconds / max(num_tokens, 1):
-                sums[0] = self.CLIP * seconds / max(num_tokens, 1) * sums[1]  # the first step, clipped by the second
-            seconds = min(seconds, self.CLIP * sums[0] / sums[1] * max(num_tokens, 1))
-        sums[0] = sums[0] * self.DECAY + seconds
-        sums[1] = sums[1] * self.DECAY + num_tokens
-        sums[2] += 1
-        if key not in self._recent:
-            self._recent[key] = deque(maxlen=2 * self.BURST)
         st = self._schedules.get(key)
         if st is not None and speculated != st.speculate:
             st.lost_by = None  # the losing mode measured anew: its burst's verdict sets it again
-        self._recent[key].append((speculated, seconds, num_tokens, st.steps if st else 0))
+        cold = not speculated and st is not None and st.steps - st.last_spec <= self.COLD
+        sums = self._sums.setdefault((*key, speculated), [0.0, 0.0, 0])
+        if sums[1] > 0:
+            if sums[2] == 1 and not cold and sums[0] / sums[1] > self.CLIP * seconds / max(num_tokens, 1):
+                sums[0] = self.CLIP * seconds / max(num_tokens, 1) * sums[1]  # the first step, clipped by the second
+            seconds = min(seconds, self.CLIP * sums[0] / sums[1] * max(num_tokens, 1))
+        if not cold:
+            sums[0] = sums[0] * self.DECAY + seconds
+            sums[1] = sums[1] * self.DECAY + num_tokens
+            sums[2] += 1
+        if key not in self._recent:
+            self._recent[key] = deque(maxlen=2 * self.BURST + self.COLD)
+        self._recent[key].append((speculated, seconds, num_tokens, st.steps if st else 0, cold))
 
     def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
         sums = self._sums.get((*self.regime(batch_size, sampled), speculated))
