@@ -39,9 +39,10 @@ model says.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from pdserve.engine.spec_decode.gate_figures import Figures, per_token, trailing
 
 
 @dataclass(slots=True)
@@ -67,11 +68,10 @@ class SpeculationGate:
     BURST = 4  # steps a mode runs when it is measured
     PERIOD = 64  # steps before the losing mode's first exploring burst
     MAX_PERIOD = 1024  # the period doubles up to this while the winner stays the same
-    DECAY = 0.9  # per observation, for the decayed sums of seconds and tokens
-    CLIP = 3.0  # an observed step counts at most this many times its mode's seconds per token
+    DECAY, CLIP = Figures.DECAY, Figures.CLIP  # how the measured figures decay and clip a stalled step
     EXPLORE_SHARE = 0.02  # switching to speculation to explore it costs at most this share of the plain steps between
     RENEW_MARGIN = 0.1  # new requests bring the next burst forward only while the loser lost by less than this
-    KEEP_MARGIN = 0.05  # the other mode must measure cheaper by more than this to move a verdict; speculation, the first
+    KEEP_MARGIN = 0.05  # how much cheaper the other mode must measure to move a verdict (speculation: to win the first)
     FRESH = BURST  # steps after a `renew` in which a switch to speculation is cheap (see `_waits`)
     MIN_BURST = 2  # measured steps a burst runs at least
     FAR_BEHIND = 0.5  # a burst that measures this much dearer per token than the running mode ends early
@@ -83,15 +83,18 @@ class SpeculationGate:
         """predict(batch_size, sampled): the cost model's verdict for a regime, or None while it
         cannot tell (`AdaptiveDepth.verdict`): the mode of a new regime's unmeasured steps."""
         self._predict = predict
-        self._sums: dict[tuple[int, bool, bool], list] = {}  # (*regime, speculated) -> [seconds, tokens, steps]
         self._schedules: dict[tuple[int, bool], _Schedule] = {}
-        self._switch: dict[tuple[int, bool], float] = {}  # regime -> seconds a switch to speculation costs
-        self._catch_up: dict[tuple[int, bool], list] = {}  # regime -> [seconds, tokens] of fresh prompts' catch-ups
-        # regime -> the latest measured steps, (speculated, seconds, tokens, the schedule's step):
-        # a burst and the steps around it
-        self._recent: dict[tuple[int, bool], deque] = {}
-        # prompt tokens per output token of the requests finished lately (`Speculator.forget`)
-        self.prompt_per_output = 0.0
+        # what each mode measured: a burst (COLD steps longer for plain) and the running mode's steps after it
+        self.figures = Figures(keep=2 * self.BURST + self.COLD)
+
+    @property
+    def prompt_per_output(self) -> float:
+        """Prompt tokens per output token of the requests finished lately (`Speculator.forget`)."""
+        return self.figures.prompt_per_output
+
+    @prompt_per_output.setter
+    def prompt_per_output(self, value: float) -> None:
+        self.figures.prompt_per_output = value
 
     @staticmethod
     def regime(batch_size: int, sampled: bool) -> tuple[int, bool]:
@@ -193,9 +196,9 @@ class SpeculationGate:
         run cost about 3% of it, and a stall of the host would have to fall on that one step, and
         the mode have caught up since its last burst, for the verdict to stay wrong a period."""
         key = self.regime(batch_size, sampled)
-        recent = list(self._recent.get(key, ()))
-        burst, start_at = self._trailing(recent, not st.speculate, len(recent), cold=True)
-        before, _ = self._trailing(recent, st.speculate, start_at)
+        recent = self.figures.recent(key)
+        burst, start_at = trailing(recent, not st.speculate, len(recent), self.BURST, cold=True)
+        before, _ = trailing(recent, st.speculate, start_at, self.BURST)
         burst = [x for x in burst if x[3] >= start]  # not an earlier burst's, where this one's steps went unmeasured
         if len(burst) < (1 if st.far_behind else self.MIN_BURST) or not before:
             return False
@@ -203,7 +206,7 @@ class SpeculationGate:
         running, other = (spec, plain) if st.speculate else (plain, spec)
         if other <= running * (1 + self.FAR_BEHIND):
             return False
-        self._adopt(key, not st.speculate, burst)
+        self.figures.adopt(key, not st.speculate, burst)
         st.far_behind, st.lost_by = True, other / running - 1
         return True
 
@@ -232,7 +235,7 @@ class SpeculationGate:
         into a 128-token run took 73-80 ms for their first steps against plain's 6, some 6% of
         the run each, where plain decoding won again."""
         key = self.regime(batch_size, sampled)
-        switch = self._switch[key] if key in self._switch else max(self._switch.values(), default=0.0)
+        switch = self.figures.switch_anywhere(key)
         if st.speculate or not switch:
             return False
         if n - st.renewed <= self.FRESH:
@@ -271,12 +274,12 @@ class SpeculationGate:
         previous requests' last. Without steps of both measured (a prefill between), the
         decayed figures decide (`moves`)."""
         key = self.regime(batch_size, sampled)
-        recent, other = list(self._recent.get(key, ())), not st.speculate
-        after, start_at = self._trailing(recent, st.speculate, len(recent))
-        burst, _ = self._trailing(recent, other, start_at)
+        recent, other = self.figures.recent(key), not st.speculate
+        after, start_at = trailing(recent, st.speculate, len(recent), self.BURST)
+        burst, _ = trailing(recent, other, start_at, self.BURST)
         if not burst or not after:
             return moves
-        self._adopt(key, other, burst)
+        self.figures.adopt(key, other, burst)
         spec, plain = self._compared(st, batch_size, sampled, burst, after)
         running, challenger = (spec, plain) if st.speculate else (plain, spec)
         wins = challenger * (1 + self.KEEP_MARGIN) < running
@@ -286,26 +289,9 @@ class SpeculationGate:
     def _compared(self, st: _Schedule, batch_size: int, sampled: bool, burst: list, running: list) -> tuple[float, float]:
         """(speculating, plain) seconds per token, priced (`_priced`), of a burst's measured steps
         and the running mode's."""
-        burst_cost, running_cost = _per_token(burst), _per_token(running)
+        burst_cost, running_cost = per_token(burst), per_token(running)
         spec, plain = (burst_cost, running_cost) if burst[0][0] else (running_cost, burst_cost)
         return self._priced(st, batch_size, sampled, spec, plain)
-
-    def _adopt(self, key: tuple[int, bool], speculated: bool, burst: list) -> None:
-        """A burst's steps (newest first) become its mode's figure."""
-        sums = [0.0, 0.0, 0]
-        for _, seconds, tokens, _, _ in burst[::-1]:  # oldest first, decayed as `observe` does
-            sums = [sums[0] * self.DECAY + seconds, sums[1] * self.DECAY + tokens, sums[2] + 1]
-        self._sums[(*key, speculated)] = sums
-
-    def _trailing(self, recent: list, speculated: bool, end: int, cold: bool = False) -> tuple[list, int]:
-        """The last BURST (at most) measured steps of one mode's run of steps ending at
-        recent[end - 1], newest first, its cold ones (`observe`) left out unless `cold`; and the
-        index in `recent` where that run starts."""
-        start = end
-        while start and recent[start - 1][0] == speculated:
-            start -= 1
-        steps = [recent[i] for i in range(end - 1, start - 1, -1) if cold or not recent[i][4]]
-        return steps[:self.BURST], start
 
     def _borrowed(self, key: tuple[int, bool]) -> _Schedule:
         """A regime's first schedule. When a batch-size bucket next to it, of the same kind, has
@@ -339,7 +325,7 @@ class SpeculationGate:
     def _priced(self, st: _Schedule, batch_size: int, sampled: bool, spec: float, plain: float) -> tuple[float, float]:
         """(speculating, plain) seconds per token with speculation's costs outside its steps: a
         draft's catch-up on fresh prompts, and from plain decoding the switch, repaid over PERIOD."""
-        switch = 0.0 if st.speculate else self._switch.get(self.regime(batch_size, sampled), 0.0)
+        switch = 0.0 if st.speculate else self.figures.switch(self.regime(batch_size, sampled)) or 0.0
         return spec + self.catch_up_per_token(batch_size, sampled) + switch / (self.PERIOD * max(batch_size, 1)), plain
 
     def _decide(self, st: _Schedule, winner: bool, n: int, batch_size: int, sampled: bool) -> bool:
@@ -352,7 +338,7 @@ class SpeculationGate:
     def _first_period(self, batch_size: int, sampled: bool, speculating: bool) -> int:
         """PERIOD, or while plain decoding wins, the steps of it that pay for one switch to
         speculation at EXPLORE_SHARE."""
-        switch = self._switch.get(self.regime(batch_size, sampled))
+        switch = self.figures.switch(self.regime(batch_size, sampled))
         plain = self.seconds_per_token(batch_size, False, sampled)
         if speculating or not switch or not plain:
             return self.PERIOD
@@ -385,44 +371,20 @@ class SpeculationGate:
             st.next_burst = min(st.next_burst, st.steps + st.period)
 
     def observe_switch(self, batch_size: int, seconds: float, sampled: bool = False) -> None:
-        """The seconds a switch to speculation took beyond an ordinary speculative step (a draft
-        model catching up on the tokens the plain steps emitted); a running mean per regime."""
-        key = self.regime(batch_size, sampled)
-        old = self._switch.get(key)
-        self._switch[key] = max(seconds, 0.0) if old is None else 0.5 * (old + max(seconds, 0.0))
+        """The seconds a switch to speculation took beyond an ordinary speculative step (`Figures`)."""
+        self.figures.observe_switch(self.regime(batch_size, sampled), seconds)
 
     def observe_catch_up(self, batch_size: int, seconds: float, num_tokens: int, sampled: bool = False) -> None:
-        """A draft model's catch-up on fresh prompts while speculating: seconds beyond an
-        ordinary pass, and the prompt tokens caught up on. A cost of speculating that no
-        measured step shows: it runs in the first proposal after a prefill, within the steps the
-        gate leaves out (`Speculator.WARMUP_STEPS`). On the demo pair (Intel Xeon, batches 8 and
-        32, greedy and temperature 1, scratch trace) it was 8-9 µs a prompt token: spread over
-        prompts of 64-128 tokens and 128-token outputs, 6-7 µs an output token, 2-3% of plain
-        decoding's 0.25 ms a token at batch 32, where speculation and plain decoding cost within
-        a few percent of each other. With prompts ten times the output it is ten times that."""
-        sums = self._catch_up.setdefault(self.regime(batch_size, sampled), [0.0, 0.0])
-        sums[0] = sums[0] * self.DECAY + seconds
-        sums[1] = sums[1] * self.DECAY + num_tokens
+        """A draft model's catch-up on fresh prompts while speculating (`Figures.observe_catch_up`)."""
+        self.figures.observe_catch_up(self.regime(batch_size, sampled), seconds, num_tokens)
 
     def catch_up_per_token(self, batch_size: int, sampled: bool = False) -> float:
-        """Speculation's catch-up on fresh prompts spread over the requests' tokens: seconds per
-        prompt token caught up on, times prompt tokens per output token (`prompt_per_output`,
-        from the requests finished lately; a prompt partly found in the prefix cache is caught
-        up on only past it, so this overstates the cost where many are). 0 until measured."""
-        sums = self._catch_up.get(self.regime(batch_size, sampled))
-        return sums[0] / sums[1] * self.prompt_per_output if sums and sums[1] > 0 else 0.0
+        return self.figures.catch_up_per_token(self.regime(batch_size, sampled))
 
     def observe(self, batch_size: int, speculated: bool, seconds: float, num_tokens: int, sampled: bool = False) -> None:
-        """A pure-decode step's wall time and the tokens it emitted. A step slower than CLIP
-        times its mode's running seconds per token counts as that (a stall of the host, a
-        collection pass, another process on the core): unclipped, one such step could make the
-        winning mode look the loser, and with the waits doubling, for hundreds of steps; a real
-        change still shows within a few steps. A mode's first step has no figure to be clipped
-        by, so the second step clips it: a collection pass of 400 ms inside the first step of
-        speculation's first burst (before faa571f) made speculation measure 18 ms a token against
-        plain's 5 at batch 1 greedy, and the gate kept plain decoding for hundreds of steps.
+        """A pure-decode step's wall time and the tokens it emitted (`Figures.observe`).
 
-        The first COLD plain steps after a speculative one are cold: kept (`_recent`) only to end
+        The first COLD plain steps after a speculative one are cold: kept (`Figures.recent`) only to end
         a burst far behind (`_burst_lost`), neither compared nor in the figures. Speculation's
         working set (the draft's weights and caches, the verification's wider activations) pushes
         the target's out of the caches, and plain steps run slow until it is back: at batch 32,
@@ -432,31 +394,15 @@ class SpeculationGate:
         1 and 8, whose caches fit, no difference). Compared so, plain decoding's four-step bursts
         measured level with speculation, which costs 15-30% more a token there, and a gate that
         had speculation won it from the opening bursts kept it for eight runs out of eight
-        (1.5-1.9 s a run against plain decoding's 1.2-1.4); and plain steps right after a burst
-        of speculation made that burst look cheaper than it was."""
+        (speculating, a 128-token run took 1.79-1.85 s against plain decoding's 1.41-1.61 in one
+        process, alternating); and plain steps right after a burst of speculation made that
+        burst look cheaper than it was."""
         key = self.regime(batch_size, sampled)
         st = self._schedules.get(key)
         if st is not None and speculated != st.speculate:
             st.lost_by = None  # the losing mode measured anew: its burst's verdict sets it again
         cold = not speculated and st is not None and st.steps - st.last_spec <= self.COLD
-        sums = self._sums.setdefault((*key, speculated), [0.0, 0.0, 0])
-        if sums[1] > 0:
-            if sums[2] == 1 and not cold and sums[0] / sums[1] > self.CLIP * seconds / max(num_tokens, 1):
-                sums[0] = self.CLIP * seconds / max(num_tokens, 1) * sums[1]  # the first step, clipped by the second
-            seconds = min(seconds, self.CLIP * sums[0] / sums[1] * max(num_tokens, 1))
-        if not cold:
-            sums[0] = sums[0] * self.DECAY + seconds
-            sums[1] = sums[1] * self.DECAY + num_tokens
-            sums[2] += 1
-        if key not in self._recent:
-            self._recent[key] = deque(maxlen=2 * self.BURST + self.COLD)
-        self._recent[key].append((speculated, seconds, num_tokens, st.steps if st else 0, cold))
+        self.figures.observe(key, speculated, seconds, num_tokens, st.steps if st else 0, cold)
 
     def seconds_per_token(self, batch_size: int, speculated: bool, sampled: bool = False) -> float | None:
-        sums = self._sums.get((*self.regime(batch_size, sampled), speculated))
-        return sums[0] / sums[1] if sums and sums[1] > 0 else None
-
-
-def _per_token(steps: list) -> float:
-    """Seconds per token over measured steps (`SpeculationGate._recent`'s)."""
-    return sum(x[1] for x in steps) / max(sum(x[2] for x in steps), 1)
+        return self.figures.seconds_per_token(self.regime(batch_size, sampled), speculated)

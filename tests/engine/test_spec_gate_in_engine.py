@@ -119,6 +119,6 @@ def test_a_new_regimes_first_switch_to_speculation_is_priced(target, useless_dra
     spec.propose = lambda seqs, ks: proposed.append(spec._decode_run) or real_propose(seqs, ks)
     llm.generate([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert proposed and min(proposed) >= Speculator.WARMUP_STEPS  # nothing drafted before the gate measured
-    switch = spec.gate._switch.get(spec.gate.regime(1, False))
+    switch = spec.gate.figures.switch(spec.gate.regime(1, False))
     assert switch is not None and switch >= 0.0
     assert_all_free(llm)
