@@ -4,40 +4,38 @@ shared and noisy: compare the ratios, not the absolute rates).
     python benchmarks/spec_decode.py [--quick]
 
 Every configuration (plain decoding; the draft-model proposer at fixed k = 4, fixed k = 2 and
-adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temperature 1 also
-the rejection sampler beside the default coupled verifier) generates --max-tokens tokens per
-prompt (ignore_eos, so every run emits the same number) for batches of 1, 8 and 32 prompts,
-greedy and at temperature 1. The prompts are 64–128-token cuts of this repository's own engine/
-and kernels/ sources, which the demo models never saw. Each configuration's engine lives in a
-process of its own, as a served engine does (with every engine in one process, the same plain
-configuration built first, second and third ran its steps 1-6% faster the earlier it was built,
-so the methods built after plain were measured slower than they are); a second plain engine in
-a process of its own is measured like a method, as a control: how far two processes running the
-same configuration differ. Every configuration runs with the tuned
-options (--graph-capture, --threads); a "newcomer" pair (README's `LLM("models/demo",
-draft_model="models/demo-draft", num_speculative_tokens=4)` and plain `LLM("models/demo")`, default
-options, default torch threads) is measured beside them at batch 1.
+adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temperature 1 also the
+rejection sampler beside the default coupled verifier) generates --max-tokens tokens per prompt
+(ignore_eos, so every run emits the same number) for batches of 1, 8 and 32 prompts, greedy and at
+temperature 1. The prompts are 64–128-token cuts of this repository's own engine/ and kernels/
+sources, which the demo models never saw. Each configuration's engine lives in a process of its own,
+as a served engine does (with every engine in one process, the same plain configuration built first,
+second and third ran its steps 1-6% faster the earlier it was built, so the methods built after
+plain were measured slower than they are); a second plain engine in a process of its own is measured
+like a method, as a control: how far two processes running the same configuration differ. Every
+configuration runs with the tuned options (--graph-capture, --threads); a "newcomer" pair (README's
+`LLM("models/demo", draft_model="models/demo-draft", num_speculative_tokens=4)` and plain
+`LLM("models/demo")`, default options, default torch threads) is measured beside them at batch 1.
 
 Every engine first runs each case once, whole (its warm-up: a fresh engine's one-time costs, the
 adaptive gate's opening bursts among them, reported apart as first runs). Then per configuration,
-over --runs repeats interleaved across configurations (the order reverses
-every repeat), each configuration's run between two plain runs (B m1 B m2 B …: the host drifts
-over seconds, so a speedup divides by the plain runs right beside the method's): tokens/s, and
-that speedup, as min / median / max, for the whole run and for its decode phase (after every
-prompt's first token: what speculation can speed, and what the ideal speedup below models; the
-prefill is the same work either way); and a speculative method's run, between two runs of its
-own engine with its speculator set aside (B O m O B), its speedup against those: one process,
-so none of what separates two processes of one configuration (`process_spread.py`, up to 10%
-at batch 32 on the Xeon); plain's own row gives, in the speedup column, one plain run
-against the plain run before it, one configuration's run apart (an A/A control: what the host's
-drift alone does to a ratio); the acceptance rate α, the mean accepted length (tokens per verification
-step), the mean depth k, the draft/target step-cost ratio c (one draft forward against one
-target forward at the same batch size, timed around `ModelRunner.execute`), the ideal speedup
-(1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's measured speedup as a share of it.
-Greedy outputs with and without speculation, and coupled-verifier outputs at temperature 1 with and without,
-are compared token for token. Prints the Markdown it writes to BENCHMARKS.md, with the command
-(`spec_decode_report.py` makes it, with the goals and the plot); JSON and a PNG under
-benchmarks/results/.
+over --runs repeats interleaved across configurations (the order reverses every repeat), each
+configuration's run between two plain runs (B m1 B m2 B …: the host drifts over seconds, so a
+speedup divides by the plain runs right beside the method's): tokens/s, and that speedup, as min /
+median / max, for the whole run and for its decode phase (after every prompt's first token: what
+speculation can speed, and what the ideal speedup below models; the prefill is the same work either
+way); and a speculative method's run, between two runs of its own engine with its speculator set
+aside (B O m O B), its speedup against those: one process, so none of what separates two processes
+of one configuration (`process_spread.py`, up to 10% at batch 32 on the Xeon); plain's own row
+gives, in the speedup column, one plain run against the plain run before it, one configuration's
+runs apart (an A/A control: what the host's drift alone does to a ratio); the acceptance rate α, the
+mean accepted length (tokens per verification step), the mean depth k, the draft/target step-cost
+ratio c (one draft forward against one target forward at the same batch size, timed around
+`ModelRunner.execute`), the ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's
+measured speedup as a share of it. Greedy outputs with and without speculation, and coupled-verifier
+outputs at temperature 1 with and without, are compared token for token. Prints the Markdown it
+writes to BENCHMARKS.md, with the command (`spec_decode_report.py` makes it, with the goals and the
+plot); JSON and a PNG under benchmarks/results/.
 """
 from __future__ import annotations
 
