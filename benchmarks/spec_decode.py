@@ -79,9 +79,13 @@ class Method:
     is_control: bool = False  # plain decoding measured like a method: another process's plain engine
 
     @property
+    def speculates(self) -> bool:
+        return "num_speculative_tokens" in self.options
+
+    @property
     def is_plain(self) -> bool:
         """A baseline: the plain engine the methods' runs are divided by."""
-        return "num_speculative_tokens" not in self.options and not self.is_control
+        return not self.speculates and not self.is_control
 
     @property
     def uses_draft(self) -> bool:
@@ -333,16 +337,15 @@ def _paired(order: list[Method], run):
             last_of.pop(b.name, None)  # not adjacent: no A/A pair across other engines' runs
             before = baseline(b)
             yield b, before
-        own = m.options.get("num_speculative_tokens") is not None  # a speculative engine: its own plain runs too
-        own_before = run(m, own_plain=True) if own else None
+        own_before = run(m, own_plain=True) if m.speculates else None
         r = run(m)
-        own_after = run(m, own_plain=True) if own else None
+        own_after = run(m, own_plain=True) if m.speculates else None
         after = baseline(b)
         r["baseline_seconds"] = (before["seconds"] + after["seconds"]) / 2
         if "decode_seconds" in r:  # per decode-phase token: the phases' token counts may differ by a step's
             r["baseline_decode_spt"] = (decode_spt(before) + decode_spt(after)) / 2
         r["baseline_token_ids"] = after["token_ids"]
-        if own:
+        if m.speculates:
             r["own_plain_seconds"] = (own_before["seconds"] + own_after["seconds"]) / 2
             if "decode_seconds" in r:
                 r["own_plain_decode_spt"] = (decode_spt(own_before) + decode_spt(own_after)) / 2

@@ -144,7 +144,7 @@ class SpeculationGate:
             # pair (Intel Xeon, scratch traces), where the opening bursts measured within 2% of
             # each other, speculating cost 1.8 s a 128-token run against plain decoding's 1.4-1.6.
             winner = spec_cost * (1 + self.KEEP_MARGIN) < plain
-            st.lost_by = plain / spec_cost - 1 if winner else spec_cost / plain - 1
+            st.lost_by = self._lost_by(costs, winner)
             return self._decide(st, winner, n, batch_size, sampled)
         moves = self._challenger_wins(st, costs)
         if n < st.next_burst:
@@ -207,7 +207,7 @@ class SpeculationGate:
         if other <= running * (1 + self.FAR_BEHIND):
             return False
         self.figures.adopt(key, not st.speculate, burst)
-        st.far_behind, st.lost_by = True, other / running - 1
+        st.far_behind, st.lost_by = True, self._lost_by((spec, plain), st.speculate)
         return True
 
     def _predicted(self, batch_size: int, sampled: bool) -> bool:
@@ -242,6 +242,13 @@ class SpeculationGate:
             return False
         st.due = n if st.due is None else st.due
         return n - st.due < st.period
+
+    @staticmethod
+    def _lost_by(costs: tuple[float, float], speculation_wins: bool) -> float:
+        """How much dearer a token the losing mode is than the winner, as a share of the winner's
+        (below 0 where it lost on KEEP_MARGIN alone)."""
+        spec, plain = costs
+        return (plain / spec if speculation_wins else spec / plain) - 1
 
     @staticmethod
     def _gap(costs: tuple[float, float]) -> float:
@@ -280,10 +287,9 @@ class SpeculationGate:
         if not burst or not after:
             return moves
         self.figures.adopt(key, other, burst)
-        spec, plain = self._compared(st, batch_size, sampled, burst, after)
-        running, challenger = (spec, plain) if st.speculate else (plain, spec)
-        wins = challenger * (1 + self.KEEP_MARGIN) < running
-        st.lost_by = running / challenger - 1 if wins else challenger / running - 1
+        costs = self._compared(st, batch_size, sampled, burst, after)
+        wins = self._challenger_wins(st, costs)
+        st.lost_by = self._lost_by(costs, st.speculate != wins)
         return wins
 
     def _compared(self, st: _Schedule, batch_size: int, sampled: bool, burst: list, running: list) -> tuple[float, float]:
