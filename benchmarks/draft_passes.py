@@ -7,7 +7,8 @@ Engines on the demo pair with the draft at fixed depth k = 4 (with --adaptive, a
 to 4) and the tuned options (`graph_capture="compile"`, one torch thread), differing only in how
 the draft's passes run: "native", the default (a batch drafting to one depth runs its passes as
 one call of `pdserve::draft_passes`, `native_forward.NativePasses`, the catch-up pass included once it is
-one or two tokens, as after every verification; greedy and temperature-only sampled batches);
+one or two tokens, as after every verification; greedy and temperature-only sampled batches; since
+the fused step, a greedy batch's passes and verification as one call, `fused_step.GreedySpecStep`);
 "graphs" (the same passes at once through the model's own code, one compiled graph per pass:
 `DraftPasses(native=False)`, the default before the native call); "catch-up apart"
 (`proposer.catch_up_at_once = False`: the catch-up pass through `execute` and the sampler, the
@@ -59,6 +60,7 @@ def build(model: str, draft: str, capture: str, num_kv_blocks: int, adaptive: bo
                                     native=False)
         graphs.warm_up_draft_passes()
     llms["catch-up apart"].engine.speculator.proposer.catch_up_at_once = False  # the catch-up through `execute`
+    llms["catch-up apart"].engine.fused_step = None  # its greedy steps too (graphs and pass by pass: never fused)
     llms["pass by pass"].engine.draft_runner.passes = None  # every pass through `execute` and the sampler
     return llms
 

@@ -26,6 +26,8 @@ from pdserve.engine.sampler import Sampler, stack_rows
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.spec_decode.fused_step import GreedySpecStep
+from pdserve.engine.spec_decode.rejection_sampler import verify_greedy
 from pdserve.engine.spec_decode.speculator import Proposal, StepShape, build_speculator
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import native, select_ops
@@ -64,6 +66,8 @@ class LLMEngine:
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = build_speculator(config, self.sampler, self.draft_runner,
                                            warm_up=self.capture == "compile")
+        # a greedy speculative step's drafts and verification in one native call (None: never)
+        self.fused_step = GreedySpecStep.of(self.runner, self.draft_runner) if self.speculator else None
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
@@ -238,7 +242,10 @@ class LLMEngine:
         sched = self._schedule()
         if sched.is_empty:
             return []
-        batch, proposals = self._prepare(sched)
+        batch = self._prepare(sched)
+        if self._speculate and self.fused_step is not None and self.fused_step.covers(batch):
+            return self._verify_fused(batch)
+        proposals = self._propose(batch)
         logits = self._run(batch)
         return self._postprocess(batch, logits, proposals)
 
@@ -251,11 +258,11 @@ class LLMEngine:
                                  self.max_model_len)
         return self.scheduler.schedule(self._lookahead)
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[list[BatchEntry], dict[int, Proposal]]:
+    def _prepare(self, sched: SchedulerOutput) -> list[BatchEntry]:
         batch = [BatchEntry(s.seq, s.num_new_tokens, int(s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens))
                  for s in sched.scheduled]
         self._shape = StepShape.of(batch)  # before proposals grow the entries
-        return batch, self._propose(batch)
+        return batch
 
     def _run(self, batch: list[BatchEntry]):
         """The target's forward pass over the flat batch (prefill-only sequences' K/V to
@@ -329,6 +336,25 @@ class LLMEngine:
             self.speculator.rollback(seq, seq.num_tokens, len(tokens) - 1)
             self._record_logprobs(seq, raw[:len(tokens)], tokens)
             outputs.append(self.append_tokens(seq, tokens))
+        return outputs
+
+    def _verify_fused(self, batch: list[BatchEntry]) -> list[RequestOutput]:
+        """The step's drafts and verification as one native call (`fused_step.GreedySpecStep`:
+        every entry a greedy decode with lookahead slots), then what `_postprocess` and
+        `_verify` do for such a batch: each sequence keeps its drafts while they match the
+        target's picks, then one pick more."""
+        self.forward_started_at = time.perf_counter()
+        drafts, picks, draft_seconds, target_seconds = self.fused_step(batch)
+        self.runner.last_pass = (sum(e.num_new_tokens for e in batch), target_seconds)
+        seqs = [e.seq for e in batch]
+        tokens = [verify_greedy(p, d) for p, d in zip(picks, drafts)]
+        self.speculator.record_fused(seqs, [len(d) for d in drafts], tokens, draft_seconds)
+        outputs = []
+        for seq, toks in zip(seqs, tokens):
+            self.speculator.rollback(seq, seq.num_tokens, len(toks) - 1)
+            outputs.append(self.append_tokens(seq, toks))
+            if not seq.is_finished:
+                self.block_manager.truncate(seq, seq.num_tokens)  # unused lookahead slots
         return outputs
 
     def _record_logprobs(self, seq: Sequence, logits, tokens: list[int]) -> None:

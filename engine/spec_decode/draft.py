@@ -136,9 +136,13 @@ class DraftProposer:
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
             if noise is not None and races is not None and not first and self.noise_stream == rng.SAMPLE_STREAM:
                 noise[i] = races[:ks[i], row]
-        if self.cost is not None:
-            self.cost.observe(len(active), (time.perf_counter() - start) / num_passes, count=num_passes)
+        self.observe_passes(len(active), time.perf_counter() - start, num_passes)
         return True
+
+    def observe_passes(self, num_seqs: int, seconds: float, num_passes: int) -> None:
+        """num_passes passes of num_seqs sequences at once took `seconds`: the cost line's points."""
+        if self.cost is not None:
+            self.cost.observe(num_seqs, seconds / num_passes, count=num_passes)
 
     def _run(self, entries: list[BatchEntry], seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
         """One draft forward: the picked tokens and, when kept, their distributions q

@@ -173,11 +173,23 @@ class Speculator:
         """rows[b]: the target's logits [k_b + 1, vocab_size] at seqs[b]'s last token and each
         draft token. Each sequence's emitted tokens: accepted drafts, then one more."""
         tokens = self.verifier.verify(seqs, proposals, rows)
-        for seq, prop, out in zip(seqs, proposals, tokens):
-            self.stats.record(len(prop.token_ids), len(out) - 1)
-            if self.depth.adaptive:
-                self.depth.record(seq.req_id, len(prop.token_ids), len(out) - 1, not seq.params.is_greedy)
+        self._record(seqs, [len(p.token_ids) for p in proposals], tokens)
         return tokens
+
+    def record_fused(self, seqs: list[Sequence], ks: list[int], tokens: list[list[int]], draft_seconds: float) -> None:
+        """A fused step's (`fused_step.GreedySpecStep`) drafts and verification, booked as
+        `propose` and `verify` book theirs: ks[b] drafts of seqs[b], tokens[b] emitted, the
+        draft's passes (to the deepest k) in draft_seconds."""
+        self._propose_seconds += draft_seconds
+        self._speculated = True
+        self.proposer.observe_passes(len(seqs), draft_seconds, max(ks))
+        self._record(seqs, ks, tokens)
+
+    def _record(self, seqs: list[Sequence], ks: list[int], tokens: list[list[int]]) -> None:
+        for seq, k, out in zip(seqs, ks, tokens):
+            self.stats.record(k, len(out) - 1)
+            if self.depth.adaptive:
+                self.depth.record(seq.req_id, k, len(out) - 1, not seq.params.is_greedy)
 
     def rollback(self, seq: Sequence, num_tokens_before: int, num_accepted: int) -> None:
         """Only the K/V of the last token and the accepted drafts stay valid, in both caches."""

@@ -6,9 +6,7 @@
 // A draft's passes run the same layers in draft_passes.cpp.
 #include <torch/library.h>
 
-#include <algorithm>
-
-#include "decoder.h"  // Decoder, Scratch, row_blocks, rms_norm
+#include "decoder.h"  // Decoder, Scratch
 
 namespace {
 
@@ -46,17 +44,8 @@ at::Tensor decoder_forward(const at::Tensor& input_ids, const at::Tensor& positi
   const int64_t* idp = ids.data_ptr<int64_t>();
   const at::Tensor res = at::empty({rows, hidden}, f32);
   const Scratch scratch = d.scratch(rows, f32);
-  float* rp = res.data_ptr<float>();
-  const float* emb = weights[0].data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(idp[r] >= 0 && idp[r] < d.vocab, "decoder_forward: token ", idp[r], " out of range");
-    std::copy(emb + idp[r] * hidden, emb + (idp[r] + 1) * hidden, rp + r * hidden);
-  }
-  d.layers(rp, rows, pos.data_ptr<int64_t>(), slot_mapping, block_ids, context_lens, query_starts, scratch);
-  float* out = scratch.normed.data_ptr<float>();
-  row_blocks(rows, [&](int64_t b, int64_t e) {
-    rms_norm(rp + b * hidden, weights[1].data_ptr<float>(), d.eps, e - b, hidden, out + b * hidden);
-  });
+  d.forward("decoder_forward", idp, rows, res.data_ptr<float>(), pos.data_ptr<int64_t>(), slot_mapping, block_ids,
+            context_lens, query_starts, scratch);
   return scratch.normed;  // the call's own buffer: the layers are done with it
 }
 

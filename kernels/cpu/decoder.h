@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "attention_vectors.h"  // exp_nonpositive, exp_lanes_nonpositive, the lane types
@@ -242,6 +243,24 @@ struct Decoder {
       pdserve_native::linear_rows(ap, rows, w[8], bias(w[9]), hidden, op);
       add_out();
     }
+  }
+
+  // Rows' tokens `ids` (each checked against the vocabulary, refused in op's name) embedded into
+  // `res` [rows, hidden], through every layer (`layers`' arguments), then the final norm: the
+  // normed rows in s.normed [rows, hidden]. decoder_forward's step, greedy_spec_step's verification.
+  void forward(const char* op, const int64_t* ids, int64_t rows, float* res, const int64_t* pos,
+               const at::Tensor& slots, const at::Tensor& block_ids, const at::Tensor& lens, const at::Tensor& starts,
+               const Scratch& s) const {
+    const float* emb = weights[0].data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(ids[r] >= 0 && ids[r] < vocab, op, ": token ", ids[r], " out of range");
+      std::copy(emb + ids[r] * hidden, emb + (ids[r] + 1) * hidden, res + r * hidden);
+    }
+    layers(res, rows, pos, slots, block_ids, lens, starts, s);
+    float* out = s.normed.data_ptr<float>();
+    row_blocks(rows, [&](int64_t b, int64_t e) {
+      rms_norm(res + b * hidden, weights[1].data_ptr<float>(), eps, e - b, hidden, out + b * hidden);
+    });
   }
 };
 

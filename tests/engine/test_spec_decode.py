@@ -82,6 +82,7 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, path):
                    graph_capture=graph_capture, cpu_linear="auto" if path == "native" else "torch")
     at_once, one_by_one = LLM(target, **options), LLM(target, **options)
     one_by_one.engine.draft_runner.passes = None
+    at_once.engine.fused_step = None  # greedy batches' passes too through draft_passes (the fused step: test_fused_step.py)
     runner, calls = at_once.engine.draft_runner, []
     assert (runner.passes.native is not None) == (path == "native" and torch.ops.pdserve.linear_packed_available())
     if runner.passes.native is not None:

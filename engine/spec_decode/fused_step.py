@@ -1,0 +1,103 @@
+"""A greedy speculative decode step's native work as one call, `pdserve::greedy_spec_step`
+(`kernels/cpu/draft_passes.cpp`): the draft's passes, then the target's verification of every
+sequence's drafts, with the target's argmax at each verified row. The engine's own path runs the
+same ops with Python between them: the draft's state built and its picks read back
+(`DraftProposer`), the verification's inputs built (`step_inputs`), its final norm's output scored
+by a third op, the logits split and argmaxed (`verifier`). At batch 1 on the demo pair that
+Python took about a fifth of a speculative step, and the draft's passes left it slower still (a
+step's small Python calls run slowly right after a forward has streamed weights through the
+caches). Here the engine builds one state, reads back the drafts and the picks, and matches them
+(`verify_greedy`); its bookkeeping is the same as on its own path (`LLMEngine._verify_fused`).
+
+Used for a step whose every sequence decodes greedily with at least one draft, no penalties and
+no log-probs, its draft at most two tokens behind (what `DraftProposer`'s passes at once take,
+as after every verification), on a draft whose passes run natively (`DraftPasses.native`) and a target
+whose forward does (`NativeForward`, its lm_head packed). Other steps take the engine's path.
+The tokens are the same either way: the same ops over the same rows (tested against that path).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.engine.model_runner import BatchEntry, ModelRunner
+from pdserve.engine.native_forward import NativePasses, native_weights
+from pdserve.engine.penalties import has_penalties
+
+
+class GreedySpecStep:
+    """`pdserve::greedy_spec_step` over a target's and a draft's runners (`of`); `covers` says
+    whether a step can take it, calling it runs the step's drafts and verification."""
+
+    def __init__(self, runner: ModelRunner, draft_runner: ModelRunner, weights: list[torch.Tensor]):
+        self.draft_runner = draft_runner
+        self.weights = weights  # the target's, with its lm_head
+        target = runner.native_forward
+        self.target = (target.caches, target.cos, target.sin, *target.shape)
+        self.block_size = runner.block_size
+
+    @classmethod
+    def of(cls, runner: ModelRunner, draft_runner: ModelRunner | None) -> GreedySpecStep | None:
+        """The fused step for this pair, or None where it cannot run: no draft, either model not
+        run natively, the target's lm_head not packed (a tied one would need a packed copy), or
+        the two caches in different block sizes."""
+        from pdserve.engine.model.llama import PackedLinear
+
+        if (draft_runner is None or runner.native_forward is None or _native_passes(draft_runner) is None
+                or not isinstance(runner.model.lm_head, PackedLinear) or runner.block_size != draft_runner.block_size):
+            return None
+        weights = native_weights(runner.model, runner.kv_caches, "greedy_spec_step", with_head=True)
+        return None if weights is None else cls(runner, draft_runner, weights)
+
+    def covers(self, batch: list[BatchEntry]) -> bool:
+        """Whether every entry is a greedy decode given lookahead slots for at least one draft,
+        with no penalties or log-probs, its draft one or two tokens behind, its block table
+        reaching every slot the step writes (its verification's, and its draft's passes' to the
+        batch's deepest k, as `ModelRunner.can_draft_passes` asks); and the draft's passes still
+        native (a benchmark may swap them)."""
+        if _native_passes(self.draft_runner) is None:
+            return False
+        bs, deepest = self.block_size, max(e.num_new_tokens for e in batch) - 1
+        for e in batch:
+            seq, k = e.seq, e.num_new_tokens - 1
+            p = seq.params
+            if (k < 1 or seq.num_uncomputed_tokens != 1 or not p.is_greedy or p.logprobs is not None
+                    or has_penalties(seq) or seq.is_prefill_only or seq.num_tokens < 2
+                    or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2
+                    # the last slot written: the verification's, or the draft's passes' to the deepest
+                    or (seq.num_tokens - 1 + max(k, deepest - 1)) // bs >= len(seq.block_table)):
+                return False
+        return True
+
+    def __call__(self, batch: list[BatchEntry]) -> tuple[list[list[int]], list[list[int]], float, float]:
+        """Per entry (k = num_new_tokens - 1 drafts): its k drafts and the target's picks at its
+        last token and each draft (k + 1); then the seconds of the draft's passes and of the
+        verification. The draft's passes run to the deepest k, as `DraftProposer`'s do, and
+        each sequence's draft cache is marked computed to match."""
+        seqs, ks = [e.seq for e in batch], [e.num_new_tokens - 1 for e in batch]
+        deepest = max(ks)
+        width = max(s.num_tokens - 1 + max(k, deepest - 1) for s, k in zip(seqs, ks)) // self.block_size + 1
+        state = np.zeros((len(seqs), 3 + width), dtype=np.int64)  # draft_passes' catch-up state
+        for row, seq in zip(state, seqs):
+            row[0:2] = seq.last_token_ids(2)
+            row[2] = seq.num_tokens - 1
+            table = seq.block_table[:width]
+            row[3:3 + len(table)] = table
+        draft = _native_passes(self.draft_runner)
+        drafts, picks, seconds = torch.ops.pdserve.greedy_spec_step(
+            torch.from_numpy(state), torch.tensor(ks), draft.weights, draft.caches, draft.cos, draft.sin,
+            *draft.shape, self.weights, *self.target)
+        drafts, picks = drafts.tolist(), picks.tolist()
+        out_drafts, out_picks, row = [], [], 0
+        for seq, k, d in zip(seqs, ks, drafts):
+            out_drafts.append(d[:k])
+            out_picks.append(picks[row:row + k + 1])
+            row += k + 1
+            seq.num_draft_computed_tokens = seq.num_tokens + deepest - 1
+        draft_seconds, target_seconds = seconds.tolist()
+        return out_drafts, out_picks, draft_seconds, target_seconds
+
+
+def _native_passes(draft_runner: ModelRunner) -> NativePasses | None:
+    """The draft's passes as one native call (`DraftPasses.native`), when that is how they run."""
+    return getattr(draft_runner.passes, "native", None)

@@ -1,0 +1,208 @@
+"""A greedy speculative step as one native call (`fused_step.GreedySpecStep`,
+`pdserve::greedy_spec_step`): the same drafts, picks and K/V as the engine's own path (the draft's
+passes, then the verification through `execute`), the same tokens and acceptance in whole runs,
+at fixed and adaptive depth, alone and in batches of mixed depths; steps it cannot take (sampled,
+penalized, log-probs) take the engine's path; malformed calls are refused with the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_runner import BatchEntry
+from pdserve.engine.spec_decode.fused_step import GreedySpecStep
+from pdserve.kernels import native
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10, [7, 9], list(range(150, 60, -3))]
+
+pytestmark = pytest.mark.skipif(not (native.load() and torch.ops.pdserve.linear_packed_available()),
+                                reason="the native CPU ops with packed projections (AVX2 with FMA) are needed")
+
+
+@pytest.fixture(scope="module")
+def target(checkpoint):
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def drafts(checkpoint, target):
+    """A draft that agrees with the target at times (a smaller model), and the target itself."""
+    return {"small": checkpoint("llama", seed=7, num_hidden_layers=1, hidden_size=32, intermediate_size=64),
+            "target": target}
+
+
+def _counted(llm: LLM) -> list[int]:
+    """The fused step's calls on llm, as each call's sequence count."""
+    fused, calls = llm.engine.fused_step, []
+    assert isinstance(fused, GreedySpecStep)
+
+    class Counted:
+        def covers(self, batch):
+            return fused.covers(batch)
+
+        def __call__(self, batch):
+            calls.append(len(batch))
+            return fused(batch)
+    llm.engine.fused_step = Counted()
+    return calls
+
+
+def _assert_all_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+
+
+@pytest.mark.parametrize("draft", ["small", "target"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_fused_steps_emit_what_the_engine_path_emits(target, drafts, draft, adaptive):
+    """Whole greedy runs, one request and a batch of five: the same tokens as plain decoding and
+    as the same engine with the fused step set aside, the same drafts accepted, no block leaked."""
+    options = dict(draft_model=drafts[draft], num_speculative_tokens=4, spec_adaptive=adaptive)
+    fused, apart = LLM(target, **options), LLM(target, **options)
+    apart.engine.fused_step = None
+    calls = _counted(fused)
+    plain = LLM(target)
+    for prompts in (PROMPTS[1:2], PROMPTS):
+        expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+        assert [o.token_ids for o in fused.generate(prompts, GREEDY)] == expected
+        assert [o.token_ids for o in apart.generate(prompts, GREEDY)] == expected
+    mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
+    assert calls  # the fused step ran (an adaptive gate may keep a useless draft's batches plain)
+    assert adaptive or max(calls) == len(PROMPTS)
+    if not adaptive:  # the gate's timings differ between the engines: its choices may too
+        assert (mine.num_drafts, mine.num_draft_tokens, mine.num_accepted_tokens, mine.accepted_per_pos) == \
+            (theirs.num_drafts, theirs.num_draft_tokens, theirs.num_accepted_tokens, theirs.accepted_per_pos)
+    if draft == "target":
+        assert mine.acceptance_rate > 0.9
+    _assert_all_free(fused)
+
+
+def test_mixed_depths_take_the_fused_step(target, drafts):
+    """Sequences planned to different depths: the draft's passes run to the deepest, each
+    sequence verifies its own depth's drafts; the same tokens and acceptance as the engine's path."""
+    def mixed(llm: LLM) -> None:  # depths 1-4 by prompt, at most each one's room
+        spec = llm.engine.speculator
+
+        def plan(seqs, max_model_len):
+            spec._ks = {s.req_id: min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
+                                      s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
+        spec.plan = plan
+
+    options = dict(draft_model=drafts["small"], num_speculative_tokens=4, spec_adaptive=False)
+    fused, apart = LLM(target, **options), LLM(target, **options)
+    apart.engine.fused_step = None
+    mixed(fused)
+    mixed(apart)
+    calls = _counted(fused)
+    assert [o.token_ids for o in fused.generate(PROMPTS, GREEDY)] == [o.token_ids for o in apart.generate(PROMPTS, GREEDY)]
+    mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
+    assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
+    assert len(PROMPTS) in calls
+    _assert_all_free(fused)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0, logprobs=2, max_tokens=16, ignore_eos=True),
+], ids=["sampled", "penalized", "logprobs"])
+def test_steps_the_fused_step_cannot_take_take_the_engine_path(target, drafts, params):
+    """A sampled, penalized or log-prob request, alone or beside greedy ones: never a fused
+    step while it runs, and the same output as with the fused step set aside."""
+    options = dict(draft_model=drafts["small"], num_speculative_tokens=3, spec_adaptive=False)
+    fused, apart = LLM(target, **options), LLM(target, **options)
+    apart.engine.fused_step = None
+    calls = _counted(fused)
+    mixed = [params, GREEDY, GREEDY]
+    for prompts, ps in ((PROMPTS[:1], params), (PROMPTS[:3], mixed)):
+        mine, theirs = fused.generate(prompts, ps), apart.generate(prompts, ps)
+        assert [o.token_ids for o in mine] == [o.token_ids for o in theirs]
+        assert [o.logprobs for o in mine] == [o.logprobs for o in theirs]
+    # the greedy requests of the mixed batch outlive the other (max_tokens 24 against 16): fused then
+    assert calls and max(calls) <= 2
+    assert fused.engine.speculator.stats.num_draft_tokens > 0
+    _assert_all_free(fused)
+
+
+def _prefilled_pair(target, draft):
+    """An engine on the pair, and three sequences (next positions mid-block, at a block's start,
+    early) whose prompts are in both caches but their last token, with a second-to-last token new
+    to the draft (as after a verification that accepted everything), and blocks for four drafts."""
+    llm = LLM(target, draft_model=draft, num_speculative_tokens=4, spec_adaptive=False, block_size=16)
+    eng = llm.engine
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    for i, n in enumerate((37, 17, 6)):
+        ids = torch.randint(0, eng.runner.cfg.vocab_size, (n,), generator=gen).tolist()
+        seq = eng.make_sequence(f"s{i}", ids, GREEDY)
+        assert eng.block_manager.allocate(seq, n + 4)
+        seqs.append(seq)
+    with torch.inference_mode():
+        for runner in (eng.runner, eng.draft_runner):
+            runner.execute([BatchEntry(s, s.num_tokens - 1, 1, start=0) for s in seqs])
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+        s.num_draft_computed_tokens = s.num_tokens - 2
+    return llm, seqs
+
+
+def test_the_fused_call_gives_the_engine_paths_drafts_picks_and_kv(target, drafts):
+    llm, seqs = _prefilled_pair(target, drafts["small"])
+    eng = llm.engine
+    runners = (eng.runner, eng.draft_runner)
+    saved = [[(k.clone(), v.clone()) for k, v in r.kv_caches] for r in runners]
+    ks = [4, 1, 3]
+    batch = [BatchEntry(s, k + 1, k + 1) for s, k in zip(seqs, ks)]
+    assert eng.fused_step.covers(batch)
+    positions = [s.num_tokens - 1 for s in seqs]
+    drafts_, picks, draft_s, target_s = eng.fused_step(batch)
+    assert [len(d) for d in drafts_] == ks and [len(p) for p in picks] == [k + 1 for k in ks]
+    assert draft_s > 0 and target_s > 0
+    assert all(s.num_draft_computed_tokens == s.num_tokens + 3 for s in seqs)  # to the deepest: 4 passes
+    fused_kv = [[(k.clone(), v.clone()) for k, v in r.kv_caches] for r in runners]
+    for r, cache in zip(runners, saved):  # the engine's path from the same caches
+        for (k, v), (k0, v0) in zip(r.kv_caches, cache):
+            k.copy_(k0), v.copy_(v0)
+    with torch.inference_mode():
+        theirs = eng.draft_runner.draft_passes(seqs, [s.token_ids[-1] for s in seqs], positions, 4,
+                                               previous_ids=[s.token_ids[-2] for s in seqs])
+        assert [t[:k] for t, k in zip(theirs, ks)] == drafts_
+        entries = [BatchEntry(s, k + 1, k + 1, extra_token_ids=d) for s, k, d in zip(seqs, ks, drafts_)]
+        logits = eng.runner.execute(entries)
+    assert logits.argmax(-1).tolist() == [p for row in picks for p in row]
+    for mine, r in zip(fused_kv, runners):
+        for (k1, v1), (k2, v2) in zip(mine, r.kv_caches):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for s in seqs:
+        eng.block_manager.free(s)
+
+
+def test_the_fused_call_refuses_malformed_calls(target, drafts):
+    llm, seqs = _prefilled_pair(target, drafts["small"])
+    eng = llm.engine
+    draft, fused = eng.draft_runner.passes.native, eng.fused_step
+    state = torch.tensor([[*s.token_ids[-2:], s.num_tokens - 1] + s.block_table for s in seqs[:1]])
+
+    def call(state, depths):
+        return torch.ops.pdserve.greedy_spec_step(state, depths, draft.weights, draft.caches, draft.cos, draft.sin,
+                                                  *draft.shape, fused.weights, *fused.target)
+    with pytest.raises(RuntimeError, match="depth 0 of sequence 0 is not at least 1"):
+        call(state, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"depths must be int64 \[1\]"):
+        call(state, torch.tensor([2, 2]))
+    with pytest.raises(RuntimeError, match="state must be int64"):
+        call(state[:, :3], torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="outside its blocks"):  # one block: positions up to 15
+        call(torch.tensor([[1, 2, 14, seqs[0].block_table[0]]]), torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="weights and .* caches do not make a model"):
+        torch.ops.pdserve.greedy_spec_step(state, torch.tensor([2]), draft.weights, draft.caches, draft.cos,
+                                           draft.sin, *draft.shape, fused.weights[:-1], *fused.target)
+    for s in seqs:
+        eng.block_manager.free(s)
+
+
+def test_no_fused_step_without_a_native_draft_or_target(target, drafts):
+    assert LLM(target, draft_model=drafts["small"], cpu_linear="torch").engine.fused_step is None
+    assert LLM(target, speculative_method="ngram", num_speculative_tokens=3).engine.fused_step is None
+    assert LLM(target).engine.fused_step is None
