@@ -31,7 +31,7 @@ gives, in the speedup column, one plain run against the plain run before it, one
 runs apart (an A/A control: what the host's drift alone does to a ratio); the acceptance rate α, the
 mean accepted length (tokens per verification step), the mean depth k, the draft/target step-cost
 ratio c (one draft forward against one target forward at the same batch size, timed around
-`ModelRunner.execute`), the ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's
+`ModelRunner.execute` and the draft's passes; inside a fused step, by the op's own timer), the ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's
 measured speedup as a share of it. Greedy outputs with and without speculation, and coupled-verifier
 outputs at temperature 1 with and without, are compared token for token. Prints the Markdown it
 writes to BENCHMARKS.md, with the command (`spec_decode_report.py` makes it, with the goals and the
@@ -114,7 +114,8 @@ NEWCOMER = (
 
 class ForwardTimer:
     """Wraps one runner's `execute` and records (tokens in the pass, seconds) per call; and a
-    draft's passes run at once (`draft_passes`), as that many passes of equal seconds."""
+    draft's passes run at once (`draft_passes`), as that many passes of equal seconds; for a
+    draft, with `fused`, also its passes inside the engine's fused steps (`FusedTimer`)."""
 
     def __init__(self, runner):
         self.calls: list[tuple[int, float]] = []
@@ -131,12 +132,33 @@ class ForwardTimer:
         start = time.perf_counter()
         out = self._draft_passes(seqs, token_ids, positions, num_passes, *sampling)
         if out is not None:
-            self.calls += [(len(seqs), (time.perf_counter() - start) / num_passes)] * num_passes
+            self.passes(len(seqs), time.perf_counter() - start, num_passes)
         return out
+
+    def passes(self, num_seqs: int, seconds: float, num_passes: int) -> None:
+        self.calls += [(num_seqs, seconds / num_passes)] * num_passes
 
     def median_at(self, num_tokens: int) -> float | None:
         times = [t for n, t in self.calls if n == num_tokens]
         return statistics.median(times) if times else None
+
+
+class FusedTimer:
+    """Wraps an engine's fused step (`fused_step.FusedSpecStep`): the draft's passes inside it go
+    to the draft's `ForwardTimer` at the op's own seconds (its timer around the passes), as
+    passes run at once go; c's draft figure would otherwise miss every step that fused."""
+
+    def __init__(self, fused, draft_timer: ForwardTimer):
+        self._fused, self._timer = fused, draft_timer
+
+    def covers(self, batch) -> bool:
+        return self._fused.covers(batch)
+
+    def __call__(self, batch):
+        out = self._fused(batch)
+        self._timer.passes(len(batch), out[2], max(len(d) for d in out[0]))
+        return out
+
 
 
 @dataclass(slots=True)
@@ -297,6 +319,8 @@ def serve(spec: str) -> None:
     llm, startup = build(method, setup)
     timers = (ForwardTimer(llm.engine.runner),
               ForwardTimer(llm.engine.draft_runner) if llm.engine.draft_runner else None)
+    if llm.engine.fused_step is not None:
+        llm.engine.fused_step = FusedTimer(llm.engine.fused_step, timers[1])
     reply(out, startup)
     for req in requests():
         reply(out, _timed_run(llm, timers, req["prompts"], SamplingParams(**req["params"]), method, setup,

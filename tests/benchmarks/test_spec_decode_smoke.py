@@ -181,3 +181,29 @@ def test_the_decode_phase_starts_when_every_prompt_has_its_first_token(bench):
     assert decode_tokens == 2 * (6 - 1)
     run = bench.run_once(llm, prompts, params)
     assert run["decode_tokens"] == 10 and 0 < run["decode_seconds"] < run["seconds"]
+
+
+def test_the_draft_timer_sees_the_passes_inside_fused_steps(bench):
+    """c's draft figure: a greedy speculative step fuses the draft's passes with the verification
+    (`fused_step`), and `FusedTimer` hands them to the draft's `ForwardTimer`, one entry a pass at
+    the op's own seconds; without it the figure came only from the few steps that did not fuse."""
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(str(DEMO), draft_model=str(DEMO_DRAFT), num_speculative_tokens=3, spec_adaptive=False,
+              num_kv_blocks=64)
+    fused = llm.engine.fused_step
+    assert fused is not None
+    timer, calls = bench.ForwardTimer(llm.engine.draft_runner), []
+
+    class Counted:
+        covers = fused.covers
+
+        def __call__(self, batch):
+            calls.append(len(batch))
+            return fused(batch)
+    llm.engine.fused_step = bench.FusedTimer(Counted(), timer)
+    llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert calls and all(n == 1 for n in calls)
+    fused_passes = [s for n, s in timer.calls if n == 1]
+    assert len(fused_passes) >= 3 * len(calls) and all(s > 0 for s in fused_passes)
+    assert timer.median_at(1) is not None
