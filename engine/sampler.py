@@ -99,11 +99,11 @@ class Sampler:
         native_rows = [i for i, p in enumerate(params) if p.is_greedy or p.filters_by_temperature_only]
         if len(native_rows) == len(params):
             return torch.ops.pdserve.race_rows(logits.float(), self.tensors.build(params)[0], noise)
-        picks = self.ops.sample(logits, *self.tensors.build(params), noise)
+        tensors = self.tensors.build(params)
+        picks = self.ops.sample(logits, *tensors, noise)
         if native_rows:
             index = torch.tensor(native_rows)
-            picks[index] = torch.ops.pdserve.race_rows(logits[index].float(), self.tensors.build(params)[0][index],
-                                                       noise[index])
+            picks[index] = torch.ops.pdserve.race_rows(logits[index].float(), tensors[0][index], noise[index])
         return picks
 
     @staticmethod

@@ -4,10 +4,9 @@ sequence's drafts, with the target's pick at each verified row (the argmax, or a
 race plain sampling runs, `pdserve::race_rows`, against the noise the draft raced). The engine's
 own path runs the same ops with Python between them: the draft's state built and its picks read
 back (`DraftProposer`), the verification's inputs built (`step_inputs`), its final norm's output
-scored by a third op, the logits split and picked (`verifier`). At batch 1 on the demo pair that
-Python took about a fifth of a speculative step, and the draft's passes left it slower still (a
-step's small Python calls run slowly right after a forward has streamed weights through the
-caches). Here the engine builds one state, reads back the drafts and the picks, and matches them
+scored by a third op, the logits split and picked (`verifier`). At batch 1 greedy on the demo
+pair a speculative step took 1601 µs that way and 1301 µs fused, the op's own work 1060 µs of it
+(scratch profile, one thread, Intel Xeon; BENCHMARKS.md, Speculation by revision). Here the engine builds one state, reads back the drafts and the picks, and matches them
 (`verify_greedy`'s rule, the coupled verifier's); its bookkeeping is the same as on its own
 path (`LLMEngine._verify_fused`).
 
@@ -62,10 +61,11 @@ class FusedSpecStep:
 
     def covers(self, batch: list[BatchEntry]) -> bool:
         """Whether every entry is a decode given lookahead slots for at least one draft, greedy
-        or (where this step samples) sampling by temperature alone, with no penalties or log-probs, its draft one or two tokens behind, its block table
-        reaching every slot the step writes (its verification's, and its draft's passes' to the
-        batch's deepest k, as `ModelRunner.can_draft_passes` asks); and the draft's passes still
-        native (a benchmark may swap them)."""
+        or (where this step samples) sampling by temperature alone, with no penalties or
+        log-probs, its draft one or two tokens behind, its block table reaching every slot the
+        step writes (its verification's, and its draft's passes' to the batch's deepest k, as
+        `ModelRunner.can_draft_passes` asks); and the draft's passes still native (a benchmark
+        may swap them)."""
         if _native_passes(self.draft_runner) is None:
             return False
         bs, deepest = self.block_size, max(e.num_new_tokens for e in batch) - 1
@@ -83,10 +83,10 @@ class FusedSpecStep:
 
     def __call__(self, batch: list[BatchEntry]) -> tuple[list[list[int]], list[list[int]], float, float]:
         """Per entry (k = num_new_tokens - 1 drafts): its k drafts and the target's picks at its
-        last token and each draft (k + 1), a sampled one with the noise plain sampling would draw
-        for its position; then the seconds of the draft's passes and of the
-        verification. The draft's passes run to the deepest k, as `DraftProposer`'s do, and
-        each sequence's draft cache is marked computed to match."""
+        last token and each draft (k + 1), a sampled one with the noise plain sampling would
+        draw for its position; then the seconds of the draft's passes and of the verification.
+        The draft's passes run to the deepest k, as `DraftProposer`'s do, and each sequence's
+        draft cache is marked computed to match."""
         seqs, ks = [e.seq for e in batch], [e.num_new_tokens - 1 for e in batch]
         deepest = max(ks)
         width = max(s.num_tokens - 1 + max(k, deepest - 1) for s, k in zip(seqs, ks)) // self.block_size + 1

@@ -194,13 +194,19 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& temperature, co
   const at::Tensor l = logits.contiguous(), e = noise.contiguous(), t = temperature.contiguous();
   const int64_t rows = l.size(0), vocab = l.size(1);
   at::Tensor picks = at::empty({rows}, l.options().dtype(at::kLong));
-  std::vector<float> scratch;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float temp = t.data_ptr<float>()[r];
-    const float* row = l.data_ptr<float>() + r * vocab;
-    picks.data_ptr<int64_t>()[r] =
-        temp <= 0.f ? first_max(row, vocab) : race(row, e.data_ptr<float>() + r * vocab, vocab, temp, scratch);
-  }
+  // rows split between threads only where a task has a quarter of a million logits or more (a
+  // large vocabulary): the demo's 4096 keep a batch of 32 on the calling thread
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(vocab, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     std::vector<float> scratch;
+                     for (int64_t r = begin; r < end; ++r) {
+                       const float temp = t.data_ptr<float>()[r];
+                       const float* row = l.data_ptr<float>() + r * vocab;
+                       picks.data_ptr<int64_t>()[r] =
+                           temp <= 0.f ? first_max(row, vocab)
+                                       : race(row, e.data_ptr<float>() + r * vocab, vocab, temp, scratch);
+                     }
+                   });
   return picks;
 }
 

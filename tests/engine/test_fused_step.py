@@ -276,3 +276,13 @@ def test_the_native_race_picks_what_the_reference_sampler_picks():
     assert [mixed[0], mixed[2]] == mine[1:3]
     with pytest.raises(RuntimeError, match="race_rows: logits and noise must be float32"):
         torch.ops.pdserve.race_rows(logits, t[:3], noise)
+    # a large vocabulary's rows go to several threads (two here): the same picks
+    big = torch.randn(8, 1 << 17, generator=gen) * 3
+    t8, noise8 = torch.tensor(temps[:8]), torch.empty(8, 1 << 17).exponential_(generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.pdserve.race_rows(big, t8, noise8).tolist() == \
+            sample_ref(big, t8, torch.zeros(8, dtype=torch.int64), torch.ones(8), torch.zeros(8), noise8).tolist()
+    finally:
+        torch.set_num_threads(threads)
