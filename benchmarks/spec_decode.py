@@ -31,8 +31,9 @@ gives, in the speedup column, one plain run against the plain run before it, one
 runs apart (an A/A control: what the host's drift alone does to a ratio); the acceptance rate α, the
 mean accepted length (tokens per verification step), the mean depth k, the draft/target step-cost
 ratio c (one draft forward against one target forward at the same batch size, timed around
-`ModelRunner.execute` and the draft's passes; inside a fused step, by the op's own timer), the ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's
-measured speedup as a share of it. Greedy outputs with and without speculation, and coupled-verifier
+`ModelRunner.execute` and the draft's passes; inside a fused step, by the op's own timer), the
+ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's measured speedup as a
+share of it. Greedy outputs with and without speculation, and coupled-verifier
 outputs at temperature 1 with and without, are compared token for token. Prints the Markdown it
 writes to BENCHMARKS.md, with the command (`spec_decode_report.py` makes it, with the goals and the
 plot); JSON and a PNG under benchmarks/results/.
@@ -114,8 +115,8 @@ NEWCOMER = (
 
 class ForwardTimer:
     """Wraps one runner's `execute` and records (tokens in the pass, seconds) per call; and a
-    draft's passes run at once (`draft_passes`), as that many passes of equal seconds; for a
-    draft, with `fused`, also its passes inside the engine's fused steps (`FusedTimer`)."""
+    draft's passes run at once (`draft_passes`), as that many passes of equal seconds; a draft's
+    passes inside the engine's fused steps too, where `FusedTimer` wraps the fused step."""
 
     def __init__(self, runner):
         self.calls: list[tuple[int, float]] = []
@@ -158,7 +159,6 @@ class FusedTimer:
         out = self._fused(batch)
         self._timer.passes(len(batch), out[2], max(len(d) for d in out[0]))
         return out
-
 
 
 @dataclass(slots=True)
