@@ -162,12 +162,7 @@ class ModelRunner:
             return None
         width = (max(positions) + num_passes - 1) // self.block_size + 1
         head = [token_ids, positions] if previous_ids is None else [previous_ids, token_ids, positions]
-        state = np.zeros((len(seqs), len(head) + width), dtype=np.int64)
-        for col, values in enumerate(head):
-            state[:, col] = values
-        for row, seq in zip(state, seqs):
-            table = seq.block_table[:width]
-            row[len(head):len(head) + len(table)] = table
+        state = passes_state(seqs, head, width)
         temperature = None
         if temperatures is not None:
             temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
@@ -184,6 +179,18 @@ class ModelRunner:
                                         (torch.tensor([[0, 0, 1, 0]], device=self.device), True)):
                     self.passes(state, 1, catch_up=catch_up)
                     self.passes(state, 1, torch.ones(1, device=self.device), noise, catch_up=catch_up)
+
+
+def passes_state(seqs: list[Sequence], head: list[list[int]], width: int) -> np.ndarray:
+    """The state the native passes take (`pdserve::draft_passes`, `greedy_spec_step`): a row per
+    sequence, the `head` columns (each a value per sequence), then its first `width` block ids."""
+    state = np.zeros((len(seqs), len(head) + width), dtype=np.int64)
+    for col, values in enumerate(head):
+        state[:, col] = values
+    for row, seq in zip(state, seqs):
+        table = seq.block_table[:width]
+        row[len(head):len(head) + len(table)] = table
+    return state
 
 
 def _dummy_prefill(block_size: int) -> BatchEntry:

@@ -25,10 +25,9 @@ runs no draft, they did not), so plain decoding's bursts measured as dear as spe
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from pdserve.engine.model_runner import BatchEntry, ModelRunner
+from pdserve.engine.model_runner import BatchEntry, ModelRunner, passes_state
 from pdserve.engine.native_forward import NativePasses, native_weights
 from pdserve.engine.penalties import has_penalties
 
@@ -85,12 +84,8 @@ class GreedySpecStep:
         seqs, ks = [e.seq for e in batch], [e.num_new_tokens - 1 for e in batch]
         deepest = max(ks)
         width = max(s.num_tokens - 1 + max(k, deepest - 1) for s, k in zip(seqs, ks)) // self.block_size + 1
-        state = np.zeros((len(seqs), 3 + width), dtype=np.int64)  # draft_passes' catch-up state
-        for row, seq in zip(state, seqs):
-            row[0:2] = seq.last_token_ids(2)
-            row[2] = seq.num_tokens - 1
-            table = seq.block_table[:width]
-            row[3:3 + len(table)] = table
+        previous, last = zip(*(s.last_token_ids(2) for s in seqs))  # draft_passes' catch-up state
+        state = passes_state(seqs, [list(previous), list(last), [s.num_tokens - 1 for s in seqs]], width)
         draft = _native_passes(self.draft_runner)
         drafts, picks, seconds = torch.ops.pdserve.greedy_spec_step(
             torch.from_numpy(state), torch.tensor(ks), draft.weights, draft.caches, draft.cos, draft.sin,
