@@ -8,7 +8,8 @@ to 4) and the tuned options (`graph_capture="compile"`, one torch thread), diffe
 the draft's passes run: "native", the default (a batch drafting to one depth runs its passes as
 one call of `pdserve::draft_passes`, `native_forward.NativePasses`, the catch-up pass included once it is
 one or two tokens, as after every verification; greedy and temperature-only sampled batches; since
-the fused step, a greedy batch's passes and verification as one call, `fused_step.GreedySpecStep`);
+the fused step, a greedy or temperature-sampled batch's passes and verification as one call,
+`fused_step.FusedSpecStep`);
 "graphs" (the same passes at once through the model's own code, one compiled graph per pass:
 `DraftPasses(native=False)`, the default before the native call); "catch-up apart"
 (`proposer.catch_up_at_once = False`: the catch-up pass through `execute` and the sampler, the

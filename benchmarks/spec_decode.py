@@ -145,7 +145,7 @@ class ForwardTimer:
 
 
 class FusedTimer:
-    """Wraps an engine's fused step (`fused_step.GreedySpecStep`): the draft's passes inside it go
+    """Wraps an engine's fused step (`fused_step.FusedSpecStep`): the draft's passes inside it go
     to the draft's `ForwardTimer` at the op's own seconds (its timer around the passes), as
     passes run at once go; c's draft figure would otherwise miss every step that fused."""
 

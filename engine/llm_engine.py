@@ -2,9 +2,10 @@
 
 A step reads like the three lines it is: `schedule` (which tokens of which sequences run),
 `execute` (one forward pass over the flat batch), `postprocess` (sample, append, detokenize,
-finish). A speculative step of greedy sequences may instead run its drafts and verification as
-one native call (`_verify_fused`, `spec_decode.fused_step`) and then append and finish the same
-way. Single-threaded: callers (the offline `LLM`, a worker's loop) own the thread.
+finish). A speculative step whose sequences decode greedily or sample by temperature alone may
+instead run its drafts and verification as one native call (`_verify_fused`,
+`spec_decode.fused_step`) and then append and finish the same way. Single-threaded: callers (the
+offline `LLM`, a worker's loop) own the thread.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pdserve.engine.sampler import Sampler, stack_rows
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
-from pdserve.engine.spec_decode.fused_step import GreedySpecStep
+from pdserve.engine.spec_decode.fused_step import FusedSpecStep
 from pdserve.engine.spec_decode.rejection_sampler import verify_greedy
 from pdserve.engine.spec_decode.speculator import Proposal, StepShape, build_speculator
 from pdserve.engine.tokenizer import Tokenizer
@@ -68,8 +69,9 @@ class LLMEngine:
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = build_speculator(config, self.sampler, self.draft_runner,
                                            warm_up=self.capture == "compile")
-        # a greedy speculative step's drafts and verification in one native call (None: never)
-        self.fused_step = GreedySpecStep.of(self.runner, self.draft_runner) if self.speculator else None
+        # a speculative step's drafts and verification in one native call (None: never)
+        self.fused_step = FusedSpecStep.of(self.runner, self.draft_runner, self.sampler,
+                                           self.speculator.verifier.draft_stream) if self.speculator else None
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
@@ -341,10 +343,10 @@ class LLMEngine:
         return outputs
 
     def _verify_fused(self, batch: list[BatchEntry]) -> list[RequestOutput]:
-        """The step's drafts and verification as one native call (`fused_step.GreedySpecStep`:
-        every entry a greedy decode with lookahead slots), then what `_postprocess` and
-        `_verify` do for such a batch: each sequence keeps its drafts while they match the
-        target's picks, then one pick more."""
+        """The step's drafts and verification as one native call (`fused_step.FusedSpecStep`:
+        every entry a decode with lookahead slots, greedy or sampling by temperature alone), then
+        what `_postprocess` and `_verify` do for such a batch: each sequence keeps its drafts
+        while they match the target's picks, then one pick more."""
         self.forward_started_at = time.perf_counter()
         drafts, picks, draft_seconds, target_seconds = self.fused_step(batch)
         self.runner.last_pass = (sum(e.num_new_tokens for e in batch), target_seconds)

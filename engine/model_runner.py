@@ -182,7 +182,7 @@ class ModelRunner:
 
 
 def passes_state(seqs: list[Sequence], head: list[list[int]], width: int) -> np.ndarray:
-    """The state the native passes take (`pdserve::draft_passes`, `greedy_spec_step`): a row per
+    """The state the native passes take (`pdserve::draft_passes`, `spec_step`): a row per
     sequence, the `head` columns (each a value per sequence), then its first `width` block ids."""
     state = np.zeros((len(seqs), len(head) + width), dtype=np.int64)
     for col, values in enumerate(head):

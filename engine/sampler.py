@@ -1,7 +1,8 @@
 """`Sampler`: turns logits rows into tokens under each request's own `SamplingParams`.
 
 One path for every sampled token: filter (temperature, top-k, top-p, min-p) and draw by the
-exponential race against the row's noise (`kernels/sampling.py`), fused in one kernel on CUDA.
+exponential race against the row's noise (`kernels/sampling.py`), fused in one kernel on CUDA; on
+the CPU a row that filters by temperature alone races in one native call (`pdserve::race_rows`).
 The noise comes from `rng`, keyed by each row's request seed and the position the sampled token
 will occupy, so a token depends on nothing else the batch holds. Greedy rows take the argmax
 without noise, and a batch of only greedy rows skips filtering altogether.
@@ -60,6 +61,10 @@ class Sampler:
         self.ops = ops
         self.tensors = SamplingTensors(device)
         self.hash_fn = rng.hash_uniforms
+        # rows that filter by temperature alone race natively on the CPU (`pdserve::race_rows`): the
+        # function a fused speculative step picks with (`spec_decode.fused_step`), so that its
+        # verification draws what plain sampling draws, bit for bit
+        self.races_natively = device.type == "cpu" and native.loaded() and ops.name == "torch"
         if device.type == "cpu" and native.loaded():
             self.hash_fn = torch.ops.pdserve.hash_uniforms
         elif compile_noise:
@@ -88,7 +93,18 @@ class Sampler:
             return argmax_rows(logits)
         if noise is None:
             noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
-        return self.ops.sample(logits, *self.tensors.build(params), noise)
+        if not self.races_natively:
+            return self.ops.sample(logits, *self.tensors.build(params), noise)
+        # each row by its own kind, so a row's token never depends on what else the batch holds
+        native_rows = [i for i, p in enumerate(params) if p.is_greedy or p.filters_by_temperature_only]
+        if len(native_rows) == len(params):
+            return torch.ops.pdserve.race_rows(logits.float(), self.tensors.build(params)[0], noise)
+        tensors = self.tensors.build(params)
+        picks = self.ops.sample(logits, *tensors, noise)
+        if native_rows:
+            index = torch.tensor(native_rows)
+            picks[index] = torch.ops.pdserve.race_rows(logits[index].float(), tensors[0][index], noise[index])
+        return picks
 
     @staticmethod
     def top_logprobs(logits: torch.Tensor, token_ids: list[int], num: int) -> list[list[tuple[int, float]]]:

@@ -22,10 +22,12 @@
   `engine.native_forward.NativeForward` by `ModelRunner`. `decoder_layer(residual, workspace,
   positions, ..., layer)`: one of those layers on residual streams in place, for a step that
   streams each layer's K/V as it lands (a prefill worker's).
-- `torch.ops.pdserve.greedy_spec_step(state, depths, draft_weights, draft_caches, ..., weights,
-  kv_caches, ...)` (`cpu/draft_passes.cpp`): a greedy speculative step's draft passes and the
-  target's verification with its argmax picks in one call (used through
-  `engine.spec_decode.fused_step.GreedySpecStep`).
+- `torch.ops.pdserve.spec_step(state, depths, draft_weights, draft_caches, ..., weights, kv_caches,
+  ..., temperature, noise)` (`cpu/draft_passes.cpp`): a speculative step's draft passes and the
+  target's verification with its picks in one call, for sequences that decode greedily or sample
+  by temperature alone (used through `engine.spec_decode.fused_step.FusedSpecStep`);
+  `race_rows(logits, temperature, noise)`: the same picks for logits rows, the sampler's CPU
+  path for such rows (`engine.sampler`).
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 - `torch.ops.pdserve.hash_uniforms(keys, codes)` (`cpu/noise.cpp`): `engine.rng.hash_uniforms`

@@ -1,74 +1,79 @@
-"""A greedy speculative decode step's native work as one call, `pdserve::greedy_spec_step`
+"""A speculative decode step's native work as one call, `pdserve::spec_step`
 (`kernels/cpu/draft_passes.cpp`): the draft's passes, then the target's verification of every
-sequence's drafts, with the target's argmax at each verified row. The engine's own path runs the
-same ops with Python between them: the draft's state built and its picks read back
-(`DraftProposer`), the verification's inputs built (`step_inputs`), its final norm's output scored
-by a third op, the logits split and argmaxed (`verifier`). At batch 1 greedy on the demo pair a
-speculative step took 1601 µs that way and 1301 µs fused, the op's own work 1060 µs of it
-(scratch profile, one thread, Intel Xeon; BENCHMARKS.md, Speculation by revision). Here the engine builds one state, reads back the drafts and the picks, and matches them
-(`verify_greedy`); its bookkeeping is the same as on its own path (`LLMEngine._verify_fused`).
+sequence's drafts, with the target's pick at each verified row (the argmax, or at temperature the
+race plain sampling runs, `pdserve::race_rows`, against the noise the draft raced). The engine's
+own path runs the same ops with Python between them: the draft's state built and its picks read
+back (`DraftProposer`), the verification's inputs built (`step_inputs`), its final norm's output
+scored by a third op, the logits split and picked (`verifier`). At batch 1 greedy on the demo
+pair a speculative step took 1601 µs that way and 1301 µs fused, the op's own work 1060 µs of it
+(scratch profile, one thread, Intel Xeon; BENCHMARKS.md, Speculation by revision). Here the
+engine builds one state, reads back the drafts and the picks, and matches them (`verify_greedy`'s
+rule, the coupled verifier's); its bookkeeping is the same as on its own path
+(`LLMEngine._verify_fused`).
 
-Used for a step whose every sequence decodes greedily with at least one draft, no penalties and
-no log-probs, its draft at most two tokens behind (what `DraftProposer`'s passes at once take,
-as after every verification), on a draft whose passes run natively (`DraftPasses.native`) and a target
-whose forward does (`NativeForward`, its lm_head packed). Other steps take the engine's path.
-The tokens are the same either way: the same ops over the same rows (tested against that path).
-
-Sampled steps take the engine's path. Fusing them needs plain sampling to pick with the native
-function the fused verification picks with, so that the tokens stay plain decoding's bit for
-bit; that was built and measured (d8b2ccc) and taken out again (BENCHMARKS.md, Speculation by
-revision): at batch 1, temperature 1 speculation ran 1.29x as fast, but at batch 8 the cheaper
-speculative steps came near parity with plain decoding, and the gate then kept speculating at
-about 0.7x plain decoding for whole runs in two of three scratch traces. Plain steps right after
-the draft's passes ran slow for 20-25 steps on the Intel Xeon (after n-gram speculation, which
-runs no draft, they did not), so plain decoding's bursts measured as dear as speculation.
+Used for a step whose every sequence decodes greedily, or samples by temperature alone under the
+coupled verifier (no top-k, top-p or min-p), with at least one draft, no penalties and no
+log-probs, its draft at most two tokens behind (what `DraftProposer`'s passes at once take, as
+after every verification), on a draft whose passes run natively (`DraftPasses.native`) and a
+target whose forward does (`NativeForward`, its lm_head packed). Other steps take the engine's
+path. The tokens are the same either way: the same ops over the same rows, the same noise
+(tested against that path).
 """
 from __future__ import annotations
 
 import torch
 
+from pdserve.engine import rng
 from pdserve.engine.model_runner import BatchEntry, ModelRunner, passes_state
 from pdserve.engine.native_forward import NativePasses, native_weights
 from pdserve.engine.penalties import has_penalties
+from pdserve.engine.sampler import Sampler, race_noise
 
 
-class GreedySpecStep:
-    """`pdserve::greedy_spec_step` over a target's and a draft's runners (`of`); `covers` says
-    whether a step can take it, calling it runs the step's drafts and verification."""
+class FusedSpecStep:
+    """`pdserve::spec_step` over a target's and a draft's runners (`of`); `covers` says whether a
+    step can take it, calling it runs the step's drafts and verification."""
 
-    def __init__(self, runner: ModelRunner, draft_runner: ModelRunner, weights: list[torch.Tensor]):
+    def __init__(self, runner: ModelRunner, draft_runner: ModelRunner, weights: list[torch.Tensor],
+                 sampler: Sampler | None):
         self.draft_runner = draft_runner
+        self.sampler = sampler  # sampled rows' noise; None: greedy steps only
         self.weights = weights  # the target's, with its lm_head
         target = runner.native_forward
         self.target = (target.caches, target.cos, target.sin, *target.shape)
         self.block_size = runner.block_size
 
     @classmethod
-    def of(cls, runner: ModelRunner, draft_runner: ModelRunner | None) -> GreedySpecStep | None:
+    def of(cls, runner: ModelRunner, draft_runner: ModelRunner | None, sampler: Sampler,
+           draft_stream: int) -> FusedSpecStep | None:
         """The fused step for this pair, or None where it cannot run: no draft, either model not
         run natively, the target's lm_head not packed (a tied one would need a packed copy), or
-        the two caches in different block sizes."""
+        the two caches in different block sizes. Sampled steps too where the draft races plain
+        sampling's noise (the coupled verifier's `draft_stream`) and the sampler races natively."""
         from pdserve.engine.model.llama import PackedLinear
 
         if (draft_runner is None or runner.native_forward is None or _native_passes(draft_runner) is None
                 or not isinstance(runner.model.lm_head, PackedLinear) or runner.block_size != draft_runner.block_size):
             return None
-        weights = native_weights(runner.model, runner.kv_caches, "greedy_spec_step", with_head=True)
-        return None if weights is None else cls(runner, draft_runner, weights)
+        weights = native_weights(runner.model, runner.kv_caches, "spec_step", with_head=True)
+        samples = sampler.races_natively and draft_stream == rng.SAMPLE_STREAM
+        return None if weights is None else cls(runner, draft_runner, weights, sampler if samples else None)
 
     def covers(self, batch: list[BatchEntry]) -> bool:
-        """Whether every entry is a greedy decode given lookahead slots for at least one draft,
-        with no penalties or log-probs, its draft one or two tokens behind, its block table
-        reaching every slot the step writes (its verification's, and its draft's passes' to the
-        batch's deepest k, as `ModelRunner.can_draft_passes` asks); and the draft's passes still
-        native (a benchmark may swap them)."""
+        """Whether every entry is a decode given lookahead slots for at least one draft, greedy
+        or (where this step samples) sampling by temperature alone, with no penalties or
+        log-probs, its draft one or two tokens behind, its block table reaching every slot the
+        step writes (its verification's, and its draft's passes' to the batch's deepest k, as
+        `ModelRunner.can_draft_passes` asks); and the draft's passes still native (a benchmark
+        may swap them)."""
         if _native_passes(self.draft_runner) is None:
             return False
         bs, deepest = self.block_size, max(e.num_new_tokens for e in batch) - 1
         for e in batch:
             seq, k = e.seq, e.num_new_tokens - 1
             p = seq.params
-            if (k < 1 or seq.num_uncomputed_tokens != 1 or not p.is_greedy or p.logprobs is not None
+            if (k < 1 or seq.num_uncomputed_tokens != 1 or p.logprobs is not None
+                    or not (p.is_greedy or (self.sampler is not None and p.filters_by_temperature_only))
                     or has_penalties(seq) or seq.is_prefill_only or seq.num_tokens < 2
                     or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2
                     # the last slot written: the verification's, or the draft's passes' to the deepest
@@ -78,18 +83,26 @@ class GreedySpecStep:
 
     def __call__(self, batch: list[BatchEntry]) -> tuple[list[list[int]], list[list[int]], float, float]:
         """Per entry (k = num_new_tokens - 1 drafts): its k drafts and the target's picks at its
-        last token and each draft (k + 1); then the seconds of the draft's passes and of the
-        verification. The draft's passes run to the deepest k, as `DraftProposer`'s do, and
-        each sequence's draft cache is marked computed to match."""
+        last token and each draft (k + 1), a sampled one with the noise plain sampling would
+        draw for its position; then the seconds of the draft's passes and of the verification.
+        The draft's passes run to the deepest k, as `DraftProposer`'s do, and each sequence's
+        draft cache is marked computed to match."""
         seqs, ks = [e.seq for e in batch], [e.num_new_tokens - 1 for e in batch]
         deepest = max(ks)
         width = max(s.num_tokens - 1 + max(k, deepest - 1) for s, k in zip(seqs, ks)) // self.block_size + 1
         previous, last = zip(*(s.last_token_ids(2) for s in seqs))  # draft_passes' catch-up state
         state = passes_state(seqs, [list(previous), list(last), [s.num_tokens - 1 for s in seqs]], width)
         draft = _native_passes(self.draft_runner)
-        drafts, picks, seconds = torch.ops.pdserve.greedy_spec_step(
+        temperature = noise = None
+        if not all(s.params.is_greedy for s in seqs):  # every pass's and row's noise: positions n .. n + deepest
+            temperature = torch.tensor([float(s.params.temperature) for s in seqs], dtype=torch.float32)
+            noise = race_noise([s.params for s in seqs] * (deepest + 1), [s.seed for s in seqs] * (deepest + 1),
+                               [s.num_tokens + j for j in range(deepest + 1) for s in seqs],
+                               self.draft_runner.cfg.vocab_size, rng.SAMPLE_STREAM, temperature.device,
+                               self.sampler.hash_fn).view(deepest + 1, len(seqs), -1)
+        drafts, picks, seconds = torch.ops.pdserve.spec_step(
             torch.from_numpy(state), torch.tensor(ks), draft.weights, draft.caches, draft.cos, draft.sin,
-            *draft.shape, self.weights, *self.target)
+            *draft.shape, self.weights, *self.target, temperature, noise)
         drafts, picks = drafts.tolist(), picks.tolist()
         out_drafts, out_picks, row = [], [], 0
         for seq, k, d in zip(seqs, ks, drafts):

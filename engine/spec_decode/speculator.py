@@ -177,7 +177,7 @@ class Speculator:
         return tokens
 
     def record_fused(self, seqs: list[Sequence], ks: list[int], tokens: list[list[int]], draft_seconds: float) -> None:
-        """A fused step's (`fused_step.GreedySpecStep`) drafts and verification, booked as
+        """A fused step's (`fused_step.FusedSpecStep`) drafts and verification, booked as
         `propose` and `verify` book theirs: ks[b] drafts of seqs[b], tokens[b] emitted, the
         draft's passes (to the deepest k) in draft_seconds."""
         self._propose_seconds += draft_seconds

@@ -247,7 +247,7 @@ struct Decoder {
 
   // Rows' tokens `ids` (each checked against the vocabulary, refused in op's name) embedded into
   // `res` [rows, hidden], through every layer (`layers`' arguments), then the final norm: the
-  // normed rows in s.normed [rows, hidden]. decoder_forward's step, greedy_spec_step's verification.
+  // normed rows in s.normed [rows, hidden]. decoder_forward's step, spec_step's verification.
   void forward(const char* op, const int64_t* ids, int64_t rows, float* res, const int64_t* pos,
                const at::Tensor& slots, const at::Tensor& block_ids, const at::Tensor& lens, const at::Tensor& starts,
                const Scratch& s) const {

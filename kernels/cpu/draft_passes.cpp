@@ -2,8 +2,9 @@
 // pass j's pick is pass j + 1's input token, at the next position. The whole Llama forward of a
 // few rows (embedding, RMS norms, rotary, the projections through linear_packed, the K/V write and
 // attention through paged_attention_cpu, the MLP, the lm_head) and the pick, in C++. The layers are
-// decoder.h's (`Decoder::layers`), which decoder.cpp's ops run too. pdserve::greedy_spec_step
-// (below): a greedy speculative step's draft passes and the target's verification in one call.
+// decoder.h's (`Decoder::layers`), which decoder.cpp's ops run too. pdserve::spec_step (below): a
+// speculative step's draft passes and the target's verification in one call; pdserve::race_rows:
+// the picks of logits rows as the passes and the verification pick (the sampler's CPU path).
 //
 // Why: a draft is small, so its passes are mostly fixed cost. On the demo draft (2 layers, hidden
 // 128) a pass's arithmetic takes about 20 µs, while its compiled graph took about 115 µs (AMD
@@ -178,43 +179,84 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   return picks;
 }
 
-// pdserve::greedy_spec_step: a speculative decode step of greedy sequences, its native work in one
-// call. The draft's passes as draft_passes runs them with catch_up (state as it takes it, every
-// sequence to the deepest of `depths`), then the target's verification of each sequence's own
-// depth k (depths [S] int64, each >= 1): rows of its input token and its first k drafts at
-// positions p .. p + k (p: the state's position), their K/V written into the target's caches by
-// the same block ids, the final norm, the lm_head and each row's argmax. weights: the target's,
-// with its lm_head, as draft_weights are listed. Returns the drafts [S, deepest], the target's
-// picks [sum(k + 1)] (sequence after sequence) and the seconds of the two parts, float64 [2] (the
-// draft's passes, the verification), which the speculation gate weighs apart. The same drafts and
-// picks as draft_passes followed by decoder_forward and linear_packed over the same rows: the
-// engine's path, which builds the verification's inputs, splits its logits and matches them in
-// Python between the calls (`engine/spec_decode/fused_step.py`, where it says what that cost).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_spec_step(
+// pdserve::race_rows: each row's pick as draft_passes picks: a row with temperature <= 0 takes the
+// argmax (the first largest), another the exponential race over its softmax at its temperature
+// against its noise. logits and noise float32 [R, vocab], temperature float32 [R]; the picks [R]
+// int64. The sampler's CPU path for rows that filter by temperature alone (`engine/sampler.py`), so
+// that spec_step's verification, which picks with the same function, draws what plain sampling
+// draws, bit for bit.
+at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& noise) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && noise.sizes() == logits.sizes() &&
+                  noise.scalar_type() == at::kFloat && temperature.dim() == 1 &&
+                  temperature.size(0) == logits.size(0) && temperature.scalar_type() == at::kFloat,
+              "race_rows: logits and noise must be float32 [rows, vocab] and temperature float32 [rows], got ",
+              logits.sizes(), ", ", noise.sizes(), " and ", temperature.sizes());
+  const at::Tensor l = logits.contiguous(), e = noise.contiguous(), t = temperature.contiguous();
+  const int64_t rows = l.size(0), vocab = l.size(1);
+  at::Tensor picks = at::empty({rows}, l.options().dtype(at::kLong));
+  // rows split between threads only where a task has a quarter of a million logits or more (a
+  // large vocabulary): the demo's 4096 keep a batch of 32 on the calling thread
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(vocab, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     std::vector<float> scratch;
+                     for (int64_t r = begin; r < end; ++r) {
+                       const float temp = t.data_ptr<float>()[r];
+                       const float* row = l.data_ptr<float>() + r * vocab;
+                       picks.data_ptr<int64_t>()[r] =
+                           temp <= 0.f ? first_max(row, vocab)
+                                       : race(row, e.data_ptr<float>() + r * vocab, vocab, temp, scratch);
+                     }
+                   });
+  return picks;
+}
+
+// pdserve::spec_step: a speculative decode step's native work in one call, for sequences that
+// decode greedily or sample by temperature alone. The draft's passes as draft_passes runs them with
+// catch_up (state as it takes it, every sequence to the deepest of `depths`; temperature and noise
+// as it takes them), then the target's verification of each sequence's own depth k (depths [S]
+// int64, each >= 1): rows of its input token and its first k drafts at positions p .. p + k (p: the
+// state's position), their K/V written into the target's caches by the same block ids, the final
+// norm, the lm_head and each row's pick as race_rows picks, row j of sequence s against noise[j, s]
+// (noise [deepest + 1, S, vocab]: the draft's pass j raced the same row). weights: the target's,
+// with its lm_head, as draft_weights are listed. Returns the drafts [S, deepest], the target's picks
+// [sum(k + 1)] (sequence after sequence) and the seconds of the two parts, float64 [2] (the draft's
+// passes, the verification), which the speculation gate weighs apart. The same drafts and picks as
+// draft_passes, then decoder_forward, linear_packed and race_rows over the same rows: the engine's
+// path, which builds the verification's inputs, splits its logits and samples them in Python between
+// the calls (`engine/spec_decode/fused_step.py`, where it says what that cost).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
     const at::Tensor& state, const at::Tensor& depths, at::TensorList draft_weights, at::TensorList draft_caches,
     const at::Tensor& draft_cos, const at::Tensor& draft_sin, int64_t draft_heads, int64_t draft_kv_heads,
     double draft_eps, double draft_scale, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
-    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+    const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise) {
   using clock = std::chrono::steady_clock;
   constexpr int64_t head = 3;  // draft_passes' catch-up state: previous token, input token, its position
   TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > head && state.size(0) >= 1,
-              "greedy_spec_step: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
+              "spec_step: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
   const int64_t num_seqs = state.size(0), width = state.size(1) - head;
   TORCH_CHECK(depths.dim() == 1 && depths.size(0) == num_seqs && depths.scalar_type() == at::kLong,
-              "greedy_spec_step: depths must be int64 [", num_seqs, "], got ", depths.sizes());
+              "spec_step: depths must be int64 [", num_seqs, "], got ", depths.sizes());
   const at::Tensor ks = depths.contiguous();
   const int64_t* kp = ks.data_ptr<int64_t>();
   int64_t deepest = 0, rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(kp[s] >= 1, "greedy_spec_step: depth ", kp[s], " of sequence ", s, " is not at least 1");
+    TORCH_CHECK(kp[s] >= 1, "spec_step: depth ", kp[s], " of sequence ", s, " is not at least 1");
     deepest = std::max(deepest, kp[s]);
     rows += kp[s] + 1;
   }
-  const Decoder d("greedy_spec_step", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  const Decoder d("spec_step", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  const bool sampled = temperature.has_value();
+  TORCH_CHECK(sampled == noise.has_value(), "spec_step: temperature and noise come together");
+  if (sampled)  // draft_passes checks them too, for its passes; the verification reads one row more
+    TORCH_CHECK(noise->dim() == 3 && noise->size(0) == deepest + 1 && noise->size(1) == num_seqs &&
+                    noise->size(2) == d.vocab && noise->scalar_type() == at::kFloat && noise->is_contiguous(),
+                "spec_step: noise must be float32 [", deepest + 1, ", ", num_seqs, ", ", d.vocab, "], got ",
+                noise->sizes());
   const auto start = clock::now();
   const at::Tensor drafts = draft_passes(state, deepest, true, draft_weights, draft_caches, draft_cos, draft_sin,
-                                         draft_heads, draft_kv_heads, draft_eps, draft_scale, c10::nullopt,
-                                         c10::nullopt);  // [deepest, S]
+                                         draft_heads, draft_kv_heads, draft_eps, draft_scale, temperature,
+                                         noise);  // [deepest, S]
   const auto drafted = clock::now();
 
   // the verification's rows: each sequence's input token and its drafts, where their K/V go
@@ -234,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_spec_step(
     for (int64_t j = 0; j <= kp[s]; ++j, ++r) {
       ids[r] = j == 0 ? sp[s * stride + head - 2] : dp[(j - 1) * num_seqs + s];
       pos[r] = p + j;
-      TORCH_CHECK(pos[r] < d.max_position && pos[r] / block_size < width, "greedy_spec_step: position ", pos[r],
+      TORCH_CHECK(pos[r] < d.max_position && pos[r] / block_size < width, "spec_step: position ", pos[r],
                   " of sequence ", s, " is outside its blocks or the rotary table");
       slot_p[r] = sp[s * stride + head + pos[r] / block_size] * block_size + pos[r] % block_size;
     }
@@ -243,12 +285,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_spec_step(
   const auto f32 = weights[0].options();
   const at::Tensor res = at::empty({rows, d.hidden}, f32);
   const Scratch scratch = d.scratch(rows, f32);
-  d.forward("greedy_spec_step", ids.data(), rows, res.data_ptr<float>(), pos.data(), slots,
-            st.narrow(1, head, width), lens, starts, scratch);
+  d.forward("spec_step", ids.data(), rows, res.data_ptr<float>(), pos.data(), slots, st.narrow(1, head, width), lens,
+            starts, scratch);
   const at::Tensor logits = pdserve_native::linear_packed(scratch.normed, weights[2], bias_of(weights[3]), d.vocab);
   at::Tensor picks = at::empty({rows}, i64);
   const float* lp = logits.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) picks.data_ptr<int64_t>()[r] = first_max(lp + r * d.vocab, d.vocab);
+  std::vector<float> probs;
+  for (int64_t s = 0, r = 0; s < num_seqs; ++s) {
+    const float t = sampled ? temperature->data_ptr<float>()[s] : 0.f;
+    for (int64_t j = 0; j <= kp[s]; ++j, ++r)
+      picks.data_ptr<int64_t>()[r] =
+          t <= 0.f ? first_max(lp + r * d.vocab, d.vocab)
+                   : race(lp + r * d.vocab, noise->data_ptr<float>() + (j * num_seqs + s) * d.vocab, d.vocab, t, probs);
+  }
   const auto verified = clock::now();
   at::Tensor seconds = at::empty({2}, st.options().dtype(at::kDouble));
   seconds.data_ptr<double>()[0] = std::chrono::duration<double>(drafted - start).count();
@@ -266,13 +315,15 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("draft_passes(Tensor state, int num_passes, bool catch_up, Tensor[] weights, Tensor(a!)[] kv_caches, "
         "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, Tensor? temperature, "
         "Tensor? noise) -> Tensor");
-  m.def("greedy_spec_step(Tensor state, Tensor depths, Tensor[] draft_weights, Tensor(a!)[] draft_caches, "
+  m.def("spec_step(Tensor state, Tensor depths, Tensor[] draft_weights, Tensor(a!)[] draft_caches, "
         "Tensor draft_cos, Tensor draft_sin, int draft_heads, int draft_kv_heads, float draft_eps, float draft_scale, "
         "Tensor[] weights, Tensor(b!)[] kv_caches, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, "
-        "float scale) -> (Tensor, Tensor, Tensor)");
+        "float scale, Tensor? temperature, Tensor? noise) -> (Tensor, Tensor, Tensor)");
+  m.def("race_rows(Tensor logits, Tensor temperature, Tensor noise) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {
   m.impl("draft_passes", &draft_passes);
-  m.impl("greedy_spec_step", &greedy_spec_step);
+  m.impl("spec_step", &spec_step);
+  m.impl("race_rows", &race_rows);
 }

@@ -1,19 +1,25 @@
-"""A greedy speculative step as one native call (`fused_step.GreedySpecStep`,
-`pdserve::greedy_spec_step`): the same drafts, picks and K/V as the engine's own path (the draft's
-passes, then the verification through `execute`), the same tokens and acceptance in whole runs,
-at fixed and adaptive depth, alone and in batches of mixed depths; steps it cannot take (sampled,
-penalized, log-probs) take the engine's path; malformed calls are refused with the reason."""
+"""A speculative step as one native call (`fused_step.FusedSpecStep`, `pdserve::spec_step`): the
+same drafts, picks and K/V as the engine's own path (the draft's passes, then the verification
+through `execute` and the sampler), the same tokens and acceptance in whole runs, greedy and
+sampled by temperature, at fixed and adaptive depth, alone and in batches of mixed depths; steps
+it cannot take (filtered sampling, the rejection verifier's sampling, penalties, log-probs) take
+the engine's path; malformed calls are refused with the reason. The sampler's native race for
+rows sampled by temperature alone (`pdserve::race_rows`, which the fused step picks with) against
+the reference sampler."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams, rng
 from pdserve.engine.model_runner import BatchEntry
-from pdserve.engine.spec_decode.fused_step import GreedySpecStep
-from pdserve.kernels import native
+from pdserve.engine.sampler import Sampler, race_noise
+from pdserve.engine.spec_decode.fused_step import FusedSpecStep
+from pdserve.kernels import TORCH_OPS, native, sample_ref
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SAMPLED = [SamplingParams(temperature=t, seed=30 + i, max_tokens=24, ignore_eos=True)
+           for i, t in enumerate((1.0, 0.0, 0.7, 1.3, 1.0))]  # a greedy request among them
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10, [7, 9], list(range(150, 60, -3))]
 
 pytestmark = pytest.mark.skipif(not (native.load() and torch.ops.pdserve.linear_packed_available()),
@@ -35,7 +41,7 @@ def drafts(checkpoint, target):
 def _counted(llm: LLM) -> list[int]:
     """The fused step's calls on llm, as each call's sequence count."""
     fused, calls = llm.engine.fused_step, []
-    assert isinstance(fused, GreedySpecStep)
+    assert isinstance(fused, FusedSpecStep)
 
     class Counted:
         def covers(self, batch):
@@ -55,18 +61,20 @@ def _assert_all_free(llm: LLM) -> None:
 
 @pytest.mark.parametrize("draft", ["small", "target"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
-def test_fused_steps_emit_what_the_engine_path_emits(target, drafts, draft, adaptive):
-    """Whole greedy runs, one request and a batch of five: the same tokens as plain decoding and
-    as the same engine with the fused step set aside, the same drafts accepted, no block leaked."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_fused_steps_emit_what_the_engine_path_emits(target, drafts, draft, adaptive, sampled):
+    """Whole runs, one request and a batch of five (sampled: seeded, at temperatures 0.7-1.3 with a
+    greedy request among them): the same tokens as plain decoding and as the same engine with the
+    fused step set aside, the same drafts accepted, no block leaked."""
     options = dict(draft_model=drafts[draft], num_speculative_tokens=4, spec_adaptive=adaptive)
     fused, apart = LLM(target, **options), LLM(target, **options)
     apart.engine.fused_step = None
     calls = _counted(fused)
     plain = LLM(target)
-    for prompts in (PROMPTS[1:2], PROMPTS):
-        expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
-        assert [o.token_ids for o in fused.generate(prompts, GREEDY)] == expected
-        assert [o.token_ids for o in apart.generate(prompts, GREEDY)] == expected
+    for prompts, params in ((PROMPTS[1:2], SAMPLED[0] if sampled else GREEDY), (PROMPTS, SAMPLED if sampled else GREEDY)):
+        expected = [o.token_ids for o in plain.generate(prompts, params)]
+        assert [o.token_ids for o in fused.generate(prompts, params)] == expected
+        assert [o.token_ids for o in apart.generate(prompts, params)] == expected
     mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
     if not adaptive:  # (an adaptive gate may keep a poor draft's steps plain, by its timings)
         assert max(calls) == len(PROMPTS)  # the fused step ran, for the batch too
@@ -76,7 +84,7 @@ def test_fused_steps_emit_what_the_engine_path_emits(target, drafts, draft, adap
         assert (mine.num_drafts, mine.num_draft_tokens, mine.num_accepted_tokens, mine.accepted_per_pos) == \
             (theirs.num_drafts, theirs.num_draft_tokens, theirs.num_accepted_tokens, theirs.accepted_per_pos)
     if draft == "target":
-        assert mine.acceptance_rate > 0.9
+        assert mine.acceptance_rate > 0.9  # the coupled verifier: the target races the noise its draft raced
     _assert_all_free(fused)
 
 
@@ -105,13 +113,14 @@ def test_mixed_depths_take_the_fused_step(target, drafts):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.8, min_p=0.05, seed=3, max_tokens=16, ignore_eos=True),
     SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=16, ignore_eos=True),
     SamplingParams(temperature=0, logprobs=2, max_tokens=16, ignore_eos=True),
-], ids=["sampled", "penalized", "logprobs"])
+], ids=["top-p", "min-p", "penalized", "logprobs"])
 def test_steps_the_fused_step_cannot_take_take_the_engine_path(target, drafts, params):
-    """A sampled, penalized or log-prob request, alone or beside greedy ones: never a fused
-    step while it runs, and the same output as with the fused step set aside."""
+    """A filtered sampled, penalized or log-prob request, alone or beside greedy ones: never a
+    fused step while it runs, and the same output as with the fused step set aside."""
     options = dict(draft_model=drafts["small"], num_speculative_tokens=3, spec_adaptive=False)
     fused, apart = LLM(target, **options), LLM(target, **options)
     apart.engine.fused_step = None
@@ -125,6 +134,19 @@ def test_steps_the_fused_step_cannot_take_take_the_engine_path(target, drafts, p
     assert calls and max(calls) <= 2
     assert fused.engine.speculator.stats.num_draft_tokens > 0
     _assert_all_free(fused)
+
+
+def test_the_rejection_verifier_samples_on_the_engine_path(target, drafts):
+    """Its drafts race their own noise and keep their distributions, which the fused step does
+    not: its sampled steps never fuse, its greedy ones do."""
+    llm = LLM(target, draft_model=drafts["small"], num_speculative_tokens=3, spec_adaptive=False,
+              spec_verifier="rejection")
+    calls = _counted(llm)
+    llm.generate(PROMPTS[:2], SAMPLED[0])
+    assert not calls and llm.engine.speculator.stats.num_draft_tokens > 0
+    llm.generate(PROMPTS[:2], GREEDY)
+    assert calls
+    _assert_all_free(llm)
 
 
 def _prefilled_pair(target, draft):
@@ -149,9 +171,16 @@ def _prefilled_pair(target, draft):
     return llm, seqs
 
 
-def test_the_fused_call_gives_the_engine_paths_drafts_picks_and_kv(target, drafts):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_the_fused_call_gives_the_engine_paths_drafts_picks_and_kv(target, drafts, sampled):
+    """Three sequences at depths 4, 1 and 3 (sampled: at temperatures 1.0, 0 and 0.6), through the
+    fused call and, from the same caches, through the engine's path: the draft's passes to the
+    deepest, then the verification's forward and the sampler's picks with plain sampling's noise."""
     llm, seqs = _prefilled_pair(target, drafts["small"])
     eng = llm.engine
+    if sampled:
+        for seq, t in zip(seqs, (1.0, 0.0, 0.6)):
+            seq.params = SamplingParams(temperature=t, max_tokens=24, ignore_eos=True)
     runners = (eng.runner, eng.draft_runner)
     saved = [[(k.clone(), v.clone()) for k, v in r.kv_caches] for r in runners]
     ks = [4, 1, 3]
@@ -166,13 +195,23 @@ def test_the_fused_call_gives_the_engine_paths_drafts_picks_and_kv(target, draft
     for r, cache in zip(runners, saved):  # the engine's path from the same caches
         for (k, v), (k0, v0) in zip(r.kv_caches, cache):
             k.copy_(k0), v.copy_(v0)
+    params, seeds = [s.params for s in seqs], [s.seed for s in seqs]
+    sampling = ()
+    if sampled:  # the noise of the tokens each pass picks, as the draft proposer draws it
+        races = race_noise(params * 4, seeds * 4, [s.num_tokens + j for j in range(4) for s in seqs],
+                           eng.runner.cfg.vocab_size, rng.SAMPLE_STREAM, torch.device("cpu"), eng.sampler.hash_fn)
+        sampling = ([float(p.temperature) for p in params], races.view(4, len(seqs), -1))
     with torch.inference_mode():
-        theirs = eng.draft_runner.draft_passes(seqs, [s.token_ids[-1] for s in seqs], positions, 4,
+        theirs = eng.draft_runner.draft_passes(seqs, [s.token_ids[-1] for s in seqs], positions, 4, *sampling,
                                                previous_ids=[s.token_ids[-2] for s in seqs])
         assert [t[:k] for t, k in zip(theirs, ks)] == drafts_
         entries = [BatchEntry(s, k + 1, k + 1, extra_token_ids=d) for s, k, d in zip(seqs, ks, drafts_)]
         logits = eng.runner.execute(entries)
-    assert logits.argmax(-1).tolist() == [p for row in picks for p in row]
+    rows = [(s, s.num_tokens + j) for s, k in zip(seqs, ks) for j in range(k + 1)]
+    expected = eng.sampler.sample(logits, [s.params for s, _ in rows], [s.seed for s, _ in rows], [p for _, p in rows])
+    assert expected == [p for row in picks for p in row]
+    if not sampled:
+        assert logits.argmax(-1).tolist() == expected
     for mine, r in zip(fused_kv, runners):
         for (k1, v1), (k2, v2) in zip(mine, r.kv_caches):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
@@ -186,9 +225,9 @@ def test_the_fused_call_refuses_malformed_calls(target, drafts):
     draft, fused = eng.draft_runner.passes.native, eng.fused_step
     state = torch.tensor([[*s.token_ids[-2:], s.num_tokens - 1] + s.block_table for s in seqs[:1]])
 
-    def call(state, depths):
-        return torch.ops.pdserve.greedy_spec_step(state, depths, draft.weights, draft.caches, draft.cos, draft.sin,
-                                                  *draft.shape, fused.weights, *fused.target)
+    def call(state, depths, *sampling):
+        return torch.ops.pdserve.spec_step(state, depths, draft.weights, draft.caches, draft.cos, draft.sin,
+                                           *draft.shape, fused.weights, *fused.target, *(sampling or (None, None)))
     with pytest.raises(RuntimeError, match="depth 0 of sequence 0 is not at least 1"):
         call(state, torch.tensor([0]))
     with pytest.raises(RuntimeError, match=r"depths must be int64 \[1\]"):
@@ -198,8 +237,13 @@ def test_the_fused_call_refuses_malformed_calls(target, drafts):
     with pytest.raises(RuntimeError, match="outside its blocks"):  # one block: positions up to 15
         call(torch.tensor([[1, 2, 14, seqs[0].block_table[0]]]), torch.tensor([2]))
     with pytest.raises(RuntimeError, match="weights and .* caches do not make a model"):
-        torch.ops.pdserve.greedy_spec_step(state, torch.tensor([2]), draft.weights, draft.caches, draft.cos,
-                                           draft.sin, *draft.shape, fused.weights[:-1], *fused.target)
+        torch.ops.pdserve.spec_step(state, torch.tensor([2]), draft.weights, draft.caches, draft.cos, draft.sin,
+                                    *draft.shape, fused.weights[:-1], *fused.target, None, None)
+    vocab = eng.runner.cfg.vocab_size
+    with pytest.raises(RuntimeError, match="temperature and noise come together"):
+        call(state, torch.tensor([2]), torch.ones(1), None)
+    with pytest.raises(RuntimeError, match=r"noise must be float32 \[3, 1, "):  # a row for every draft and the bonus
+        call(state, torch.tensor([2]), torch.ones(1), torch.ones(2, 1, vocab))
     for s in seqs:
         eng.block_manager.free(s)
 
@@ -208,3 +252,37 @@ def test_no_fused_step_without_a_native_draft_or_target(target, drafts):
     assert LLM(target, draft_model=drafts["small"], cpu_linear="torch").engine.fused_step is None
     assert LLM(target, speculative_method="ngram", num_speculative_tokens=3).engine.fused_step is None
     assert LLM(target).engine.fused_step is None
+
+
+def test_the_native_race_picks_what_the_reference_sampler_picks():
+    """Rows sampled by temperature alone (and greedy ones) race natively on the CPU
+    (`pdserve::race_rows`, the fused step's pick): the reference sampler's tokens, and a row's
+    token the same whatever else its batch holds (a top-p row beside it goes the reference way)."""
+    sampler = Sampler(TORCH_OPS, torch.device("cpu"))
+    assert sampler.races_natively
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 512, generator=gen) * 3
+    temps = [0.0, 0.5, 1.0, 1.7] * 16
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate(temps)]
+    positions = list(range(100, 164))
+    noise = race_noise(params, [p.seed for p in params], positions, 512, rng.SAMPLE_STREAM, torch.device("cpu"))
+    mine = sampler.sample(logits, params, [p.seed for p in params], positions)
+    t = torch.tensor(temps)
+    reference = sample_ref(logits, t, torch.zeros(64, dtype=torch.int64), torch.ones(64), torch.zeros(64), noise)
+    assert mine == reference.tolist()
+    assert len(set(mine[1::4])) > 10  # sampled rows, not all argmaxes
+    filtered = SamplingParams(temperature=1.0, top_p=0.5, seed=99)
+    mixed = sampler.sample(logits[[1, 0, 2]], [params[1], filtered, params[2]], [1, 99, 2], [101, 0, 102])
+    assert [mixed[0], mixed[2]] == mine[1:3]
+    with pytest.raises(RuntimeError, match="race_rows: logits and noise must be float32"):
+        torch.ops.pdserve.race_rows(logits, t[:3], noise)
+    # a large vocabulary's rows go to several threads (two here): the same picks
+    big = torch.randn(8, 1 << 17, generator=gen) * 3
+    t8, noise8 = torch.tensor(temps[:8]), torch.empty(8, 1 << 17).exponential_(generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.pdserve.race_rows(big, t8, noise8).tolist() == \
+            sample_ref(big, t8, torch.zeros(8, dtype=torch.int64), torch.ones(8), torch.zeros(8), noise8).tolist()
+    finally:
+        torch.set_num_threads(threads)

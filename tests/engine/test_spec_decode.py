@@ -139,6 +139,7 @@ def test_mixed_depths_draft_at_once_to_the_deepest(target, useless_draft):
     one_by_one.engine.draft_runner.passes = None
     mixed(at_once)
     mixed(one_by_one)
+    at_once.engine.fused_step = None  # the passes through draft_passes (fused: test_fused_step.py)
     runner, calls = at_once.engine.draft_runner, []
     original = runner.draft_passes
     runner.draft_passes = lambda *a: calls.append((a[3], a[6] is not None)) or original(*a)
@@ -159,6 +160,7 @@ def test_sampled_draft_passes_race_the_noise_of_the_tokens_they_pick(target):
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=11)
     plain = [o.token_ids for o in LLM(target).generate(PROMPTS, params)]
     llm = LLM(target, draft_model=target, num_speculative_tokens=4, spec_adaptive=False)
+    llm.engine.fused_step = None  # the passes through draft_passes (fused: test_fused_step.py)
     calls = []
     original = llm.engine.draft_runner.draft_passes
     llm.engine.draft_runner.draft_passes = lambda *a: calls.append((a[4] is not None, a[6] is not None)) or original(*a)
