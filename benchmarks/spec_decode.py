@@ -152,8 +152,8 @@ class FusedTimer:
     def __init__(self, fused, draft_timer: ForwardTimer):
         self._fused, self._timer = fused, draft_timer
 
-    def covers(self, batch) -> bool:
-        return self._fused.covers(batch)
+    def __getattr__(self, name):  # covers, takes, reserve: the fused step's own
+        return getattr(self._fused, name)
 
     def __call__(self, batch):
         out = self._fused(batch)

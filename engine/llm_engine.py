@@ -247,7 +247,8 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = self._prepare(sched)
-        if self._speculate and self.fused_step is not None and self.fused_step.covers(batch):
+        if (self._speculate and self.fused_step is not None and self.fused_step.reserve(batch, self.block_manager)
+                and self.fused_step.covers(batch)):
             return self._verify_fused(batch)
         proposals = self._propose(batch)
         logits = self._run(batch)
@@ -258,8 +259,9 @@ class LLMEngine:
         self._speculate = self.speculator is not None and self.speculator.allow(
             sched.running, min(sched.num_seqs, sched.config.max_num_seqs) - len(sched.running))
         if self._speculate:
-            self.speculator.plan([s for s in self.scheduler.running if s.num_uncomputed_tokens == 1],
-                                 self.max_model_len)
+            decoding = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
+            self.speculator.plan(decoding, self.max_model_len,
+                                 fused=self.fused_step is not None and self.fused_step.takes(decoding))
         return self.scheduler.schedule(self._lookahead)
 
     def _prepare(self, sched: SchedulerOutput) -> list[BatchEntry]:

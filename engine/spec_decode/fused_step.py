@@ -24,10 +24,12 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine import rng
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import BatchEntry, ModelRunner, passes_state
 from pdserve.engine.native_forward import NativePasses, native_weights
 from pdserve.engine.penalties import has_penalties
 from pdserve.engine.sampler import Sampler, race_noise
+from pdserve.engine.sequence import Sequence
 
 
 class FusedSpecStep:
@@ -66,18 +68,43 @@ class FusedSpecStep:
         step writes (its verification's, and its draft's passes' to the batch's deepest k, as
         `ModelRunner.can_draft_passes` asks); and the draft's passes still native (a benchmark
         may swap them)."""
-        if _native_passes(self.draft_runner) is None:
+        if not self.takes([e.seq for e in batch]):
             return False
         bs, deepest = self.block_size, max(e.num_new_tokens for e in batch) - 1
         for e in batch:
             seq, k = e.seq, e.num_new_tokens - 1
-            p = seq.params
-            if (k < 1 or seq.num_uncomputed_tokens != 1 or p.logprobs is not None
-                    or not (p.is_greedy or (self.sampler is not None and p.filters_by_temperature_only))
-                    or has_penalties(seq) or seq.is_prefill_only or seq.num_tokens < 2
+            if (k < 1 or seq.num_uncomputed_tokens != 1 or seq.num_tokens < 2
                     or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2
                     # the last slot written: the verification's, or the draft's passes' to the deepest
                     or (seq.num_tokens - 1 + max(k, deepest - 1)) // bs >= len(seq.block_table)):
+                return False
+        return True
+
+    def takes(self, seqs: list[Sequence]) -> bool:
+        """Whether steps of these sequences can fuse by what they ask (greedy, or sampling by
+        temperature alone where this step samples; no penalties, no log-probs, no prefill-only
+        request) and the draft's passes are native: what the depth model plans for
+        (`AdaptiveDepth.plan`'s fused) before the step's state is known."""
+        if _native_passes(self.draft_runner) is None:
+            return False
+        for seq in seqs:
+            p = seq.params
+            if (p.logprobs is not None or has_penalties(seq) or seq.is_prefill_only
+                    or not (p.is_greedy or (self.sampler is not None and p.filters_by_temperature_only))):
+                return False
+        return True
+
+    def reserve(self, batch: list[BatchEntry], block_manager: BlockManager) -> bool:
+        """Grow each decoding entry's block table to the last slot the fused step writes (the
+        draft's passes run every sequence to the batch's deepest k, beyond the lookahead the
+        scheduler gave a shallower one); False where the pool is short. The step truncates
+        every table to its tokens afterwards, on either path (`LLMEngine._verify_fused`,
+        `_postprocess`)."""
+        deepest = max(e.num_new_tokens for e in batch) - 1
+        for e in batch:
+            seq, k = e.seq, e.num_new_tokens - 1
+            if k >= 1 and seq.num_uncomputed_tokens == 1 and not block_manager.allocate(
+                    seq, seq.num_tokens + max(k, deepest - 1)):
                 return False
         return True
 

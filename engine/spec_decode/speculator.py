@@ -153,11 +153,12 @@ class Speculator:
             self._cohort = {s.req_id for s in running}
         return self.gate.allow(*self._regime, settled=settled)
 
-    def plan(self, seqs: list[Sequence], max_model_len: int) -> None:
+    def plan(self, seqs: list[Sequence], max_model_len: int, fused: bool = False) -> None:
         """The step's depths for the sequences about to decode (`choose_k` then answers the
-        scheduler): fixed, or picked for the batch by the depth model."""
+        scheduler): fixed, or picked for the batch by the depth model (fused: the step can run
+        as one native call, `AdaptiveDepth.plan`)."""
         rooms = [min(s.params.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens) - 1 for s in seqs]
-        self._ks = dict(zip((s.req_id for s in seqs), self.depth.plan(seqs, rooms)))
+        self._ks = dict(zip((s.req_id for s in seqs), self.depth.plan(seqs, rooms, fused)))
 
     def choose_k(self, seq: Sequence) -> int:
         return self._ks.get(seq.req_id, 0)

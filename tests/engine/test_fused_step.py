@@ -44,8 +44,8 @@ def _counted(llm: LLM) -> list[int]:
     assert isinstance(fused, FusedSpecStep)
 
     class Counted:
-        def covers(self, batch):
-            return fused.covers(batch)
+        def __getattr__(self, name):  # covers, takes, reserve: the fused step's own
+            return getattr(fused, name)
 
         def __call__(self, batch):
             calls.append(len(batch))
@@ -94,7 +94,7 @@ def test_mixed_depths_take_the_fused_step(target, drafts):
     def mixed(llm: LLM) -> None:  # depths 1-4 by prompt, at most each one's room
         spec = llm.engine.speculator
 
-        def plan(seqs, max_model_len):
+        def plan(seqs, max_model_len, fused=False):
             spec._ks = {s.req_id: min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
                                       s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
         spec.plan = plan
@@ -110,6 +110,46 @@ def test_mixed_depths_take_the_fused_step(target, drafts):
     assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
     assert len(PROMPTS) in calls
     _assert_all_free(fused)
+
+
+def test_shallow_sequences_get_the_slots_the_deepest_drafts_write(target, drafts):
+    """One sequence at depth 1 beside one at 4: the draft's passes write the shallow one's K/V
+    three positions past its verification, across its block's end every 16 tokens. The fused
+    step grows its table first (`reserve`) and the step still fuses; without that, each such
+    step took the engine's path. The same tokens either way, and after every step no table holds a
+    block past its tokens (none kept, none leaked)."""
+    def shallow_beside_deep(llm: LLM) -> None:
+        spec = llm.engine.speculator
+
+        def plan(seqs, max_model_len, fused=False):
+            spec._ks = {s.req_id: min(1 if s.prompt_token_ids[0] == 5 else 4,
+                                      s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
+        spec.plan = plan
+
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]  # depth 1 (its first token is 5), depth 4
+    options = dict(draft_model=drafts["target"], num_speculative_tokens=4, spec_adaptive=False)
+    runs = {}
+    for reserving in (True, False):
+        llm = LLM(target, **options)
+        shallow_beside_deep(llm)
+        calls, fused = _counted(llm), llm.engine.fused_step
+        if not reserving:
+            fused.reserve = lambda batch, block_manager: True  # as before: the scheduler's lookahead only
+        bm, tables = llm.engine.block_manager, []
+        step = llm.engine.step
+
+        def checked_step():
+            outputs = step()
+            tables.extend(len(s.block_table) <= bm.blocks_for(s.num_tokens) for s in llm.engine.scheduler.running)
+            return outputs
+        llm.engine.step = checked_step
+        runs[reserving] = ([o.token_ids for o in llm.generate(prompts, params)], calls.count(2))
+        assert tables and all(tables)  # no slot past the tokens kept
+        _assert_all_free(llm)
+    (tokens, fused_steps), (tokens_before, fused_before) = runs[True], runs[False]
+    assert tokens == tokens_before == [o.token_ids for o in LLM(target).generate(prompts, params)]
+    assert fused_steps > fused_before
 
 
 @pytest.mark.parametrize("params", [

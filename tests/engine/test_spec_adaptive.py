@@ -26,24 +26,29 @@ def seq_(req_id="r"):
     return Sequence(req_id, [1, 2, 3], SamplingParams(), seed=0)
 
 
-def reference_plan(depth: AdaptiveDepth, seqs: list[Sequence], rooms: list[int]) -> list[int]:
+def reference_plan(depth: AdaptiveDepth, seqs: list[Sequence], rooms: list[int], fused: bool = False) -> list[int]:
     """`AdaptiveDepth.plan` as its docstring states it, pass by pass through `step_cost`, without
-    the tables or the drift (the plan's tabled form must pick the same depths)."""
+    the tables or the drift (the plan's tabled form must pick the same depths). fused, in a batch:
+    every pass over every sequence, a position's marginal cost its verification's, and at least
+    one draft for a sequence with room."""
     tops = [max(0, min(depth.max_k, r)) for r in rooms]
     alphas = [depth.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
+    fused = fused and len(seqs) > 1
 
     def rate(ks):
         expected = sum(k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a) for a, k in zip(alphas, ks))
-        return expected / max(depth.step_cost(ks), 1e-9)
+        return expected / max(depth.step_cost(ks, fused), 1e-9)
 
     measured = depth.draft_cost is not None and not depth.draft_cost.is_guess
-    slope = depth.target_cost.b + (depth.draft_cost.b if measured else 0.0)
+    slope = depth.target_cost.b + (depth.draft_cost.b if measured and not fused else 0.0)
     best_ks, best = [0] * len(seqs), 0.0
     for k in range(max(tops, default=0) + 1):
         ks = [min(k, t) for t in tops]
         if k:
             worth = slope * rate(ks)
             ks = [next((j for j in range(1, kk + 1) if a ** j < worth), kk + 1) - 1 for a, kk in zip(alphas, ks)]
+            if fused:
+                ks = [max(j, min(1, t)) for j, t in zip(ks, (min(k, t) for t in tops))]
         if (r := rate(ks)) > best:
             best_ks, best = ks, r
     return best_ks
@@ -63,8 +68,9 @@ def test_plan_picks_what_the_reference_plan_picks():
                 k = rng.randint(1, 4)
                 depth.record(s.req_id, k, rng.choice([k, rng.randint(0, k)]))
         rooms = [rng.randint(0, 10) for _ in seqs]
-        expected = reference_plan(depth, seqs, rooms)
-        assert depth.plan(seqs, rooms) == expected, case
+        fused = case % 2 == 1
+        expected = reference_plan(depth, seqs, rooms, fused)
+        assert depth.plan(seqs, rooms, fused) == expected, case
         picked.add(max(expected, default=0))
     assert len(picked) >= 4  # the cases reach several depths, not just plain decoding
 
@@ -82,6 +88,11 @@ def test_depth_follows_acceptance():
     # the position still worth its marginal cost (α ≈ 0.2: one)
     k_good, k_bad = depth.plan([good, bad], [10, 10])
     assert k_good >= 3 and k_bad <= 1
+    # fused: the draft's passes run the bad one to the deepest anyway, and a sequence without a
+    # draft would take the whole step off the fused path: it keeps one
+    k_good, k_bad = depth.plan([good, bad], [10, 10], fused=True)
+    assert k_good >= 2 and k_bad == 1
+    assert depth.plan([bad], [10], fused=True) == [0]  # alone, depth 0 is a plain step
 
 
 def test_depth_is_chosen_for_the_batch():

@@ -129,7 +129,7 @@ def test_mixed_depths_draft_at_once_to_the_deepest(target, useless_draft):
     def mixed(llm: LLM) -> None:  # PROMPTS' depths 4, 1, 2, 1, 1 (by prompt), at most each one's room
         spec = llm.engine.speculator
 
-        def plan(seqs, max_model_len):
+        def plan(seqs, max_model_len, fused=False):
             spec._ks = {s.req_id: min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
                                       s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
         spec.plan = plan

@@ -23,7 +23,7 @@ def test_gate_leaves_out_the_step_where_the_draft_catches_up_on_plain_steps(targ
     spec.gate.allow = lambda batch_size, sampled, settled=True: settled_flags.append(settled) or next(verdicts)
     calls: dict[str, int] = {}
 
-    def plan(seqs, rooms):  # no timings; the second request sits out every other step
+    def plan(seqs, rooms, fused=False):  # no timings; the second request sits out every other step
         ks = []
         for seq, room in zip(seqs, rooms):
             calls[seq.req_id] = n = calls.get(seq.req_id, 0) + 1
@@ -68,7 +68,7 @@ def test_engine_speculates_only_on_steps_the_gate_allows(target, useless_draft, 
     verdicts = iter([True, False] * 1000)
     allowed = []
     llm.engine.speculator.gate.allow = lambda batch_size, sampled, settled=True: allowed.append(next(verdicts)) or allowed[-1]
-    llm.engine.speculator.depth.plan = lambda seqs, rooms: [max(0, min(3, r)) for r in rooms]  # no timings
+    llm.engine.speculator.depth.plan = lambda seqs, rooms, fused=False: [max(0, min(3, r)) for r in rooms]  # no timings
     drafts_before = []
     orig_propose = llm.engine.speculator.propose
 
@@ -113,7 +113,7 @@ def test_a_new_regimes_first_switch_to_speculation_is_priced(target, useless_dra
     llm = LLM(target, draft_model=useless_draft, num_speculative_tokens=2)
     spec = llm.engine.speculator
     spec.gate._predict = lambda batch_size, sampled: False  # the model's verdict, not its timings
-    spec.depth.plan = lambda seqs, rooms: [max(0, min(2, r)) for r in rooms]  # every allowed step drafts
+    spec.depth.plan = lambda seqs, rooms, fused=False: [max(0, min(2, r)) for r in rooms]  # every allowed step drafts
     proposed = []
     real_propose = spec.propose
     spec.propose = lambda seqs, ks: proposed.append(spec._decode_run) or real_propose(seqs, ks)
