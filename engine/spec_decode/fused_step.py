@@ -44,6 +44,9 @@ class FusedSpecStep:
         target = runner.native_forward
         self.target = (target.caches, target.cos, target.sin, *target.shape)
         self.block_size = runner.block_size
+        # positions the two rotary tables hold: the draft's passes write past a shallow
+        # sequence's verification, and near the context end past what either model has
+        self.max_position = min(target.cos.shape[0], _native_passes(draft_runner).cos.shape[0])
 
     @classmethod
     def of(cls, runner: ModelRunner, draft_runner: ModelRunner | None, sampler: Sampler,
@@ -76,7 +79,8 @@ class FusedSpecStep:
             if (k < 1 or seq.num_uncomputed_tokens != 1 or seq.num_tokens < 2
                     or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2
                     # the last slot written: the verification's, or the draft's passes' to the deepest
-                    or (seq.num_tokens - 1 + max(k, deepest - 1)) // bs >= len(seq.block_table)):
+                    or (last := seq.num_tokens - 1 + max(k, deepest - 1)) // bs >= len(seq.block_table)
+                    or last >= self.max_position):
                 return False
         return True
 
@@ -97,14 +101,17 @@ class FusedSpecStep:
     def reserve(self, batch: list[BatchEntry], block_manager: BlockManager) -> bool:
         """Grow each decoding entry's block table to the last slot the fused step writes (the
         draft's passes run every sequence to the batch's deepest k, beyond the lookahead the
-        scheduler gave a shallower one); False where the pool is short. The step truncates
+        scheduler gave a shallower one); False where the pool is short or a slot would lie past
+        the rotary tables (the context's end). The step truncates
         every table to its tokens afterwards, on either path (`LLMEngine._verify_fused`,
         `_postprocess`)."""
         deepest = max(e.num_new_tokens for e in batch) - 1
         for e in batch:
             seq, k = e.seq, e.num_new_tokens - 1
-            if k >= 1 and seq.num_uncomputed_tokens == 1 and not block_manager.allocate(
-                    seq, seq.num_tokens + max(k, deepest - 1)):
+            if k < 1 or seq.num_uncomputed_tokens != 1:
+                continue
+            reach = seq.num_tokens + max(k, deepest - 1)  # tokens up to the last slot written
+            if reach > self.max_position or not block_manager.allocate(seq, reach):
                 return False
         return True
 

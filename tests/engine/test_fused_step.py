@@ -152,6 +152,29 @@ def test_shallow_sequences_get_the_slots_the_deepest_drafts_write(target, drafts
     assert fused_steps > fused_before
 
 
+def test_shallow_sequences_at_the_context_end_take_the_engine_path(checkpoint):
+    """Near the end of a model's context (its rotary table), the draft's passes for a shallow
+    sequence would write past the table: that step is not fused and no block is reserved past
+    it, the requests run to the context's end with the tokens plain decoding gives, and no
+    block is left over."""
+    short = checkpoint("llama", max_position_embeddings=64)
+    llm = LLM(short, draft_model=short, num_speculative_tokens=4, spec_adaptive=False)
+    spec = llm.engine.speculator
+
+    def plan(seqs, max_model_len, fused=False):  # depth 1 for the first prompt, 4 for the other, within each room
+        spec._ks = {s.req_id: max(0, min(1 if s.prompt_token_ids[0] == 5 else 4, max_model_len - s.num_tokens - 1,
+                                         s.params.max_tokens - s.num_output_tokens - 1)) for s in seqs}
+    spec.plan = plan
+    calls = _counted(llm)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompts = [[5] + list(range(60, 110)), PROMPTS[3]]  # the shallow one reaches the end first
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(short).generate(prompts, params)]
+    assert all(len(p) + len(o.token_ids) == 64 for p, o in zip(prompts, outs))  # both ran to the end
+    assert 2 in calls
+    _assert_all_free(llm)
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True),
     SamplingParams(temperature=0.8, min_p=0.05, seed=3, max_tokens=16, ignore_eos=True),
