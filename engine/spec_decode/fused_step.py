@@ -65,7 +65,8 @@ class FusedSpecStep:
         return None if weights is None else cls(runner, draft_runner, weights, sampler if samples else None)
 
     def covers(self, batch: list[BatchEntry]) -> bool:
-        """Whether every entry is a decode given lookahead slots for at least one draft, greedy
+        """Whether every entry is a decode (at least one given lookahead slots for a draft; one
+        without verifies its input token alone, as a sequence at its last token does), greedy
         or (where this step samples) sampling by temperature alone, with no penalties or
         log-probs, its draft one or two tokens behind, its block table reaching every slot the
         step writes (its verification's, and its draft's passes' to the batch's deepest k, as
@@ -74,9 +75,11 @@ class FusedSpecStep:
         if not self.takes([e.seq for e in batch]):
             return False
         bs, deepest = self.block_size, max(e.num_new_tokens for e in batch) - 1
+        if deepest < 1:
+            return False
         for e in batch:
             seq, k = e.seq, e.num_new_tokens - 1
-            if (k < 1 or seq.num_uncomputed_tokens != 1 or seq.num_tokens < 2
+            if (seq.num_uncomputed_tokens != 1 or seq.num_tokens < 2
                     or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2
                     # the last slot written: the verification's, or the draft's passes' to the deepest
                     or (last := seq.num_tokens - 1 + max(k, deepest - 1)) // bs >= len(seq.block_table)
@@ -108,7 +111,7 @@ class FusedSpecStep:
         deepest = max(e.num_new_tokens for e in batch) - 1
         for e in batch:
             seq, k = e.seq, e.num_new_tokens - 1
-            if k < 1 or seq.num_uncomputed_tokens != 1:
+            if seq.num_uncomputed_tokens != 1:
                 continue
             reach = seq.num_tokens + max(k, deepest - 1)  # tokens up to the last slot written
             if reach > self.max_position or not block_manager.allocate(seq, reach):

@@ -180,11 +180,13 @@ class Speculator:
     def record_fused(self, seqs: list[Sequence], ks: list[int], tokens: list[list[int]], draft_seconds: float) -> None:
         """A fused step's (`fused_step.FusedSpecStep`) drafts and verification, booked as
         `propose` and `verify` book theirs: ks[b] drafts of seqs[b], tokens[b] emitted, the
-        draft's passes (to the deepest k) in draft_seconds."""
+        draft's passes (to the deepest k) in draft_seconds. A sequence at depth 0 verified its
+        input token alone: a plain step's token, not a draft (as on the engine's path)."""
         self._propose_seconds += draft_seconds
         self._speculated = True
         self.proposer.observe_passes(len(seqs), draft_seconds, max(ks))
-        self._record(seqs, ks, tokens)
+        drafted = [i for i, k in enumerate(ks) if k]
+        self._record([seqs[i] for i in drafted], [ks[i] for i in drafted], [tokens[i] for i in drafted])
 
     def _record(self, seqs: list[Sequence], ks: list[int], tokens: list[list[int]]) -> None:
         for seq, k, out in zip(seqs, ks, tokens):

@@ -214,8 +214,9 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& temperature, co
 // decode greedily or sample by temperature alone. The draft's passes as draft_passes runs them with
 // catch_up (state as it takes it, every sequence to the deepest of `depths`; temperature and noise
 // as it takes them), then the target's verification of each sequence's own depth k (depths [S]
-// int64, each >= 1): rows of its input token and its first k drafts at positions p .. p + k (p: the
-// state's position), their K/V written into the target's caches by the same block ids, the final
+// int64, each >= 0 and the deepest >= 1; at depth 0 a sequence verifies its input token alone, as a
+// plain step would, while its draft still runs to the deepest): rows of its input token and its
+// first k drafts at positions p .. p + k (p: the state's position), their K/V written into the target's caches by the same block ids, the final
 // norm, the lm_head and each row's pick as race_rows picks, row j of sequence s against noise[j, s]
 // (noise [deepest + 1, S, vocab]: the draft's pass j raced the same row). weights: the target's,
 // with its lm_head, as draft_weights are listed. Returns the drafts [S, deepest], the target's picks
@@ -241,10 +242,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
   const int64_t* kp = ks.data_ptr<int64_t>();
   int64_t deepest = 0, rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(kp[s] >= 1, "spec_step: depth ", kp[s], " of sequence ", s, " is not at least 1");
+    TORCH_CHECK(kp[s] >= 0, "spec_step: depth ", kp[s], " of sequence ", s, " is negative");
     deepest = std::max(deepest, kp[s]);
     rows += kp[s] + 1;
   }
+  TORCH_CHECK(deepest >= 1, "spec_step: no sequence has a draft to verify (every depth is 0)");
   const Decoder d("spec_step", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
   const bool sampled = temperature.has_value();
   TORCH_CHECK(sampled == noise.has_value(), "spec_step: temperature and noise come together");

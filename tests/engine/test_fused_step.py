@@ -38,8 +38,9 @@ def drafts(checkpoint, target):
             "target": target}
 
 
-def _counted(llm: LLM) -> list[int]:
-    """The fused step's calls on llm, as each call's sequence count."""
+def _counted(llm: LLM, depths: list | None = None) -> list[int]:
+    """The fused step's calls on llm, as each call's sequence count (and into `depths`, each
+    call's depths)."""
     fused, calls = llm.engine.fused_step, []
     assert isinstance(fused, FusedSpecStep)
 
@@ -49,6 +50,8 @@ def _counted(llm: LLM) -> list[int]:
 
         def __call__(self, batch):
             calls.append(len(batch))
+            if depths is not None:
+                depths.append([e.num_new_tokens - 1 for e in batch])
             return fused(batch)
     llm.engine.fused_step = Counted()
     return calls
@@ -88,15 +91,22 @@ def test_fused_steps_emit_what_the_engine_path_emits(target, drafts, draft, adap
     _assert_all_free(fused)
 
 
-def test_mixed_depths_take_the_fused_step(target, drafts):
+@pytest.mark.parametrize("lowest", [1, 0], ids=["depths-1-4", "depths-0-4-at-times"])
+def test_mixed_depths_take_the_fused_step(target, drafts, lowest):
     """Sequences planned to different depths: the draft's passes run to the deepest, each
-    sequence verifies its own depth's drafts; the same tokens and acceptance as the engine's path."""
-    def mixed(llm: LLM) -> None:  # depths 1-4 by prompt, at most each one's room
-        spec = llm.engine.speculator
+    sequence verifies its own depth's drafts; the same tokens and acceptance as the engine's path.
+    With lowest 0, two of the five sequences plan depth 0 at every other step, as one at its
+    last token does after drafting: it verifies its input token alone in the fused step (its
+    draft still runs, so it stays caught up) and counts no draft."""
+    def mixed(llm: LLM) -> None:  # depths 1-4 by prompt, at most each one's room; some at 0 at times
+        spec, planned = llm.engine.speculator, {}
 
         def plan(seqs, max_model_len, fused=False):
-            spec._ks = {s.req_id: min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
-                                      s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
+            for s in seqs:
+                planned[s.req_id] = planned.get(s.req_id, 0) + 1
+            spec._ks = {s.req_id: 0 if s.prompt_token_ids[0] in (3, 7) and planned[s.req_id] % 2 and not lowest
+                        else min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
+                                 s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
         spec.plan = plan
 
     options = dict(draft_model=drafts["small"], num_speculative_tokens=4, spec_adaptive=False)
@@ -104,11 +114,13 @@ def test_mixed_depths_take_the_fused_step(target, drafts):
     apart.engine.fused_step = None
     mixed(fused)
     mixed(apart)
-    calls = _counted(fused)
+    depths: list[list[int]] = []
+    calls = _counted(fused, depths)
     assert [o.token_ids for o in fused.generate(PROMPTS, GREEDY)] == [o.token_ids for o in apart.generate(PROMPTS, GREEDY)]
     mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
     assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
     assert len(PROMPTS) in calls
+    assert any(0 in ks for ks in depths) == (lowest == 0)
     _assert_all_free(fused)
 
 
@@ -291,7 +303,9 @@ def test_the_fused_call_refuses_malformed_calls(target, drafts):
     def call(state, depths, *sampling):
         return torch.ops.pdserve.spec_step(state, depths, draft.weights, draft.caches, draft.cos, draft.sin,
                                            *draft.shape, fused.weights, *fused.target, *(sampling or (None, None)))
-    with pytest.raises(RuntimeError, match="depth 0 of sequence 0 is not at least 1"):
+    with pytest.raises(RuntimeError, match="depth -1 of sequence 0 is negative"):
+        call(state, torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="no sequence has a draft to verify"):
         call(state, torch.tensor([0]))
     with pytest.raises(RuntimeError, match=r"depths must be int64 \[1\]"):
         call(state, torch.tensor([2, 2]))
