@@ -152,7 +152,7 @@ class FusedTimer:
     def __init__(self, fused, draft_timer: ForwardTimer):
         self._fused, self._timer = fused, draft_timer
 
-    def __getattr__(self, name):  # covers, takes, reserve: the fused step's own
+    def __getattr__(self, name):  # covers, prepare, takes: the fused step's own
         return getattr(self._fused, name)
 
     def __call__(self, batch):

@@ -247,8 +247,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         batch = self._prepare(sched)
-        if (self._speculate and self.fused_step is not None and self.fused_step.reserve(batch, self.block_manager)
-                and self.fused_step.covers(batch)):
+        if self._speculate and self.fused_step is not None and self.fused_step.prepare(batch, self.block_manager):
             return self._verify_fused(batch)
         proposals = self._propose(batch)
         logits = self._run(batch)

@@ -12,12 +12,12 @@ rule, the coupled verifier's); its bookkeeping is the same as on its own path
 (`LLMEngine._verify_fused`).
 
 Used for a step whose every sequence decodes greedily, or samples by temperature alone under the
-coupled verifier (no top-k, top-p or min-p), with at least one draft, no penalties and no
-log-probs, its draft at most two tokens behind (what `DraftProposer`'s passes at once take, as
-after every verification), on a draft whose passes run natively (`DraftPasses.native`) and a
-target whose forward does (`NativeForward`, its lm_head packed). Other steps take the engine's
-path. The tokens are the same either way: the same ops over the same rows, the same noise
-(tested against that path).
+coupled verifier (no top-k, top-p or min-p), no penalties and no log-probs, at least one of them
+with a draft (one without verifies its input token alone), each draft at most two tokens behind
+(what `DraftProposer`'s passes at once take, as after every verification), on a draft whose passes
+run natively (`DraftPasses.native`) and a target whose forward does (`NativeForward`, its lm_head
+packed). Other steps take the engine's path. The tokens are the same either way: the same ops over
+the same rows, the same noise (tested against that path).
 """
 from __future__ import annotations
 
@@ -70,22 +70,38 @@ class FusedSpecStep:
         or (where this step samples) sampling by temperature alone, with no penalties or
         log-probs, its draft one or two tokens behind, its block table reaching every slot the
         step writes (its verification's, and its draft's passes' to the batch's deepest k, as
-        `ModelRunner.can_draft_passes` asks); and the draft's passes still native (a benchmark
-        may swap them)."""
+        `ModelRunner.can_draft_passes` asks) and no slot past the rotary tables; and the draft's
+        passes still native (a benchmark may swap them)."""
+        last_slots = self._last_slots(batch)
+        return last_slots is not None and all(last // self.block_size < len(seq.block_table)
+                                              for seq, last in last_slots)
+
+    def prepare(self, batch: list[BatchEntry], block_manager: BlockManager) -> bool:
+        """`covers`, each entry's block table first grown to the last slot the step writes: the
+        draft's passes run every sequence to the batch's deepest k, beyond the lookahead the
+        scheduler gave a shallower one. False where the step cannot fuse or the pool is short.
+        The step truncates every table to its tokens afterwards, on either path
+        (`LLMEngine._verify_fused`, `_postprocess`)."""
+        last_slots = self._last_slots(batch)
+        return last_slots is not None and all(block_manager.allocate(seq, last + 1) for seq, last in last_slots)
+
+    def _last_slots(self, batch: list[BatchEntry]) -> list[tuple[Sequence, int]] | None:
+        """Each entry's sequence and the last position the step writes for it, or None where the
+        step cannot fuse whatever the block tables hold."""
         if not self.takes([e.seq for e in batch]):
-            return False
-        bs, deepest = self.block_size, max(e.num_new_tokens for e in batch) - 1
+            return None
+        deepest = max(e.num_new_tokens for e in batch) - 1
         if deepest < 1:
-            return False
+            return None
+        last_slots = []
         for e in batch:
             seq, k = e.seq, e.num_new_tokens - 1
-            if (seq.num_uncomputed_tokens != 1 or seq.num_tokens < 2
-                    or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2
-                    # the last slot written: the verification's, or the draft's passes' to the deepest
-                    or (last := seq.num_tokens - 1 + max(k, deepest - 1)) // bs >= len(seq.block_table)
-                    or last >= self.max_position):
-                return False
-        return True
+            last = seq.num_tokens - 1 + max(k, deepest - 1)  # the verification's, or the draft's deepest pass's
+            if (seq.num_uncomputed_tokens != 1 or seq.num_tokens < 2 or last >= self.max_position
+                    or not 1 <= seq.num_tokens - seq.num_draft_computed_tokens <= 2):
+                return None
+            last_slots.append((seq, last))
+        return last_slots
 
     def takes(self, seqs: list[Sequence]) -> bool:
         """Whether steps of these sequences can fuse by what they ask (greedy, or sampling by
@@ -98,23 +114,6 @@ class FusedSpecStep:
             p = seq.params
             if (p.logprobs is not None or has_penalties(seq) or seq.is_prefill_only
                     or not (p.is_greedy or (self.sampler is not None and p.filters_by_temperature_only))):
-                return False
-        return True
-
-    def reserve(self, batch: list[BatchEntry], block_manager: BlockManager) -> bool:
-        """Grow each decoding entry's block table to the last slot the fused step writes (the
-        draft's passes run every sequence to the batch's deepest k, beyond the lookahead the
-        scheduler gave a shallower one); False where the pool is short or a slot would lie past
-        the rotary tables (the context's end). The step truncates
-        every table to its tokens afterwards, on either path (`LLMEngine._verify_fused`,
-        `_postprocess`)."""
-        deepest = max(e.num_new_tokens for e in batch) - 1
-        for e in batch:
-            seq, k = e.seq, e.num_new_tokens - 1
-            if seq.num_uncomputed_tokens != 1:
-                continue
-            reach = seq.num_tokens + max(k, deepest - 1)  # tokens up to the last slot written
-            if reach > self.max_position or not block_manager.allocate(seq, reach):
                 return False
         return True
 

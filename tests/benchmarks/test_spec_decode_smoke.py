@@ -196,7 +196,7 @@ def test_the_draft_timer_sees_the_passes_inside_fused_steps(bench):
     timer, calls = bench.ForwardTimer(llm.engine.draft_runner), []
 
     class Counted:
-        def __getattr__(self, name):  # covers, takes, reserve: the fused step's own
+        def __getattr__(self, name):  # covers, prepare, takes: the fused step's own
             return getattr(fused, name)
 
         def __call__(self, batch):

@@ -45,7 +45,7 @@ def _counted(llm: LLM, depths: list | None = None) -> list[int]:
     assert isinstance(fused, FusedSpecStep)
 
     class Counted:
-        def __getattr__(self, name):  # covers, takes, reserve: the fused step's own
+        def __getattr__(self, name):  # covers, prepare, takes: the fused step's own
             return getattr(fused, name)
 
         def __call__(self, batch):
@@ -127,7 +127,7 @@ def test_mixed_depths_take_the_fused_step(target, drafts, lowest):
 def test_shallow_sequences_get_the_slots_the_deepest_drafts_write(target, drafts):
     """One sequence at depth 1 beside one at 4: the draft's passes write the shallow one's K/V
     three positions past its verification, across its block's end every 16 tokens. The fused
-    step grows its table first (`reserve`) and the step still fuses; without that, each such
+    step grows its table first (`prepare`) and the step still fuses; without that, each such
     step took the engine's path. The same tokens either way, and after every step no table holds a
     block past its tokens (none kept, none leaked)."""
     def shallow_beside_deep(llm: LLM) -> None:
@@ -147,7 +147,7 @@ def test_shallow_sequences_get_the_slots_the_deepest_drafts_write(target, drafts
         shallow_beside_deep(llm)
         calls, fused = _counted(llm), llm.engine.fused_step
         if not reserving:
-            fused.reserve = lambda batch, block_manager: True  # as before: the scheduler's lookahead only
+            fused.prepare = lambda batch, block_manager: fused.covers(batch)  # as before: the scheduler's lookahead only
         bm, tables = llm.engine.block_manager, []
         step = llm.engine.step
 
