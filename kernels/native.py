@@ -9,8 +9,9 @@
   projections over weights packed once into column panels (`linear_pack`), for every step's
   linears. The BLAS's small-M path reads a decode step's weights at about half the speed one core
   can, and pays about 3x for the 5 rows of a speculative verification. AVX-512 or AVX2 with FMA
-  (`linear_packed_available()`); elsewhere the model keeps `nn.Linear`. Bfloat16 panels times 16
-  rows and more run on the AMX tile unit where the CPU has one and it pays (`cpu/linear_amx.h`;
+  (`linear_packed_available()`); elsewhere the model keeps `nn.Linear`. Bfloat16 panels times 7
+  rows and more run on the AMX tile unit where the CPU has one (`cpu/linear_amx.h`, from a copy of
+  the panels in the tile unit's order that `linear_pack` keeps beside them;
   `linear_tile_rows(m)` says whether m rows do, `linear_use_tiles(False)` turns it off).
 - `torch.ops.pdserve.draft_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, ...)`
   (`cpu/draft_passes.cpp`): a draft model's passes of a speculative step in one call, the whole

@@ -111,8 +111,10 @@ class PackedLinear(nn.Module):
     published ones are, computed in float32) is packed in bfloat16: the same numbers at half the
     bytes, and the same results bit for bit on the vector loops. A decode step reads every weight
     once, so it runs at the memory's speed, and half the bytes take about half the time
-    (BENCHMARKS.md). On a CPU with AMX, 16 rows and more of such a weight run on the tile unit,
-    exact products summed in another order (`kernels/cpu/linear_amx.h`)."""
+    (BENCHMARKS.md). On a CPU with AMX, 7 rows and more of such a weight run on the tile unit,
+    exact products summed in another order (`kernels/cpu/linear_amx.h`), from a second copy of
+    the weight in the tile unit's order that the packing keeps (so the buffer's storage holds the
+    weight's bytes twice)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -27,8 +27,9 @@
 // in registers by every pass (`panel_all_rows_bf16`); with AVX2, by passes of up to six rows, and
 // for more rows (a prefill) once into a float32 copy that stays in L2.
 //
-// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 panels times 16 rows and more take
-// the tile unit instead where it pays (`tiles_pay`; linear_amx.h): x split exactly into three
+// On a CPU with AMX (Intel Sapphire Rapids and later) bfloat16 panels times 7 rows and more take
+// the tile unit instead (`tiles_pay_tiled`; linear_amx.h), from panels that `linear_pack` also keeps
+// in the tile unit's order (`with_tiled_copy`: the weight's bytes twice): x split exactly into three
 // bfloat16 parts, float32 sums in the tile unit's order, so those outputs equal the vector loops'
 // up to float rounding, not bit for bit; a row's output there does not depend on the rows beside it.
 //
@@ -51,6 +52,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -71,6 +73,62 @@ int64_t num_panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 // Intel Xeon: 16 rows 1.05-1.25x the vector loops' speed, 17 rows on tiles 0.7x, 32 rows
 // 1.05-1.7x, 160 rows 1.8-2.6x).
 bool tiles_pay(int64_t m) { return m >= 10 * ((m + kTileRows - 1) / kTileRows) + 6; }
+
+// The same for a weight packed with its tile copy (`with_tiled_copy`): no panel is rewritten per
+// call, and from kMinTiledRows rows the tile unit is the faster (scratch timing, the demo target's
+// shapes, one thread, Intel Xeon with AMX, vector loops / tiles in µs: the 4096 x 256 lm_head 94 /
+// 102 at 6 rows, 124 / 102 at 7; the 1536 x 256 gate_up 46 / 30 at 8 rows, 81 / 32 at 16, 154 /
+// 57 at 32, where a rewrite per call took 47, 68 and 108). Fewer rows stay on the vector loops: a
+// batch-1 step, and its verification up to k = 5.
+constexpr int64_t kMinTiledRows = 7;
+bool tiles_pay_tiled(int64_t m) { return m >= kMinTiledRows; }
+
+// A bfloat16 weight's panels in the tile unit's order (`tile_panel`), kept past the panels in the
+// packed tensor's own storage, then a header that names them: the tile path then reads them as
+// they are, where it rewrote every panel on every call, a pass over the whole weight that cost
+// about what 10 rows of products do. The tensor the engine holds is the panels alone, shaped as
+// every other packed weight; a copy of it (`clone`, `to`) holds the panels alone and takes the
+// rewrite per call, with the same sums. The panels must not be written after packing.
+constexpr uint64_t kTiledMagic = 0x3164656c69746470ULL;  // "pdtiled1"
+constexpr int64_t kHeaderHalves = 32;                      // the header's 64 bytes, in bfloat16 units
+
+struct TiledHeader {
+  uint64_t magic;
+  int64_t panels, k_len, k_pad;
+};
+
+int64_t tiled_halves(int64_t panels, int64_t k_pad) { return panels * (k_pad / 2) * kPanel * 2; }
+
+at::Tensor with_tiled_copy(const at::Tensor& packed) {
+  const int64_t panels = packed.size(0), k_len = packed.size(1);
+  const int64_t k_pad = (k_len + kTileK - 1) / kTileK * kTileK, halves = packed.numel();
+  at::Tensor storage = at::empty({halves + tiled_halves(panels, k_pad) + kHeaderHalves}, packed.options());
+  at::Tensor panels_view = storage.narrow(0, 0, halves).view(packed.sizes());
+  panels_view.copy_(packed);
+  auto* base = static_cast<uint16_t*>(storage.data_ptr());
+  auto* tiled = reinterpret_cast<uint32_t*>(base + halves);  // halves is a multiple of 64: aligned as the storage
+  for (int64_t j = 0; j < panels; ++j)
+    tile_panel(base + j * k_len * kPanel, k_len, k_pad, tiled + j * (k_pad / 2) * kPanel);
+  const TiledHeader header{kTiledMagic, panels, k_len, k_pad};
+  std::memcpy(base + halves + tiled_halves(panels, k_pad), &header, sizeof(header));
+  return panels_view;
+}
+
+// The tile copy `with_tiled_copy` left past these panels, or null where there is none (a copy of
+// the tensor, a float32 weight): known by the storage's exact size and the header's contents.
+const uint32_t* tiled_copy(const at::Tensor& packed, int64_t k_len, int64_t k_pad) {
+  const int64_t panels = packed.size(0), halves = packed.numel();
+  const int64_t bytes = (halves + tiled_halves(panels, k_pad) + kHeaderHalves) * 2;
+  if (packed.scalar_type() != at::kBFloat16 || packed.storage_offset() != 0 || !packed.has_storage() ||
+      static_cast<int64_t>(packed.storage().nbytes()) != bytes)
+    return nullptr;
+  const auto* base = static_cast<const uint16_t*>(packed.data_ptr());
+  TiledHeader header;
+  std::memcpy(&header, base + halves + tiled_halves(panels, k_pad), sizeof(header));
+  if (header.magic != kTiledMagic || header.panels != panels || header.k_len != k_len || header.k_pad != k_pad)
+    return nullptr;
+  return reinterpret_cast<const uint32_t*>(base + halves);
+}
 #endif
 
 at::Tensor linear_pack(const at::Tensor& weight) {
@@ -85,8 +143,12 @@ at::Tensor linear_pack(const at::Tensor& weight) {
     const int64_t cols = std::min(kPanel, n - j * kPanel);
     packed[j].narrow(1, 0, cols).copy_(wt.narrow(1, j * kPanel, cols));
   }
-  if (weight.scalar_type() == at::kBFloat16)  // pair the columns: (half, i) -> word i of the half
+  if (weight.scalar_type() == at::kBFloat16) {  // pair the columns: (half, i) -> word i of the half
     packed = packed.view({packed.size(0), k, 2, 2, kHalf / 2}).transpose(3, 4).contiguous().view(packed.sizes());
+#ifdef PDSERVE_LINEAR_AMX
+    if (tiles_permitted()) return with_tiled_copy(packed);
+#endif
+  }
   return packed;
 }
 
@@ -105,10 +167,12 @@ std::atomic<bool> tiles_on{true};
 
 bool linear_use_tiles(bool on) { return tiles_on.exchange(on); }
 
-// Whether `rows` rows times bfloat16 panels take the tile path in this build and process now.
+// Whether `rows` rows times bfloat16 panels from `linear_pack` (with their tile copy) take the
+// tile path in this build and process now. A copy of such panels (no tile copy) takes it from
+// more rows (`tiles_pay`).
 bool linear_tile_rows(int64_t rows) {
 #ifdef PDSERVE_LINEAR_AMX
-  return tiles_on.load(std::memory_order_relaxed) && tiles_pay(rows) && tiles_permitted();
+  return tiles_on.load(std::memory_order_relaxed) && tiles_pay_tiled(rows) && tiles_permitted();
 #else
   return false;
 #endif
@@ -140,22 +204,27 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
   // they save (a batch-1 step's projections, 4 to 48 panels of a few microseconds each)
   const int64_t grain = std::max<int64_t>(1, kMinTaskMultiplyAdds / (m_len * k_len * kPanel));
 #ifdef PDSERVE_LINEAR_AMX
-  if (half && linear_tile_rows(m_len)) {
+  const int64_t k_pad = (k_len + kTileK - 1) / kTileK * kTileK;
+  const uint32_t* pretiled = half ? tiled_copy(packed, k_len, k_pad) : nullptr;
+  if (half && tiles_on.load(std::memory_order_relaxed) && (pretiled ? tiles_pay_tiled(m_len) : tiles_pay(m_len)) &&
+      tiles_permitted()) {
     const int64_t m_pad = (m_len + kTileRows - 1) / kTileRows * kTileRows;
-    const int64_t k_pad = (k_len + kTileK - 1) / kTileK * kTileK;
     thread_local std::vector<uint16_t> parts;  // reused: a fresh buffer of this size is a fresh mapping
     parts.resize(kParts * m_pad * k_pad);
     split_rows(xp, m_len, k_len, m_pad, k_pad, parts.data());
     const uint16_t* pa = parts.data();
     at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {
       thread_local std::vector<uint32_t> tiled;
-      tiled.resize(k_pad / 2 * kPanel);
+      if (pretiled == nullptr) tiled.resize(k_pad / 2 * kPanel);
       configure_tiles();
       for (int64_t j = first; j < last; ++j) {
         const int64_t cols = std::min(kPanel, n - j * kPanel);
-        tile_panel(static_cast<const uint16_t*>(pp) + j * k_len * kPanel, k_len, k_pad, tiled.data());
-        tile_panel_rows(pa, m_len, m_pad, k_pad, tiled.data(), yp + j * kPanel, n, cols,
-                        bp == nullptr ? nullptr : bp + j * kPanel);
+        const uint32_t* panel = tiled.data();
+        if (pretiled != nullptr)
+          panel = pretiled + j * (k_pad / 2) * kPanel;
+        else
+          tile_panel(static_cast<const uint16_t*>(pp) + j * k_len * kPanel, k_len, k_pad, tiled.data());
+        tile_panel_rows(pa, m_len, m_pad, k_pad, panel, yp + j * kPanel, n, cols, bp == nullptr ? nullptr : bp + j * kPanel);
       }
       _tile_release();
     });

@@ -12,16 +12,18 @@
 // a part and a weight is exact in float32, so the output differs from the float32 loops' only by
 // the order and rounding of its float32 sums (the tile unit adds pairs of products, then the pair
 // to the sum): what a BLAS's blocking also changes. Three tile products per weight tile, and still
-// 1.05-1.7x the vector loops' speed at 32 rows and 1.8-2.6x at 160 (scratch timing, the demo
-// target's shapes, one thread, Intel Xeon with AMX; the 768-deep down projection gains least; the
-// instruction's peak is some 16 times an AVX-512 multiply-add's, so loads and the panel's
-// rewrite, not the products, bound it). Inputs under 2^-126
+// 1.05-1.7x the vector loops' speed at 32 rows and 1.8-2.6x at 160 with each panel rewritten per
+// call (scratch timing, the demo target's shapes, one thread, Intel Xeon with AMX; the 768-deep
+// down projection gains least; the instruction's peak is some 16 times an AVX-512 multiply-add's,
+// so loads and the panel's rewrite, not the products, bound it); 1.5x at 8 rows and 2.7x at 32
+// with the rewrite done once, at packing (linear.cpp, `with_tiled_copy`). Inputs under 2^-126
 // (subnormal) count as zero in the tile unit.
 //
 // Layout: the tile unit's second operand holds two consecutive k of 16 columns in each 64-byte
-// row, so each thread rewrites a panel (K rows of 64 paired columns, linear_loops.h) once into
-// that order (`tile_panel`, a few shifts and blends per 64 bytes), then multiplies every 16 rows
-// of x by it: four 16 x 16 float32 sums (the panel's 64 columns) in four tiles, x's three parts
+// row, so a panel (K rows of 64 paired columns, linear_loops.h) is rewritten into that order
+// (`tile_panel`, a few shifts and blends per 64 bytes: once at packing, kept beside the panels by
+// linear.cpp's `with_tiled_copy`, or by each thread per call for panels without), and every 16 rows
+// of x are multiplied by it: four 16 x 16 float32 sums (the panel's 64 columns) in four tiles, x's three parts
 // for 32 k in three more, the weight's 32 k x 16 columns in the last. x's parts are laid out tile
 // by tile (1 KB each, contiguous): 1.2x faster tile loads than rows of x in place (scratch timing).
 #pragma once

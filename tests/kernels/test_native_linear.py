@@ -82,8 +82,8 @@ def tiles(vector):
     if not _cpu_has_amx():
         pytest.skip("this CPU has no AMX: bfloat16 panels take the vector loops at every row count")
     # a CPU with AMX and a Linux that lets a process use it (5.16 and later): the path must be on
-    assert torch.ops.pdserve.linear_tile_rows(32) and torch.ops.pdserve.linear_tile_rows(160)
-    assert not torch.ops.pdserve.linear_tile_rows(8) and not torch.ops.pdserve.linear_tile_rows(20)
+    assert torch.ops.pdserve.linear_tile_rows(7) and torch.ops.pdserve.linear_tile_rows(160)
+    assert not torch.ops.pdserve.linear_tile_rows(6)  # a batch-1 verification at k <= 5: the vector loops
 
 
 def test_tile_path_sums_as_closely_as_the_vector_loops(tiles):
@@ -93,7 +93,7 @@ def test_tile_path_sums_as_closely_as_the_vector_loops(tiles):
     for n, k in SHAPES + [(768, 256), (33, 31)]:
         w, b = (torch.randn(n, k, generator=gen) * 0.05).bfloat16(), torch.randn(n, generator=gen)
         half, full = torch.ops.pdserve.linear_pack(w), torch.ops.pdserve.linear_pack(w.float())
-        for m in (16, 32, 64, 100, 160):
+        for m in (7, 8, 16, 32, 64, 100, 160):
             assert torch.ops.pdserve.linear_tile_rows(m), m
             x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 3, k, dtype=torch.float32)  # every magnitude
             exact = F.linear(x.double(), w.double(), b.double())
@@ -118,6 +118,28 @@ def test_tile_path_rows_do_not_depend_on_the_rows_beside_them(tiles):
     whole = torch.ops.pdserve.linear_packed(x, packed, None, n)
     for m in (32, 64):
         assert torch.equal(torch.ops.pdserve.linear_packed(x[-m:].contiguous(), packed, None, n), whole[-m:])
+
+
+def test_tile_copy_gives_the_bits_of_panels_rewritten_per_call(tiles):
+    """`linear_pack` keeps a bfloat16 weight's panels in the tile unit's order past the panels
+    (`with_tiled_copy`); a copy of the packed tensor has the panels alone, and the tile path
+    rewrites them on every call (from more rows: `tiles_pay`). Both multiply the same tiles in
+    the same order: the same bits. Below the copy's threshold it takes the vector loops, as a
+    float32 panel does."""
+    gen = torch.Generator().manual_seed(4)
+    for n, k in [(512, 256), (256, 768), (100, 37), (130, 300)]:
+        w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        packed = torch.ops.pdserve.linear_pack(w)
+        copied, full = packed.clone(), torch.ops.pdserve.linear_pack(w.float())
+        assert torch.equal(copied, packed) and copied.untyped_storage().nbytes() < packed.untyped_storage().nbytes()
+        for m in (7, 8, 16, 32, 64, 160):
+            x = torch.randn(m, k, generator=gen)
+            out, of_copy = (torch.ops.pdserve.linear_packed(x, p, b, n) for p in (packed, copied))
+            if m >= 10 * -(-m // 16) + 6:  # the copy's tile path (`tiles_pay`): a rewrite per call pays
+                assert torch.equal(out, of_copy), (n, k, m)
+            else:
+                assert torch.equal(of_copy, torch.ops.pdserve.linear_packed(x, full, b, n)), (n, k, m)
+            torch.testing.assert_close(out, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
 
 
 def test_packed_linear_takes_any_weight_layout_and_leading_dims(vector):
