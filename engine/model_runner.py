@@ -124,6 +124,35 @@ class ModelRunner:
                 capture.warm_up(self.inputs.build([_dummy_entry()]))
         return capture
 
+    def row_blocks(self) -> tuple[Callable[[int], int], float] | None:
+        """Where the projections work in 16-row blocks (bfloat16 panels on a CPU with AMX, from the
+        fewest rows that take the tile unit: `kernels/cpu/linear.cpp`), the blocks a pass over n
+        tokens multiplies in (0 below those rows) and a block's seconds over every projection of
+        the model, timed now: 32 rows less 16 through each, the median of 9 rounds
+        (some 30 ms on the demo target). For the adaptive depth's cost model
+        (`spec_decode.depth.BlockedCost`). None where they do not (float32 panels, no AMX, torch's
+        linears, a GPU)."""
+        from pdserve.engine.model.llama import PackedLinear
+
+        linears = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        if (not linears or any(m.packed.dtype != torch.bfloat16 for m in linears)
+                or not torch.ops.pdserve.linear_tile_rows(16)):
+            return None
+        gen = torch.Generator().manual_seed(0)  # not the process's random state
+        rows = {m: torch.randn(32, m.in_features, generator=gen) for m in linears}
+
+        @torch.inference_mode()
+        def seconds(m_rows: int) -> float:
+            start = time.perf_counter()
+            for m in linears:
+                m(rows[m][:m_rows])
+            return time.perf_counter() - start
+
+        seconds(32)
+        rounds = [-seconds(16) + seconds(32) for _ in range(9)]
+        block = max(sorted(rounds)[len(rounds) // 2], 0.0)
+        return (lambda n: -(-n // 16) if torch.ops.pdserve.linear_tile_rows(n) else 0), block
+
     @torch.inference_mode()
     def execute(self, batch: list[BatchEntry], layer_callback: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [sum(num_logits), vocab_size] float32, rows in the order of `batch`.

@@ -10,7 +10,8 @@ costs
 with T_target(n) the measured time of a step's target side over n tokens (the step's wall time
 less the draft's proposal: the forward, the verification's sampling and the step's bookkeeping)
 and T_draft(n) that of a draft pass: the target verifies every draft token in one pass, the draft
-runs one pass per depth over the sequences still drafting. Fit on the target's forward alone,
+runs one pass per depth over the sequences still drafting. Where the target's projections multiply
+rows in blocks (AMX tiles), T_target also counts the blocks (`BlockedCost`). Fit on the target's forward alone,
 T_target left out the sampling and bookkeeping that also grow with the tokens verified, so deep
 verification looked cheaper than it was: at batch 8, temperature 1 on the demo pair (Sapphire
 Rapids Xeon) adaptive depth ran 0.95x plain at the median where fixed k = 2 ran 1.17x, and 1.10x
@@ -29,6 +30,7 @@ counts as accepting everything, so its first step drafts and measures it.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence
@@ -109,8 +111,50 @@ class LinearCost:
     def __call__(self, n: int) -> float:
         return self.a + self.b * n
 
+    @property
+    def slope(self) -> float:
+        """Seconds one more token adds, on average: what `AdaptiveDepth` weighs a position by."""
+        return self.b
 
-def target_line() -> LinearCost:
+
+class BlockedCost(LinearCost):
+    """seconds ≈ a + b·n + c·g(n), with g(n) the blocks of rows a pass over n tokens multiplies in
+    (`blocks`) and c a block's seconds, measured apart (`ModelRunner.row_blocks`): on a CPU with
+    AMX the target's projections multiply 16 rows at a time from 7 rows (`kernels/cpu/linear.cpp`),
+    so a step's cost climbs in steps that a line smooths over. At batch 8, temperature 1 on the
+    demo pair (Intel Xeon, scratch timing; the step's wall time less the draft's passes) verifying
+    16 rows cost 2.55 ms, 24 rows 3.63, 32 rows 4.26 and 40 rows 5.29: about 80 µs a row and 0.4 ms
+    a block. A line fit on the steps read 16 rows as 3.0 ms and 32 as 4.0, so the plan verified
+    three drafts a sequence (32 rows) where one (16 rows, in plain decoding's one block) ran 1.2x
+    plain decoding and three 1.1x. c is not fit with a and b: a plan's steps sit at few sizes
+    (the batch's plain steps and its chosen depth), which cannot tell a block's cost from the
+    rows'; fit on them with a and b, c came out 0 and the plan was the line's (scratch trace).
+    a and b are LinearCost's line, fit on each step's seconds less its blocks'."""
+
+    def __init__(self, a: float, b: float, blocks: Callable[[int], int], block_seconds: float, **kwargs):
+        super().__init__(a, b, **kwargs)
+        self._blocks_of, self._blocks = blocks, {}
+        self.c = block_seconds
+
+    def blocks(self, n: int) -> int:
+        g = self._blocks.get(n)
+        if g is None:
+            g = self._blocks[n] = int(self._blocks_of(n))
+        return g
+
+    def observe(self, n: int, seconds: float, count: int = 1) -> None:
+        super().observe(n, max(seconds - self.c * self.blocks(n), 0.0), count)
+
+    def __call__(self, n: int) -> float:
+        return self.a + self.b * n + self.c * self.blocks(n)
+
+    @property
+    def slope(self) -> float:
+        """A token's share of its block beside the line's slope."""
+        return self.b + self.c / 16
+
+
+def target_line(blocks: tuple[Callable[[int], int], float] | None = None) -> LinearCost:
     """The engine's line of a step's target side: a guess (5 ms + 0.5 ms a token) until steps of
     three sizes are seen, then almost only what was measured. Kept at full weight as a plain
     prior, its point at 64 tokens set the slope: after one 9-token prompt (2.1 ms) and forty
@@ -121,7 +165,12 @@ def target_line() -> LinearCost:
     bursts run a burst of plain steps); fit on those two alone, a 3-token prompt's first (slow)
     pass and 0.4 ms steps read as 0 + 0.46 ms a token, every depth cost the same per token as
     plain decoding, and the plan never drafted. The third size is the first verification,
-    which the guess plans."""
+    which the guess plans. blocks: where the target's projections work in blocks of rows
+    (`ModelRunner.row_blocks`), the blocks a pass over n tokens multiplies in and a block's
+    seconds (`BlockedCost`); None: a line."""
+    if blocks is not None:
+        return BlockedCost(a=5e-3, b=5e-4, blocks=blocks[0], block_seconds=blocks[1], guess=True,
+                           kept=TARGET_PRIOR_KEPT, spread=3)
     return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=3)
 
 
@@ -214,7 +263,7 @@ class AdaptiveDepth:
         t = self.target_cost
         d = self.draft_cost if self._draft_measured else None
         n = self.max_k + 1
-        verify = t.a + t.b * n
+        verify = t(n)
         passes = (d.a + d.b) * self.max_k if d is not None else 0.0
         kept = self._kept_lines
         if (kept is None or abs(verify - kept[0]) > self.LINES_MOVED * kept[0]
@@ -231,15 +280,15 @@ class AdaptiveDepth:
         tests compare the two): it runs every speculative step, and at batch 1 the lists and the
         closure took 19 µs of a 1.6 ms step (scratch timing, Intel Xeon, demo pair; 12 µs
         against 4 in a loop)."""
-        target_a, target_b = self.target_cost.a, self.target_cost.b
+        target = self.target_cost
         draft = self.draft_cost if self._draft_measured else None
         draft_a, draft_b = (draft.a, draft.b) if draft is not None else (0.0, 0.0)
-        slope = target_b + (draft_b if draft is not None else 0.0)
+        slope = target.slope + (draft_b if draft is not None else 0.0)
         powers = [alpha ** j for j in range(top + 2)]
         falling = [-x for x in powers[1:top + 1]]  # -α^j, j = 1.., ascending
 
         def rate(k: int) -> float:
-            seconds = target_a + target_b * (k + 1)
+            seconds = target(k + 1)
             if draft is not None and k:
                 seconds += draft_a * k + draft_b * k
             return (k + 1.0 if alpha >= 1 else (1 - powers[k + 1]) / (1 - alpha)) / max(seconds, 1e-9)
@@ -280,7 +329,7 @@ class AdaptiveDepth:
                 seconds += (draft.a + draft.b * num_seqs) * max(ks) if fused else draft.a * max(ks) + draft.b * total
             return sum([e[k] for e, k in zip(expected, ks)]) / max(seconds, 1e-9)
 
-        slope = target.b + (draft.b if draft is not None and not fused else 0.0)
+        slope = target.slope + (draft.b if draft is not None and not fused else 0.0)
         floor = 1 if fused else 0
         best_ks, best_rate = [0] * num_seqs, 0.0
         for k in depths:

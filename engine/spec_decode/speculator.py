@@ -209,10 +209,11 @@ class Speculator:
             self.gate.prompt_per_output = self._lengths[0] / self._lengths[1]
 
 
-def build_speculator(config, sampler, draft_runner, warm_up: bool) -> Speculator | None:
+def build_speculator(config, sampler, draft_runner, warm_up: bool, row_blocks=None) -> Speculator | None:
     """The engine's speculator for its `EngineConfig` (None: no speculation): the proposer (a
     draft model's passes on `draft_runner`, or n-grams), the depth model with its cost lines, and
-    the verifier. warm_up: compile the draft's passes now, not in the first requests."""
+    the verifier. warm_up: compile the draft's passes now, not in the first requests. row_blocks:
+    the target runner's (`ModelRunner.row_blocks`), for the target's cost model."""
     method = config.spec_method
     if method is None:
         return None
@@ -226,5 +227,5 @@ def build_speculator(config, sampler, draft_runner, warm_up: bool) -> Speculator
                                  verifier.draft_stream, keep_probs=verifier.needs_draft_probs)
         if warm_up:
             draft_runner.warm_up_draft_passes()
-    depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, target_line(), draft_cost)
+    depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, target_line(row_blocks), draft_cost)
     return Speculator(proposer, depth, verifier, catches_up=draft_cost is not None)

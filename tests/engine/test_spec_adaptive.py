@@ -8,10 +8,11 @@ import random
 import time
 
 import pytest
+import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost, target_line
+from pdserve.engine.spec_decode.depth import AdaptiveDepth, BlockedCost, LinearCost, target_line
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Speculator, StepShape
 
@@ -40,7 +41,7 @@ def reference_plan(depth: AdaptiveDepth, seqs: list[Sequence], rooms: list[int],
         return expected / max(depth.step_cost(ks, fused), 1e-9)
 
     measured = depth.draft_cost is not None and not depth.draft_cost.is_guess
-    slope = depth.target_cost.b + (depth.draft_cost.b if measured and not fused else 0.0)
+    slope = depth.target_cost.slope + (depth.draft_cost.b if measured and not fused else 0.0)
     best_ks, best = [0] * len(seqs), 0.0
     for k in range(max(tops, default=0) + 1):
         ks = [min(k, t) for t in tops]
@@ -228,6 +229,74 @@ def test_default_options_draft_from_the_first_request(checkpoint):
     assert not llm.engine.speculator.depth.draft_cost.is_guess  # its passes were measured
 
 
+def _tile_blocks(n: int) -> int:  # the demo target's projections on a CPU with AMX: 16-row blocks from 7 rows
+    return -(-n // 16) if n >= 7 else 0
+
+
+def test_blocked_cost_prices_a_block_the_line_smooths_over():
+    """Steps of a batch of 8 seen at 8 rows (plain) and 32 (three drafts each), costing 80 µs a
+    row and 0.4 ms a 16-row block: `BlockedCost`, told the block's seconds, predicts 16 and 24
+    rows, where a line fit on the same steps reads 16 rows 5% dearer; and its plan at acceptance
+    0.53, 0.67 and 0.75 is one draft a sequence, the fastest depth on those costs (16 rows, in
+    plain decoding's one block) at each."""
+    truth = lambda n: 1e-3 + 80e-6 * n + 0.4e-3 * _tile_blocks(n)  # noqa: E731
+    blocked = BlockedCost(5e-3, 5e-4, blocks=_tile_blocks, block_seconds=0.4e-3)
+    line = LinearCost(5e-3, 5e-4)
+    for _ in range(60):
+        for n in (8, 32):
+            blocked.observe(n, truth(n))
+            line.observe(n, truth(n))
+    for n in (8, 16, 24, 32, 40):  # within 3%: the prior keeps a little weight
+        assert blocked(n) == pytest.approx(truth(n), rel=0.03), n
+    assert line(16) > 1.04 * truth(16)
+    assert blocked.slope == pytest.approx(80e-6 + 0.4e-3 / 16, rel=0.05)
+    draft = LinearCost(0.2e-3, 7e-6)
+
+    def tokens_per_second(k: int, alpha: float) -> float:  # the batch's, on the true costs
+        return 8 * (1 - alpha ** (k + 1)) / (1 - alpha) / (truth(8 * (k + 1)) + k * draft(8))
+
+    for accepted in (1, 2, 3):  # of 4 drafts, every step
+        depth = AdaptiveDepth(4, True, blocked, draft)
+        seqs = [seq_(f"s{i}") for i in range(8)]
+        for s in seqs:
+            for _ in range(20):
+                depth.record(s.req_id, 4, accepted)
+        alpha = depth.alpha("s0")
+        best = max(range(5), key=lambda k: tokens_per_second(k, alpha))
+        assert best == 1 and depth.plan(seqs, [100] * 8, fused=True) == [best] * 8, alpha
+
+
+def test_blocked_cost_without_blocks_is_the_line():
+    """Where no pass is in blocks (a batch of one, no AMX) the blocked cost fits the line's line."""
+    blocked = BlockedCost(5e-3, 5e-4, blocks=lambda n: 0, block_seconds=0.4e-3)
+    line = LinearCost(5e-3, 5e-4)
+    for n, t in ((1, 1e-3), (5, 1.4e-3), (3, 1.2e-3)) * 10:
+        blocked.observe(n, t)
+        line.observe(n, t)
+    assert (blocked.a, blocked.b) == pytest.approx((line.a, line.b)) and blocked(4) == pytest.approx(line(4))
+
+
+def test_plan_with_blocks_picks_what_the_reference_plan_picks():
+    """The tabled plan against `reference_plan` with a blocked target cost, over random batches."""
+    rng = random.Random(5)
+    picked = set()
+    for _ in range(300):
+        target = BlockedCost(rng.uniform(0, 3e-3), rng.uniform(0, 1e-4), blocks=_tile_blocks,
+                             block_seconds=rng.uniform(0, 1e-3))
+        depth = AdaptiveDepth(rng.randint(1, 5), True, target, LinearCost(rng.uniform(0, 5e-4), rng.uniform(0, 2e-5)))
+        seqs = [seq_(f"q{i}") for i in range(rng.randint(2, 12))]
+        for s in seqs:
+            for _ in range(rng.randint(0, 6)):
+                k = rng.randint(1, 4)
+                depth.record(s.req_id, k, rng.randint(0, k))
+        rooms = [rng.randint(0, 6) for _ in seqs]
+        fused = rng.random() < 0.5
+        expected = reference_plan(depth, seqs, rooms, fused)
+        assert depth.plan(seqs, rooms, fused) == expected
+        picked.add(max(expected))
+    assert {1, 2} <= picked  # blocks make shallow plans win too
+
+
 def test_linear_cost_learns_a_line():
     cost = LinearCost(1.0, 1.0)
     for _ in range(200):
@@ -323,3 +392,33 @@ def test_a_single_sequences_kept_plan_follows_its_acceptance_and_the_cost_lines(
     assert depth._best_one_kept(0.9, 4) == 4
     depth.draft_cost = LinearCost(2e-3, 1e-6)  # a pass now costs twice a verification
     assert depth._best_one(0.9, 4) < 4 and depth._best_one_kept(0.9, 4) == depth._best_one(0.9, 4)
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+
+
+def test_the_engine_prices_row_blocks_where_its_projections_have_them(checkpoint):
+    """bfloat16 panels on a CPU with AMX (the demo target): the target's cost counts 16-row
+    blocks from the fewest rows that take the tile unit, at a block's measured seconds; a
+    float32 checkpoint's panels (the tiny test model's) have none, and the cost is a line."""
+    from pathlib import Path
+
+    from pdserve.engine import LLM
+    from pdserve.kernels import native
+
+    tiny = LLM(checkpoint("llama"), speculative_method="ngram", num_speculative_tokens=2)
+    assert tiny.engine.runner.row_blocks() is None
+    assert type(tiny.engine.speculator.depth.target_cost) is LinearCost
+    if not (native.load() and torch.ops.pdserve.linear_packed_available() and _cpu_has_amx()):
+        pytest.skip("no AMX tile path here: bfloat16 panels take the vector loops at every row count")
+    demo = LLM(str(Path(__file__).resolve().parents[2] / "models" / "demo"), speculative_method="ngram",
+               num_speculative_tokens=2)
+    blocks, seconds = demo.engine.runner.row_blocks()
+    fewest = next(m for m in range(1, 65) if torch.ops.pdserve.linear_tile_rows(m))
+    assert [blocks(n) for n in (1, fewest - 1, fewest, 16, 17, 32, 33)] == [0, 0, 1, 1, 2, 2, 3]
+    assert seconds > 0
+    cost = demo.engine.speculator.depth.target_cost
+    assert isinstance(cost, BlockedCost) and cost.c > 0  # its own timing, at the engine's start
+    assert cost(17) - cost(16) > cost(16) - cost(15)  # a new block
