@@ -6,7 +6,8 @@ BLAS), on one model's projection shapes, for the row counts a CPU step multiplie
 Every projection of one layer of the model (fused q/k/v, o, fused gate/up, down) and its
 lm_head, in float32, each in 8 copies so that a pass reads its weights from memory rather than
 from the last-level cache, as a decode step does. One "pass" multiplies x [M, K] by every copy;
-M is 1 (a batch-1 decode step), 2, 5 (a batch-1 verification at k = 4), 8, 32 (a batch-32 step),
+M is 1 (a batch-1 decode step), 2, 5 (a batch-1 verification at k = 4), 8, 16 (a batch-8
+verification at k = 1), 32 (a batch-32 step),
 64 and 160 (batch 32's verifications at k = 1 and 4). Variants, timed in turn within each repeat,
 one torch thread:
 
@@ -17,7 +18,8 @@ one torch thread:
   CPU without AVX-512 gets); skipped where the CPU has no AVX2 with FMA;
 - `packed-bf16`: the weights rounded to bfloat16 and packed in bfloat16 panels, what the engine
   runs for a bfloat16 checkpoint (the demo's): half the bytes, and on a CPU with AMX the tile path
-  (`cpu/linear_amx.h`) from 16 rows where it pays; `packed-bf16-vector`: the same with the tile
+  (`cpu/linear_amx.h`) from 7 rows, over the copy of the panels in the tile unit's order that
+  `linear_pack` keeps; `packed-bf16-vector`: the same with the tile
   path switched off (`linear_use_tiles(False)`), skipped where there is none.
 
 Per variant and M: milliseconds a pass (median of --iters passes per repeat), the weights' GB/s,
@@ -48,7 +50,7 @@ from report import Spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "CPU projections by instruction set (`benchmarks/cpu_linear.py`)"
-ROWS = (1, 2, 5, 8, 32, 64, 160)
+ROWS = (1, 2, 5, 8, 16, 32, 64, 160)
 COPIES = 8
 
 
@@ -174,7 +176,7 @@ def markdown(result: dict, command: str) -> str:
              "loads (built for this CPU); `packed-avx2` the same source built without AVX-512, which is what a CPU "
              "with AVX2 and no AVX-512 runs; `packed-bf16` the weights rounded to bfloat16 in bfloat16 panels, what "
              "the engine runs for a bfloat16 checkpoint such as the demo's (half the bytes; the tile path of "
-             "`kernels/cpu/linear_amx.h` from 16 rows where the CPU has AMX and it pays), `packed-bf16-vector` "
+             "`kernels/cpu/linear_amx.h` from 7 rows where the CPU has AMX), `packed-bf16-vector` "
              "the same with the tile path off. GB/s counts each variant's own weight bytes.", "",
              "| rows (M) | variant | ms a pass | weights GB/s | speedup over torch |", "|---|---|---|---|---|"]
     for r in result["rows"]:
