@@ -482,3 +482,23 @@ def test_plain_steps_right_after_speculative_ones_are_not_compared():
 
     blind = NoCold()
     assert drive(blind, 4 * Gate.PERIOD).count(True) > 3 * Gate.PERIOD  # speculation won, and kept
+
+
+def test_new_requests_check_a_verdict_only_the_opening_measured():
+    """The opening's four steps a mode made plain decoding the verdict (speculation measured 25%
+    dearer a token: a noisy host), where speculating is in fact 17% cheaper. The next new requests
+    bring a burst of speculation on at once, and its verdict turns the gate; without new requests
+    the gate keeps plain decoding through its period. Once a burst has checked the verdict, new
+    requests bring the next one forward only where the loser lost by less than RENEW_MARGIN
+    (`test_new_requests_bring_a_burst_forward_on_its_last_same_context_verdict`)."""
+    true_spec, plain = (0.0040, 12), (0.0032, 8)  # 0.33 ms a token against 0.40
+    gate = _measured(8, spec=(0.0060, 12), plain=plain)  # the opening: 0.50 against 0.40
+    assert not any(_drive(gate, 8, 4, true_spec, plain))
+    assert not gate._schedules[gate.regime(8, True)].confirmed
+    unrenewed = copy.deepcopy(gate)
+    gate.renew(8, True)
+    modes = _drive(gate, 8, 2 * Gate.BURST + Gate.COLD + 8, true_spec, plain)
+    assert modes[:Gate.BURST] == [True] * Gate.BURST  # the burst, at once
+    assert modes[-8:] == [True] * 8  # it won at the same contexts: speculation is the verdict now
+    assert gate._schedules[gate.regime(8, True)].confirmed
+    assert not any(_drive(unrenewed, 8, Gate.PERIOD - 8, true_spec, plain))
