@@ -68,7 +68,7 @@ class LLMEngine:
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = build_speculator(config, self.sampler, self.draft_runner,
-                                           warm_up=self.capture == "compile", row_blocks=self.runner.row_blocks())
+                                           warm_up=self.capture == "compile", row_blocks=self.runner.row_blocks)
         # a speculative step's drafts and verification in one native call (None: never)
         self.fused_step = FusedSpecStep.of(self.runner, self.draft_runner, self.sampler,
                                            self.speculator.verifier.draft_stream) if self.speculator else None

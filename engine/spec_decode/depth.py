@@ -10,9 +10,9 @@ costs
 with T_target(n) the measured time of a step's target side over n tokens (the step's wall time
 less the draft's proposal: the forward, the verification's sampling and the step's bookkeeping)
 and T_draft(n) that of a draft pass: the target verifies every draft token in one pass, the draft
-runs one pass per depth over the sequences still drafting. Where the target's projections multiply
-rows in blocks (AMX tiles), T_target also counts the blocks (`BlockedCost`). Fit on the target's forward alone,
-T_target left out the sampling and bookkeeping that also grow with the tokens verified, so deep
+runs one pass per depth over the sequences still drafting. Where the target's projections
+multiply rows in blocks (AMX tiles), T_target also counts the blocks (`BlockedCost`). Fit on the
+target's forward alone, T_target left out the sampling and bookkeeping that also grow with the tokens verified, so deep
 verification looked cheaper than it was: at batch 8, temperature 1 on the demo pair (Sapphire
 Rapids Xeon) adaptive depth ran 0.95x plain at the median where fixed k = 2 ran 1.17x, and 1.10x
 fit on the whole target side (a scratch A/B, three interleaved runs). The
@@ -131,6 +131,8 @@ class BlockedCost(LinearCost):
     rows'; fit on them with a and b, c came out 0 and the plan was the line's (scratch trace).
     a and b are LinearCost's line, fit on each step's seconds less its blocks'."""
 
+    BLOCK_ROWS = 16  # rows a block multiplies (`kernels/cpu/linear_amx.h`, kTileRows)
+
     def __init__(self, a: float, b: float, blocks: Callable[[int], int], block_seconds: float, **kwargs):
         super().__init__(a, b, **kwargs)
         self._blocks_of, self._blocks = blocks, {}
@@ -151,7 +153,7 @@ class BlockedCost(LinearCost):
     @property
     def slope(self) -> float:
         """A token's share of its block beside the line's slope."""
-        return self.b + self.c / 16
+        return self.b + self.c / self.BLOCK_ROWS
 
 
 def target_line(blocks: tuple[Callable[[int], int], float] | None = None) -> LinearCost:

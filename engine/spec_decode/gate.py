@@ -168,7 +168,8 @@ class SpeculationGate:
         if n < ended:  # exploring
             if not self._burst_lost(st, batch_size, sampled, st.next_burst):
                 return not st.speculate
-            st.measured, st.confirmed = n, True  # the burst lost by far: it ends now, and the running mode needs no steps to compare
+            # the burst lost by far: it ends now, and the running mode needs no steps to compare
+            st.measured, st.confirmed = n, True
             return self._keep(st, n, batch_size, sampled)
         if n < ended + self.BURST + (0 if st.speculate else self.COLD):  # the running mode again, to compare with
             return st.speculate

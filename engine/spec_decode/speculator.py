@@ -213,7 +213,8 @@ def build_speculator(config, sampler, draft_runner, warm_up: bool, row_blocks=No
     """The engine's speculator for its `EngineConfig` (None: no speculation): the proposer (a
     draft model's passes on `draft_runner`, or n-grams), the depth model with its cost lines, and
     the verifier. warm_up: compile the draft's passes now, not in the first requests. row_blocks:
-    the target runner's (`ModelRunner.row_blocks`), for the target's cost model."""
+    the target runner's `ModelRunner.row_blocks`, called for the target's cost model where the
+    depth is adaptive (it times the projections)."""
     method = config.spec_method
     if method is None:
         return None
@@ -227,5 +228,6 @@ def build_speculator(config, sampler, draft_runner, warm_up: bool, row_blocks=No
                                  verifier.draft_stream, keep_probs=verifier.needs_draft_probs)
         if warm_up:
             draft_runner.warm_up_draft_passes()
-    depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, target_line(row_blocks), draft_cost)
+    blocks = row_blocks() if row_blocks is not None and config.spec_adaptive else None
+    depth = AdaptiveDepth(config.num_speculative_tokens, config.spec_adaptive, target_line(blocks), draft_cost)
     return Speculator(proposer, depth, verifier, catches_up=draft_cost is not None)
