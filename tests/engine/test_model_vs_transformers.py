@@ -93,7 +93,7 @@ def test_a_bfloat16_checkpoint_keeps_its_projections_in_bfloat16_panels(checkpoi
 
 
 def test_a_bfloat16_checkpoint_on_the_tile_path_still_gives_transformers_tokens(checkpoint):
-    """On a CPU with AMX, bfloat16 panels times 16 rows and more run on the tile unit
+    """On a CPU with AMX, bfloat16 panels times 7 rows and more run on the tile unit
     (`kernels/cpu/linear_amx.h`), summing in another order: a batch of 32 greedy requests (a
     prefill of them all, decode steps of 32 rows) still gives transformers' tokens, and the same
     tokens as the vector loops; draft speculation at k = 4 (verifications of 160 rows) gives
