@@ -55,14 +55,18 @@ class _Schedule:
     next_burst: int = 0  # the step at which the next exploring burst starts
     renewed: int = -(1 << 30)  # the step of the last `renew` (most of the batch new)
     due: int | None = None  # the step since which a burst of speculation waits for a cheap switch
-    measured: int = 0  # the step at which the last exploring burst ended
+    measured: int = 0  # the step at which the last exploring burst ended (0: none since the opening)
     far_behind: bool = False  # it ended early, far behind the running mode (`_burst_lost`)
     # how much dearer per token the losing mode measured than the winner at its last burst, at
     # the same contexts (`_burst_wins`, `_burst_lost`; below 0 where it lost on KEEP_MARGIN
     # alone); None from the losing mode's next measured step until its burst is judged
     lost_by: float | None = None
     last_spec: int = -(1 << 30)  # the last step allowed to speculate (plain steps right after it are cold)
-    confirmed: bool = False  # an exploring burst has been judged since the opening (`renew`)
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether an exploring burst has been judged since the opening (`renew`)."""
+        return self.measured > 0
 
 
 class SpeculationGate:
@@ -169,11 +173,11 @@ class SpeculationGate:
             if not self._burst_lost(st, batch_size, sampled, st.next_burst):
                 return not st.speculate
             # the burst lost by far: it ends now, and the running mode needs no steps to compare
-            st.measured, st.confirmed = n, True
+            st.measured = n
             return self._keep(st, n, batch_size, sampled)
         if n < ended + self.BURST + (0 if st.speculate else self.COLD):  # the running mode again, to compare with
             return st.speculate
-        st.measured, st.far_behind, st.confirmed = n, False, True
+        st.measured, st.far_behind = n, False
         if self._burst_wins(st, batch_size, sampled, moves):  # the burst just ended, and the other mode was cheaper
             return self._decide(st, not st.speculate, n, batch_size, sampled)
         return self._keep(st, ended, batch_size, sampled)
