@@ -394,11 +394,6 @@ def test_a_single_sequences_kept_plan_follows_its_acceptance_and_the_cost_lines(
     assert depth._best_one(0.9, 4) < 4 and depth._best_one_kept(0.9, 4) == depth._best_one(0.9, 4)
 
 
-def _cpu_has_amx() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-
-
 def test_the_engine_prices_row_blocks_where_its_projections_have_them(checkpoint):
     """bfloat16 panels on a CPU with AMX (the demo target): the target's cost counts 16-row
     blocks from the fewest rows that take the tile unit, at a block's measured seconds; a
@@ -411,7 +406,7 @@ def test_the_engine_prices_row_blocks_where_its_projections_have_them(checkpoint
     tiny = LLM(checkpoint("llama"), speculative_method="ngram", num_speculative_tokens=2)
     assert tiny.engine.runner.row_blocks() is None
     assert type(tiny.engine.speculator.depth.target_cost) is LinearCost
-    if not (native.load() and torch.ops.pdserve.linear_packed_available() and _cpu_has_amx()):
+    if not (native.load() and torch.ops.pdserve.linear_tile_rows(16)):
         pytest.skip("no AMX tile path here: bfloat16 panels take the vector loops at every row count")
     demo = LLM(str(Path(__file__).resolve().parents[2] / "models" / "demo"), speculative_method="ngram",
                num_speculative_tokens=2)
