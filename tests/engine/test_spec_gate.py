@@ -1,6 +1,7 @@
 """The speculation gate, fed by hand (no wall clock in a test): `gate.py` decides, per regime
 (batch-size bucket, greedy or sampled), which mode is cheaper and when to measure the other
-again; the speculator picks the regime a step falls in. The depth model is in
+again; the speculator picks the regime a step falls in. What new requests change (`renew`, a
+burst waiting for them) is in test_spec_gate_renew.py; the depth model in
 test_spec_adaptive.py; how the engine follows both, test_spec_gate_in_engine.py."""
 from __future__ import annotations
 
@@ -15,48 +16,17 @@ from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
 from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Speculator, StepShape
-
-
-def _bursts(decisions: list[bool], mode: bool) -> list[tuple[int, int]]:
-    """(start index, length) of each run of `mode` in decisions."""
-    runs, start = [], None
-    for i, d in enumerate(decisions + [not mode]):
-        if d == mode and start is None:
-            start = i
-        elif d != mode and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs
-
-
-def _measured(batch_size: int, spec: tuple[float, int], plain: tuple[float, int]) -> Gate:
-    """A gate whose opening bursts at `batch_size`, temperature 1, measured each speculative step
-    at spec and each plain one at plain (seconds, tokens emitted)."""
-    gate = Gate()
-    assert _drive(gate, batch_size, Gate.OPENING, spec, plain) == [True] * Gate.BURST + [False] * (Gate.OPENING - Gate.BURST)
-    return gate
-
-
-def _drive(gate: Gate, batch_size: int, steps: int, spec: tuple[float, int], plain: tuple[float, int],
-           sampled: bool = True) -> list[bool]:
-    """`steps` steps at `batch_size`, each in the mode the gate allows and measured as the engine
-    would: at spec or plain (seconds, tokens emitted). The modes, in order."""
-    modes = []
-    for _ in range(steps):
-        mode = gate.allow(batch_size, sampled)
-        gate.observe(batch_size, mode, *(spec if mode else plain), sampled=sampled)
-        modes.append(mode)
-    return modes
+from gate_driving import drive, measured, runs_of
 
 
 def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often():
     gate = Gate()
     # a burst of each mode to measure them, plain decoding's COLD steps longer (`Gate.observe`);
     # speculation 7.5 ms a token, plain 3.1: plain wins here
-    first = _drive(gate, 32, Gate.OPENING, spec=(0.30, 40), plain=(0.10, 32), sampled=False)
+    first = drive(gate, 32, Gate.OPENING, spec=(0.30, 40), plain=(0.10, 32), sampled=False)
     assert first == [True] * Gate.BURST + [False] * (Gate.BURST + Gate.COLD)
     decisions = [gate.allow(32) for _ in range(4 * Gate.MAX_PERIOD)]
-    bursts = _bursts(decisions, True)
+    bursts = runs_of(decisions, True)
     assert all(length == Gate.BURST for _, length in bursts)  # only exploring bursts speculate
     gaps = [b[0] - a[0] - Gate.BURST for a, b in zip(bursts, bursts[1:])]
     assert bursts[0][0] == Gate.PERIOD
@@ -67,19 +37,19 @@ def test_gate_measures_both_modes_then_keeps_the_cheaper_and_explores_less_often
     # the winner changes: speculation now costs 1.25 ms a token; its next burst (at most
     # MAX_PERIOD away) measures it so, against plain's steps right before, and it wins; the
     # wait for plain's burst starts again at PERIOD
-    after = _drive(gate, 32, Gate.MAX_PERIOD + 2 * Gate.PERIOD, spec=(0.05, 40), plain=(0.10, 32), sampled=False)
-    start, length = _bursts(after, True)[0]
+    after = drive(gate, 32, Gate.MAX_PERIOD + 2 * Gate.PERIOD, spec=(0.05, 40), plain=(0.10, 32), sampled=False)
+    start, length = runs_of(after, True)[0]
     assert start < Gate.MAX_PERIOD and length == Gate.BURST
     # plain decoding runs BURST + COLD steps more, to compare the burst with, and then
     # speculation wins; plain's own burst, 150% dearer a token, ends after MIN_BURST steps
     # (`FAR_BEHIND`: its cold steps count for that)
     compared = Gate.BURST + Gate.COLD
-    assert _bursts(after, True)[1] == (start + Gate.BURST + compared, Gate.PERIOD)
-    assert _bursts(after, False)[1:3] == [(start + Gate.BURST, compared),
+    assert runs_of(after, True)[1] == (start + Gate.BURST + compared, Gate.PERIOD)
+    assert runs_of(after, False)[1:3] == [(start + Gate.BURST, compared),
                                           (start + Gate.BURST + compared + Gate.PERIOD, Gate.MIN_BURST)]
 
     # batch 1 keeps its own record: 5 ms a token speculating, 10 plain
-    _drive(gate, 1, Gate.OPENING, spec=(0.02, 4), plain=(0.01, 1), sampled=False)
+    drive(gate, 1, Gate.OPENING, spec=(0.02, 4), plain=(0.01, 1), sampled=False)
     assert [gate.allow(1) for _ in range(Gate.PERIOD + Gate.BURST + Gate.COLD)].count(False) == Gate.BURST + Gate.COLD
 
 
@@ -92,30 +62,30 @@ def test_a_burst_far_behind_the_running_mode_ends_early():
     within FAR_BEHIND runs its BURST steps, and a burst whose steps go unmeasured is not judged
     by an earlier burst's."""
     gate = Gate()
-    opening = _drive(gate, 1, Gate.OPENING, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
+    opening = drive(gate, 1, Gate.OPENING, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
     assert opening == [True] * Gate.BURST + [False] * Gate.MIN_BURST + [True] * (Gate.OPENING - Gate.BURST - Gate.MIN_BURST)
-    later = _drive(gate, 1, 4 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
-    (first, length), (second, length2) = _bursts(later, False)[:2]
+    later = drive(gate, 1, 4 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
+    (first, length), (second, length2) = runs_of(later, False)[:2]
     assert length == length2 == 1  # the opening burst lost by far: one confirming step each
     assert second - (first + length) == 2 * Gate.PERIOD  # the period doubled, counted from the cut burst's end
     # plain decoding catches up (30% dearer a token): its next burst's first step does not
     # confirm the gap, and the burst runs whole (its COLD steps, then BURST compared); the one
     # after needs MIN_BURST steps again
-    caught_up = _drive(gate, 1, 4 * Gate.PERIOD + 2 * Gate.BURST, spec=(0.002, 5), plain=(0.00052, 1), sampled=False)
-    assert _bursts(caught_up, False)[0][1] == Gate.BURST + Gate.COLD
-    cut = _drive(gate, 1, 8 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
-    assert _bursts(cut, False)[0][1] == Gate.MIN_BURST
+    caught_up = drive(gate, 1, 4 * Gate.PERIOD + 2 * Gate.BURST, spec=(0.002, 5), plain=(0.00052, 1), sampled=False)
+    assert runs_of(caught_up, False)[0][1] == Gate.BURST + Gate.COLD
+    cut = drive(gate, 1, 8 * Gate.PERIOD, spec=(0.002, 5), plain=(0.001, 1), sampled=False)
+    assert runs_of(cut, False)[0][1] == Gate.MIN_BURST
 
     near = Gate()  # speculation 40% dearer: its bursts run whole
-    modes = _drive(near, 8, Gate.OPENING + Gate.PERIOD + 2 * Gate.BURST, spec=(0.0112, 16), plain=(0.004, 8))
+    modes = drive(near, 8, Gate.OPENING + Gate.PERIOD + 2 * Gate.BURST, spec=(0.0112, 16), plain=(0.004, 8))
     assert modes[:Gate.BURST] == [True] * Gate.BURST
-    assert _bursts(modes, True)[1] == (Gate.OPENING + Gate.PERIOD, Gate.BURST)
+    assert runs_of(modes, True)[1] == (Gate.OPENING + Gate.PERIOD, Gate.BURST)
 
     # speculation 100% dearer, and its burst's steps not measured (a prefill joined each): an
     # earlier burst's steps, however dear, do not end it
-    far = _measured(8, spec=(0.016, 16), plain=(0.004, 8))
+    far = measured(8, spec=(0.016, 16), plain=(0.004, 8))
     modes = [far.allow(8, True) for _ in range(Gate.PERIOD + Gate.BURST)]
-    assert _bursts(modes, True) == [(Gate.PERIOD, Gate.BURST)]
+    assert runs_of(modes, True) == [(Gate.PERIOD, Gate.BURST)]
 
 
 def test_a_burst_is_judged_against_the_steps_right_after_it():
@@ -125,14 +95,14 @@ def test_a_burst_is_judged_against_the_steps_right_after_it():
     mixes its old, cheaper steps: here it costs 0.63 ms a token against plain's 0.65 (within
     KEEP_MARGIN), and plain decoding stays, where the decayed figures (0.58 against 0.65) would
     have switched. The burst is then speculation's figure."""
-    gate = _measured(8, spec=(0.0060, 12), plain=(0.0036, 8))  # 0.50 ms a token against 0.45: plain wins
+    gate = measured(8, spec=(0.0060, 12), plain=(0.0036, 8))  # 0.50 ms a token against 0.45: plain wins
     longer = dict(spec=(0.00756, 12), plain=(0.0052, 8))  # at longer contexts: 0.63 against 0.65
-    assert _drive(gate, 8, Gate.PERIOD, **longer) == [False] * Gate.PERIOD
-    assert _drive(gate, 8, Gate.BURST, **longer) == [True] * Gate.BURST  # the scheduled burst
-    assert _drive(gate, 8, 2 * Gate.PERIOD, **longer) == [False] * (2 * Gate.PERIOD)  # stays, and waits twice as long
+    assert drive(gate, 8, Gate.PERIOD, **longer) == [False] * Gate.PERIOD
+    assert drive(gate, 8, Gate.BURST, **longer) == [True] * Gate.BURST  # the scheduled burst
+    assert drive(gate, 8, 2 * Gate.PERIOD, **longer) == [False] * (2 * Gate.PERIOD)  # stays, and waits twice as long
     assert gate.seconds_per_token(8, True, True) == pytest.approx(0.00063)
     # the burst's decayed figure mixed in the opening burst's cheaper steps, which would have won
-    mixed = _measured(8, spec=(0.0060, 12), plain=(0.0036, 8))
+    mixed = measured(8, spec=(0.0060, 12), plain=(0.0036, 8))
     for _ in range(Gate.BURST):
         mixed.observe(8, True, *longer["spec"], sampled=True)
     assert mixed.seconds_per_token(8, True, True) * (1 + Gate.KEEP_MARGIN) < 0.00065
@@ -143,7 +113,7 @@ def test_unsettled_steps_keep_the_verdict_and_do_not_move_the_schedule():
     verdict, and no burst is spent on them: the measuring bursts wait for settled steps."""
     gate = Gate()
     assert [gate.allow(8, True, settled=False) for _ in range(20)] == [True] * 20  # nothing measured yet
-    first = _drive(gate, 8, Gate.OPENING, spec=(0.010, 12), plain=(0.004, 8))  # plain wins
+    first = drive(gate, 8, Gate.OPENING, spec=(0.010, 12), plain=(0.004, 8))  # plain wins
     assert first == [True] * Gate.BURST + [False] * (Gate.OPENING - Gate.BURST)  # from the first settled step
     assert gate.allow(8, True) is False
     steps = gate._schedules[gate.regime(8, True)].steps
@@ -151,34 +121,7 @@ def test_unsettled_steps_keep_the_verdict_and_do_not_move_the_schedule():
     assert gate._schedules[gate.regime(8, True)].steps == steps
     # the exploring burst comes PERIOD settled steps after the decision, however many unsettled ones came between
     settled = [gate.allow(8, True) for _ in range(Gate.PERIOD + Gate.BURST)]
-    assert _bursts(settled, True) == [(Gate.PERIOD - 1, Gate.BURST)]
-
-
-def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests():
-    gate = Gate()
-    _drive(gate, 1, Gate.OPENING, spec=(0.010, 5), plain=(0.0028, 1), sampled=False)  # greedy: 2 ms a token, plain 2.8
-    _drive(gate, 1, Gate.OPENING, spec=(0.010, 2), plain=(0.003, 1), sampled=True)  # sampled: 5 ms a token, plain 3
-    assert [gate.allow(1, False) for _ in range(Gate.PERIOD)].count(True) == Gate.PERIOD
-    assert [gate.allow(1, True) for _ in range(Gate.PERIOD)].count(True) == 0
-
-    # sampled batches stay plain, and the waits between exploring bursts grow long
-    for _ in range(3 * Gate.MAX_PERIOD):
-        gate.allow(1, True)
-    in_burst = False
-    while (speculates := gate.allow(1, True)) or not in_burst:  # to the end of an exploring burst
-        in_burst = in_burst or speculates
-    for _ in range(Gate.BURST + Gate.COLD):  # and of the plain steps it is compared with
-        gate.allow(1, True)
-    far = copy.deepcopy(gate)
-    far.renew(1, True)  # speculation lost by 67%: new requests do not bring its burst forward
-    assert True not in [far.allow(1, True) for _ in range(Gate.PERIOD + 1)]
-    for _ in range(30):  # now it loses by 5% only
-        gate.observe(1, True, seconds=0.0063, num_tokens=2, sampled=True)
-    gate.allow(1, True)
-    renewed = copy.deepcopy(gate)
-    renewed.renew(1, True)  # most requests are new: measured again within PERIOD
-    assert True not in [gate.allow(1, True) for _ in range(Gate.PERIOD + 1)]
-    assert True in [renewed.allow(1, True) for _ in range(Gate.PERIOD + 1)]
+    assert runs_of(settled, True) == [(Gate.PERIOD - 1, Gate.BURST)]
 
 
 def test_gate_is_not_turned_by_one_stalled_step_but_follows_a_real_change():
@@ -221,56 +164,32 @@ def test_an_expensive_switch_to_speculation_spaces_the_bursts_and_must_be_repaid
     plain decoding wins, bursts of speculation come only as often as keeps that under
     EXPLORE_SHARE of the plain time between, and a speculation only slightly cheaper than plain
     decoding (10%) does not win the switch, where without the switch's cost it would."""
-    gate = _measured(32, spec=(0.040, 64), plain=(0.016, 32))  # 0.625 ms a token against 0.5: plain wins
+    gate = measured(32, spec=(0.040, 64), plain=(0.016, 32))  # 0.625 ms a token against 0.5: plain wins
     cheap = copy.deepcopy(gate)
     gate.observe_switch(32, 0.24, sampled=True)  # a quarter second to catch the draft up
     plain_step = 0.016
     want = math.ceil(0.24 / (Gate.EXPLORE_SHARE * plain_step))  # 750 plain steps pay for one switch
     decisions = [gate.allow(32, True) for _ in range(3 * want)]
-    bursts = _bursts(decisions, True)
+    bursts = runs_of(decisions, True)
     assert bursts[0][0] >= want - 1 and all(b[0] - a[0] >= want for a, b in zip(bursts, bursts[1:]))
     # without a switch cost (an n-gram proposer), the first burst comes after PERIOD
-    assert _bursts([cheap.allow(32, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
+    assert runs_of([cheap.allow(32, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
 
     # speculation now costs 10% less a token than plain decoding in its own steps: not enough to
     # repay 0.24 s within PERIOD steps, so its bursts stay bursts; without the switch's cost, the
     # next burst wins
     tenth = dict(spec=(0.0144, 32), plain=(0.016, 32))
-    assert all(length == Gate.BURST for _, length in _bursts(_drive(gate, 32, 4 * want, **tenth), True))
-    assert any(length > Gate.BURST for _, length in _bursts(_drive(cheap, 32, 4 * Gate.PERIOD, **tenth), True))
+    assert all(length == Gate.BURST for _, length in runs_of(drive(gate, 32, 4 * want, **tenth), True))
+    assert any(length > Gate.BURST for _, length in runs_of(drive(cheap, 32, 4 * Gate.PERIOD, **tenth), True))
     # and half as dear is
-    assert _drive(gate, 32, 8 * want, spec=(0.008, 32), plain=(0.016, 32))[-Gate.PERIOD:] == [True] * Gate.PERIOD
-
-
-def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
-    """While plain decoding wins and a switch costs a draft's catch-up, a burst of speculation
-    that comes due waits until most of the batch is new (`renew`), when the draft has little to
-    catch up on, and starts within FRESH steps of it; with no new requests, after one period more.
-    Without a switch cost (an n-gram proposer) bursts keep the schedule."""
-    gate = _measured(8, spec=(0.010, 12), plain=(0.004, 8))  # plain wins by 67%
-    no_switch = copy.deepcopy(gate)
-    gate.observe_switch(8, 0.002, sampled=True)  # cheap enough that the period stays PERIOD
-    st = gate._schedules[gate.regime(8, True)]
-    decisions = [gate.allow(8, True) for _ in range(Gate.PERIOD + 10)]
-    assert not any(decisions) and st.due is not None  # due, waiting
-    gate.renew(8, True)
-    fresh = [gate.allow(8, True) for _ in range(Gate.FRESH + Gate.BURST)]
-    assert fresh[:Gate.BURST] == [True] * Gate.BURST  # the burst starts at once
-    for _ in range(Gate.BURST):
-        gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)  # and plain still wins
-    assert fresh[Gate.BURST:] == [False] * Gate.BURST  # plain steps to compare the burst with
-    waited = [gate.allow(8, True) for _ in range(6 * Gate.PERIOD)]  # no new requests: the period, then one more
-    start, length = _bursts(waited, True)[0]
-    # the burst left plain winning: the period doubled, to 2 * PERIOD from the burst's end
-    assert length == Gate.BURST and start + Gate.BURST == 2 * (2 * Gate.PERIOD)
-    assert _bursts([no_switch.allow(8, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
+    assert drive(gate, 32, 8 * want, spec=(0.008, 32), plain=(0.016, 32))[-Gate.PERIOD:] == [True] * Gate.PERIOD
 
 
 def test_at_parity_the_running_mode_stays_and_is_not_measured_early():
     """Once decided, the verdict moves only on a margin: the other mode measuring cheaper by less
     than KEEP_MARGIN (the host's noise, at parity) neither switches the mode nor brings the other
     mode's burst forward; by more, it does both as before."""
-    gate = _measured(8, spec=(0.0040, 10), plain=(0.0034, 8))  # 0.40 ms a token against 0.425: speculation wins
+    gate = measured(8, spec=(0.0040, 10), plain=(0.0034, 8))  # 0.40 ms a token against 0.425: speculation wins
     assert gate.allow(8, True) is True
     for _ in range(30):  # speculation drifts to 0.44 ms per token: 3.5% dearer than plain's last figure
         gate.observe(8, True, seconds=0.0044, num_tokens=10, sampled=True)
@@ -294,7 +213,7 @@ def test_a_new_regime_starts_from_its_decided_neighbour():
     """A batch that drains from 32 to 31 (or fills from 31 to 32) keeps the verdict of the
     bucket next to it instead of spending a burst of each mode; it still measures the other
     mode itself after PERIOD steps. Far buckets and the other kind are not neighbours."""
-    gate = _measured(32, spec=(0.30, 40), plain=(0.10, 32))
+    gate = measured(32, spec=(0.30, 40), plain=(0.10, 32))
     assert gate.allow(32, sampled=True) is False  # plain wins at 32-63
     drained = []
     for _ in range(Gate.PERIOD + Gate.BURST):
@@ -387,14 +306,14 @@ def test_plain_decoding_getting_dearer_does_not_bring_speculation_forward():
     measured in another regime. While speculation runs, its getting dearer than plain's last
     figure (acceptance falling) does bring plain decoding's burst forward, once REMEASURE_AFTER
     steps have passed since the last burst."""
-    gate = _measured(8, spec=(0.0040, 12), plain=(0.0024, 8))  # 0.33 ms a token against 0.30: plain wins
+    gate = measured(8, spec=(0.0040, 12), plain=(0.0024, 8))  # 0.33 ms a token against 0.30: plain wins
     gate.observe_switch(8, 0.002, sampled=True)
     neighbour = copy.deepcopy(gate)
     st = gate._schedules[gate.regime(8, True)]
-    drifted = _drive(gate, 8, Gate.PERIOD + Gate.PERIOD // 2, spec=(0.0040, 12), plain=(0.0044, 8))  # 0.55 ms a token
+    drifted = drive(gate, 8, Gate.PERIOD + Gate.PERIOD // 2, spec=(0.0040, 12), plain=(0.0044, 8))  # 0.55 ms a token
     assert not any(drifted) and st.due is not None  # due at PERIOD, waiting
     gate.renew(8, True)
-    renewed = _drive(gate, 8, 2 * Gate.BURST + Gate.COLD, spec=(0.0040, 12), plain=(0.0044, 8))
+    renewed = drive(gate, 8, 2 * Gate.BURST + Gate.COLD, spec=(0.0040, 12), plain=(0.0044, 8))
     assert renewed == [True] * Gate.BURST + [False] * (Gate.BURST + Gate.COLD)  # with the new requests, then plain
     assert gate.allow(8, True) is True  # and it wins
     # a neighbour borrows plain decoding; its first burst of speculation waits, a switch costing
@@ -405,52 +324,22 @@ def test_plain_decoding_getting_dearer_does_not_bring_speculation_forward():
     assert [neighbour.allow(4, True) for _ in range(Gate.BURST)] == [True] * Gate.BURST
 
     # speculation running: its acceptance falls, and plain decoding is measured again early
-    spec_wins = _measured(8, spec=(0.0030, 12), plain=(0.0024, 8))  # 0.25 ms a token against 0.30
-    assert _drive(spec_wins, 8, Gate.REMEASURE_AFTER, spec=(0.0030, 12), plain=(0.0024, 8)) == [True] * Gate.REMEASURE_AFTER
-    fell = _drive(spec_wins, 8, 28, spec=(0.0060, 12), plain=(0.0024, 8))  # 0.50 ms a token
-    start, length = _bursts(fell, False)[0]
+    spec_wins = measured(8, spec=(0.0030, 12), plain=(0.0024, 8))  # 0.25 ms a token against 0.30
+    assert drive(spec_wins, 8, Gate.REMEASURE_AFTER, spec=(0.0030, 12), plain=(0.0024, 8)) == [True] * Gate.REMEASURE_AFTER
+    fell = drive(spec_wins, 8, 28, spec=(0.0060, 12), plain=(0.0024, 8))  # 0.50 ms a token
+    start, length = runs_of(fell, False)[0]
     assert start < 8 and length == Gate.BURST + Gate.COLD  # measured at once
     assert fell[start + length:] == [True] * Gate.BURST + [False] * (28 - start - length - Gate.BURST)  # and it wins
-
-
-def test_new_requests_bring_a_burst_forward_on_its_last_same_context_verdict():
-    """How far the losing mode lost, for `renew`, is its last burst's verdict against the
-    running mode's steps right after it, not the decayed figures. Over a run plain decoding gets
-    dearer as contexts grow; speculation's figure stays that of its burst early in the run. Here
-    speculation lost its burst by 29% at the same contexts; by the end of the run plain's figure
-    is within 5% of it, but the next batch does not bring the burst back: the waits still double.
-    A burst that lost by 5% is brought forward by new requests."""
-    def lost_burst(spec_step: tuple[float, int]) -> Gate:
-        gate = _measured(8, spec=(0.0060, 12), plain=(0.0032, 8))  # 0.50 ms a token against 0.40
-        assert _drive(gate, 8, Gate.PERIOD, spec=spec_step, plain=(0.0032, 8)) == [False] * Gate.PERIOD
-        assert _drive(gate, 8, 2 * Gate.BURST + Gate.COLD + 1, spec=spec_step, plain=(0.0032, 8)) == (
-            [True] * Gate.BURST + [False] * (Gate.BURST + Gate.COLD + 1))  # the burst, plain's steps, the verdict
-        return gate
-
-    clear = lost_burst((0.0062, 12))  # 0.517 ms a token: 29% dearer than plain's 0.40
-    assert clear._schedules[clear.regime(8, True)].lost_by == pytest.approx(0.0062 / 12 / 0.0004 - 1)
-    later = _drive(clear, 8, 40, spec=(0.0062, 12), plain=(0.0040, 8))  # plain at 0.50 ms a token, contexts longer
-    assert not any(later)
-    costs = clear._costs(clear._schedules[clear.regime(8, True)], 8, True)
-    assert clear._gap(costs) < Gate.RENEW_MARGIN  # the decayed figures, of different ages, read close
-    clear.renew(8, True)
-    assert not any(_drive(clear, 8, Gate.PERIOD + Gate.BURST, spec=(0.0062, 12), plain=(0.0032, 8)))
-
-    close = lost_burst((0.0050, 12))  # 0.417 ms a token: 4% dearer, within KEEP_MARGIN
-    assert close._schedules[close.regime(8, True)].lost_by == pytest.approx(0.0050 / 12 / 0.0004 - 1)
-    _drive(close, 8, 40, spec=(0.0050, 12), plain=(0.0032, 8))
-    close.renew(8, True)
-    assert any(_drive(close, 8, Gate.PERIOD + Gate.BURST, spec=(0.0050, 12), plain=(0.0032, 8)))
 
 
 def test_the_first_verdict_is_speculations_only_when_it_wins_by_the_margin():
     """Speculation costs more than its measured steps show (the ragged end of a batch), so where
     the opening bursts measure within KEEP_MARGIN of each other plain decoding is the verdict;
     speculation clearly cheaper is."""
-    par = _measured(32, spec=(0.0098, 35), plain=(0.0091, 32))  # 0.280 ms a token against 0.284
-    assert _drive(par, 32, Gate.PERIOD - 1, spec=(0.0098, 35), plain=(0.0091, 32)) == [False] * (Gate.PERIOD - 1)
-    wins = _measured(32, spec=(0.0090, 35), plain=(0.0091, 32))  # 0.257 against 0.284: 10% cheaper
-    assert _drive(wins, 32, Gate.PERIOD - 1, spec=(0.0090, 35), plain=(0.0091, 32)) == [True] * (Gate.PERIOD - 1)
+    par = measured(32, spec=(0.0098, 35), plain=(0.0091, 32))  # 0.280 ms a token against 0.284
+    assert drive(par, 32, Gate.PERIOD - 1, spec=(0.0098, 35), plain=(0.0091, 32)) == [False] * (Gate.PERIOD - 1)
+    wins = measured(32, spec=(0.0090, 35), plain=(0.0091, 32))  # 0.257 against 0.284: 10% cheaper
+    assert drive(wins, 32, Gate.PERIOD - 1, spec=(0.0090, 35), plain=(0.0091, 32)) == [True] * (Gate.PERIOD - 1)
 
 
 def test_plain_steps_right_after_speculative_ones_are_not_compared():
@@ -475,30 +364,10 @@ def test_plain_steps_right_after_speculative_ones_are_not_compared():
     assert drive(gate, Gate.OPENING + 1) == [True] * Gate.BURST + [False] * (Gate.BURST + Gate.COLD + 1)
     assert gate.seconds_per_token(32, False, True) == pytest.approx(0.00025)  # warm steps only
     later = drive(gate, 4 * Gate.PERIOD)
-    assert [length for _, length in _bursts(later, True)] == [Gate.BURST] * 2  # exploring bursts only: they lost
+    assert [length for _, length in runs_of(later, True)] == [Gate.BURST] * 2  # exploring bursts only: they lost
 
     class NoCold(Gate):
         COLD, OPENING = 0, 2 * Gate.BURST
 
     blind = NoCold()
     assert drive(blind, 4 * Gate.PERIOD).count(True) > 3 * Gate.PERIOD  # speculation won, and kept
-
-
-def test_new_requests_check_a_verdict_only_the_opening_measured():
-    """The opening's four steps a mode made plain decoding the verdict (speculation measured 25%
-    dearer a token: a noisy host), where speculating is in fact 17% cheaper. The next new requests
-    bring a burst of speculation on at once, and its verdict turns the gate; without new requests
-    the gate keeps plain decoding through its period. Once a burst has checked the verdict, new
-    requests bring the next one forward only where the loser lost by less than RENEW_MARGIN
-    (`test_new_requests_bring_a_burst_forward_on_its_last_same_context_verdict`)."""
-    true_spec, plain = (0.0040, 12), (0.0032, 8)  # 0.33 ms a token against 0.40
-    gate = _measured(8, spec=(0.0060, 12), plain=plain)  # the opening: 0.50 against 0.40
-    assert not any(_drive(gate, 8, 4, true_spec, plain))
-    assert not gate._schedules[gate.regime(8, True)].confirmed
-    unrenewed = copy.deepcopy(gate)
-    gate.renew(8, True)
-    modes = _drive(gate, 8, 2 * Gate.BURST + Gate.COLD + 8, true_spec, plain)
-    assert modes[:Gate.BURST] == [True] * Gate.BURST  # the burst, at once
-    assert modes[-8:] == [True] * 8  # it won at the same contexts: speculation is the verdict now
-    assert gate._schedules[gate.regime(8, True)].confirmed
-    assert not any(_drive(unrenewed, 8, Gate.PERIOD - 8, true_spec, plain))
