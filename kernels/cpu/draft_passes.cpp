@@ -85,6 +85,12 @@ int64_t race(const float* logits, const float* noise, int64_t n, float t, std::v
   return first_max(probs.data(), n);
 }
 
+// A row's pick, as every op here picks: at temperature t <= 0 the argmax (the first largest, noise
+// unread: it may be null), else the race against the row's noise.
+int64_t pick(const float* logits, const float* noise, int64_t n, float t, std::vector<float>& probs) {
+  return t <= 0.f ? first_max(logits, n) : race(logits, noise, n, t, probs);
+}
+
 at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
                         at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                         int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
@@ -168,11 +174,10 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
     const float* lp = logits.data_ptr<float>();
     for (int64_t s = 0; s < num_seqs; ++s) {
       const float t = sampled ? temperature->data_ptr<float>()[s] : 0.f;
-      const int64_t pick = t <= 0.f ? first_max(lp + s * vocab, vocab)
-                                    : race(lp + s * vocab, noise->data_ptr<float>() + (pass * num_seqs + s) * vocab,
-                                           vocab, t, scratch);
-      picks_p[pass * num_seqs + s] = pick;
-      tokens[s] = pick;
+      const float* row_noise = sampled ? noise->data_ptr<float>() + (pass * num_seqs + s) * vocab : nullptr;
+      const int64_t picked = pick(lp + s * vocab, row_noise, vocab, t, scratch);
+      picks_p[pass * num_seqs + s] = picked;
+      tokens[s] = picked;
       positions[s] += 1;
     }
   }
@@ -202,9 +207,7 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& temperature, co
                      for (int64_t r = begin; r < end; ++r) {
                        const float temp = t.data_ptr<float>()[r];
                        const float* row = l.data_ptr<float>() + r * vocab;
-                       picks.data_ptr<int64_t>()[r] =
-                           temp <= 0.f ? first_max(row, vocab)
-                                       : race(row, e.data_ptr<float>() + r * vocab, vocab, temp, scratch);
+                       picks.data_ptr<int64_t>()[r] = pick(row, e.data_ptr<float>() + r * vocab, vocab, temp, scratch);
                      }
                    });
   return picks;
@@ -297,8 +300,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
     const float t = sampled ? temperature->data_ptr<float>()[s] : 0.f;
     for (int64_t j = 0; j <= kp[s]; ++j, ++r)
       picks.data_ptr<int64_t>()[r] =
-          t <= 0.f ? first_max(lp + r * d.vocab, d.vocab)
-                   : race(lp + r * d.vocab, noise->data_ptr<float>() + (j * num_seqs + s) * d.vocab, d.vocab, t, probs);
+          pick(lp + r * d.vocab, sampled ? noise->data_ptr<float>() + (j * num_seqs + s) * d.vocab : nullptr, d.vocab,
+               t, probs);
   }
   const auto verified = clock::now();
   at::Tensor seconds = at::empty({2}, st.options().dtype(at::kDouble));
