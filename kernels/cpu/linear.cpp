@@ -210,9 +210,9 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
       tiles_permitted()) {
     const int64_t m_pad = (m_len + kTileRows - 1) / kTileRows * kTileRows;
     thread_local std::vector<uint16_t> parts;  // reused: a fresh buffer of this size is a fresh mapping
-    parts.resize(kParts * m_pad * k_pad);
-    split_rows(xp, m_len, k_len, m_pad, k_pad, parts.data());
-    const uint16_t* pa = parts.data();
+    parts.resize(kParts * m_pad * k_pad + 32);
+    uint16_t* pa = aligned_tiles(parts.data());
+    split_rows(xp, m_len, k_len, m_pad, k_pad, pa);
     at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {
       thread_local std::vector<uint32_t> tiled;
       if (pretiled == nullptr) tiled.resize(k_pad / 2 * kPanel);
