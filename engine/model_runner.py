@@ -19,6 +19,7 @@ from pdserve.engine.model.config import ModelConfig
 from pdserve.engine.model.loader import build_model
 from pdserve.engine.capture import CompiledForward
 from pdserve.engine.draft_passes import DraftPasses
+from pdserve.engine.huge_pages import zeros_on_huge_pages
 from pdserve.engine.native_forward import NativeForward
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -79,10 +80,11 @@ class ModelRunner:
         # zeros, not empty: padded attention rows read stale slots, which must be finite
         self.kv_caches = kv_allocator and kv_allocator(cfg.num_layers, shape, dtype, device)
         if not self.kv_caches:
-            self.kv_caches = [
-                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(cfg.num_layers)
-            ]
+            # on the host, on 2 MiB pages where Linux gives them (`huge_pages.py`: the step reads
+            # blocks all over the pool)
+            zeros = ((lambda: zeros_on_huge_pages(shape, dtype)) if device.type == "cpu"
+                     else (lambda: torch.zeros(shape, dtype=dtype, device=device)))
+            self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",
                                    uniform_plans=capture == "compile", native_plans=native_attention,
