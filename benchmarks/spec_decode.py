@@ -1,7 +1,7 @@
 """Speculative decoding on the demo pair, measured side by side in one run (this machine is
 shared and noisy: compare the ratios, not the absolute rates).
 
-    python benchmarks/spec_decode.py [--quick]
+    python benchmarks/spec_decode.py [--quick] [--runs 5] [--rounds 1]
 
 Every configuration (plain decoding; the draft-model proposer at fixed k = 4, fixed k = 2 and
 adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temperature 1 also the
@@ -21,7 +21,9 @@ Every engine first runs each case once, whole (its warm-up: a fresh engine's one
 adaptive gate's opening bursts among them, reported apart as first runs). Then per configuration,
 over --runs repeats interleaved across configurations (the order reverses every repeat), each
 configuration's run between two plain runs (B m1 B m2 B …: the host drifts over seconds, so a
-speedup divides by the plain runs right beside the method's): tokens/s, and that speedup, as min /
+speedup divides by the plain runs right beside the method's; with --rounds N, a repeat runs that
+sequence N times back to back and keeps, for each run, its median round: one burst from another
+tenant then decides no repeat): tokens/s, and that speedup, as min /
 median / max, for the whole run and for its decode phase (after every prompt's first token: what
 speculation can speed, and what the ideal speedup below models; the prefill is the same work either
 way); and a speculative method's run, between two runs of its own engine with its speculator set
@@ -253,9 +255,11 @@ def cases_of(method: Method, batch_sizes: list[int], temperatures: list[float]) 
 
 def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: list[float], max_tokens: int,
                   runs: int, methods: tuple[Method, ...] = METHODS + NEWCOMER, tuned: dict | None = None,
-                  threads: int = 1, progress: bool = True) -> dict:
+                  threads: int = 1, progress: bool = True, rounds: int = 1) -> dict:
     """The whole measurement: every method × batch × temperature, `runs` interleaved repeats,
-    each method's engine in a process of its own (`start_engine`)."""
+    each method's engine in a process of its own (`start_engine`); each repeat of a case runs its
+    paired sequence (`_paired`) `rounds` times back to back and keeps each run's median round
+    (`median_round`)."""
     max_b = max(batch_sizes)
     setup = Setup.of(model, draft, max_b, max_tokens, tuned if tuned is not None else {"graph_capture": "compile"},
                      threads)
@@ -263,7 +267,7 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
     warm = dict(temperature=0, max_tokens=16, ignore_eos=True)
     cases = [(b, t) for t in temperatures for b in batch_sizes]
     raw: dict[tuple, list[dict]] = {}
-    total = runs * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
+    total = runs * rounds * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
                                         lambda m, own_plain=False: dict(seconds=1.0, token_ids=None))))
                 for b, t in cases)
     engines: dict[str, ChildProcess] = {}
@@ -291,15 +295,33 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
                     params = dict(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=1000 * rep + b)
                     measured = [m for m in methods if (b, temp) in cases_of(m, batch_sizes, temperatures)]
                     order = measured if rep % 2 == 0 else measured[::-1]  # alternate who runs first
-                    for m, r in _paired(order, lambda m, own_plain=False: run(m, b, params, own_plain)):
-                        raw.setdefault((b, temp, m.name), []).append(r)
-                        bar.update(1)
+                    each_round = []
+                    for _ in range(rounds):
+                        each_round.append(list(_paired(order, lambda m, own_plain=False: (
+                            bar.update(1), run(m, b, params, own_plain))[1])))
+                    for position in zip(*each_round):  # a run's place in the sequence, in every round
+                        m = position[0][0]
+                        raw.setdefault((b, temp, m.name), []).append(median_round([r for _, r in position], m))
     finally:
         for e in engines.values():
             e.close()
     return dict(rows=collect(raw, methods, cases), first_runs=first_runs(first, methods),
                 startup_seconds={n: e.hello for n, e in engines.items()},
                 threads=threads, default_threads=setup.default_threads, tuned_options=setup.tuned)
+
+
+def median_round(rounds: list[dict], method: Method) -> dict:
+    """Of one repeat's rounds, the records of one run (the same place in each round's sequence),
+    the record whose ratio is the median: a method's speedup over the plain runs beside it, plain
+    decoding's A/A pair (or, without one, its seconds). One real run's record, every figure of it
+    from that run: a burst from another tenant that slows one round decides no repeat (the lower
+    median for an even count)."""
+    if method.is_plain:
+        key = lambda r: (r["previous_baseline_seconds"] / r["seconds"]  # noqa: E731
+                         if "previous_baseline_seconds" in r else -r["seconds"])
+    else:
+        key = lambda r: r["baseline_seconds"] / r["seconds"]  # noqa: E731
+    return sorted(rounds, key=key)[(len(rounds) - 1) // 2]
 
 
 def start_engine(method: Method, setup: Setup) -> ChildProcess:
@@ -408,6 +430,8 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of each repeat's paired runs, back to back; a repeat keeps each run's median round")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the tuned configurations")
     ap.add_argument("--graph-capture", default="compile", help="graph_capture of the tuned configurations")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
@@ -421,9 +445,9 @@ def main() -> None:
         args.batch_sizes, args.max_tokens, args.runs, args.graph_capture = [1, 8], 32, 2, "off"
     load_start = os.getloadavg()[0]
     result = run_benchmark(args.model, args.draft, args.batch_sizes, args.temperatures, args.max_tokens, args.runs,
-                           tuned={"graph_capture": args.graph_capture}, threads=args.threads)
+                           tuned={"graph_capture": args.graph_capture}, threads=args.threads, rounds=args.rounds)
     result = dict(command=" ".join(["python", "benchmarks/spec_decode.py", *sys.argv[1:]]), args=vars(args),
-                  runs=args.runs, machine=machine() | {"load_avg_1m_start": load_start,
+                  runs=args.runs, rounds=args.rounds, machine=machine() | {"load_avg_1m_start": load_start,
                                                        "load_avg_1m_end": os.getloadavg()[0]}, **result)
     RESULTS.mkdir(parents=True, exist_ok=True)
     # the file BENCHMARKS.md's table comes from is written only by a run that writes the table

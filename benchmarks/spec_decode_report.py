@@ -168,8 +168,8 @@ def markdown(result: dict, stem: str = "spec_decode") -> str:
     m = result["machine"]
     start = ", ".join(f"{k} {v:.1f}" for k, v in result["startup_seconds"].items())
     return "\n".join([
-        f"Command: `{result['command']}` ({result['runs']} interleaved repeats; every figure min / median / max "
-        f"over them; each method's engine runs in a process of its own; a speedup divides by the two plain runs "
+        f"Command: `{result['command']}` ({result['runs']} interleaved repeats{rounds_text(result)}; every figure "
+        f"min / median / max over them; each method's engine runs in a process of its own; a speedup divides by the two plain runs "
         f"right before and after the method's run, and plain's row gives in that column, marked A/A, a plain run "
         f"against the one before it, one method's runs apart: the host's drift alone; a speculative method's run "
         f"also sits between two runs of its own engine with speculation set aside, its speedup against them in "
@@ -188,6 +188,12 @@ def markdown(result: dict, stem: str = "spec_decode") -> str:
         f"Start-up seconds (weights, caches, graph capture; not in any timed run): {start}.", "",
         f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`.",
     ])
+
+
+def rounds_text(result: dict) -> str:
+    rounds = result.get("rounds", 1)
+    return (f", each of {rounds} rounds of its paired runs back to back, every run's figure its median round "
+            f"(`median_round`: one real run's record)") if rounds > 1 else ""
 
 
 def first_runs_text(first: list[dict]) -> list[str]:

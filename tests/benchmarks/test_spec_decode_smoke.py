@@ -33,7 +33,8 @@ def test_core_runs_and_outputs_match(bench):
                     if m.name in ("plain", "draft k=2", "ngram adaptive", "draft k=4 rejection", "newcomer plain",
                                   "newcomer draft k=4", "plain, another process"))
     result = bench.run_benchmark(str(DEMO), str(DEMO_DRAFT), batch_sizes=[1, 2], temperatures=[0.0, 1.0],
-                                 max_tokens=8, runs=2, methods=methods, tuned={"graph_capture": "off"}, progress=False)
+                                 max_tokens=8, runs=2, methods=methods, tuned={"graph_capture": "off"}, progress=False,
+                                 rounds=2)
     rows = result["rows"]
     by = {(r["batch_size"], r["temperature"], r["method"]): r for r in rows}
     assert (1, 1.0, "draft k=4 rejection") in by and (1, 0.0, "draft k=4 rejection") not in by  # temperature 1 only
@@ -208,3 +209,17 @@ def test_the_draft_timer_sees_the_passes_inside_fused_steps(bench):
     fused_passes = [s for n, s in timer.calls if n == 1]
     assert len(fused_passes) >= 3 * len(calls) and all(s > 0 for s in fused_passes)
     assert timer.median_at(1) is not None
+
+
+def test_a_repeat_keeps_each_runs_median_round(bench):
+    """--rounds: of a run's records in a repeat's rounds, the one whose ratio is the median, whole
+    (its seconds, counters and tokens together): a method's by its speedup over the plain runs
+    beside it, plain decoding's by its A/A pair, or by its seconds where it has none."""
+    plain, k4 = bench.METHODS[0], bench.METHODS[1]
+    rounds = [dict(seconds=s, baseline_seconds=2.0, num_drafts=i) for i, s in enumerate((1.0, 4.0, 2.0))]
+    assert bench.median_round(rounds, k4)["num_drafts"] == 2  # speedups 2, 0.5, 1: the median 1
+    assert bench.median_round(rounds[:2], k4)["num_drafts"] == 1  # two: the lower, 0.5
+    pairs = [dict(seconds=2.0, previous_baseline_seconds=p, tag=p) for p in (1.0, 3.0, 2.2)]
+    assert bench.median_round(pairs, plain)["tag"] == 2.2
+    alone = [dict(seconds=s, tag=s) for s in (1.0, 5.0, 3.0)]
+    assert bench.median_round(alone, plain)["tag"] == 3.0
