@@ -267,9 +267,11 @@ def run_benchmark(model: str, draft: str, batch_sizes: list[int], temperatures: 
     warm = dict(temperature=0, max_tokens=16, ignore_eos=True)
     cases = [(b, t) for t in temperatures for b in batch_sizes]
     raw: dict[tuple, list[dict]] = {}
-    total = runs * rounds * sum(len(list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
-                                        lambda m, own_plain=False: dict(seconds=1.0, token_ids=None))))
-                for b, t in cases)
+    calls = []  # the runs a repeat's paired sequences ask for, the own-plain runs among them
+    for b, t in cases:
+        list(_paired([m for m in methods if (b, t) in cases_of(m, batch_sizes, temperatures)],
+                     lambda m, own_plain=False: calls.append(m) or dict(seconds=1.0, token_ids=None)))
+    total = runs * rounds * len(calls)
     engines: dict[str, ChildProcess] = {}
     first: dict[tuple, dict] = {}  # (batch, temperature, method) -> the engine's first run of the case
     run = lambda m, b, params, own_plain=False: engines[m.name].ask(  # noqa: E731
