@@ -42,7 +42,8 @@ def test_gate_keeps_greedy_and_sampled_batches_apart_and_renews_for_new_requests
 def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
     """While plain decoding wins and a switch costs a draft's catch-up, a burst of speculation
     that comes due waits until most of the batch is new (`renew`), when the draft has little to
-    catch up on, and starts within FRESH steps of it; with no new requests, after one period more.
+    catch up on, and starts within FRESH steps of it; with no new requests, after MAX_PERIOD
+    steps more.
     Without a switch cost (an n-gram proposer) bursts keep the schedule."""
     gate = measured(8, spec=(0.010, 12), plain=(0.004, 8))  # plain wins by 67%
     no_switch = copy.deepcopy(gate)
@@ -56,10 +57,11 @@ def test_a_burst_of_speculation_waits_for_new_requests_when_switching_costs():
     for _ in range(Gate.BURST):
         gate.observe(8, True, seconds=0.010, num_tokens=12, sampled=True)  # and plain still wins
     assert fresh[Gate.BURST:] == [False] * Gate.BURST  # plain steps to compare the burst with
-    waited = [gate.allow(8, True) for _ in range(6 * Gate.PERIOD)]  # no new requests: the period, then one more
+    waited = [gate.allow(8, True) for _ in range(2 * Gate.MAX_PERIOD)]  # no new requests: the period, then MAX_PERIOD
     start, length = runs_of(waited, True)[0]
-    # the burst left plain winning: the period doubled, to 2 * PERIOD from the burst's end
-    assert length == Gate.BURST and start + Gate.BURST == 2 * (2 * Gate.PERIOD)
+    # the burst left plain winning: the period doubled, to 2 * PERIOD from the burst's end, and
+    # the burst due then waited for new requests as long as any wait runs
+    assert length == Gate.BURST and start + Gate.BURST == 2 * Gate.PERIOD + Gate.MAX_PERIOD
     assert runs_of([no_switch.allow(8, True) for _ in range(2 * Gate.PERIOD)], True)[0][0] == Gate.PERIOD
 
 
