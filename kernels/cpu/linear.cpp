@@ -167,12 +167,21 @@ std::atomic<bool> tiles_on{true};
 
 bool linear_use_tiles(bool on) { return tiles_on.exchange(on); }
 
+#ifdef PDSERVE_LINEAR_AMX
+// Whether m rows take the tile path in this process now, times panels with their tile copy
+// (`pretiled`) or without.
+bool takes_tiles(int64_t m, bool pretiled) {
+  return tiles_on.load(std::memory_order_relaxed) && (pretiled ? tiles_pay_tiled(m) : tiles_pay(m)) &&
+         tiles_permitted();
+}
+#endif
+
 // Whether `rows` rows times bfloat16 panels from `linear_pack` (with their tile copy) take the
 // tile path in this build and process now. A copy of such panels (no tile copy) takes it from
 // more rows (`tiles_pay`).
 bool linear_tile_rows(int64_t rows) {
 #ifdef PDSERVE_LINEAR_AMX
-  return tiles_on.load(std::memory_order_relaxed) && tiles_pay_tiled(rows) && tiles_permitted();
+  return takes_tiles(rows, true);
 #else
   return false;
 #endif
@@ -206,11 +215,10 @@ void linear_rows(const float* xp, int64_t m_len, const at::Tensor& packed, const
 #ifdef PDSERVE_LINEAR_AMX
   const int64_t k_pad = (k_len + kTileK - 1) / kTileK * kTileK;
   const uint32_t* pretiled = half ? tiled_copy(packed, k_len, k_pad) : nullptr;
-  if (half && tiles_on.load(std::memory_order_relaxed) && (pretiled ? tiles_pay_tiled(m_len) : tiles_pay(m_len)) &&
-      tiles_permitted()) {
+  if (half && takes_tiles(m_len, pretiled != nullptr)) {
     const int64_t m_pad = (m_len + kTileRows - 1) / kTileRows * kTileRows;
     thread_local std::vector<uint16_t> parts;  // reused: a fresh buffer of this size is a fresh mapping
-    parts.resize(kParts * m_pad * k_pad + 32);
+    parts.resize(kParts * m_pad * k_pad + kAlignSlack);
     uint16_t* pa = aligned_tiles(parts.data());
     split_rows(xp, m_len, k_len, m_pad, k_pad, pa);
     at::parallel_for(0, packed.size(0), grain, [&](int64_t first, int64_t last) {

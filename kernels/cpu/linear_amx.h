@@ -73,10 +73,11 @@ inline __m512 bf16_to_float(__m256bh h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
-// The first 64-byte boundary at or after p (a buffer allocated 32 halves longer than it needs):
-// a tile load whose rows straddle cache lines takes about twice as long (scratch timing, Intel
-// Xeon with AMX: the tile path's inner loop at 7.3 ns a tile product with x's parts 64-byte
+// The first 64-byte boundary at or after p (a buffer allocated kAlignSlack halves longer than it
+// needs): a tile load whose rows straddle cache lines takes about twice as long (scratch timing,
+// Intel Xeon with AMX: the tile path's inner loop at 7.3 ns a tile product with x's parts 64-byte
 // aligned, 14-15 with them 16 or 32 bytes off, as malloc's 16-byte alignment leaves them).
+constexpr int64_t kAlignSlack = 32;
 inline uint16_t* aligned_tiles(uint16_t* p) {
   return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
 }
