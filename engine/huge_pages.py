@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import sys
 
 import torch
@@ -53,10 +54,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """A contiguous CPU tensor of zeros, its memory on 2 MiB boundaries and asked for as huge
     pages (before a byte of it is touched, so the kernel can fault it in whole pages). Small
     tensors, and hosts that give none, get `torch.zeros`."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if _MADVISE is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: no page is faulted in yet
