@@ -54,6 +54,9 @@ class Sequence:
     is_prefill_only: bool = False
     # top-N log-probs per output token, when params.logprobs is set: (token_id, logprob) pairs
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # what the speculative proposer keeps of this sequence between steps (the n-gram proposer's
+    # index of its n-grams, `ngram.NgramIndex`): it lives and dies with the sequence
+    proposer_state: object = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -8,6 +8,17 @@ just proposed, LZ77-style, so a loop of period P yields k tokens rather than P:
 
     tokens  a b c a b c      tail "b c" last seen at 1: continuation "a b c", then the copy
     propose a b c a ...      reads its own output ("a", ...) for as long as k asks
+
+`NgramProposer.propose_one` is the readable search, a scan back through the whole sequence for
+each n: at batch 32, temperature 1 on the demo target (contexts of 100-250 tokens, where the long
+n-grams rarely match and each scan runs to the start) it took 1.6 ms a step, a quarter of the
+target's forward. A step proposes from each sequence's `NgramIndex` instead, which remembers
+where each of its n-grams last ended and takes in only the tokens appended since the step before:
+the same proposals (tested against the scan) for a few dictionary lookups a sequence. Scratch
+figures (Intel Xeon): 32 random sequences of 100-228 tokens, 1.5 ms a step scanned, 0.12 ms
+indexed; fixed k = 4 at batch 32, temperature 1 on the demo target, six interleaved 128-token
+runs in one process, 1.07-1.10x faster; greedy, where the scan finds its match one period back,
+0.99-1.01x.
 """
 from __future__ import annotations
 
@@ -15,25 +26,83 @@ from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode.proposer import Proposal
 
 
+class NgramIndex:
+    """One sequence's n-grams, n from ngram_min to ngram_max: for each, the position just past
+    its latest occurrence that ends before the sequence's last token (the tail itself is not
+    its own match). Tokens are only ever appended to a sequence, so it grows with them."""
+
+    __slots__ = ("ends", "upto")
+
+    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+        self.ends: dict[int, dict] = {n: {} for n in range(ngram_max, ngram_min - 1, -1)}  # longest first
+        self.upto = 0  # end positions up to this one are in `ends`
+
+    def match(self, seq: Sequence) -> int | None:
+        """Where the longest n-gram's latest earlier match ends (what follows it is the
+        proposal), or None without a match; takes in the tokens appended since the last call."""
+        num_tokens = seq.num_tokens
+        if num_tokens <= self.upto:  # not the sequence it was built on: start again
+            for ends in self.ends.values():
+                ends.clear()
+            self.upto = 0
+        first = max(self.upto + 1 - next(iter(self.ends)), 0)  # the first token a new n-gram or the tail reads
+        window = _tokens_from(seq, first)
+        for n, ends in self.ends.items():  # the n-grams ending from upto + 1 to before the tail's end
+            lo = max(self.upto + 1, n) - first  # in the window
+            hi = num_tokens - 1 - first
+            if hi - lo > 8:  # a prompt: at once, later ends overwriting earlier ones (each keeps its latest)
+                ends.update(zip(zip(*(window[lo - n + i:hi - n + i + 1] for i in range(n))), range(lo + first, hi + first + 1)))
+            else:  # a step's new tokens
+                for p in range(lo, hi + 1):
+                    ends[tuple(window[p - n:p])] = p + first
+        self.upto = num_tokens - 1
+        for n, ends in self.ends.items():
+            if n < num_tokens and (p := ends.get(tuple(window[len(window) - n:]))) is not None:
+                return p
+        return None
+
+
 class NgramProposer:
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
     def propose_one(self, tokens: list[int], k: int) -> list[int]:
+        """The readable search (the reference `propose` is tested against)."""
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):
                 if tokens[start:start + n] == tail:
-                    return _copy(tokens, start + n, k)
+                    return _copy(tokens[start + n:start + n + k], len(tokens) - start - n, k)
         return []
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return [Proposal(self.propose_one(seq.token_ids, k) if k else [], None) for seq, k in zip(seqs, ks)]
+        return [Proposal(self.propose_indexed(seq, k) if k else [], None) for seq, k in zip(seqs, ks)]
+
+    def propose_indexed(self, seq: Sequence, k: int) -> list[int]:
+        """`propose_one(seq.token_ids, k)`, from the sequence's `NgramIndex`."""
+        index = seq.proposer_state
+        if not isinstance(index, NgramIndex):
+            index = seq.proposer_state = NgramIndex(self.ngram_min, self.ngram_max)
+        src = index.match(seq)
+        if src is None:
+            return []
+        return _copy(_tokens_from(seq, src, src + k), seq.num_tokens - src, k)
 
 
-def _copy(tokens: list[int], src: int, k: int) -> list[int]:
-    """k tokens of tokens + (what is being proposed) from src on."""
-    out = tokens[src:src + k]
+def _tokens_from(seq: Sequence, start: int, stop: int | None = None) -> list[int]:
+    """seq.token_ids[start:stop], joining the prompt and the output only where it must."""
+    prompt, out = seq.prompt_token_ids, seq.output_token_ids
+    if start >= len(prompt):
+        return out[start - len(prompt):None if stop is None else stop - len(prompt)]
+    if stop is not None and stop <= len(prompt):
+        return prompt[start:stop]
+    return prompt[start:] + (out if stop is None else out[:stop - len(prompt)])
+
+
+def _copy(head: list[int], period: int, k: int) -> list[int]:
+    """k tokens: head (what follows the match, at most k), then, where the match was less than k
+    tokens back, the copy carries on through its own output, one period back."""
+    out = head[:k]
     while len(out) < k:
-        out.append(out[len(out) - (len(tokens) - src)])  # the token one period back
+        out.append(out[len(out) - period])
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from scipy import stats
 
 from tinymodels import hf_model
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.ngram import NgramIndex, NgramProposer
 from pdserve.kernels import TORCH_OPS
 from pdserve.engine.sampler import param_tensors
 
@@ -392,6 +394,30 @@ def test_ngram_proposes_several_periods_of_a_repeating_tail():
     assert ng.propose_one([7, 1, 2, 3, 1, 2, 3], 5) == [1, 2, 3, 1, 2]
     assert ng.propose_one([5, 5, 5], 4) == [5, 5, 5, 5]
     assert ng.propose_one([9, 4, 1, 2, 4, 1, 2, 4], 3) == [1, 2, 4]  # enough text after the match: as before
+
+
+@pytest.mark.parametrize("ngram_min,ngram_max,vocab", [(1, 4, 3), (1, 3, 6), (2, 4, 4), (3, 3, 2)])
+def test_ngram_index_proposes_what_the_scan_does(ngram_min, ngram_max, vocab):
+    """A sequence grown a token, or several (an accepted draft), at a time, proposed from at
+    every length by its index and by the readable scan: the same tokens. Small vocabularies make
+    matches of every length, and none, common."""
+    gen = random.Random(ngram_min * 100 + ngram_max * 10 + vocab)
+    ng = NgramProposer(ngram_min, ngram_max)
+    for prompt_len in (1, 2, 7):
+        seq = Sequence("r", [gen.randrange(vocab) for _ in range(prompt_len)], SamplingParams(), seed=0)
+        while seq.num_tokens < 60:
+            for k in (1, 3, 6):
+                assert ng.propose_indexed(seq, k) == ng.propose_one(seq.token_ids, k), (seq.token_ids, k)
+            seq.output_token_ids.extend(gen.randrange(vocab) for _ in range(gen.choice((1, 1, 1, 3))))
+    assert isinstance(seq.proposer_state, NgramIndex)
+
+
+def test_ngram_index_starts_again_on_a_shorter_sequence():
+    ng = NgramProposer(1, 3)
+    seq = Sequence("r", [1, 2, 3, 1, 2], SamplingParams(), seed=0)
+    assert ng.propose_indexed(seq, 2) == [3, 1]
+    seq.prompt_token_ids = [4, 5, 4]  # not how the engine changes a sequence, but the index must not lie
+    assert ng.propose_indexed(seq, 2) == ng.propose_one([4, 5, 4], 2) == [5, 4]
 
 
 def test_draft_must_share_the_vocabulary(target, checkpoint):
