@@ -29,7 +29,9 @@ from pdserve.engine.spec_decode.proposer import Proposal
 class NgramIndex:
     """One sequence's n-grams, n from ngram_min to ngram_max: for each, the position just past
     its latest occurrence that ends before the sequence's last token (the tail itself is not
-    its own match). Tokens are only ever appended to a sequence, so it grows with them."""
+    its own match). Tokens are only ever appended to a sequence, so it grows with them: about
+    480 bytes a token at n = 1..4 (a 2000-token sequence of random tokens, tracemalloc), 15 MB
+    for 32 sequences of 1000 tokens, freed with the sequence."""
 
     __slots__ = ("ends", "upto", "widest")
     FEW = 8  # more new tokens than this are taken in at once (`_take`), fewer one by one

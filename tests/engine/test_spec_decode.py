@@ -398,17 +398,19 @@ def test_ngram_proposes_several_periods_of_a_repeating_tail():
 
 @pytest.mark.parametrize("ngram_min,ngram_max,vocab", [(1, 4, 3), (1, 3, 6), (2, 4, 4), (3, 3, 2)])
 def test_ngram_index_proposes_what_the_scan_does(ngram_min, ngram_max, vocab):
-    """A sequence grown a token, or several (an accepted draft), at a time, proposed from at
-    every length by its index and by the readable scan: the same tokens. Small vocabularies make
-    matches of every length, and none, common."""
+    """A sequence grown a token, or several (an accepted draft; steps it was not proposed for),
+    at a time, proposed from at every length by its index and by the readable scan: the same
+    tokens. Prompts and growths past `NgramIndex.FEW` take the index's other path. Small
+    vocabularies make matches of every length, and none, common."""
     gen = random.Random(ngram_min * 100 + ngram_max * 10 + vocab)
     ng = NgramProposer(ngram_min, ngram_max)
-    for prompt_len in (1, 2, 7):
+    for prompt_len in (1, 2, 7, NgramIndex.FEW + 2, 30):
         seq = Sequence("r", [gen.randrange(vocab) for _ in range(prompt_len)], SamplingParams(), seed=0)
-        while seq.num_tokens < 60:
+        while seq.num_tokens < 90:
             for k in (1, 3, 6):
                 assert ng.propose_indexed(seq, k) == ng.propose_one(seq.token_ids, k), (seq.token_ids, k)
-            seq.output_token_ids.extend(gen.randrange(vocab) for _ in range(gen.choice((1, 1, 1, 3))))
+            grow = gen.choice((1, 1, 1, 3, NgramIndex.FEW, NgramIndex.FEW + 1, 2 * NgramIndex.FEW + 3))
+            seq.output_token_ids.extend(gen.randrange(vocab) for _ in range(grow))
     assert isinstance(seq.proposer_state, NgramIndex)
 
 
