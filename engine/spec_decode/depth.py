@@ -15,21 +15,9 @@ multiply rows in blocks (AMX tiles), T_target also counts the blocks (`BlockedCo
 target's forward alone, T_target left out the sampling and bookkeeping that also grow with the tokens verified, so deep
 verification looked cheaper than it was: at batch 8, temperature 1 on the demo pair (Sapphire
 Rapids Xeon) adaptive depth ran 0.95x plain at the median where fixed k = 2 ran 1.17x, and 1.10x
-fit on the whole target side (a scratch A/B, three interleaved runs). The line is fit on
-every step, prefill chunks too, which spread it over n but which no plan predicts, and whose
-rows cost less than a verification's (each of those attends over its sequence's whole
-context): at batch 8, temperature 1 on the demo pair (Intel Xeon, scratch trace) it read a
-plain step of 8 rows 15-35% dearer than measured and 32 verified rows cheaper, so the plan
-verified three drafts a sequence (about 1.14x plain decoding at fixed k = 3) where one ran
-1.24x. So a size that settled decode steps measured lately is predicted from those steps
-(`LinearCost(sizes=True)`), the line only elsewhere: the plan then moves to a size the line
-promises, measures it, and keeps it only while its own figure holds up (in-process A/B of eight
-interleaved runs at batch 8, temperature 1: 1.13x its engine's plain decoding against 0.95x,
-where the line alone had settled on plain decoding; batches 1, 8 and 32 greedy and 32 at
-temperature 1 within the host's noise).
-
-The passes' fixed cost is shared by the batch, so depths are chosen for the batch, not
-sequence by sequence (each sequence choosing alone, as if the whole batch were at its depth, mixed depths in
+fit on the whole target side (a scratch A/B, three interleaved runs). The
+passes' fixed cost is shared by the batch, so depths are chosen for the batch, not sequence by
+sequence (each sequence choosing alone, as if the whole batch were at its depth, mixed depths in
 one batch and cost more than either fixed depth: at batch 32, temperature 1 on the demo pair,
 0.91x plain where fixed k = 2 gave 1.08x). `plan` tries each depth k for the whole batch,
 trims each sequence to the positions worth their own marginal cost (position j of sequence i
@@ -65,12 +53,9 @@ class LinearCost:
 
     CLIP = 3.0
     GUESS_KEPT = 0.05  # a guessed prior's share of its weight once a real pass is observed
-    # a size's own figure (`sizes`): its decay per observation of it, the observations it needs,
-    # and how many observations of any size it stays good for
-    SIZE_DECAY, SIZE_SEEN, SIZE_AGE = 0.8, 1.5, 256  # SIZE_SEEN: twice (1 + 0.8)
 
     def __init__(self, a: float, b: float, decay: float = 0.97, guess: bool = False, kept: float = GUESS_KEPT,
-                 spread: int = 1, sizes: bool = False):
+                 spread: int = 1):
         """guess: the prior line is a placeholder, not a measurement (a draft model's passes, or
         the target's steps, which depend on the model and the host): `is_guess` stays True
         (`AdaptiveDepth` then counts a draft's passes as free, so they get run and measured)
@@ -78,12 +63,8 @@ class LinearCost:
         its weight. A draft's passes all have one n per batch size: its prior steps aside at the
         first pass and keeps enough to pin the slope. The target's steps spread over n (a
         prefill, decodes, verifications): its prior sets the line until they span two n, so the
-        first request drafts, and then keeps almost nothing (`TARGET_PRIOR_KEPT`). sizes: also keep
-        what passes of each size measured lately, and predict those sizes from it (`__call__`)."""
+        first request drafts, and then keeps almost nothing (`TARGET_PRIOR_KEPT`)."""
         self.decay, self.kept, self.spread = decay, kept, spread
-        # n -> [decayed seconds, decayed weight, the observation it was last seen at] (with `sizes`)
-        self._sizes: dict[int, list] | None = {} if sizes else None
-        self._observed = 0  # observations so far
         self._s = [0.0] * 5  # the observations' weighted sums of 1, n, n², t, n·t
         self._prior = [0.0] * 5  # the same of the prior line's two points, as first weighed
         self._prior_weight = 1.0  # its weight now: decayed with the observations, times `kept` once a guess steps aside
@@ -94,7 +75,7 @@ class LinearCost:
                 self._prior[i] += 0.5 * v
         self.is_guess = guess
 
-    def observe(self, n: int, seconds: float, count: int = 1, exact: bool = False) -> None:
+    def observe(self, n: int, seconds: float, count: int = 1) -> None:
         """`count` passes over n tokens, each of these seconds: the same fit as that many calls
         (the clip aside, taken once on the line before them), in one (a draft's passes run at
         once are timed together; four calls a step cost about 15 µs, scratch timing). Written
@@ -107,14 +88,6 @@ class LinearCost:
         predicted = self.a + self.b * n
         if predicted > 0 and seconds > self.CLIP * predicted:
             seconds = self.CLIP * predicted
-        self._observed += 1
-        if exact and self._sizes is not None:  # a pass the plan may predict again: its size's own figure
-            size = self._sizes.get(n)
-            if size is None:
-                size = self._sizes[n] = [0.0, 0.0, 0]
-            size[0] = size[0] * self.SIZE_DECAY + seconds
-            size[1] = size[1] * self.SIZE_DECAY + 1.0
-            size[2] = self._observed
         if count == 1:
             decay, weight = self.decay, 1.0
         else:
@@ -136,16 +109,7 @@ class LinearCost:
             self.a = max((st - self.b * sn) / w, 0.0)
 
     def __call__(self, n: int) -> float:
-        measured = self.measured(n)
-        return self.a + self.b * n if measured is None else measured
-
-    def measured(self, n: int) -> float | None:
-        """What passes of n tokens took lately (`sizes`): their decayed mean, once seen
-        SIZE_SEEN times and within the last SIZE_AGE observations; else None."""
-        size = self._sizes.get(n) if self._sizes else None
-        if size is None or size[1] < self.SIZE_SEEN or self._observed - size[2] > self.SIZE_AGE:
-            return None
-        return size[0] / size[1]
+        return self.a + self.b * n
 
     @property
     def slope(self) -> float:
@@ -165,8 +129,7 @@ class BlockedCost(LinearCost):
     plain decoding and three 1.1x. c is not fit with a and b: a plan's steps sit at few sizes
     (the batch's plain steps and its chosen depth), which cannot tell a block's cost from the
     rows'; fit on them with a and b, c came out 0 and the plan was the line's (scratch trace).
-    a and b are LinearCost's line, fit on each step's seconds less its blocks'; a size measured
-    lately (`sizes`) is its own figure plus its blocks'."""
+    a and b are LinearCost's line, fit on each step's seconds less its blocks'."""
 
     BLOCK_ROWS = 16  # rows a block multiplies (`kernels/cpu/linear_amx.h`, kTileRows)
 
@@ -181,12 +144,11 @@ class BlockedCost(LinearCost):
             g = self._blocks[n] = int(self._blocks_of(n))
         return g
 
-    def observe(self, n: int, seconds: float, count: int = 1, exact: bool = False) -> None:
-        super().observe(n, max(seconds - self.c * self.blocks(n), 0.0), count, exact)
+    def observe(self, n: int, seconds: float, count: int = 1) -> None:
+        super().observe(n, max(seconds - self.c * self.blocks(n), 0.0), count)
 
     def __call__(self, n: int) -> float:
-        measured = self.measured(n)
-        return self.a + self.b * n + self.c * self.blocks(n) if measured is None else measured + self.c * self.blocks(n)
+        return self.a + self.b * n + self.c * self.blocks(n)
 
     @property
     def slope(self) -> float:
@@ -210,8 +172,8 @@ def target_line(blocks: tuple[Callable[[int], int], float] | None = None) -> Lin
     seconds (`BlockedCost`); None: a line."""
     if blocks is not None:
         return BlockedCost(a=5e-3, b=5e-4, blocks=blocks[0], block_seconds=blocks[1], guess=True,
-                           kept=TARGET_PRIOR_KEPT, spread=3, sizes=True)
-    return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=3, sizes=True)
+                           kept=TARGET_PRIOR_KEPT, spread=3)
+    return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=3)
 
 
 @dataclass(slots=True)

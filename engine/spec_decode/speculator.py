@@ -112,10 +112,9 @@ class Speculator:
         # alone left out the verification's sampling and the step's bookkeeping, which also grow
         # with the tokens verified)
         num_tokens, forward = target_pass
-        self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
-        self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward),
-                                       exact=self._decode_run > self.WARMUP_STEPS)
+        self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward))
         switching = self.catches_up and self._speculated and not self._speculated_before
+        self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
         if self.catches_up:
             seconds_caught_up, caught_up = self.proposer.take_catch_up()
             if caught_up and not (switching and self._decode_run > self.WARMUP_STEPS):  # a switch's is apart

@@ -216,65 +216,6 @@ def test_the_target_line_is_the_measured_steps_once_they_span_three_sizes():
     assert plans[0][0] >= 1 and plans[1] == [0]  # drafting, against never again
 
 
-def test_sizes_measured_lately_are_predicted_from_their_own_passes():
-    """The target's cost predicts a size that decode steps measured lately (`sizes`) from those
-    passes, not from the line, which prefill chunks also fit: at batch 8, temperature 1 on the
-    demo pair (Intel Xeon, scratch trace) the line read a plain step 15-35% dearer than it was
-    and 32 verified rows cheaper, and the plan verified three drafts a sequence where one ran
-    1.24x plain decoding and three 1.14x. A size seen once, or not within SIZE_AGE observations,
-    and a pass that is not `exact` (a prefill, a step right after one), fall back on the line."""
-    line = target_line()
-    for n, seconds in ((768, 0.048), (1, 0.0004), (5, 0.0008)):  # three sizes: the guess steps aside
-        line.observe(n, seconds)
-    for _ in range(30):  # a prompt's chunks and plain steps of 8 at 2.3 ms, verifications of 32 at 4.6
-        line.observe(768, 0.048)
-        line.observe(8, 0.0023, exact=True)
-        line.observe(32, 0.0046, exact=True)
-    fitted = line.a + line.b * 8
-    assert line(8) == pytest.approx(0.0023) and line(32) == pytest.approx(0.0046)
-    assert abs(fitted - 0.0023) > 0.0002  # the line alone is off at 8, which it fits with the prefill
-    line.observe(16, 0.0027, exact=True)
-    assert line(16) == pytest.approx(line.a + line.b * 16)  # seen once: the line
-    line.observe(16, 0.0027, exact=True)
-    assert line(16) == pytest.approx(0.0027)
-    line.observe(24, 0.003)  # not exact: never its own figure
-    line.observe(24, 0.003)
-    assert line(24) == pytest.approx(line.a + line.b * 24)
-    for _ in range(LinearCost.SIZE_AGE):
-        line.observe(8, 0.0023, exact=True)
-    assert line(8) == pytest.approx(0.0023)  # seen all along
-    assert line(16) == pytest.approx(line.a + line.b * 16)  # not within SIZE_AGE: the line again
-    blocked = BlockedCost(a=3e-3, b=1e-5, blocks=lambda n: -(-n // 16), block_seconds=5e-4, sizes=True)
-    for _ in range(2):
-        blocked.observe(40, 0.006, exact=True)
-    assert blocked(40) == pytest.approx(0.006)  # the blocks' share is given back
-    seq = seq_("a")
-    depth = AdaptiveDepth(4, True, line, LinearCost(0.0, 8e-5))
-    depth.record(seq.req_id, 4, 4)
-    assert depth.step_cost([4]) == pytest.approx(line(5) + 4 * 8e-5)
-
-
-def test_only_settled_decode_steps_give_sizes_their_own_figures():
-    """The speculator marks a step's pass `exact` only once decode steps have run WARMUP_STEPS
-    since the last prefill: a prefill chunk is never predicted, and the steps right after one run
-    slow (`Speculator.WARMUP_STEPS`)."""
-    spec = Speculator(NgramProposer(1, 3), AdaptiveDepth(4, True, target_line(), None), verifier=None,
-                      catches_up=False)
-    line = spec.depth.target_cost
-    for n in (100, 3, 200):  # three sizes: the guess steps aside
-        spec.observe_step(StepShape(is_decode_only=False), 0.01, [], target_pass=(n, 0.001))
-    for _ in range(3):
-        spec.observe_step(StepShape(is_decode_only=False), 0.012, [], target_pass=(100, 0.001))
-    assert line.measured(100) is None
-    decode = StepShape(is_decode_only=True)
-    for _ in range(Speculator.WARMUP_STEPS):
-        spec.observe_step(decode, 0.009, [], target_pass=(8, 0.001))
-    assert line.measured(8) is None  # warming up
-    for _ in range(2):
-        spec.observe_step(decode, 0.002, [], target_pass=(8, 0.001))
-    assert line.measured(8) == pytest.approx(0.002)
-
-
 def test_default_options_draft_from_the_first_request(checkpoint):
     """README's options (adaptive depth, no capture) with a short prompt: the first request
     drafts. With the draft's guessed cost taken as a measurement it did not, on any request."""
