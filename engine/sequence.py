@@ -62,6 +62,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, stop: int | None = None) -> list[int]:
+        """token_ids[start:stop], joining the prompt and the output only where the slice spans both."""
+        prompt, out = self.prompt_token_ids, self.output_token_ids
+        if start >= len(prompt):
+            return out[start - len(prompt):None if stop is None else stop - len(prompt)]
+        if stop is not None and stop <= len(prompt):
+            return prompt[start:stop]
+        return prompt[start:] + (out if stop is None else out[:stop - len(prompt)])
+
     def last_token_ids(self, n: int) -> list[int]:
         """The last n tokens, without joining the prompt and the output where the output holds them."""
         out = self.output_token_ids

@@ -61,7 +61,7 @@ class NgramIndex:
             for n, ends in self.ends.items():
                 if n <= end:
                     ends[window[len(window) - back - n:len(window) - back]] = end
-        self.upto = max(self.upto, num_tokens - 1)
+        self.upto = num_tokens - 1
         for n, ends in self.ends.items():
             if n < num_tokens and (p := ends.get(window[len(window) - n:])) is not None:
                 return p
@@ -72,7 +72,7 @@ class NgramIndex:
         overwrite earlier ones: each n-gram keeps its latest)."""
         end = num_tokens - 2
         first = max(self.upto + 1 - self.widest, 0)  # the first token a new n-gram reads
-        window = _tokens_from(seq, first, end)
+        window = seq.token_slice(first, end)
         for n, ends in self.ends.items():
             lo, hi = max(self.upto + 1, n) - first, end - first  # in the window
             if lo <= hi:
@@ -104,17 +104,7 @@ class NgramProposer:
         src = index.match(seq)
         if src is None:
             return []
-        return _copy(_tokens_from(seq, src, src + k), seq.num_tokens - src, k)
-
-
-def _tokens_from(seq: Sequence, start: int, stop: int | None = None) -> list[int]:
-    """seq.token_ids[start:stop], joining the prompt and the output only where it must."""
-    prompt, out = seq.prompt_token_ids, seq.output_token_ids
-    if start >= len(prompt):
-        return out[start - len(prompt):None if stop is None else stop - len(prompt)]
-    if stop is not None and stop <= len(prompt):
-        return prompt[start:stop]
-    return prompt[start:] + (out if stop is None else out[:stop - len(prompt)])
+        return _copy(seq.token_slice(src, src + k), seq.num_tokens - src, k)
 
 
 def _copy(head: list[int], period: int, k: int) -> list[int]:
