@@ -5,13 +5,13 @@ For a sequence with per-token acceptance rate α, k draft tokens yield on averag
 E(k) = (1 − α^(k+1)) / (1 − α) tokens per step. A step over B decoding sequences at depths k_i
 costs
 
-    cost = T_target(Σ (k_i + 1)) + Σ_{j=1..max k_i} T_draft(#{i: k_i ≥ j})
+    cost = T_target(Σ (k_i + 1), B) + Σ_{j=1..max k_i} T_draft(#{i: k_i ≥ j})
 
-with T_target(n) the measured time of a step's target side over n tokens (the step's wall time
-less the draft's proposal: the forward, the verification's sampling and the step's bookkeeping)
-and T_draft(n) that of a draft pass: the target verifies every draft token in one pass, the draft
-runs one pass per depth over the sequences still drafting. Where the target's projections
-multiply rows in blocks (AMX tiles), T_target also counts the blocks (`BlockedCost`). Fit on the
+with T_target(n, B) the measured time of a step's target side over n tokens of B sequences (the
+step's wall time less the draft's proposal: the forward, the verification's sampling and the
+step's bookkeeping; `BatchCost`, which also counts the row blocks of AMX tiles) and T_draft(n)
+that of a draft pass: the target verifies every draft token in one pass, the draft runs one pass
+per depth over the sequences still drafting. Fit on the
 target's forward alone, T_target left out the sampling and bookkeeping that also grow with the tokens verified, so deep
 verification looked cheaper than it was: at batch 8, temperature 1 on the demo pair (Sapphire
 Rapids Xeon) adaptive depth ran 0.95x plain at the median where fixed k = 2 ran 1.17x, and 1.10x
@@ -36,12 +36,14 @@ from dataclasses import dataclass
 from pdserve.engine.sequence import Sequence
 
 
-TARGET_PRIOR_KEPT = 1e-3  # the engine's target line: its prior's weight once steps of three sizes are seen
+TARGET_PRIOR_KEPT = 1e-3  # the target's cost (`BatchCost`): its guess's weight once the slope is measured
 
 
 class LinearCost:
     """seconds ≈ a + b·n, fit by exponentially weighted least squares over observed passes,
-    starting from a weak prior (two pseudo-observations on the prior line).
+    starting from a weak prior (two pseudo-observations on the prior line): the draft's passes,
+    whose rows are one a sequence (the target's steps: `BatchCost`; a line given as the target
+    prices every size alike, its `seqs` ignored).
 
     An observation counts as at most CLIP times the line's prediction, as a step does in the
     gate: a stall of the host (a collection pass, another process on the core) is not a cost of
@@ -54,37 +56,30 @@ class LinearCost:
     CLIP = 3.0
     GUESS_KEPT = 0.05  # a guessed prior's share of its weight once a real pass is observed
 
-    def __init__(self, a: float, b: float, decay: float = 0.97, guess: bool = False, kept: float = GUESS_KEPT,
-                 spread: int = 1):
-        """guess: the prior line is a placeholder, not a measurement (a draft model's passes, or
-        the target's steps, which depend on the model and the host): `is_guess` stays True
-        (`AdaptiveDepth` then counts a draft's passes as free, so they get run and measured)
-        until the observed passes cover `spread` distinct n, and the prior then keeps `kept` of
-        its weight. A draft's passes all have one n per batch size: its prior steps aside at the
-        first pass and keeps enough to pin the slope. The target's steps spread over n (a
-        prefill, decodes, verifications): its prior sets the line until they span two n, so the
-        first request drafts, and then keeps almost nothing (`TARGET_PRIOR_KEPT`)."""
-        self.decay, self.kept, self.spread = decay, kept, spread
+    def __init__(self, a: float, b: float, decay: float = 0.97, guess: bool = False, kept: float = GUESS_KEPT):
+        """guess: the prior line is a placeholder, not a measurement (a draft model's passes,
+        which depend on the model and the host): `is_guess` stays True (`AdaptiveDepth` then
+        counts the draft's passes as free, so they get run and measured) until a pass is
+        observed, and the prior then keeps `kept` of its weight: a draft's passes all have one
+        n per batch size, and the prior keeps enough to pin the slope."""
+        self.decay, self.kept = decay, kept
         self._s = [0.0] * 5  # the observations' weighted sums of 1, n, n², t, n·t
         self._prior = [0.0] * 5  # the same of the prior line's two points, as first weighed
         self._prior_weight = 1.0  # its weight now: decayed with the observations, times `kept` once a guess steps aside
-        self._seen: set[int] = set()  # the n observed while a guess
         self.a, self.b = a, b
         for n in (1, 64):
             for i, v in enumerate((1.0, n, n * n, a + b * n, n * (a + b * n))):
                 self._prior[i] += 0.5 * v
         self.is_guess = guess
 
-    def observe(self, n: int, seconds: float, count: int = 1) -> None:
+    def observe(self, n: int, seconds: float, count: int = 1, seqs: int | None = None) -> None:
         """`count` passes over n tokens, each of these seconds: the same fit as that many calls
         (the clip aside, taken once on the line before them), in one (a draft's passes run at
         once are timed together; four calls a step cost about 15 µs, scratch timing). Written
         out term by term: it runs after every step, and with lists and zips it took 10 µs a call
         (scratch timing, Intel Xeon), some 1% of a batch-1 step with two calls."""
-        if self.is_guess:
-            self._seen.add(n)
-            if len(self._seen) >= self.spread:  # the guess steps aside
-                self._prior_weight, self.is_guess = self._prior_weight * self.kept, False
+        if self.is_guess:  # the guess steps aside
+            self._prior_weight, self.is_guess = self._prior_weight * self.kept, False
         predicted = self.a + self.b * n
         if predicted > 0 and seconds > self.CLIP * predicted:
             seconds = self.CLIP * predicted
@@ -108,7 +103,7 @@ class LinearCost:
             self.b = max(b, 0.0)
             self.a = max((st - self.b * sn) / w, 0.0)
 
-    def __call__(self, n: int) -> float:
+    def __call__(self, n: int, seqs: int | None = None) -> float:
         return self.a + self.b * n
 
     @property
@@ -117,63 +112,135 @@ class LinearCost:
         return self.b
 
 
-class BlockedCost(LinearCost):
-    """seconds ≈ a + b·n + c·g(n), with g(n) the blocks of rows a pass over n tokens multiplies in
-    (`blocks`) and c a block's seconds, measured apart (`ModelRunner.row_blocks`): on a CPU with
-    AMX the target's projections multiply 16 rows at a time from 7 rows (`kernels/cpu/linear.cpp`),
-    so a step's cost climbs in steps that a line smooths over. At batch 8, temperature 1 on the
-    demo pair (Intel Xeon, scratch timing; the step's wall time less the draft's passes) verifying
-    16 rows cost 2.55 ms, 24 rows 3.63, 32 rows 4.26 and 40 rows 5.29: about 80 µs a row and 0.4 ms
-    a block. A line fit on the steps read 16 rows as 3.0 ms and 32 as 4.0, so the plan verified
-    three drafts a sequence (32 rows) where one (16 rows, in plain decoding's one block) ran 1.2x
-    plain decoding and three 1.1x. c is not fit with a and b: a plan's steps sit at few sizes
-    (the batch's plain steps and its chosen depth), which cannot tell a block's cost from the
-    rows'; fit on them with a and b, c came out 0 and the plan was the line's (scratch trace).
-    a and b are LinearCost's line, fit on each step's seconds less its blocks'."""
+class BatchCost:
+    """The target's step: seconds ≈ A_s + b·n + c·g(n) over n tokens of s sequences, each batch
+    size s with its own intercept A_s and every size sharing the slope b, fit by exponentially
+    weighted least squares (a fixed-effects fit: b comes from how one size's steps vary in n,
+    never from how sizes differ).
 
+    Each size its own intercept: a step reads each sequence's K/V once for all its rows, and
+    samples and books each sequence, so a plain step's rows (one a sequence) cost more than the
+    rows a verification adds. On the demo pair (Intel Xeon, scratch traces of every step) a
+    plain step of 8 rows took 2.44 ms, and 8 sequences verifying 16, 24, 32 and 40 rows 2.84,
+    3.71, 4.46 and 5.16 ms; at batch 32 a plain step took about 6 ms, and the batch's last
+    steps, few sequences left, 1.4-3 ms over 1-15 rows. One line through a run's steps read how
+    sizes differ as the rows' cost. Through its prefills too (a prompt's rows, without logits,
+    cost 64 µs each against a verified row's 100), it read 8 rows 21% dearer and 32 rows 7%
+    cheaper than measured, and at batch 8, temperature 1 the plan verified three drafts a
+    sequence where one ran 1.22x plain decoding and three 1.12x. Through decode steps alone, it
+    took its slope from the batch's last steps (0.15 ms a row at batch 32, where a verified
+    row costs 0.1), and the plan decoded plain where fixed k = 4 ran 1.15x faster. Prefills
+    are not observed (`Speculator.observe_step`).
+
+    g(n), c: where the target's projections multiply rows in blocks (AMX tiles: 16 rows at a
+    time from 7 rows, `kernels/cpu/linear.cpp`), the blocks a pass over n tokens multiplies in
+    (`blocks`) and a block's seconds, measured apart (`ModelRunner.row_blocks`): the cost climbs
+    in steps that a line smooths over. At batch 8, temperature 1 on the demo pair (Intel Xeon,
+    scratch timing) verifying 16 rows cost 2.55 ms, 24 rows 3.63, 32 rows 4.26 and 40 rows
+    5.29: about 80 µs a row and 0.4 ms a block. c is not fit with b: a plan's steps sit at few
+    sizes (the batch's plain steps and its chosen depth), which cannot tell a block's cost from
+    the rows'; fit with them, c came out 0 (scratch trace).
+
+    A size's sums decay with its own steps, so a size not seen for a while keeps what it
+    measured. Until one size has steps of two n the slope is a guess, and predictions take
+    none (`is_guess`): the plan verifies drafts and so measures a second n. Taken as a prior at
+    full weight, the guess's slope (0.5 ms a token) decided: after a 9-token prompt and 0.4 ms
+    decode steps a 5-token verification read 2.8 ms, against 0.8 measured, and adaptive depth
+    never drafted again (`pdserve generate`, AMD EPYC). Once measured, the guess keeps `kept`
+    of its weight. A size never seen takes the intercept of the nearest seen (the guess's a
+    before any)."""
+
+    CLIP = LinearCost.CLIP
     BLOCK_ROWS = 16  # rows a block multiplies (`kernels/cpu/linear_amx.h`, kTileRows)
 
-    def __init__(self, a: float, b: float, blocks: Callable[[int], int], block_seconds: float, **kwargs):
-        super().__init__(a, b, **kwargs)
+    def __init__(self, a: float, b: float, decay: float = 0.97, kept: float = TARGET_PRIOR_KEPT,
+                 blocks: Callable[[int], int] | None = None, block_seconds: float = 0.0):
+        self.decay, self.kept = decay, kept
+        self._guess_a, self._guess_b, self.b = a, b, b
         self._blocks_of, self._blocks = blocks, {}
-        self.c = block_seconds
+        self.c = block_seconds if blocks is not None else 0.0
+        self._sizes: dict[int, list[float]] = {}  # s -> the weighted sums of 1, n, n², t, n·t over its steps
+        self._first_n: dict[int, int] = {}  # s -> the n of its first step
+        self._within = [0.0, 0.0]  # Σ over the sizes of their centred sums of n², n·t: what b is fit on
+        self._prior_xx = 0.5 * 31.5 ** 2 * 2  # the guess's, as two points at 1 and 64 tokens of weight 1/2
+        self._prior_weight = 1.0
+        self.is_guess = True
 
     def blocks(self, n: int) -> int:
+        if self._blocks_of is None:
+            return 0
         g = self._blocks.get(n)
         if g is None:
             g = self._blocks[n] = int(self._blocks_of(n))
         return g
 
-    def observe(self, n: int, seconds: float, count: int = 1) -> None:
-        super().observe(n, max(seconds - self.c * self.blocks(n), 0.0), count)
+    def intercept(self, seqs: int) -> float:
+        """A_s: this size's, or the nearest measured size's, or the guess's."""
+        sums = self._sizes.get(seqs)
+        if sums is None:
+            if not self._sizes:
+                return self._guess_a
+            sums = self._sizes[min(self._sizes, key=lambda x: (abs(x - seqs), x))]
+        return max((sums[3] - self.rows_slope * sums[1]) / sums[0], 0.0)
 
-    def __call__(self, n: int) -> float:
-        return self.a + self.b * n + self.c * self.blocks(n)
+    def observe(self, n: int, seconds: float, count: int = 1, seqs: int = 1) -> None:
+        """`count` steps over n tokens of `seqs` sequences, each of these seconds, at most CLIP
+        times the prediction (`LinearCost.observe`)."""
+        t = max(seconds - self.c * self.blocks(n), 0.0)
+        sums = self._sizes.get(seqs)
+        if sums is None:
+            sums = self._sizes[seqs] = [0.0] * 5
+            self._first_n[seqs] = n
+        elif (predicted := self.intercept(seqs) + self.rows_slope * n) > 0 and t > self.CLIP * predicted:
+            t = self.CLIP * predicted
+        if self.is_guess and self._first_n[seqs] != n:  # one size, two n: the slope is measured
+            self.is_guess, self._prior_weight = False, self._prior_weight * self.kept
+        if count == 1:
+            decay, weight = self.decay, 1.0
+        else:
+            decay = self.decay ** count
+            weight = (1.0 - decay) / (1.0 - self.decay) if self.decay != 1.0 else float(count)
+        w, sn, snn, st, snt = sums
+        within = self._within
+        if w > 0:  # this size's share of the centred sums, before the step
+            within[0] -= snn - sn * sn / w
+            within[1] -= snt - sn * st / w
+        wn = weight * n
+        sums[0] = w = w * decay + weight
+        sums[1] = sn = sn * decay + wn
+        sums[2] = snn = snn * decay + wn * n
+        sums[3] = st = st * decay + weight * t
+        sums[4] = snt = snt * decay + wn * t
+        within[0] += snn - sn * sn / w
+        within[1] += snt - sn * st / w
+        self._prior_weight = pw = self._prior_weight * decay
+        xx = within[0] + pw * self._prior_xx
+        if xx > 1e-12:
+            self.b = max((within[1] + pw * self._prior_xx * self._guess_b) / xx, 0.0)
+
+    def __call__(self, n: int, seqs: int = 1) -> float:
+        return self.intercept(seqs) + self.rows_slope * n + self.c * self.blocks(n)
+
+    @property
+    def rows_slope(self) -> float:
+        """b, or 0 while it is a guess."""
+        return 0.0 if self.is_guess else self.b
 
     @property
     def slope(self) -> float:
-        """A token's share of its block beside the line's slope."""
-        return self.b + self.c / self.BLOCK_ROWS
+        """Seconds one more token adds, its share of a block with it: what `AdaptiveDepth`
+        weighs a position by."""
+        return self.rows_slope + self.c / self.BLOCK_ROWS
 
 
-def target_line(blocks: tuple[Callable[[int], int], float] | None = None) -> LinearCost:
-    """The engine's line of a step's target side: a guess (5 ms + 0.5 ms a token) until steps of
-    three sizes are seen, then almost only what was measured. Kept at full weight as a plain
-    prior, its point at 64 tokens set the slope: after one 9-token prompt (2.1 ms) and forty
-    0.4 ms decode steps the line read 0 + 0.57 ms a token, a 5-token verification (about 0.8 ms)
-    was predicted at 2.8 ms, and adaptive depth drafted once and never again (`pdserve generate`,
-    default options, AMD EPYC). Three sizes, not two: a prompt and plain decode steps are two
-    (the gate's first steps in a batch size decode plain where the cost model says so, and its
-    bursts run a burst of plain steps); fit on those two alone, a 3-token prompt's first (slow)
-    pass and 0.4 ms steps read as 0 + 0.46 ms a token, every depth cost the same per token as
-    plain decoding, and the plan never drafted. The third size is the first verification,
-    which the guess plans. blocks: where the target's projections work in blocks of rows
+def target_line(blocks: tuple[Callable[[int], int], float] | None = None) -> BatchCost:
+    """The engine's cost of a step's target side: a guess (5 ms + 0.5 ms a token) until it is
+    measured (`BatchCost`). blocks: where the target's projections work in blocks of rows
     (`ModelRunner.row_blocks`), the blocks a pass over n tokens multiplies in and a block's
-    seconds (`BlockedCost`); None: a line."""
+    seconds; None: none."""
     if blocks is not None:
-        return BlockedCost(a=5e-3, b=5e-4, blocks=blocks[0], block_seconds=blocks[1], guess=True,
-                           kept=TARGET_PRIOR_KEPT, spread=3)
-    return LinearCost(a=5e-3, b=5e-4, guess=True, kept=TARGET_PRIOR_KEPT, spread=3)
+        return BatchCost(a=5e-3, b=5e-4, blocks=blocks[0], block_seconds=blocks[1])
+    return BatchCost(a=5e-3, b=5e-4)
 
 
 @dataclass(slots=True)
@@ -326,7 +393,7 @@ class AdaptiveDepth:
 
         def rate(ks: list[int]) -> float:
             total = sum(ks)
-            seconds = target(total + num_seqs)
+            seconds = target(total + num_seqs, num_seqs)
             if draft is not None and total:
                 seconds += (draft.a + draft.b * num_seqs) * max(ks) if fused else draft.a * max(ks) + draft.b * total
             return sum([e[k] for e, k in zip(expected, ks)]) / max(seconds, 1e-9)
@@ -361,7 +428,7 @@ class AdaptiveDepth:
         """Predicted seconds of a step whose sequences verify ks[i] draft tokens each (the
         draft's passes free until one is measured: `_draft_measured`; fused, each pass over every
         sequence): the cost `plan` uses, written out pass by pass."""
-        seconds = self.target_cost(sum(ks) + len(ks))
+        seconds = self.target_cost(sum(ks) + len(ks), len(ks))
         if self._draft_measured:
             for j in range(1, max(ks, default=0) + 1):
                 seconds += self.draft_cost(len(ks) if fused else sum(1 for k in ks if k >= j))

@@ -57,10 +57,11 @@ class StepShape:
     """What the gate needs to know of a step, taken before proposals grow its entries."""
 
     is_decode_only: bool  # every entry decodes one token: comparable with other such steps
+    num_seqs: int = 1  # the entries: the sequences the target's cost counts (`depth.BatchCost`)
 
     @classmethod
     def of(cls, batch: list) -> StepShape:
-        return cls(all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch))
+        return cls(all(e.seq.num_computed_tokens + 1 == e.seq.num_tokens for e in batch), len(batch))
 
 
 class Speculator:
@@ -96,9 +97,10 @@ class Speculator:
         self._switched: tuple | None = None
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
-        """After each engine step (shape None: nothing was scheduled): the target's forward
-        (tokens, seconds) feeds the cost model (prefill chunks too: they spread the fit over n);
-        a pure-decode step's wall time and emitted tokens feed the gate, which compares like with
+        """After each engine step (shape None: nothing was scheduled): a pure-decode step's
+        target side (tokens, seconds) feeds the cost model (`depth.BatchCost`: not a step with
+        prompt tokens, whose rows cost less, nor one of the slow steps right after it unless the
+        model's slope is still a guess); its wall time and emitted tokens feed the gate, which compares like with
         like. The first speculative step after plain ones is left out: its draft catches up on
         every token the plain steps emitted, a cost of switching modes that the gate's own
         exploring causes, not of speculating: the gate gets it apart (`observe_switch`; in a new
@@ -112,9 +114,10 @@ class Speculator:
         # alone left out the verification's sampling and the step's bookkeeping, which also grow
         # with the tokens verified)
         num_tokens, forward = target_pass
-        self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward))
-        switching = self.catches_up and self._speculated and not self._speculated_before
         self._decode_run = self._decode_run + 1 if shape.is_decode_only else 0
+        if shape.is_decode_only and (self._decode_run > self.WARMUP_STEPS or self.depth.target_cost.is_guess):
+            self.depth.target_cost.observe(num_tokens, max(seconds - proposing, forward), seqs=shape.num_seqs)
+        switching = self.catches_up and self._speculated and not self._speculated_before
         if self.catches_up:
             seconds_caught_up, caught_up = self.proposer.take_catch_up()
             if caught_up and not (switching and self._decode_run > self.WARMUP_STEPS):  # a switch's is apart
