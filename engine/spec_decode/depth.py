@@ -152,6 +152,8 @@ class BatchCost:
 
     CLIP = LinearCost.CLIP
     BLOCK_ROWS = 16  # rows a block multiplies (`kernels/cpu/linear_amx.h`, kTileRows)
+    RESUM = 256  # observations between fresh sums of `_within` (each kept by taking a size's old share out)
+    SPREAD = 1e-9  # the centred n² below which, beside the raw n², b is not refit: steps of one n say nothing of it
 
     def __init__(self, a: float, b: float, decay: float = 0.97, kept: float = TARGET_PRIOR_KEPT,
                  blocks: Callable[[int], int] | None = None, block_seconds: float = 0.0):
@@ -162,6 +164,7 @@ class BatchCost:
         self._sizes: dict[int, list[float]] = {}  # s -> the weighted sums of 1, n, n², t, n·t over its steps
         self._first_n: dict[int, int] = {}  # s -> the n of its first step
         self._within = [0.0, 0.0]  # Σ over the sizes of their centred sums of n², n·t: what b is fit on
+        self._observed = 0  # observations since `_within` was last summed afresh (`RESUM`)
         self._prior_xx = 0.5 * 31.5 ** 2 * 2  # the guess's, as two points at 1 and 64 tokens of weight 1/2
         self._prior_weight = 1.0
         self.is_guess = True
@@ -211,11 +214,19 @@ class BatchCost:
         sums[2] = snn = snn * decay + wn * n
         sums[3] = st = st * decay + weight * t
         sums[4] = snt = snt * decay + wn * t
-        within[0] += snn - sn * sn / w
-        within[1] += snt - sn * st / w
+        self._observed += 1
+        if self._observed < self.RESUM:
+            within[0] += snn - sn * sn / w
+            within[1] += snt - sn * st / w
+        else:  # afresh, so the rounding of the updates does not pile up
+            self._observed = 0
+            within[0] = sum(x[2] - x[1] * x[1] / x[0] for x in self._sizes.values())
+            within[1] = sum(x[4] - x[1] * x[3] / x[0] for x in self._sizes.values())
         self._prior_weight = pw = self._prior_weight * decay
+        # Where every size's recent steps sat at one n (a batch of one drafting 4 each step), the
+        # centred sums decay towards their rounding error: b stays as last measured.
         xx = within[0] + pw * self._prior_xx
-        if xx > 1e-12:
+        if xx > self.SPREAD * snn:
             self.b = max((within[1] + pw * self._prior_xx * self._guess_b) / xx, 0.0)
 
     def __call__(self, n: int, seqs: int = 1) -> float:

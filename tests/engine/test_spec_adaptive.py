@@ -475,3 +475,18 @@ def test_the_engine_prices_row_blocks_where_its_projections_have_them(checkpoint
     cost = demo.engine.speculator.depth.target_cost
     assert isinstance(cost, BatchCost) and cost.c > 0  # its own timing, at the engine's start
     assert cost(17) - cost(16) > cost(16) - cost(15)  # a new block
+
+
+def test_the_target_costs_slope_stays_where_steps_stop_varying():
+    """A batch of one that plain-decodes a burst and then drafts four a step for thousands of
+    steps: its steps' spread in n decays towards the rounding error of the sums, and the slope
+    keeps what the burst measured instead of following that error."""
+    truth = lambda n: 1e-3 + 0.1e-3 * n  # noqa: E731
+    cost = target_line()
+    for _ in range(20):
+        for n in (1, 5):
+            cost.observe(n, truth(n))
+    for i in range(5000):
+        cost.observe(5, truth(5) * (1 + 1e-3 * ((i * 7919) % 13 - 6)))  # a little noise, one n
+    assert cost.slope == pytest.approx(0.1e-3, rel=0.05)
+    assert cost(1) == pytest.approx(truth(1), rel=0.05) and cost(5) == pytest.approx(truth(5), rel=0.01)
