@@ -111,6 +111,11 @@ class LinearCost:
         """Seconds one more token adds, on average: what `AdaptiveDepth` weighs a position by."""
         return self.b
 
+    @property
+    def least_slope(self) -> float:
+        """The least seconds one more token adds (`AdaptiveDepth._all_plain`)."""
+        return self.b
+
 
 class BatchCost:
     """The target's step: seconds ≈ A_s + b·n + c·g(n) over n tokens of s sequences, each batch
@@ -243,6 +248,11 @@ class BatchCost:
         weighs a position by."""
         return self.rows_slope + self.c / self.BLOCK_ROWS
 
+    @property
+    def least_slope(self) -> float:
+        """The least seconds one more token adds: a row within a block already multiplied."""
+        return self.rows_slope
+
 
 def target_line(blocks: tuple[Callable[[int], int], float] | None = None) -> BatchCost:
     """The engine's cost of a step's target side: a guess (5 ms + 0.5 ms a token) until it is
@@ -300,17 +310,33 @@ class AdaptiveDepth:
         Each sequence's powers α^j and expected tokens E(k) are tabled once per plan, and a
         step's cost is the closed form of `step_cost` (the draft's passes sum to
         a·max k + b·Σk on its line): the plan tried every depth with both recomputed, 29 µs at
-        batch 1, 65 at 8 and 185 at 32, every speculative step (scratch timing)."""
+        batch 1, 65 at 8 and 185 at 32, every speculative step (scratch timing).
+
+        Where no sequence's acceptance covers the least a token can add to the step at plain
+        decoding's rate, the plan is plain without trying the depths (`_all_plain`): the n-gram
+        proposer at temperature 1 (acceptance near 0) planned nothing but plain steps, at 53 µs
+        a plan at batch 8 and 144 at 32, some 2% of the step (scratch timing, Intel Xeon)."""
         tops = [max(0, min(self.max_k, r)) for r in rooms]
         if not self.adaptive or not seqs:
             return tops
-        best_ks = self._best([self.alpha(s.req_id, not s.params.is_greedy) for s in seqs], tops, fused)
+        alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
+        best_ks = [0] * len(seqs) if self._all_plain(alphas) else self._best(alphas, tops, fused)
         for s, k in zip(seqs, best_ks):
             if k == 0:  # not speculating: forget slowly so the sequence tries again later
                 acc = self._acc.setdefault(s.req_id, _Acceptance())
                 acc.accepted *= self.DRIFT
                 acc.trials *= self.DRIFT
         return best_ks
+
+    def _all_plain(self, alphas: list[float]) -> bool:
+        """Whether plain decoding is the best plan whatever the depths: the first draft of the
+        most accepting sequence adds α tokens at most, and no less than the target's least
+        seconds a token (`least_slope`: its row blocks may come free) to the step; where
+        α < that × the plain step's tokens per second, every plan with drafts is slower than
+        the plain step (each draft adds fewer tokens than its seconds earn at plain decoding's
+        rate, and the draft's passes cost more on top)."""
+        target, num_seqs = self.target_cost, len(alphas)
+        return max(alphas) * target(num_seqs, num_seqs) < target.least_slope * num_seqs
 
     def verdict(self, batch_size: int, sampled: bool) -> bool | None:
         """Whether the model expects speculation to pay for a batch of `batch_size` new requests

@@ -490,3 +490,31 @@ def test_the_target_costs_slope_stays_where_steps_stop_varying():
         cost.observe(5, truth(5) * (1 + 1e-3 * ((i * 7919) % 13 - 6)))  # a little noise, one n
     assert cost.slope == pytest.approx(0.1e-3, rel=0.05)
     assert cost(1) == pytest.approx(truth(1), rel=0.05) and cost(5) == pytest.approx(truth(5), rel=0.01)
+
+
+def test_a_plan_skipped_as_all_plain_is_what_the_full_plan_picks():
+    """`_all_plain` skips the search over depths only where the search would pick plain decoding:
+    over random costs (a line or per-batch-size with row blocks, fused or not) and acceptances
+    near its bound, whenever it says plain the full search (`_best`) plans no draft, and it says
+    so in a good share of the cases (acceptances below the bound)."""
+    rng = random.Random(11)
+    skipped = 0
+    for i in range(400):
+        num_seqs = rng.randint(1, 12)
+        if i % 2:
+            target = BatchCost(5e-3, 5e-4, blocks=_tile_blocks, block_seconds=rng.uniform(0, 1e-3))
+            a, b = rng.uniform(0, 3e-3), rng.uniform(1e-6, 1e-4)
+            for n in (num_seqs, 3 * num_seqs):
+                target.observe(n, a + b * n + target.c * target.blocks(n), seqs=num_seqs)
+        else:
+            target = LinearCost(rng.uniform(0, 3e-3), rng.uniform(1e-6, 1e-4))
+        draft = LinearCost(rng.uniform(0, 5e-4), rng.uniform(0, 2e-5)) if rng.random() < 0.7 else None
+        depth = AdaptiveDepth(rng.randint(1, 5), True, target, draft)
+        bound = target.least_slope * num_seqs / target(num_seqs, num_seqs)
+        alphas = [min(1.0, bound * rng.uniform(0.2, 1.3)) for _ in range(num_seqs)]
+        tops = [rng.randint(0, 5) for _ in range(num_seqs)]
+        fused = rng.random() < 0.5
+        if depth._all_plain(alphas):
+            skipped += 1
+            assert depth._best(alphas, tops, fused) == [0] * num_seqs
+    assert skipped > 50
