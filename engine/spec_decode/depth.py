@@ -275,7 +275,7 @@ class AdaptiveDepth:
     KIND_DECAY, MIN_KIND_TRIALS = 0.98, 8.0  # a kind's acceptance: per verified sequence, over all of them
     ALPHA_STEPS, LINES_MOVED = 64, 0.03  # a batch of one's depth is kept (`_best_one_kept`) while these hold
 
-    def __init__(self, max_k: int, adaptive: bool, target_cost: LinearCost, draft_cost: LinearCost | None):
+    def __init__(self, max_k: int, adaptive: bool, target_cost: BatchCost | LinearCost, draft_cost: LinearCost | None):
         self.max_k, self.adaptive = max_k, adaptive
         self.target_cost, self.draft_cost = target_cost, draft_cost
         self._acc: dict[str, _Acceptance] = {}

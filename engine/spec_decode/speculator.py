@@ -100,13 +100,13 @@ class Speculator:
         """After each engine step (shape None: nothing was scheduled): a pure-decode step's
         target side (tokens, seconds) feeds the cost model (`depth.BatchCost`: not a step with
         prompt tokens, whose rows cost less, nor one of the slow steps right after it unless the
-        model's slope is still a guess); its wall time and emitted tokens feed the gate, which compares like with
-        like. The first speculative step after plain ones is left out: its draft catches up on
-        every token the plain steps emitted, a cost of switching modes that the gate's own
-        exploring causes, not of speculating: the gate gets it apart (`observe_switch`; in a new
-        regime, after its first speculative step is measured) and spaces its exploring by it.
-        Later catch-ups (a fresh
-        prompt, a sequence whose depth was 0) are part of speculating and count."""
+        model's slope is still a guess); its wall time and emitted tokens feed the gate, which
+        compares like with like. The first speculative step after plain ones is left out: its
+        draft catches up on every token the plain steps emitted, a cost of switching modes that
+        the gate's own exploring causes, not of speculating: the gate gets it apart
+        (`observe_switch`; in a new regime, after its first speculative step is measured) and
+        spaces its exploring by it. Later catch-ups (a fresh prompt, a sequence whose depth was
+        0) are part of speculating and count."""
         proposing, self._propose_seconds = self._propose_seconds, 0.0
         if shape is None or not self.depth.adaptive:  # a fixed depth reads neither costs nor the gate
             return
