@@ -130,7 +130,7 @@ class BatchCost:
     3.71, 4.46 and 5.16 ms; at batch 32 a plain step took about 6 ms, and the batch's last
     steps, few sequences left, 1.4-3 ms over 1-15 rows. One line through a run's steps read how
     sizes differ as the rows' cost. Through its prefills too (a prompt's rows, without logits,
-    cost 64 µs each against a verified row's 100), it read 8 rows 21% dearer and 32 rows 7%
+    cost 64 µs each against a verified row's 100), it read 8 rows 21% dearer and 40 rows 5%
     cheaper than measured, and at batch 8, temperature 1 the plan verified three drafts a
     sequence where one ran 1.22x plain decoding and three 1.12x. Through decode steps alone, it
     took its slope from the batch's last steps (0.15 ms a row at batch 32, where a verified
