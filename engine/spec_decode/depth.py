@@ -167,7 +167,6 @@ class BatchCost:
         self._blocks_of, self._blocks = blocks, {}
         self.c = block_seconds if blocks is not None else 0.0
         self._sizes: dict[int, list[float]] = {}  # s -> the weighted sums of 1, n, n², t, n·t over its steps
-        self._first_n: dict[int, int] = {}  # s -> the n of its first step
         self._within = [0.0, 0.0]  # Σ over the sizes of their centred sums of n², n·t: what b is fit on
         self._observed = 0  # observations since `_within` was last summed afresh (`RESUM`)
         self._prior_xx = 0.5 * 31.5 ** 2 * 2  # the guess's, as two points at 1 and 64 tokens of weight 1/2
@@ -198,10 +197,10 @@ class BatchCost:
         sums = self._sizes.get(seqs)
         if sums is None:
             sums = self._sizes[seqs] = [0.0] * 5
-            self._first_n[seqs] = n
         elif (predicted := self.intercept(seqs) + self.rows_slope * n) > 0 and t > self.CLIP * predicted:
             t = self.CLIP * predicted
-        if self.is_guess and self._first_n[seqs] != n:  # one size, two n: the slope is measured
+        # the slope is measured once a size sees a second n (its earlier steps' mean n is not this n)
+        if self.is_guess and abs(sums[1] - n * sums[0]) > 0.5 * sums[0]:
             self.is_guess, self._prior_weight = False, self._prior_weight * self.kept
         if count == 1:
             decay, weight = self.decay, 1.0
