@@ -1,6 +1,7 @@
 """Speculative decoding: greedy equality, losslessness in distribution, rollback, proposers (the
-depth model and the gate: test_spec_adaptive.py, test_spec_gate.py, and the engine obeying the
-gate: test_spec_gate_in_engine.py; the verification rules by hand: test_verification_rules.py)."""
+depth model, its costs and the gate: test_spec_adaptive.py, test_spec_costs.py,
+test_spec_gate.py, and the engine obeying the gate: test_spec_gate_in_engine.py; the
+verification rules by hand: test_verification_rules.py)."""
 from __future__ import annotations
 
 import copy

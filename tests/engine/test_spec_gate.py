@@ -2,7 +2,8 @@
 (batch-size bucket, greedy or sampled), which mode is cheaper and when to measure the other
 again; the speculator picks the regime a step falls in. What new requests change (`renew`, a
 burst waiting for them) is in test_spec_gate_renew.py; the depth model in
-test_spec_adaptive.py; how the engine follows both, test_spec_gate_in_engine.py."""
+test_spec_adaptive.py, its costs in test_spec_costs.py; how the engine follows both,
+test_spec_gate_in_engine.py."""
 from __future__ import annotations
 
 import copy
