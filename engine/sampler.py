@@ -66,7 +66,7 @@ class Sampler:
         # verification draws what plain sampling draws, bit for bit
         self.races_natively = device.type == "cpu" and native.loaded() and ops.name == "torch"
         if device.type == "cpu" and native.loaded():
-            self.hash_fn = torch.ops.pdserve.hash_uniforms
+            self.hash_fn = rng.NativeHash()
         elif compile_noise:
             self.hash_fn = torch.compile(rng.hash_uniforms, dynamic=True)
             for rows in (1, 3):  # compile now, not in the first sampled requests' steps: one row, then any number

@@ -201,7 +201,30 @@ def test_native_noise_hash_is_the_torch_hash_bit_for_bit():
         assert got.dtype == torch.float32 and got.shape == (rows, vocab)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     sampler = Sampler(TORCH_OPS, torch.device("cpu"))
-    assert sampler.hash_fn is torch.ops.pdserve.hash_uniforms
+    assert isinstance(sampler.hash_fn, rng.NativeHash)
     seeds, positions = [7, 8, 9], [100, 5, 77]
     assert torch.equal(rng.exponentials(seeds, positions, 4096, hash_fn=sampler.hash_fn),
                        rng.exponentials(seeds, positions, 4096))
+
+
+def test_native_row_keys_are_rng_row_keys_bit_for_bit():
+    """`hash_rows` makes each row's key natively (`cpu/noise.cpp`), as `rng.row_key` does in
+    Python: seeds negative, past 2^63 and past 2^64 (Python's masked arithmetic), every stream,
+    positions up to 2^40; the sampler's exponentials through it are the torch path's bit for
+    bit, an empty batch included; and a negative position is refused, not hashed."""
+    from pdserve.engine import rng
+    from pdserve.kernels import native
+
+    assert native.load(), native.error()
+    native_hash = rng.NativeHash()
+    seeds = [0, 1, -1, -5, 2**63 - 1, 2**63, 2**64 - 1, 2**70 + 3, 123456789]
+    positions = [0, 1, 7, 2**40, 99, 5, 4095, 17, 100]
+    streams = [rng.SAMPLE_STREAM, rng.ACCEPT_STREAM, rng.RESIDUAL_STREAM, rng.DRAFT_STREAM, 0, 1, 2, 3, 0]
+    for vocab in (1, 17, 4096):
+        got = rng.exponentials(seeds, positions, vocab, streams, hash_fn=native_hash)
+        want = rng.exponentials(seeds, positions, vocab, streams)
+        assert got.shape == (len(seeds), vocab)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert rng.exponentials([], [], 8, hash_fn=native_hash).shape == (0, 8)
+    with pytest.raises(RuntimeError, match="negative position"):
+        native_hash.rows(torch.tensor([[1, -1, 0]]), rng._vocab_codes(8, "cpu"))
