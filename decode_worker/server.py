@@ -226,9 +226,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         first wait covers the transfer (reserved requests), later ones one delta each."""
         timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
         while True:
-            try:
-                item = await asyncio.wait_for(r.events.get(), timeout)
-            except asyncio.TimeoutError:
+            try:  # a timer, not wait_for's task a delta: 12 against 8 µs a delta (scratch timing, one loop)
+                async with asyncio.timeout(timeout):
+                    item = await r.events.get()
+            except TimeoutError:
                 what = "verified KV transfer" if r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) else "token"
                 self.num_reservations_expired += r.state is DecodeState.RESERVED
                 item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")

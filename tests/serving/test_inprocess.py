@@ -408,3 +408,30 @@ def test_a_worker_whose_stats_fail_stays_in_service(text_checkpoint):
     assert kept == (True, True)
     assert len(served) == 6
     assert recovered == (True, False)
+
+
+def test_a_reservation_whose_kv_never_comes_expires_and_frees_its_blocks(text_checkpoint):
+    """A decode worker's reservation (the Decode call's first event, its ticket) for a push that
+    never comes: the stream ends DEADLINE_EXCEEDED after kv_transfer_timeout_s, naming what it
+    waited for, the expiry is counted, the blocks are freed, and the worker serves the next request."""
+    from pdserve.v1 import worker_pb2 as wk
+    from pdserve.v1 import worker_pb2_grpc
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint, kv_transfer_timeout_s=0.5) as system:
+            async with grpc.aio.insecure_channel(system.decode.advertised_address) as channel:
+                stream = worker_pb2_grpc.DecodeWorkerStub(channel).Decode(wk.WorkRequest(
+                    req_id="never-pushed", prompt_token_ids=list(range(3, 40)),
+                    sampling_params=gen.SamplingParams(temperature=0, max_tokens=3)), timeout=30)
+                first = await stream.read()
+                held = await system.held_blocks()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stream.read()
+            await system.wait_all_free()
+            return first, held, err.value, system.decode.num_reservations_expired, await system.generate(PROMPTS[0], 4)
+
+    first, held, err, expired, after = run(scenario())
+    assert first.WhichOneof("event") == "admitted" and held["decode-0"] > 0
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no verified KV transfer within 0.5 s" in err.details()
+    assert expired == 1
+    assert sum(len(m.token_ids) for m in after) == 4
