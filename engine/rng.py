@@ -57,9 +57,9 @@ def exponentials(
 ) -> torch.Tensor:  # [len(seeds), vocab_size] float32, i.i.d. Exp(1)
     """Row i: Exp(1) noise for the token at positions[i] of the request seeded seeds[i] (in
     stream[i] when given a list). hash_fn: `hash_uniforms`, a compiled copy of it, or the native
-    `torch.ops.pdserve.hash_uniforms` (`kernels/cpu/noise.cpp`): the same bits, integer arithmetic
-    and one exact scaling; the logarithm stays torch's own, whose last bit a compiler's
-    vectorised log does not always reproduce."""
+    hash (`NativeHash`, `kernels/cpu/noise.cpp`, which makes the rows' keys too): the same bits,
+    integer arithmetic and one exact scaling; the logarithm stays torch's own, whose last bit a
+    compiler's vectorised log does not always reproduce."""
     streams = stream if isinstance(stream, list) else [stream] * len(seeds)
     if isinstance(hash_fn, NativeHash):  # the keys made natively too
         rows = torch.tensor([[_int64(s & _MASK), p, st] for s, p, st in zip(seeds, positions, streams)],
