@@ -51,7 +51,10 @@ class LinearCost:
     4-6 ms) moved the target's line to 19 ms + 0.12 ms/token (logged in a batch-1 greedy run).
     On the draft's line such a stall would make every depth look dearer than plain decoding;
     the plan would then draft nothing, and with no draft pass observed the line would not come
-    back."""
+    back. Clipped, a run of stalls still walks the line up, each at most CLIP times the last
+    prediction: 80 passes observed at 50 ms took the demo draft's from 62 µs to 7.8 ms a pass,
+    and at batch 1 greedy the plan drafted nothing after (scratch run). The plan then starts the
+    line afresh (`reset`, from `AdaptiveDepth._remeasured`)."""
 
     CLIP = 3.0
     GUESS_KEPT = 0.05  # a guessed prior's share of its weight once a real pass is observed
@@ -63,6 +66,14 @@ class LinearCost:
         observed, and the prior then keeps `kept` of its weight: a draft's passes all have one
         n per batch size, and the prior keeps enough to pin the slope."""
         self.decay, self.kept = decay, kept
+        self._start = (a, b, guess)
+        self.reset()
+        self.observations = 0  # calls to `observe`: whether the line has been fed since some time
+
+    def reset(self) -> None:
+        """Back to the prior line, with nothing observed: a guess prices the draft's passes free
+        again until one is measured (`AdaptiveDepth._draft_measured`)."""
+        a, b, guess = self._start
         self._s = [0.0] * 5  # the observations' weighted sums of 1, n, n², t, n·t
         self._prior = [0.0] * 5  # the same of the prior line's two points, as first weighed
         self._prior_weight = 1.0  # its weight now: decayed with the observations, times `kept` once a guess steps aside
@@ -78,6 +89,7 @@ class LinearCost:
         once are timed together; four calls a step cost about 15 µs, scratch timing). Written
         out term by term: it runs after every step, and with lists and zips it took 10 µs a call
         (scratch timing, Intel Xeon), some 1% of a batch-1 step with two calls."""
+        self.observations += 1
         if self.is_guess:  # the guess steps aside
             self._prior_weight, self.is_guess = self._prior_weight * self.kept, False
         predicted = self.a + self.b * n
@@ -273,6 +285,7 @@ class AdaptiveDepth:
     PRIOR, PRIOR_WEIGHT, DECAY, DRIFT = 0.7, 2.0, 0.8, 0.97
     KIND_DECAY, MIN_KIND_TRIALS = 0.98, 8.0  # a kind's acceptance: per verified sequence, over all of them
     ALPHA_STEPS, LINES_MOVED = 64, 0.03  # a batch of one's depth is kept (`_best_one_kept`) while these hold
+    REMEASURE_PLANS = 64  # plans without a draft pass observed before one of no drafts restarts the draft's line
 
     def __init__(self, max_k: int, adaptive: bool, target_cost: BatchCost | LinearCost, draft_cost: LinearCost | None):
         self.max_k, self.adaptive = max_k, adaptive
@@ -281,6 +294,8 @@ class AdaptiveDepth:
         self._kinds: dict[bool, _Acceptance] = {}  # sampled -> acceptance over every sequence of that kind
         self._kept_lines: tuple[float, float] | None = None  # the predicted seconds `_kept` was picked on
         self._kept: dict[tuple[int, int], int] = {}  # (α step, top) -> a batch of one's depth
+        self._plans = 0  # plans made (with a draft model)
+        self._draft_fed = (0, 0)  # the draft line's observations, and the plan at which that count was new
 
     def alpha(self, req_id: str, sampled: bool = False) -> float:
         """The sequence's recent acceptance, pulled towards PRIOR. One never planned starts at
@@ -320,12 +335,36 @@ class AdaptiveDepth:
             return tops
         alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
         best_ks = [0] * len(seqs) if self._all_plain(alphas) else self._best(alphas, tops, fused)
+        if self.draft_cost is not None:
+            best_ks = self._remeasured(best_ks, alphas, tops, fused)
         for s, k in zip(seqs, best_ks):
             if k == 0:  # not speculating: forget slowly so the sequence tries again later
                 acc = self._acc.setdefault(s.req_id, _Acceptance())
                 acc.accepted *= self.DRIFT
                 acc.trials *= self.DRIFT
         return best_ks
+
+    def _remeasured(self, ks: list[int], alphas: list[float], tops: list[int], fused: bool) -> list[int]:
+        """The plan; or, where it drafts nothing and the draft's line has not been fed for
+        REMEASURE_PLANS plans (steps the gate let speculate), the plan on the draft's line
+        started afresh (`LinearCost.reset`: its passes priced free until measured again). The
+        line is fed only by the draft's passes: walked up by a run of stalls, it kept every plan
+        plain for good (`LinearCost`). In one run of `spec_decode.py` draft adaptive decoded
+        plainly through three repeats of batch 1 greedy (0.98x plain, where k = 4 ran 3.2x),
+        likely so (the run kept no trace of the line). Where the line was right, the plan drafts
+        a step or two in REMEASURE_PLANS before the line is measured again.
+        Not where no depth pays with the passes free (`_all_plain`: the target's line alone)."""
+        self._plans += 1
+        fed = self.draft_cost.observations
+        if fed != self._draft_fed[0]:
+            self._draft_fed = (fed, self._plans)
+        if any(ks) or self._plans - self._draft_fed[1] < self.REMEASURE_PLANS or not self._draft_measured:
+            return ks
+        self._draft_fed = (fed, self._plans)  # once a period, whether this one drafts or not
+        if self._all_plain(alphas):
+            return ks
+        self.draft_cost.reset()
+        return self._best(alphas, tops, fused)
 
     def _all_plain(self, alphas: list[float]) -> bool:
         """Whether plain decoding is the best plan whatever the depths: the first draft of the

@@ -4,6 +4,7 @@ test_spec_costs.py; the gate (which mode is cheaper) in test_spec_gate.py; how t
 both, test_spec_gate_in_engine.py."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import time
@@ -290,3 +291,51 @@ def test_a_plan_skipped_as_all_plain_is_what_the_full_plan_picks():
             skipped += 1
             assert depth._best(alphas, tops, fused) == [0] * num_seqs
     assert skipped > 50
+
+
+def test_a_draft_line_walked_up_by_stalls_is_started_afresh():
+    """The draft's line is fed only by its passes. Walked up by a run of stalls (each at most
+    CLIP times the line), it made every plan plain, and plain plans fed it nothing. After
+    REMEASURE_PLANS plans with no drafts and no pass, the plan starts the line afresh (a guess:
+    its passes free until measured) and drafts. Where no depth pays even with the passes free
+    (`_all_plain`), the line is left as it is."""
+    periods = AdaptiveDepth.REMEASURE_PLANS
+    draft = LinearCost(2e-3, 5e-5, guess=True)
+    depth = AdaptiveDepth(4, True, LinearCost(0.002, 0.0001), draft)  # verifying 5 tokens nearly free
+    s = seq_()
+    for _ in range(20):
+        draft.observe(1, 1e-4)  # the draft's passes: 0.1 ms
+    assert depth.plan([s], [100]) == [4]
+    while depth.plan([s], [100])[0]:  # the plan that drafts nothing is the period's first
+        draft.observe(1, 1.0)  # a stall: counted at most CLIP times the line
+    assert draft(1) > 1e-3 and not draft.is_guess
+    ks = [depth.plan([s], [100])[0] for _ in range(periods)]
+    assert ks[:-1] == [0] * (periods - 1) and ks[-1] >= 1 and draft.is_guess
+
+    draft = LinearCost(2e-3, 5e-5, guess=True)  # a dear target row and a sequence that accepts nothing
+    depth = AdaptiveDepth(4, True, LinearCost(1e-4, 0.01), draft)
+    for _ in range(20):
+        draft.observe(1, 1e-4)
+        depth.record("r", 4, 0)
+    for _ in range(3 * periods):
+        assert depth.plan([s], [100]) == [0]
+    assert not draft.is_guess
+
+
+def test_the_engine_drafts_again_after_its_draft_line_was_walked_up(checkpoint):
+    """The real engine (the target as its own draft, greedy: every draft accepted), its draft's
+    line walked up by hand as a run of stalls would: the plan decodes plainly, and within
+    REMEASURE_PLANS speculative steps of a request it starts the line afresh and drafts again."""
+    from pdserve.engine import LLM
+
+    target = checkpoint("llama")
+    llm = LLM(target, draft_model=target, num_speculative_tokens=4, num_kv_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm.generate([[5, 6, 7]], greedy)
+    spec = llm.engine.speculator
+    line = spec.depth.draft_cost
+    while line(1) < 1.0:
+        line.observe(1, 10.0)
+    drafts = spec.stats.num_drafts
+    llm.generate([[5, 6, 7]], dataclasses.replace(greedy, max_tokens=AdaptiveDepth.REMEASURE_PLANS + 48))
+    assert spec.stats.num_drafts > drafts and line(1) < 1e-1
