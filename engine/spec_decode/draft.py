@@ -161,6 +161,9 @@ class DraftProposer:
         else:
             picks = self.sampler.sample_tensor(logits, params, seeds, positions, self.noise_stream)
         picks = picks.tolist()
-        if self.cost is not None:
+        # the line prices the plan's passes (a token a sequence, or two catching up after a
+        # verification); a catch-up over a fresh prompt or past plain steps is one forward over
+        # many tokens, far cheaper a token, and reaches the gate apart (`propose`'s `_fresh`)
+        if self.cost is not None and all(e.num_new_tokens <= 2 for e in entries):
             self.cost.observe(sum(e.num_new_tokens for e in entries), time.perf_counter() - start)
         return picks, q
