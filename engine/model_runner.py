@@ -132,7 +132,7 @@ class ModelRunner:
         tokens multiplies in (0 below those rows) and a block's seconds over every projection of
         the model, timed now: 32 rows less 16 through each, the median of 9 rounds
         (some 30 ms on the demo target). For the adaptive depth's cost model
-        (`spec_decode.depth.BatchCost`). None where they do not (float32 panels, no AMX, torch's
+        (`spec_decode.costs.BatchCost`). None where they do not (float32 panels, no AMX, torch's
         linears, a GPU)."""
         from pdserve.engine.model.llama import PackedLinear
 

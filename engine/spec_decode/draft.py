@@ -24,7 +24,7 @@ from pdserve.engine import rng
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
 from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.depth import LinearCost
+from pdserve.engine.spec_decode.costs import LinearCost
 from pdserve.engine.spec_decode.proposer import Proposal
 from pdserve.kernels import argmax_rows, race_ref
 

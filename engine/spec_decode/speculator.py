@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost, target_line
+from pdserve.engine.spec_decode.costs import LinearCost, target_line
+from pdserve.engine.spec_decode.depth import AdaptiveDepth
 from pdserve.engine.spec_decode.draft import DraftProposer
 from pdserve.engine.spec_decode.gate import SpeculationGate
 from pdserve.engine.spec_decode.ngram import NgramProposer
@@ -57,7 +58,7 @@ class StepShape:
     """What the gate needs to know of a step, taken before proposals grow its entries."""
 
     is_decode_only: bool  # every entry decodes one token: comparable with other such steps
-    num_seqs: int = 1  # the entries: the sequences the target's cost counts (`depth.BatchCost`)
+    num_seqs: int = 1  # the entries: the sequences the target's cost counts (`costs.BatchCost`)
 
     @classmethod
     def of(cls, batch: list) -> StepShape:
@@ -98,7 +99,7 @@ class Speculator:
 
     def observe_step(self, shape: StepShape | None, seconds: float, outputs: list, target_pass: tuple[int, float]) -> None:
         """After each engine step (shape None: nothing was scheduled): a pure-decode step's
-        target side (tokens, seconds) feeds the cost model (`depth.BatchCost`: not a step with
+        target side (tokens, seconds) feeds the cost model (`costs.BatchCost`: not a step with
         prompt tokens, whose rows cost less, nor one of the slow steps right after it unless the
         model's slope is still a guess); its wall time and emitted tokens feed the gate, which
         compares like with like. The first speculative step after plain ones is left out: its

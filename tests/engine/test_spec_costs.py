@@ -1,4 +1,4 @@
-"""The cost lines adaptive depth plans on (`depth.py`), fed by hand (no wall clock in a test): the
+"""The cost lines adaptive depth plans on (`costs.py`), fed by hand (no wall clock in a test): the
 draft's passes (`LinearCost`) and the target's steps by batch size, with their row blocks
 (`BatchCost`). The plan itself is in test_spec_adaptive.py."""
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, BatchCost, LinearCost, target_line
+from pdserve.engine.spec_decode.costs import BatchCost, LinearCost, target_line
+from pdserve.engine.spec_decode.depth import AdaptiveDepth
 
 from depth_driving import seq_, tile_blocks
 

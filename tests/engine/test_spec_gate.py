@@ -13,7 +13,8 @@ import pytest
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.engine.spec_decode.depth import AdaptiveDepth, LinearCost
+from pdserve.engine.spec_decode.costs import LinearCost
+from pdserve.engine.spec_decode.depth import AdaptiveDepth
 from pdserve.engine.spec_decode.gate import SpeculationGate as Gate
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.speculator import Speculator, StepShape
