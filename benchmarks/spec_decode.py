@@ -38,7 +38,8 @@ ideal speedup (1 − α^(k+1)) / ((1 − α)(1 + k·c)), and the decode phase's 
 share of it. Greedy outputs with and without speculation, and coupled-verifier
 outputs at temperature 1 with and without, are compared token for token. Prints the Markdown it
 writes to BENCHMARKS.md, with the command (`spec_decode_report.py` makes it, with the goals and the
-plot); JSON and a PNG under benchmarks/results/.
+plot); JSON and a PNG under benchmarks/results/. An adaptive method's JSON row also keeps each
+repeat's drafts and its cost lines before and after the run (`per_repeat`, `cost_lines`).
 """
 from __future__ import annotations
 
@@ -403,6 +404,20 @@ def _paired(order: list[Method], run):
         previous = (b, after)
 
 
+def cost_lines(llm: LLM, batch_size: int) -> dict | None:
+    """An adaptive engine's cost lines as a run's plan reads them (`engine/spec_decode/costs.py`):
+    the draft's pass (seconds a pass, a sequence, whether a guess) and the target's step at this
+    batch size (its fixed seconds, a row's). Kept per repeat in the JSON: at 700f6dc draft
+    adaptive decoded plainly through three repeats of batch 1 greedy, and the run kept no trace
+    of why."""
+    spec = llm.engine.speculator
+    if spec is None or not spec.depth.adaptive:
+        return None
+    d, t = spec.depth.draft_cost, spec.depth.target_cost
+    return dict(draft=None if d is None else dict(a=d.a, b=d.b, is_guess=d.is_guess),
+                target=dict(fixed=t.intercept(batch_size), row=t.rows_slope) if hasattr(t, "intercept") else None)
+
+
 def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup, own_plain: bool = False) -> dict:
     """One run's record. own_plain: with the engine's speculator set aside for the run, so it
     decodes plainly (`LLMEngine.step` without one): the same target weights, caches and process
@@ -414,10 +429,13 @@ def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: 
     speculator = llm.engine.speculator
     if own_plain:
         llm.engine.speculator = None
+    lines = None if own_plain else cost_lines(llm, len(prompts))
     try:
         r = run_once(llm, prompts, params)
     finally:
         llm.engine.speculator = speculator
+    if lines is not None:
+        r["cost_lines"] = dict(before=lines, after=cost_lines(llm, len(prompts)))
     tt, dt = timers
     r["target_forward_s"] = tt.median_at(len(prompts))
     r["draft_forward_s"] = dt.median_at(len(prompts)) if dt else None

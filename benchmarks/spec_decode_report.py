@@ -94,6 +94,9 @@ def summarize(method, runs: list[dict], c: float | None) -> dict:
     out.update(alpha=alpha, mean_accepted_length=(accepted + drafts) / drafts if drafts else 0.0,
                mean_k=mean_k, num_drafts=drafts, c=c,
                accepted_per_pos=[sum(x) for x in zip(*(r["accepted_per_pos"] for r in runs))])
+    if any("cost_lines" in r for r in runs):  # adaptive: each repeat's drafts and its lines before and after
+        out["per_repeat"] = [dict(speedup=r["baseline_seconds"] / r["seconds"], num_drafts=r["num_drafts"],
+                                  cost_lines=r.get("cost_lines")) for r in runs]
     if c is not None and drafts:
         ideal = ideal_speedup(alpha, mean_k, c)
         out["ideal_speedup"] = ideal

@@ -30,7 +30,7 @@ def test_demo_models_are_committed():
 
 def test_core_runs_and_outputs_match(bench):
     methods = tuple(m for m in bench.METHODS + bench.NEWCOMER
-                    if m.name in ("plain", "draft k=2", "ngram adaptive", "draft k=4 rejection", "newcomer plain",
+                    if m.name in ("plain", "draft k=2", "draft adaptive", "ngram adaptive", "draft k=4 rejection", "newcomer plain",
                                   "newcomer draft k=4", "plain, another process"))
     result = bench.run_benchmark(str(DEMO), str(DEMO_DRAFT), batch_sizes=[1, 2], temperatures=[0.0, 1.0],
                                  max_tokens=8, runs=2, methods=methods, tuned={"graph_capture": "off"}, progress=False,
@@ -66,6 +66,19 @@ def test_core_runs_and_outputs_match(bench):
     assert result["startup_seconds"].keys() == {m.name for m in methods}
     drafts = [r for r in rows if r["method"] == "draft k=2"]
     assert all(r["c"] is not None and r["c"] > 0 for r in drafts)
+    # an adaptive method's every repeat keeps its drafts and its cost lines before and after the run
+    # (the newcomer's README options adapt the depth: the default)
+    for r in rows:
+        adaptive = r["method"] in ("draft adaptive", "ngram adaptive", "newcomer draft k=4")
+        assert ("per_repeat" in r) == adaptive, r["method"]
+        for rep in r.get("per_repeat", []):
+            assert rep["speedup"] > 0 and rep["num_drafts"] >= 0
+            for lines in (rep["cost_lines"]["before"], rep["cost_lines"]["after"]):
+                assert lines["target"]["fixed"] >= 0 and lines["target"]["row"] >= 0
+                assert (lines["draft"] is None) == (r["method"] == "ngram adaptive")
+                assert lines["draft"] is None or (lines["draft"]["a"] >= 0 and isinstance(lines["draft"]["is_guess"], bool))
+        if adaptive:
+            assert len(r["per_repeat"]) == 2
     assert all("share_of_ideal" in r for r in drafts if r["num_drafts"])
     # every method's first run of each of its cases (its warm-up) is reported apart, against its
     # baseline's first run of the case
