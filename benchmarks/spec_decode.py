@@ -415,7 +415,7 @@ def cost_lines(llm: LLM, batch_size: int) -> dict | None:
         return None
     d, t = spec.depth.draft_cost, spec.depth.target_cost
     return dict(draft=None if d is None else dict(a=d.a, b=d.b, is_guess=d.is_guess),
-                target=dict(fixed=t.intercept(batch_size), row=t.rows_slope) if hasattr(t, "intercept") else None)
+                target=dict(fixed=t.intercept(batch_size), row=t.rows_slope))
 
 
 def _timed_run(llm: LLM, timers: tuple, prompts, params, method: Method, setup: Setup, own_plain: bool = False) -> dict:

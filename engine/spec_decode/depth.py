@@ -95,9 +95,10 @@ class AdaptiveDepth:
         if not self.adaptive or not seqs:
             return tops
         alphas = [self.alpha(s.req_id, not s.params.is_greedy) for s in seqs]
-        best_ks = [0] * len(seqs) if self._all_plain(alphas) else self._best(alphas, tops, fused)
+        all_plain = self._all_plain(alphas)
+        best_ks = [0] * len(seqs) if all_plain else self._best(alphas, tops, fused)
         if self.draft_cost is not None:
-            best_ks = self._remeasured(best_ks, alphas, tops, fused)
+            best_ks = self._remeasured(best_ks, all_plain, alphas, tops, fused)
         for s, k in zip(seqs, best_ks):
             if k == 0:  # not speculating: forget slowly so the sequence tries again later
                 acc = self._acc.setdefault(s.req_id, _Acceptance())
@@ -105,7 +106,8 @@ class AdaptiveDepth:
                 acc.trials *= self.DRIFT
         return best_ks
 
-    def _remeasured(self, ks: list[int], alphas: list[float], tops: list[int], fused: bool) -> list[int]:
+    def _remeasured(self, ks: list[int], all_plain: bool, alphas: list[float], tops: list[int],
+                    fused: bool) -> list[int]:
         """The plan; or, where it drafts nothing and the draft's line has not been fed for
         REMEASURE_PLANS plans (steps the gate let speculate), the plan on the draft's line
         started afresh (`LinearCost.reset`: its passes priced free until measured again). The
@@ -122,7 +124,7 @@ class AdaptiveDepth:
         if any(ks) or self._plans - self._draft_fed[1] < self.REMEASURE_PLANS or not self._draft_measured:
             return ks
         self._draft_fed = (fed, self._plans)  # once a period, whether this one drafts or not
-        if self._all_plain(alphas):
+        if all_plain:
             return ks
         self.draft_cost.reset()
         return self._best(alphas, tops, fused)
