@@ -11,10 +11,13 @@ for a few configurations of the demo pair on this machine.
    and per sequence of a step (streaming each step's tokens through the router) are not in the
    profile, which times the engine alone: they are calibrated once on 1P:1D as `pdserve
    calibrate` does (`loadgen/calibrate.py`: requests one at a time, then 40 with eight in flight
-   replayed at the times they were sent; their TTFT, the gap from the first token to the second
-   and the time per token after it; --no-calibrate to leave the profile as measured), and
-   speculation's acceptance rate on 1P:1D +spec's requests served one at a time (the profile's
-   is measured on its own prompts). The rates validated are predicted, not calibrated.
+   replayed at the times they were sent, then 40 arriving open loop at 0.6 of the throughput
+   those eight measured; their TTFT, the gap from the first token to the second and the time per
+   token after it; --no-calibrate to leave the profile as measured), and the speculative steps'
+   own overheads and acceptance rate on 1P:1D +spec as `pdserve calibrate --speculation-only`
+   does (one at a time, then eight in flight; the profile's α is measured on its own prompts,
+   and a speculative step streams 2-3 tokens a sequence, which the plain pair's overheads a
+   step do not pay). The rates validated are predicted, not calibrated.
 4. For each configuration: SLOs at 3x its measured unloaded TTFT and 2x its TPOT (p90s); the
    simulator's goodput on the exact traffic bench sends (same arrival times and lengths), which
    picks the rates below and brackets the measured goodput's bisection; measured latencies at
@@ -46,7 +49,7 @@ from launcher import Launcher  # noqa: E402
 from pdserve.cluster.local import PDSERVE  # noqa: E402
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench  # noqa: E402
-from pdserve.loadgen.calibrate import Calibration, acceptance, calibrate as calibrate_profile, predict  # noqa: E402
+from pdserve.loadgen.calibrate import Calibration, calibrate as calibrate_profile, predict  # noqa: E402
 from pdserve.loadgen.costs import CostProfile  # noqa: E402
 from pdserve.loadgen.goodput import Bisection  # noqa: E402
 from pdserve.loadgen.lengths import LengthDistribution  # noqa: E402
@@ -104,19 +107,17 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
     return search.result()
 
 
-def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProfile, dict]:
-    """`pdserve calibrate`'s calibration on 1P:1D (unloaded, then 40 requests, eight in flight),
-    and speculation's acceptance rate from 1P:1D +spec's requests served one at a time."""
+def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProfile, dict, dict]:
+    """`pdserve calibrate`'s calibration on 1P:1D (unloaded; 40 requests, eight in flight; 40
+    more open loop at 0.6 of the throughput those eight measured), then `pdserve calibrate
+    --speculation-only`'s on 1P:1D +spec (unloaded, which gives speculation's acceptance rate;
+    40 requests, eight in flight): the speculative steps' own overheads."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
     profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40)
-    spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"], rates=(float("inf"),), num_requests=num,
-                               max_concurrency=1)
-    records = [r for run in run_bench(spec, progress=False).runs for r in run.records]
-    alpha = acceptance(records, profile.speculation.num_speculative_tokens)
-    if alpha is not None:
-        profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
-                                                                               acceptance_rate=alpha))
-    return profile, dataclasses.replace(cal, acceptance_rate=alpha or float("nan")).to_json()
+    spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"])
+    profile, spec_cal = calibrate_profile(profile, CONFIGS["1P:1D +spec"], spec, num, concurrency=8,
+                                          loaded_requests=40, speculation_only=True)
+    return profile, cal.to_json(), spec_cal.to_json()
 
 
 def main() -> None:
@@ -142,11 +143,12 @@ def main() -> None:
         routers = {name: start(run, name, shape) for name, shape in CONFIGS.items()}
         run.wait_ready()
         addresses = {name: r.address for name, r in routers.items()}
-        calibration = None
+        calibration = spec_calibration = None
         if not args.no_calibrate:
-            profile, calibration = calibrate(profile, addresses, 4 if args.quick else 10)
+            profile, calibration, spec_calibration = calibrate(profile, addresses, 4 if args.quick else 10)
         result = validate(profile, addresses, args)
-    result.update(calibration=calibration, profile=profile.to_json(), config=vars(args))
+    result.update(calibration=calibration, speculation_calibration=spec_calibration, profile=profile.to_json(),
+                  config=vars(args))
     report(result, args)
 
 
@@ -240,6 +242,9 @@ def report(result: dict, args) -> None:
               f"{_errors([_error(p, m) for p, m in zip(pred, meas)])} |")
     if result.get("calibration"):
         print(f"\ncalibrated on 1P:1D (loadgen/calibrate.py):\n{Calibration.from_json(result['calibration']).describe()}")
+    if result.get("speculation_calibration"):
+        print("\nspeculation calibrated on 1P:1D +spec (--speculation-only):\n"
+              f"{Calibration.from_json(result['speculation_calibration']).describe()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

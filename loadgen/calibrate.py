@@ -58,6 +58,7 @@ BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
 MAX_DOUBLINGS = 20
 LOADED_ROUNDS = 3  # of the two loaded solves in turn (the per-sequence one once more at the end)
 SPECULATING_TOKENS_PER_STEP = 1.2  # a plain deployment streams exactly 1 a decode step (a speculating one 2-5)
+OPEN_FRACTION = 0.6  # the open-loop point's rate, of the closed loop's measured request throughput
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,12 @@ class Calibration:
     simulated_loaded: Point | None = None  # with the unloaded overheads only
     calibrated_loaded: Point | None = None  # with all of them
     acceptance_rate: float = math.nan  # a speculating deployment's α, from its unloaded deltas (nan: none)
+    open_rate: float = 0.0  # requests/s of the open-loop point (0: none measured)
+    measured_open: Point | None = None
+    calibrated_open: Point | None = None
+    speculation_only: bool = False  # only speculative steps' overheads, on a profile calibrated before
+    spec_step_overhead_s: float = 0.0  # added to speculative steps alone, beyond the decode step's
+    spec_per_seq_overhead_s: float = 0.0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,7 +117,7 @@ class Calibration:
     def from_json(cls, obj: dict) -> "Calibration":
         points = {k: None if obj.get(k) is None else Point(**obj[k])
                   for k in ("measured_unloaded", "simulated_unloaded", "measured_loaded", "simulated_loaded",
-                            "calibrated_loaded")}
+                            "calibrated_loaded", "measured_open", "calibrated_open")}
         return cls(**{**obj, **points})
 
     def describe(self) -> str:
@@ -121,6 +128,15 @@ class Calibration:
             lines.append(f"{self.loaded_concurrency} in flight: measured {self.measured_loaded.describe()}; "
                          f"simulated with the unloaded overheads {self.simulated_loaded.describe()}; calibrated "
                          f"{self.calibrated_loaded.describe()}")
+        if self.measured_open is not None:
+            lines.append(f"open loop at {self.open_rate:.2f} requests/s: measured {self.measured_open.describe()}; "
+                         f"calibrated {self.calibrated_open.describe()}")
+        if self.speculation_only:
+            lines.append(f"overheads of a speculative step beyond the profile's: {ms(self.spec_step_overhead_s)} + "
+                         f"{ms(self.spec_per_seq_overhead_s)} a sequence"
+                         + ("" if math.isnan(self.acceptance_rate) else
+                            f"; speculation's acceptance rate {self.acceptance_rate:.3f}"))
+            return "\n".join(lines)
         lines.append(f"overheads: per request {ms(self.request_overhead_s)}; per decode step "
                      f"{ms(self.step_overhead_s)} + {ms(self.per_seq_overhead_s)} a sequence; per prompt prefilled "
                      f"{ms(self.prefill_overhead_s)}; per prompt handed over {ms(self.handover_s)}"
@@ -146,6 +162,17 @@ def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float =
     return dataclasses.replace(profile, request_overhead_s=profile.request_overhead_s + request_s,
                                decode=add(profile.decode, step_s, per_seq_s),
                                prefill=add(profile.prefill, 0.0, prefill_s), speculation=spec, transfer=transfer)
+
+
+def with_speculation_overheads(profile: CostProfile, step_s: float = 0.0, per_seq_s: float = 0.0) -> CostProfile:
+    """The profile with these overheads added to its measured speculative steps alone (fixed and
+    per sequence), the plain decode step's unchanged."""
+    spec = profile.speculation
+    if spec is None or spec.step is None:
+        raise ValueError("calibrating speculation's steps needs a profile whose speculative steps were measured "
+                         "(pdserve profile --draft-model)")
+    step = dataclasses.replace(spec.step, fixed_s=spec.step.fixed_s + step_s, per_seq_s=spec.step.per_seq_s + per_seq_s)
+    return dataclasses.replace(profile, speculation=dataclasses.replace(spec, step=step))
 
 
 def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
@@ -190,9 +217,13 @@ def point(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: int 
 
 def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_config,
                loaded: Point | None = None, loaded_inputs: list[SimInput] | None = None,
-               acceptance_rate: float | None = None, loaded_concurrency: int = 0) -> tuple[CostProfile, Calibration]:
+               acceptance_rate: float | None = None, loaded_concurrency: int = 0,
+               opened: Point | None = None, open_inputs: list[SimInput] | None = None,
+               open_rate: float = 0.0) -> tuple[CostProfile, Calibration]:
     """The calibration from measured points: `unloaded`, of the requests `unloaded_config` sends
-    one at a time; `loaded` (or None), of `loaded_inputs` (as `sent_inputs` replays them).
+    one at a time; `loaded` (or None), of `loaded_inputs` (as `sent_inputs` replays them);
+    `opened` (or None), of `open_inputs`, arrivals at `open_rate` whatever the system's pace,
+    which then sets each prompt's prefill overhead in the loaded point's place (`calibrate`).
     `acceptance_rate`, where given, replaces the profile's speculation α first (`acceptance`).
 
     Each overhead is found on the simulator, as the value at which it predicts what was measured
@@ -222,7 +253,7 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
     request = max(0.0, unloaded.ttft_s - point(stepped, shape, quiet, seed).ttft_s)
     fit = _LoadedFit()
     if loaded is not None:
-        fit = _fit_loaded(profile, shape, loaded, loaded_inputs, seed, request, one, handover)
+        fit = _fit_loaded(profile, shape, loaded, loaded_inputs, seed, request, one, handover, opened, open_inputs)
     step, request = max(0.0, one - fit.per_seq), max(0.0, request - fit.prefill)
     profile = with_overheads(profile, request, step, fit.per_seq, fit.prefill, handover)
     notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
@@ -231,7 +262,53 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
     profile = dataclasses.replace(profile, notes=notes)
     return profile, Calibration(unloaded, sim, request, step, fit.per_seq, fit.prefill, handover, loaded_concurrency,
                                 loaded, fit.before, fit.after,
-                                math.nan if acceptance_rate is None else acceptance_rate)
+                                math.nan if acceptance_rate is None else acceptance_rate,
+                                *((open_rate, opened, fit.open_after) if fit.open_after is not None else ()))
+
+
+def calibrated_speculation(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_config,
+                           loaded: Point | None = None, loaded_inputs: list[SimInput] | None = None,
+                           acceptance_rate: float | None = None,
+                           loaded_concurrency: int = 0) -> tuple[CostProfile, Calibration]:
+    """Speculation's own calibration, on a profile whose other overheads were calibrated on a
+    plain deployment: the points are a speculating deployment's, and only its speculative steps
+    get more (the decode step's overheads, added to them by the plain calibration, are a plain
+    step's: at the planner validation's 1P:1D +spec, whose steps stream about 2.7 tokens a
+    sequence, the simulator's TPOT came out 24% under the measured). The unloaded TPOT after
+    the second delta gives a one-sequence step's excess; the loaded point's, how much of it is
+    per sequence. `acceptance_rate` (the deployment's, `acceptance`) replaces the profile's first."""
+    if not shape.speculate:
+        raise ValueError("calibrating speculation's steps needs a speculating deployment (--speculation)")
+    profile = with_speculation_overheads(profile)  # refuses a profile without measured speculative steps
+    if acceptance_rate is not None:
+        profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
+                                                                               acceptance_rate=acceptance_rate))
+    quiet, seed = bench_inputs(unloaded_config, 0.01), unloaded_config.seed
+    sim = point(profile, shape, quiet, seed)
+    one = solve(lambda x: point(with_speculation_overheads(profile, x), shape, quiet, seed).steady_tpot_s,
+                unloaded.steady_tpot_s)
+    if one is None:
+        raise ValueError("calibration: no speculative step overhead makes the simulated unloaded TPOT the measured "
+                         f"{unloaded.steady_tpot_s:.6f} s")
+    per_seq, before, after = 0.0, None, None
+    if loaded is not None:
+        at_load = lambda x: point(with_speculation_overheads(profile, max(0.0, one - x), x), shape,  # noqa: E731
+                                  loaded_inputs, seed)
+        before = at_load(0.0)
+        per_seq = solve(lambda x: at_load(x).steady_tpot_s, loaded.steady_tpot_s)
+        if per_seq is None:
+            raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
+                             f"reach the measured TPOT {loaded.steady_tpot_s:.6f} s: raise the concurrency")
+        after = at_load(per_seq)
+    step = max(0.0, one - per_seq)
+    profile = with_speculation_overheads(profile, step, per_seq)
+    notes = dict(profile.notes, speculation_calibration=f"speculative steps' overheads measured on a running "
+                 f"{shape.label} deployment (pdserve calibrate --speculation-only): {step:.6f} s + {per_seq:.6f} s "
+                 "a sequence, beyond the decode step's")
+    profile = dataclasses.replace(profile, notes=notes)
+    return profile, Calibration(unloaded, sim, 0.0, 0.0, 0.0, 0.0, 0.0, loaded_concurrency, loaded, before, after,
+                                math.nan if acceptance_rate is None else acceptance_rate, speculation_only=True,
+                                spec_step_overhead_s=step, spec_per_seq_overhead_s=per_seq)
 
 
 @dataclass(slots=True)
@@ -240,30 +317,36 @@ class _LoadedFit:
     prefill: float = 0.0
     before: Point | None = None  # the loaded point predicted with the unloaded overheads only
     after: Point | None = None  # and calibrated
+    open_after: Point | None = None  # the open-loop point, calibrated
 
 
 def _fit_loaded(profile: CostProfile, shape: Shape, loaded: Point, inputs: list[SimInput], seed: int,
-                request: float, one: float, handover: float) -> _LoadedFit:
+                request: float, one: float, handover: float, opened: Point | None = None,
+                open_inputs: list[SimInput] | None = None) -> _LoadedFit:
     """The per-sequence and per-prompt overheads, out of the unloaded request's (`request`) and
     one-sequence step's (`one`) excesses, at which the replayed loaded requests' TPOT after the
     second delta and TTFT are the measured ones. The first gives the per-sequence overhead; TTFT
     under load what each prompt's serving on the prefill side costs (its stream, its K/V sent),
-    as time its prefill step takes. Each moves the other (colocated, a prompt's prefill runs
-    inside a decode step), so they are found in turn, the per-sequence one last."""
-    def at_load(per_seq: float, prefill: float) -> Point:
+    as time its prefill step takes: the open-loop point's TTFT where one was measured, else the
+    loaded point's. Each moves the other (colocated, a prompt's prefill runs inside a decode
+    step), so they are found in turn, the per-sequence one last."""
+    def at(per_seq: float, prefill: float, where: list[SimInput]) -> Point:
         return point(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill,
-                                    handover), shape, inputs, seed)
+                                    handover), shape, where, seed)
 
-    fit = _LoadedFit(before=at_load(0.0, 0.0))
+    ttft_point, ttft_inputs = (loaded, inputs) if opened is None else (opened, open_inputs)
+    fit = _LoadedFit(before=at(0.0, 0.0, inputs))
     for round_ in range(LOADED_ROUNDS):
-        per_seq = solve(lambda x: at_load(x, fit.prefill).steady_tpot_s, loaded.steady_tpot_s)
+        per_seq = solve(lambda x: at(x, fit.prefill, inputs).steady_tpot_s, loaded.steady_tpot_s)
         if per_seq is None:
             raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
                              f"reach the measured TPOT {loaded.steady_tpot_s:.6f} s: raise the concurrency")
         fit.per_seq = per_seq
         if round_ < LOADED_ROUNDS - 1:
-            fit.prefill = solve(lambda x: at_load(fit.per_seq, x).ttft_s, loaded.ttft_s) or 0.0
-    fit.after = at_load(fit.per_seq, fit.prefill)
+            fit.prefill = solve(lambda x: at(fit.per_seq, x, ttft_inputs).ttft_s, ttft_point.ttft_s) or 0.0
+    fit.after = at(fit.per_seq, fit.prefill, inputs)
+    if opened is not None:
+        fit.open_after = at(fit.per_seq, fit.prefill, open_inputs)
     return fit
 
 
@@ -281,19 +364,34 @@ def acceptance(records: list[RequestRecord], k: int) -> float | None:
 
 
 def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: int = 8,
-              loaded_requests: int | None = None, progress: bool = False) -> tuple[CostProfile, Calibration]:
-    """Measure both points on the deployment `config` targets (a `BenchConfig`: its workload,
+              loaded_requests: int | None = None, progress: bool = False, open_fraction: float = OPEN_FRACTION,
+              speculation_only: bool = False) -> tuple[CostProfile, Calibration]:
+    """Measure the points on the deployment `config` targets (a `BenchConfig`: its workload,
     sampling and seed; its rates are ignored) and calibrate the profile: `num_requests` one at a
     time, then `loaded_requests` (default 4 x concurrency) with `concurrency` in flight, each sent
-    as another ends (0: no loaded point). Replayed in the simulator at the times they were sent,
-    the loaded requests meet the load they met: an open-loop rate picked beforehand overloaded
-    the demo pair or left it idle, and its TPOT then said more about the queue than the steps."""
+    as another ends (0: no loaded point), then as many again arriving open loop (Poisson) at
+    `open_fraction` of the request throughput that closed loop measured (0: none).
+
+    Replayed in the simulator at the times they were sent, the closed loop's requests meet the
+    load they met: an open-loop rate picked beforehand overloaded the demo pair or left it idle,
+    and its TPOT then said more about the queue than the steps. But a closed loop of eight runs
+    a pair at its capacity, prompts queueing behind each other's prefills, and each prompt's
+    prefill overhead fitted on that TTFT over-predicted TTFT at the open-loop rates a deployment
+    is sized for by 23-51% (the planner validation at f4e9d5c); the open-loop point, at a rate
+    the closed loop showed the pair can carry, sets it instead.
+
+    `speculation_only`: the deployment speculates, and the profile was calibrated on a plain one
+    before; only the speculative steps' overheads are measured (`calibrated_speculation`)."""
     from pdserve.loadgen.bench import run_bench
 
     if num_requests < 2:
         raise ValueError(f"calibrating needs at least 2 requests per point, got {num_requests}")
     if concurrency < 0 or concurrency == 1:
         raise ValueError(f"concurrency must be 0 (unloaded only) or at least 2, got {concurrency}")
+    if not 0 <= open_fraction < 1:
+        raise ValueError(f"open_fraction must be in [0, 1) (of the closed loop's throughput), got {open_fraction}")
+    if speculation_only and not shape.speculate:
+        raise ValueError("speculation_only calibrates a speculating deployment (--speculation)")
     unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
                                           duration_s=None, search=None)
     one_at_a_time = run_bench(unloaded_config, progress=progress)
@@ -303,14 +401,30 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
     alpha = None
     if shape.speculate:  # the deployment's own α: the profile's was measured on its own prompts
         alpha = acceptance(records, profile.speculation.num_speculative_tokens)
-    loaded, inputs = None, None
+    loaded, inputs, opened, open_inputs, open_rate = None, None, None, None, 0.0
     if concurrency:
         loaded_config = dataclasses.replace(unloaded_config, max_concurrency=concurrency,
                                             num_requests=loaded_requests or 4 * concurrency)
         busy = run_bench(loaded_config, progress=progress).runs[0].records
         _check_measured(busy, f"loaded ({concurrency} in flight)")
         loaded, inputs = Point.of(busy), sent_inputs(loaded_config, busy)
-    return calibrated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha, concurrency)
+        if open_fraction and not speculation_only:
+            open_rate = open_fraction * throughput(busy)
+            open_config = dataclasses.replace(loaded_config, rates=(open_rate,), max_concurrency=None)
+            arrived = run_bench(open_config, progress=progress).runs[0].records
+            _check_measured(arrived, f"open-loop ({open_rate:.2f} requests/s)")
+            opened, open_inputs = Point.of(arrived), sent_inputs(open_config, arrived)
+    if speculation_only:
+        return calibrated_speculation(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha,
+                                      concurrency)
+    return calibrated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha, concurrency,
+                      opened, open_inputs, open_rate)
+
+
+def throughput(records: list[RequestRecord]) -> float:
+    """Requests finished per second over a run, from the first sent to the last ended."""
+    start, end = min(r.sent_s for r in records), max(r.end_s for r in records)
+    return len(records) / (end - start) if end > start else math.inf
 
 
 def _decode_step_tokens(records: list[RequestRecord]) -> list[int]:

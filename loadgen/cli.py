@@ -247,12 +247,18 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--decode-workers", type=int, default=1, help="of the running deployment")
     p.add_argument("--speculation", action="store_true", help="the deployment's decode workers speculate, at the "
                    "profile's fixed depth (--no-spec-adaptive): their acceptance rate is measured too")
+    p.add_argument("--speculation-only", action="store_true", help="a speculating deployment (implies "
+                   "--speculation), and a --profile calibrated on a plain one before: measure only the speculative "
+                   "steps' own overheads and acceptance rate, and keep the others")
     _add_target_and_workload_args(p)
     p.add_argument("--num-requests", type=int, default=16, help="requests measured one at a time")
     p.add_argument("--concurrency", type=int, default=8,
                    help="requests in flight at the loaded point (0: calibrate unloaded only)")
     p.add_argument("--loaded-requests", type=int, default=None, help="requests at the loaded point "
                    "(default: 4 x --concurrency)")
+    p.add_argument("--open-fraction", type=float, default=0.6, help="after the loaded point, as many requests "
+                   "again arrive open loop at this fraction of the request throughput it measured; their TTFT sets "
+                   "each prompt's prefill overhead (0: the loaded point's TTFT does)")
     p.add_argument("--seed", type=int, default=100)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=calibrate_main, request_rate=None, request_rates=None, goodput_search=None, search_steps=4,
@@ -267,12 +273,16 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from pdserve.loadgen.simulator import Shape
 
     profile = CostProfile.load(args.profile)
-    shape = Shape(args.prefill_workers, args.decode_workers, args.speculation)
+    shape = Shape(args.prefill_workers, args.decode_workers, args.speculation or args.speculation_only)
     if shape.speculate and profile.speculation is None:
         raise ValueError(f"--speculation: {args.profile} has no speculation costs (pdserve profile --draft-model)")
+    if args.speculation_only and "calibration" not in profile.notes:
+        raise ValueError(f"--speculation-only: {args.profile} was not calibrated (pdserve calibrate on a plain "
+                         "deployment first; or --speculation to calibrate every overhead on this one)")
     config = config_from_args(args)
     profile, cal = calibrate(profile, shape, config, args.num_requests, args.concurrency, args.loaded_requests,
-                             progress=not args.quiet)
+                             progress=not args.quiet, open_fraction=args.open_fraction,
+                             speculation_only=args.speculation_only)
     profile.save(args.output)
     print(f"{shape.label}: {cal.describe()}")
     print(f"wrote {args.output}", file=sys.stderr)

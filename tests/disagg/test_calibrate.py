@@ -118,3 +118,33 @@ def test_speculation_needs_a_profile_that_has_its_costs(tmp_path):
                           str(tmp_path / "out.json"), "--speculation", "--target", "127.0.0.1:1", "--quiet"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no speculation costs" in out.stderr
+
+
+def test_speculation_only_adds_the_speculative_steps_to_a_plain_calibration(cluster, tmp_path):
+    # R2 (colocated, plain) calibrates the profile; then R, whose decode worker speculates, adds only
+    # what its speculative steps cost beyond that
+    cluster.wait_all_free(("P", "D", "D2"))
+    ENGINE.save(tmp_path / "engine.json")
+    common = ["--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len",
+              "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
+
+    def calibrate_cmd(profile: str, output: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / profile), "--output",
+                               str(tmp_path / output), *common, *args], capture_output=True, text=True, timeout=120)
+
+    refused = calibrate_cmd("engine.json", "x.json", "--speculation-only", "--target", cluster.address("R"))
+    assert refused.returncode == 2 and "was not calibrated" in refused.stderr, refused.stderr
+    plain = calibrate_cmd("engine.json", "plain.json", "--prefill-workers", "0", "--target", cluster.address("R2"))
+    assert plain.returncode == 0, plain.stderr
+    assert "open loop at" in plain.stdout  # the prompt's overhead from arrivals at a rate the pair can carry
+    spec = calibrate_cmd("plain.json", "spec.json", "--speculation-only", "--target", cluster.address("R"))
+    assert spec.returncode == 0, spec.stderr
+    assert "overheads of a speculative step beyond the profile's" in spec.stdout
+    before, after = CostProfile.load(tmp_path / "plain.json"), CostProfile.load(tmp_path / "spec.json")
+    assert (after.decode, after.prefill, after.transfer) == (before.decode, before.prefill, before.transfer)
+    assert after.request_overhead_s == before.request_overhead_s
+    assert after.speculation.step.fixed_s >= before.speculation.step.fixed_s
+    assert after.speculation.step.per_seq_s >= before.speculation.step.per_seq_s
+    assert after.speculation.acceptance_rate > 0.95  # D drafts with the target itself at greedy
+    assert "pdserve calibrate --speculation-only" in after.notes["speculation_calibration"]
+    cluster.wait_all_free(("P", "D", "D2"))

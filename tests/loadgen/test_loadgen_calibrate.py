@@ -104,3 +104,58 @@ def test_acceptance_comes_from_the_tokens_each_decode_step_streamed():
     profile, cal = calibrated(BASE, Shape(1, 1, True), *_measured(BASE, Shape(1, 1, True))[:1], UNLOADED,
                               acceptance_rate=0.5)
     assert profile.speculation.acceptance_rate == 0.5 and cal.acceptance_rate == 0.5
+
+
+OPEN_RATE = 60.0  # requests/s: under LOADED_RATE's saturation, the prefill side busy but not queued for long
+
+
+def test_an_open_loop_point_sets_the_prompt_overhead_and_both_loads_come_back():
+    # the loaded point replays a saturated run, the open one arrives at a rate the system can carry:
+    # the prefill overhead is fitted on the second's TTFT, and both are predicted as "measured"
+    shape = Shape(1, 1)
+    truth = with_overheads(BASE, request_s=0.002, step_s=0.001, per_seq_s=3e-4, prefill_s=0.004, handover_s=0.002)
+    unloaded, inputs, loaded = _measured(truth, shape)
+    open_inputs = bench_inputs(dataclasses.replace(UNLOADED, rates=(OPEN_RATE,), max_concurrency=None), OPEN_RATE)
+    opened = point(truth, shape, open_inputs, UNLOADED.seed)
+    assert opened.ttft_s < 0.8 * loaded.ttft_s  # a lighter load than the loaded point's
+    profile, cal = calibrated(BASE, shape, unloaded, UNLOADED, loaded, inputs, opened=opened,
+                              open_inputs=open_inputs, open_rate=OPEN_RATE)
+    assert cal.open_rate == OPEN_RATE and cal.measured_open == opened
+    assert cal.prefill_overhead_s == pytest.approx(0.004, rel=0.15)
+    assert cal.request_overhead_s + cal.prefill_overhead_s == pytest.approx(0.006, rel=0.05)
+    assert cal.per_seq_overhead_s == pytest.approx(3e-4, rel=0.05)
+    assert cal.calibrated_open == point(profile, shape, open_inputs, UNLOADED.seed)
+    assert cal.calibrated_open.ttft_s == pytest.approx(opened.ttft_s, rel=0.05)
+    assert cal.calibrated_loaded.ttft_s == pytest.approx(loaded.ttft_s, rel=0.1)
+    assert "open loop at 60.00 requests/s" in cal.describe()
+    assert Calibration.from_json(cal.to_json()) == cal
+
+
+def test_speculation_only_adds_to_the_speculative_steps_alone():
+    # a plain calibration puts the decode step's overheads on speculative steps too; a speculating
+    # deployment whose steps cost more beyond that gets the rest on its speculative steps only
+    from pdserve.loadgen.calibrate import calibrated_speculation, with_speculation_overheads
+
+    shape = Shape(1, 1, True)
+    plain = with_overheads(BASE, request_s=0.002, step_s=0.001, per_seq_s=3e-4, prefill_s=0.002, handover_s=0.002)
+    truth = with_speculation_overheads(plain, step_s=0.0015, per_seq_s=2e-4)
+    unloaded, inputs, loaded = _measured(truth, shape)
+    profile, cal = calibrated_speculation(plain, shape, unloaded, UNLOADED, loaded, inputs, acceptance_rate=0.7,
+                                          loaded_concurrency=8)
+    assert cal.speculation_only and cal.spec_step_overhead_s == pytest.approx(0.0015, rel=0.1)
+    assert cal.spec_per_seq_overhead_s == pytest.approx(2e-4, rel=0.1)
+    assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s) == (0,) * 4
+    # the plain decode step, the prefill and the hand-over are the plain calibration's
+    assert (profile.decode, profile.prefill, profile.transfer) == (plain.decode, plain.prefill, plain.transfer)
+    assert profile.speculation.step.fixed_s == pytest.approx(plain.speculation.step.fixed_s + cal.spec_step_overhead_s)
+    assert "speculation_calibration" in profile.notes
+    again = point(profile, shape, inputs, UNLOADED.seed)
+    assert again == cal.calibrated_loaded and again.steady_tpot_s == pytest.approx(loaded.steady_tpot_s, rel=0.05)
+    assert point(profile, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed).steady_tpot_s == pytest.approx(
+        unloaded.steady_tpot_s, rel=0.03)
+    assert "overheads of a speculative step beyond the profile's" in cal.describe()
+    assert Calibration.from_json(cal.to_json()) == cal
+    with pytest.raises(ValueError, match="speculating deployment"):
+        calibrated_speculation(plain, Shape(1, 1), unloaded, UNLOADED)
+    with pytest.raises(ValueError, match="speculative steps were measured"):
+        calibrated_speculation(dataclasses.replace(plain, speculation=None), shape, unloaded, UNLOADED)
