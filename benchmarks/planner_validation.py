@@ -85,7 +85,7 @@ def start(run: Launcher, name: str, shape: Shape):
 
 
 def get_profile(args) -> CostProfile:
-    path = Path(args.profile) if args.profile else Path(args.out).with_name("planner_validation_profile.json")
+    path = Path(args.profile) if args.profile else Path(args.out + "_profile.json")  # a smoke run's beside its files
     if not args.profile:
         cmd = [PDSERVE, "profile", "--model", MODEL, "--draft-model", DRAFT, "--num-speculative-tokens", "4",
                "--cpus", "0", "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--output", str(path)]
