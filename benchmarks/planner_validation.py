@@ -6,7 +6,9 @@ for a few configurations of the demo pair on this machine.
 1. Profile: `pdserve profile` on the demo pair pinned to core 0 with one torch thread (or a
    given --profile), as the workers below run.
 2. Three systems at once, workers single-threaded and pinned one per core: 1P:1D, 1P:1D with
-   speculation (k = 4, fixed depth), and 2 colocated decode workers.
+   speculation (k = 4, fixed depth), and 2 colocated decode workers. Beside a disaggregated pair
+   the router and the load generator (this process) run on the prefill worker's core, so the
+   decode worker's core is its own (`harness_cpus`).
 3. The router's own overhead (arrival to the workers starting) and the serving loop's per step
    and per sequence of a step (streaming each step's tokens through the router) are not in the
    profile, which times the engine alone: they are calibrated once on 1P:1D as `pdserve
@@ -33,9 +35,11 @@ Writes benchmarks/results/planner_validation.json and .png and prints Markdown t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -67,6 +71,29 @@ CONFIGS = {"1P:1D": Shape(1, 1), "1P:1D +spec": Shape(1, 1, True), "2 colocated"
 GOAL = 0.15  # medians and goodput within this of the measured, in every repeat
 
 
+def harness_cpus(shape: Shape) -> list[int] | None:
+    """Where the router and this process (the load generator) run beside a configuration's
+    workers: disaggregated, on the prefill worker's core; colocated, on both (each has a decode
+    worker). Left to float over both cores beside a 1P:1D pair, they took the decode worker's
+    core often enough to set the pair's goodput: its engine thread was off the core for 28% of
+    its steps' time, and at 16-20 requests/s 5-17% of requests missed the TPOT SLO (p90 3.0-4.2
+    ms, against 2.1-2.3 ms and 0-1% with them on core 0; scratch probe, the same rates and seeds).
+    In a deployment the router runs on other cores than the workers', and the simulator models
+    none of it."""
+    return None if shape.is_colocated else [0]
+
+
+@contextlib.contextmanager
+def pinned(shape: Shape):
+    """This process on `harness_cpus(shape)` while it drives that configuration."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, harness_cpus(shape) or before)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def workload() -> WorkloadConfig:
     return WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse("lognormal:256,0.6,1024"),
                           LengthDistribution.parse("uniform:16,64"), tokenizer=MODEL)
@@ -81,7 +108,8 @@ def start(run: Launcher, name: str, shape: Shape):
         prefill = [run.worker("prefill-worker", f"{tag}-P", WORKER + (["--draft-model", DRAFT] if shape.speculate
                                                                        else []), [0])]
         decode = [run.worker("decode-worker", f"{tag}-D", WORKER + spec, [1])]
-    return run.router(f"{tag}-R", MODEL, prefill, decode, extra=["--queue-timeout", "120"])
+    return run.router(f"{tag}-R", MODEL, prefill, decode, extra=["--queue-timeout", "120"],
+                      cpus=harness_cpus(shape))
 
 
 def get_profile(args) -> CostProfile:
@@ -113,10 +141,12 @@ def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProf
     --speculation-only`'s on 1P:1D +spec (unloaded, which gives speculation's acceptance rate;
     40 requests, eight in flight): the speculative steps' own overheads."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
-    profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40)
+    with pinned(CONFIGS["1P:1D"]):
+        profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40)
     spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"])
-    profile, spec_cal = calibrate_profile(profile, CONFIGS["1P:1D +spec"], spec, num, concurrency=8,
-                                          loaded_requests=40, speculation_only=True)
+    with pinned(CONFIGS["1P:1D +spec"]):
+        profile, spec_cal = calibrate_profile(profile, CONFIGS["1P:1D +spec"], spec, num, concurrency=8,
+                                              loaded_requests=40, speculation_only=True)
     return profile, cal.to_json(), spec_cal.to_json()
 
 
@@ -156,15 +186,18 @@ def validate(profile: CostProfile, addresses: dict, args) -> dict:
     fractions = [float(x) for x in args.load_fractions.split(",")]
     plans = {}
     for name, shape in CONFIGS.items():  # SLOs, predicted goodput and the rates to measure at
-        plans[name] = plan_config(profile, shape, addresses[name], fractions, args)
+        with pinned(shape):
+            plans[name] = plan_config(profile, shape, addresses[name], fractions, args)
     rows, goodputs, searches = {n: [] for n in CONFIGS}, {n: [] for n in CONFIGS}, {n: [] for n in CONFIGS}
     for r in range(args.repeats):
         for name in list(CONFIGS)[r % 3:] + list(CONFIGS)[:r % 3]:
             plan, cfg = plans[name], plans[name]["cfg"]
-            measured = run_bench(dataclasses.replace(cfg, rates=tuple(plan["rates"]), seed=r), progress=False)
+            with pinned(CONFIGS[name]):
+                measured = run_bench(dataclasses.replace(cfg, rates=tuple(plan["rates"]), seed=r), progress=False)
+                search = run_bench(dataclasses.replace(cfg, rates=(), search=RateSearch(*plan["search"],
+                                                                                        args.search_steps), seed=r),
+                                   progress=False)
             rows[name].append([s.to_json() for s in measured.summaries()])
-            search = run_bench(dataclasses.replace(cfg, rates=(), search=RateSearch(*plan["search"], args.search_steps),
-                                                   seed=r), progress=False)
             goodputs[name].append(search.goodput["bisection"].rate or 0.0)
             searches[name].append([(s.rate, s.slo_attainment) for s in search.summaries()])
         print(f"repeat {r + 1}/{args.repeats} done", flush=True)
