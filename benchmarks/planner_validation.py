@@ -242,10 +242,24 @@ def _error(pred: float, meas: float) -> float:
 
 
 def _errors(errs: list[float]) -> str:
-    """Per-repeat errors as median (min to max), and whether the worst is within the goal."""
-    lo, med, hi = _spread(errs)
-    met = "met" if max(abs(lo), abs(hi)) <= GOAL else "**not met**"
-    return f"{100 * med:+.0f}% ({100 * lo:+.0f} to {100 * hi:+.0f}%), {met}"
+    """Per-repeat errors as median (min to max), and whether the worst is within the goal. A
+    repeat without an error (nan: its measured goodput lay under the search's bracket, so no
+    ratio) is not met, and said so."""
+    finite = [e for e in errs if not math.isnan(e)]
+    missing = len(errs) - len(finite)
+    if not finite:
+        return "no repeat measured one, **not met**"
+    lo, med, hi = _spread(finite)
+    met = "met" if not missing and max(abs(lo), abs(hi)) <= GOAL else "**not met**"
+    note = f"; {missing} repeat{'s' if missing > 1 else ''} under the bracket" if missing else ""
+    return f"{100 * med:+.0f}% ({100 * lo:+.0f} to {100 * hi:+.0f}%{note}), {met}"
+
+
+def _goodputs(c: dict) -> str:
+    """Each repeat's measured goodput; one under its search's bracket (every rate searched missed
+    the SLOs) as "< the bracket's low end", not as 0."""
+    return ", ".join(f"{g:.1f}" if g else f"< {min(rate for rate, _ in search):.1f}"
+                     for g, search in zip(c["measured_goodput"], c["measured_search"]))
 
 
 def report(result: dict, args) -> None:
@@ -271,7 +285,7 @@ def report(result: dict, args) -> None:
     for name, c in result["configs"].items():
         pred, meas = c["predicted_goodput"], c["measured_goodput"]
         print(f"| {name} | {c['slo']['ttft_s'] * 1e3:.0f} / {c['slo']['tpot_s'] * 1e3:.1f} | "
-              f"{', '.join(f'{g:.1f}' for g in pred)} | {', '.join(f'{g:.1f}' for g in meas)} | "
+              f"{', '.join(f'{g:.1f}' for g in pred)} | {_goodputs(c)} | "
               f"{_errors([_error(p, m) for p, m in zip(pred, meas)])} |")
     if result.get("calibration"):
         print(f"\ncalibrated on 1P:1D (loadgen/calibrate.py):\n{Calibration.from_json(result['calibration']).describe()}")
