@@ -103,3 +103,23 @@ def test_each_run_gets_prompts_of_its_own_of_the_same_lengths():
     text = [type(base[0])("def fibonacci(n):\n    return n", 5)]
     t0, t1 = own_prompts(text, "x/0", 50)[0].prompt, own_prompts(text, "x/1", 50)[0].prompt
     assert len(t0) == len(t1) == len(text[0].prompt) and t0 != t1 and t0[8:] == text[0].prompt[8:]
+
+
+def test_a_built_workload_is_kept_for_the_next_call_but_a_jsonl_file_is_read_again(tmp_path):
+    from pdserve.loadgen.workload import _built, _cutter
+
+    cfg = WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse("uniform:10,40"),
+                         LengthDistribution.parse("fixed:4"), chars_per_token=2.0)
+    hits = _built.cache_info().hits
+    a = build_workload(cfg, 12, seed=3)
+    b = build_workload(cfg, 12, seed=3)
+    assert a == b and a is not b and _built.cache_info().hits == hits + 1
+    b.pop()  # each call's list is its own
+    assert build_workload(cfg, 12, seed=3) == a
+    assert _cutter(cfg) is _cutter(cfg)  # another seed reuses the files already read
+    data = tmp_path / "w.jsonl"
+    data.write_text(json.dumps({"prompt": "one", "max_tokens": 2}) + "\n")
+    jcfg = WorkloadConfig(WorkloadKind.JSONL, dataset=str(data))
+    assert [s.prompt for s in build_workload(jcfg, 1, seed=0)] == ["one"]
+    data.write_text(json.dumps({"prompt": "two", "max_tokens": 2}) + "\n")
+    assert [s.prompt for s in build_workload(jcfg, 1, seed=0)] == ["two"]
