@@ -53,7 +53,7 @@ from launcher import Launcher  # noqa: E402
 from pdserve.cluster.local import PDSERVE  # noqa: E402
 
 from pdserve.loadgen.bench import BenchConfig, RateSearch, run_bench  # noqa: E402
-from pdserve.loadgen.calibrate import Calibration, calibrate as calibrate_profile, predict  # noqa: E402
+from pdserve.loadgen.calibrate import OPEN_FRACTION, Calibration, calibrate as calibrate_profile, predict  # noqa: E402
 from pdserve.loadgen.costs import CostProfile  # noqa: E402
 from pdserve.loadgen.goodput import Bisection  # noqa: E402
 from pdserve.loadgen.lengths import LengthDistribution  # noqa: E402
@@ -135,14 +135,16 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
     return search.result()
 
 
-def calibrate(profile: CostProfile, addresses: dict, num: int) -> tuple[CostProfile, dict, dict]:
+def calibrate(profile: CostProfile, addresses: dict, num: int,
+              open_fraction: float = OPEN_FRACTION) -> tuple[CostProfile, dict, dict]:
     """`pdserve calibrate`'s calibration on 1P:1D (unloaded; 40 requests, eight in flight; 40
     more open loop at 0.6 of the throughput those eight measured), then `pdserve calibrate
     --speculation-only`'s on 1P:1D +spec (unloaded, which gives speculation's acceptance rate;
     40 requests, eight in flight): the speculative steps' own overheads."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
     with pinned(CONFIGS["1P:1D"]):
-        profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40)
+        profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40,
+                                         open_fraction=open_fraction)
     spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"])
     with pinned(CONFIGS["1P:1D +spec"]):
         profile, spec_cal = calibrate_profile(profile, CONFIGS["1P:1D +spec"], spec, num, concurrency=8,
@@ -161,6 +163,8 @@ def main() -> None:
                    "after the bracket's ends (3 left a grid of 15%% steps, the goal's size: the goodput "
                    "found, the highest passing rate, read up to 15%% low)")
     p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--open-fraction", type=float, default=OPEN_FRACTION, help="the calibration's open-loop "
+                   "point, as a fraction of the request throughput its closed loop measured (0: none)")
     p.add_argument("--out", default=None, help="path stem of the JSON and PNG (default: "
                    "benchmarks/results/planner_validation, with _quick after it for --quick)")
     args = p.parse_args()
@@ -175,7 +179,8 @@ def main() -> None:
         addresses = {name: r.address for name, r in routers.items()}
         calibration = spec_calibration = None
         if not args.no_calibrate:
-            profile, calibration, spec_calibration = calibrate(profile, addresses, 4 if args.quick else 10)
+            profile, calibration, spec_calibration = calibrate(profile, addresses, 4 if args.quick else 10,
+                                                               args.open_fraction)
         result = validate(profile, addresses, args)
     result.update(calibration=calibration, speculation_calibration=spec_calibration, profile=profile.to_json(),
                   config=vars(args))

@@ -58,7 +58,7 @@ BISECTION_STEPS = 24  # each overhead to ~1e-7 of its bracket
 MAX_DOUBLINGS = 20
 LOADED_ROUNDS = 3  # of the two loaded solves in turn (the per-sequence one once more at the end)
 SPECULATING_TOKENS_PER_STEP = 1.2  # a plain deployment streams exactly 1 a decode step (a speculating one 2-5)
-OPEN_FRACTION = 0.6  # the open-loop point's rate, of the closed loop's measured request throughput
+OPEN_FRACTION = 0.75  # the open-loop point's rate, of the closed loop's measured request throughput
 
 
 @dataclass(frozen=True, slots=True)

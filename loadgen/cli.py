@@ -256,7 +256,9 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                    help="requests in flight at the loaded point (0: calibrate unloaded only)")
     p.add_argument("--loaded-requests", type=int, default=None, help="requests at the loaded point "
                    "(default: 4 x --concurrency)")
-    p.add_argument("--open-fraction", type=float, default=0.6, help="after the loaded point, as many requests "
+    from pdserve.loadgen.calibrate import OPEN_FRACTION
+
+    p.add_argument("--open-fraction", type=float, default=OPEN_FRACTION, help="after the loaded point, as many requests "
                    "again arrive open loop at this fraction of the request throughput it measured; their TTFT sets "
                    "each prompt's prefill overhead (0: the loaded point's TTFT does)")
     p.add_argument("--seed", type=int, default=100)
