@@ -13,7 +13,7 @@ for a few configurations of the demo pair on this machine.
    and per sequence of a step (streaming each step's tokens through the router) are not in the
    profile, which times the engine alone: they are calibrated once on 1P:1D as `pdserve
    calibrate` does (`loadgen/calibrate.py`: requests one at a time, then 40 with eight in flight
-   replayed at the times they were sent, then 40 arriving open loop at 0.6 of the throughput
+   replayed at the times they were sent, then 40 arriving open loop at 0.75 of the throughput
    those eight measured; their TTFT, the gap from the first token to the second and the time per
    token after it; --no-calibrate to leave the profile as measured), and the speculative steps'
    own overheads and acceptance rate on 1P:1D +spec as `pdserve calibrate --speculation-only`
@@ -138,7 +138,7 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
 def calibrate(profile: CostProfile, addresses: dict, num: int,
               open_fraction: float = OPEN_FRACTION) -> tuple[CostProfile, dict, dict]:
     """`pdserve calibrate`'s calibration on 1P:1D (unloaded; 40 requests, eight in flight; 40
-    more open loop at 0.6 of the throughput those eight measured), then `pdserve calibrate
+    more open loop at 0.75 of the throughput those eight measured), then `pdserve calibrate
     --speculation-only`'s on 1P:1D +spec (unloaded, which gives speculation's acceptance rate;
     40 requests, eight in flight): the speculative steps' own overheads."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)

@@ -8,8 +8,8 @@ was most of a served token (BENCHMARKS.md, planner validation): unloaded, the si
 engine's profile alone predicted a TPOT of 0.9 ms where the pair measured 1.4, and under load the
 gap grew with the batch, as a per-sequence cost does.
 
-Two measured points on the running deployment, each beside the simulator's prediction for the
-same requests (the same lengths; unloaded ones far apart, loaded ones at the times they were
+Three measured points on the running deployment, each beside the simulator's prediction for
+the same requests (the same lengths; unloaded ones far apart, loaded ones at the times they were
 sent), set five overheads of the profile. A request's TPOT is split in two there: the gap from
 its first delta (the token the prefill worker sampled) to its second (the decode worker's first
 step, once the K/V came), and the time per token after that (`Point`). Fitted on TPOT whole,
@@ -25,16 +25,27 @@ BENCHMARKS.md, planner validation):
     loaded (`concurrency` requests in flight, each sent as another ends; replayed at those times):
                                       TPOT after the 2nd delta -> how much of that is per sequence
                                                             (decode.per_seq_s; the rest: decode.fixed_s)
+    open loop (as many requests again, Poisson arrivals at OPEN_FRACTION of the closed loop's
+    measured request throughput; replayed at those times):
                                       TTFT               -> prefill.per_seq_s (each prompt's serving on
                                                             the prefill side: what queues prompts under load)
 
 each the value at which the simulator predicts what was measured (bisection: each grows with
-its overhead). The per-sequence and per-prompt overheads come out of the unloaded
+its overhead). The prompt's overhead came from the closed loop's TTFT before: eight in flight
+run the pair at its capacity, prompts queueing behind each other's prefills, and so fitted it
+over-predicted TTFT at the open-loop rates a deployment is sized for by 23-51% (BENCHMARKS.md,
+planner validation at f4e9d5c). At 0.6 of the closed loop's throughput the fit under-predicted
+the 1P:1D pair's TTFT at 0.8 of its goodput by 19%, and its goodput came out 15-19% high; at 0.75,
+nearer where goodput is decided, every configuration's goodput came within 11%. The per-sequence and per-prompt overheads come out of the unloaded
 excesses, which paid them once: where the loaded point asks more than that, the rest is 0 and the
 unloaded point is over-predicted (the loaded point, nearer where goodput is decided, wins).
 
 Speculative steps measured as a whole (`SpeculationCost.step`) get the same two step overheads,
-and a draft's prefill steps the prompt's. A speculating deployment's acceptance rate is measured
+and a draft's prefill steps the prompt's. Calibrated on a speculating deployment with
+`speculation_only` (`pdserve calibrate --speculation-only`), a profile calibrated on a plain one
+keeps those and its speculative steps get what they cost beyond them (`calibrated_speculation`):
+a speculative step streams 2-3 tokens a sequence, and priced with the plain pair's overheads the
+planner validation's 1P:1D +spec TPOT came out 24% under the measured. A speculating deployment's acceptance rate is measured
 too, from the tokens its unloaded decode steps stream (`acceptance`): `pdserve profile` measures
 it on its own prompts, and on the planner validation's requests the demo pair accepted far less
 (per-position α about 0.6 against the profile's 0.73). An excess that is negative (the simulation already
