@@ -120,6 +120,7 @@ class Calibration:
     speculation_only: bool = False  # only speculative steps' overheads, on a profile calibrated before
     spec_step_overhead_s: float = 0.0  # added to speculative steps alone, beyond the decode step's
     spec_per_seq_overhead_s: float = 0.0
+    spec_prefill_s: float = math.nan  # each prompt's cost in a prefill with the draft, fitted (nan: kept)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -145,6 +146,8 @@ class Calibration:
         if self.speculation_only:
             lines.append(f"overheads of a speculative step beyond the profile's: {ms(self.spec_step_overhead_s)} + "
                          f"{ms(self.spec_per_seq_overhead_s)} a sequence"
+                         + ("" if math.isnan(self.spec_prefill_s) else
+                            f"; each prompt in a prefill with the draft {ms(self.spec_prefill_s)}")
                          + ("" if math.isnan(self.acceptance_rate) else
                             f"; speculation's acceptance rate {self.acceptance_rate:.3f}"))
             return "\n".join(lines)
@@ -277,17 +280,29 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
                                 *((open_rate, opened, fit.open_after) if fit.open_after is not None else ()))
 
 
+def with_speculation_prefill(profile: CostProfile, per_prompt_s: float) -> CostProfile:
+    """The profile with each prompt's cost in a prefill step that fills the draft's cache too
+    (`SpeculationCost.prefill`'s per-sequence seconds) set to `per_prompt_s`."""
+    spec = profile.speculation
+    return dataclasses.replace(profile, speculation=dataclasses.replace(
+        spec, prefill=dataclasses.replace(spec.prefill, per_seq_s=per_prompt_s)))
+
+
 def calibrated_speculation(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_config,
                            loaded: Point | None = None, loaded_inputs: list[SimInput] | None = None,
-                           acceptance_rate: float | None = None,
-                           loaded_concurrency: int = 0) -> tuple[CostProfile, Calibration]:
+                           acceptance_rate: float | None = None, loaded_concurrency: int = 0,
+                           opened: Point | None = None, open_inputs: list[SimInput] | None = None,
+                           open_rate: float = 0.0) -> tuple[CostProfile, Calibration]:
     """Speculation's own calibration, on a profile whose other overheads were calibrated on a
     plain deployment: the points are a speculating deployment's, and only its speculative steps
-    get more (the decode step's overheads, added to them by the plain calibration, are a plain
-    step's: at the planner validation's 1P:1D +spec, whose steps stream about 2.7 tokens a
-    sequence, the simulator's TPOT came out 24% under the measured). The unloaded TPOT after
-    the second delta gives a one-sequence step's excess; the loaded point's, how much of it is
-    per sequence. `acceptance_rate` (the deployment's, `acceptance`) replaces the profile's first."""
+    and its prefills (which fill the draft's cache too) change. The decode step's overheads,
+    added to speculative steps by the plain calibration, are a plain step's: at the planner
+    validation's 1P:1D +spec, whose steps stream about 2.7 tokens a sequence, the simulator's
+    TPOT came out 24% under the measured. The unloaded TPOT after the second delta gives a
+    one-sequence step's excess; the loaded point's, how much of it is per sequence; the
+    open-loop point's TTFT (where given, and the profile measured prefills with the draft) each
+    prompt's cost in its prefill step, in place of the plain pair's. `acceptance_rate` (the
+    deployment's, `acceptance`) replaces the profile's first."""
     if not shape.speculate:
         raise ValueError("calibrating speculation's steps needs a speculating deployment (--speculation)")
     profile = with_speculation_overheads(profile)  # refuses a profile without measured speculative steps
@@ -301,25 +316,45 @@ def calibrated_speculation(profile: CostProfile, shape: Shape, unloaded: Point, 
     if one is None:
         raise ValueError("calibration: no speculative step overhead makes the simulated unloaded TPOT the measured "
                          f"{unloaded.steady_tpot_s:.6f} s")
-    per_seq, before, after = 0.0, None, None
+    fits_prefill = opened is not None and profile.speculation.prefill is not None
+    prefill = profile.speculation.prefill.per_seq_s if fits_prefill else math.nan
+
+    def at(per_seq: float, where: list[SimInput], prompt: float | None = None) -> Point:
+        """The point simulated with these overheads; each prompt's prefill the latest fitted."""
+        out = with_speculation_overheads(profile, max(0.0, one - per_seq), per_seq)
+        if fits_prefill:
+            out = with_speculation_prefill(out, prefill if prompt is None else prompt)
+        return point(out, shape, where, seed)
+
+    per_seq, before, after, open_after = 0.0, None, None, None
+    for round_ in range(LOADED_ROUNDS if fits_prefill else 1):  # in turn, as `_fit_loaded` does
+        if loaded is not None:
+            before = before or at(0.0, loaded_inputs)
+            per_seq = solve(lambda x: at(x, loaded_inputs).steady_tpot_s, loaded.steady_tpot_s)
+            if per_seq is None:
+                raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
+                                 f"reach the measured TPOT {loaded.steady_tpot_s:.6f} s: raise the concurrency")
+        if fits_prefill and round_ < LOADED_ROUNDS - 1:
+            found = solve(lambda y: at(per_seq, open_inputs, y).ttft_s, opened.ttft_s)
+            prefill = prefill if found is None else found
     if loaded is not None:
-        at_load = lambda x: point(with_speculation_overheads(profile, max(0.0, one - x), x), shape,  # noqa: E731
-                                  loaded_inputs, seed)
-        before = at_load(0.0)
-        per_seq = solve(lambda x: at_load(x).steady_tpot_s, loaded.steady_tpot_s)
-        if per_seq is None:
-            raise ValueError("calibration: the loaded point's simulated steps never hold enough sequences to "
-                             f"reach the measured TPOT {loaded.steady_tpot_s:.6f} s: raise the concurrency")
-        after = at_load(per_seq)
+        after = at(per_seq, loaded_inputs)
+    if fits_prefill:
+        open_after = at(per_seq, open_inputs)
     step = max(0.0, one - per_seq)
     profile = with_speculation_overheads(profile, step, per_seq)
+    if fits_prefill:
+        profile = with_speculation_prefill(profile, prefill)
     notes = dict(profile.notes, speculation_calibration=f"speculative steps' overheads measured on a running "
                  f"{shape.label} deployment (pdserve calibrate --speculation-only): {step:.6f} s + {per_seq:.6f} s "
-                 "a sequence, beyond the decode step's")
+                 "a sequence, beyond the decode step's" + ("" if not fits_prefill else
+                                                           f"; each prompt's prefill with the draft {prefill:.6f} s"))
     profile = dataclasses.replace(profile, notes=notes)
     return profile, Calibration(unloaded, sim, 0.0, 0.0, 0.0, 0.0, 0.0, loaded_concurrency, loaded, before, after,
-                                math.nan if acceptance_rate is None else acceptance_rate, speculation_only=True,
-                                spec_step_overhead_s=step, spec_per_seq_overhead_s=per_seq)
+                                math.nan if acceptance_rate is None else acceptance_rate,
+                                *((open_rate, opened, open_after) if open_after is not None else (0.0, None, None)),
+                                speculation_only=True, spec_step_overhead_s=step, spec_per_seq_overhead_s=per_seq,
+                                spec_prefill_s=prefill)
 
 
 @dataclass(slots=True)
@@ -419,7 +454,7 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         busy = run_bench(loaded_config, progress=progress).runs[0].records
         _check_measured(busy, f"loaded ({concurrency} in flight)")
         loaded, inputs = Point.of(busy), sent_inputs(loaded_config, busy)
-        if open_fraction and not speculation_only:
+        if open_fraction:
             open_rate = open_fraction * throughput(busy)
             open_config = dataclasses.replace(loaded_config, rates=(open_rate,), max_concurrency=None)
             arrived = run_bench(open_config, progress=progress).runs[0].records
@@ -427,7 +462,7 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
             opened, open_inputs = Point.of(arrived), sent_inputs(open_config, arrived)
     if speculation_only:
         return calibrated_speculation(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha,
-                                      concurrency)
+                                      concurrency, opened, open_inputs, open_rate)
     return calibrated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, alpha, concurrency,
                       opened, open_inputs, open_rate)
 

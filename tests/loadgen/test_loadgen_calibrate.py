@@ -136,14 +136,26 @@ def test_speculation_only_adds_to_the_speculative_steps_alone():
     # deployment whose steps cost more beyond that gets the rest on its speculative steps only
     from pdserve.loadgen.calibrate import calibrated_speculation, with_speculation_overheads
 
+    from pdserve.loadgen.calibrate import with_speculation_prefill
+
     shape = Shape(1, 1, True)
-    plain = with_overheads(BASE, request_s=0.002, step_s=0.001, per_seq_s=3e-4, prefill_s=0.002, handover_s=0.002)
-    truth = with_speculation_overheads(plain, step_s=0.0015, per_seq_s=2e-4)
+    drafting = dataclasses.replace(BASE, speculation=dataclasses.replace(
+        BASE.speculation, prefill=StepCost(0.002, per_token_s=2.5e-5)))  # prefills that fill the draft's cache
+    plain = with_overheads(drafting, request_s=0.002, step_s=0.001, per_seq_s=3e-4, prefill_s=0.004,
+                           handover_s=0.002)
+    assert plain.speculation.prefill.per_seq_s == pytest.approx(0.004)  # the plain pair's prompt overhead
+    # the speculating pair's steps cost more beyond the plain ones; its prompts less
+    truth = with_speculation_prefill(with_speculation_overheads(plain, step_s=0.0015, per_seq_s=2e-4), 0.0015)
     unloaded, inputs, loaded = _measured(truth, shape)
+    open_inputs = bench_inputs(dataclasses.replace(UNLOADED, rates=(OPEN_RATE,), max_concurrency=None), OPEN_RATE)
+    opened = point(truth, shape, open_inputs, UNLOADED.seed)
     profile, cal = calibrated_speculation(plain, shape, unloaded, UNLOADED, loaded, inputs, acceptance_rate=0.7,
-                                          loaded_concurrency=8)
+                                          loaded_concurrency=8, opened=opened, open_inputs=open_inputs,
+                                          open_rate=OPEN_RATE)
     assert cal.speculation_only and cal.spec_step_overhead_s == pytest.approx(0.0015, rel=0.1)
     assert cal.spec_per_seq_overhead_s == pytest.approx(2e-4, rel=0.1)
+    assert cal.spec_prefill_s == pytest.approx(0.0015, rel=0.15)
+    assert profile.speculation.prefill.per_seq_s == cal.spec_prefill_s
     assert (cal.request_overhead_s, cal.step_overhead_s, cal.per_seq_overhead_s, cal.prefill_overhead_s) == (0,) * 4
     # the plain decode step, the prefill and the hand-over are the plain calibration's
     assert (profile.decode, profile.prefill, profile.transfer) == (plain.decode, plain.prefill, plain.transfer)
@@ -151,10 +163,14 @@ def test_speculation_only_adds_to_the_speculative_steps_alone():
     assert "speculation_calibration" in profile.notes
     again = point(profile, shape, inputs, UNLOADED.seed)
     assert again == cal.calibrated_loaded and again.steady_tpot_s == pytest.approx(loaded.steady_tpot_s, rel=0.05)
+    assert cal.calibrated_open.ttft_s == pytest.approx(opened.ttft_s, rel=0.05) and cal.open_rate == OPEN_RATE
     assert point(profile, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed).steady_tpot_s == pytest.approx(
         unloaded.steady_tpot_s, rel=0.03)
-    assert "overheads of a speculative step beyond the profile's" in cal.describe()
+    assert "each prompt in a prefill with the draft 1.5" in cal.describe()
     assert Calibration.from_json(cal.to_json()) == cal
+    # without an open-loop point the prompts keep the plain pair's cost
+    profile, cal = calibrated_speculation(plain, shape, unloaded, UNLOADED, loaded, inputs)
+    assert math.isnan(cal.spec_prefill_s) and profile.speculation.prefill == plain.speculation.prefill
     with pytest.raises(ValueError, match="speculating deployment"):
         calibrated_speculation(plain, Shape(1, 1), unloaded, UNLOADED)
     with pytest.raises(ValueError, match="speculative steps were measured"):
