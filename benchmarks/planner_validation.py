@@ -16,10 +16,11 @@ for a few configurations of the demo pair on this machine.
    replayed at the times they were sent, then 40 arriving open loop at 0.75 of the throughput
    those eight measured; their TTFT, the gap from the first token to the second and the time per
    token after it; --no-calibrate to leave the profile as measured), and the speculative steps'
-   own overheads and acceptance rate on 1P:1D +spec as `pdserve calibrate --speculation-only`
-   does (one at a time, then eight in flight; the profile's α is measured on its own prompts,
-   and a speculative step streams 2-3 tokens a sequence, which the plain pair's overheads a
-   step do not pay). The rates validated are predicted, not calibrated.
+   own overheads, each prompt's cost in a prefill with the draft and the acceptance rate on
+   1P:1D +spec as `pdserve calibrate --speculation-only` does (the same three points; the
+   profile's α is measured on its own prompts, and a speculative step streams 2-3 tokens a
+   sequence, which the plain pair's overheads a step do not pay). The rates validated are
+   predicted, not calibrated.
 4. For each configuration: SLOs at 3x its measured unloaded TTFT and 2x its TPOT (p90s); the
    simulator's goodput on the exact traffic bench sends (same arrival times and lengths), which
    picks the rates below and brackets the measured goodput's bisection; measured latencies at
@@ -138,9 +139,10 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
 def calibrate(profile: CostProfile, addresses: dict, num: int,
               open_fraction: float = OPEN_FRACTION) -> tuple[CostProfile, dict, dict]:
     """`pdserve calibrate`'s calibration on 1P:1D (unloaded; 40 requests, eight in flight; 40
-    more open loop at 0.75 of the throughput those eight measured), then `pdserve calibrate
-    --speculation-only`'s on 1P:1D +spec (unloaded, which gives speculation's acceptance rate;
-    40 requests, eight in flight): the speculative steps' own overheads."""
+    more open loop at `open_fraction` of the throughput those eight measured), then `pdserve
+    calibrate --speculation-only`'s on 1P:1D +spec the same way (unloaded, which also gives
+    speculation's acceptance rate): the speculative steps' own overheads, and each prompt's cost
+    in a prefill with the draft."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
     with pinned(CONFIGS["1P:1D"]):
         profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40,
@@ -148,7 +150,8 @@ def calibrate(profile: CostProfile, addresses: dict, num: int,
     spec = dataclasses.replace(cfg, target=addresses["1P:1D +spec"])
     with pinned(CONFIGS["1P:1D +spec"]):
         profile, spec_cal = calibrate_profile(profile, CONFIGS["1P:1D +spec"], spec, num, concurrency=8,
-                                              loaded_requests=40, speculation_only=True)
+                                              loaded_requests=40, open_fraction=open_fraction,
+                                              speculation_only=True)
     return profile, cal.to_json(), spec_cal.to_json()
 
 

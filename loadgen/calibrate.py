@@ -35,21 +35,24 @@ its overhead). The prompt's overhead came from the closed loop's TTFT before: ei
 run the pair at its capacity, prompts queueing behind each other's prefills, and so fitted it
 over-predicted TTFT at the open-loop rates a deployment is sized for by 23-51% (BENCHMARKS.md,
 planner validation at f4e9d5c). At 0.6 of the closed loop's throughput the fit under-predicted
-the 1P:1D pair's TTFT at 0.8 of its goodput by 19%, and its goodput came out 15-19% high; at 0.75,
-nearer where goodput is decided, every configuration's goodput came within 11%. The per-sequence and per-prompt overheads come out of the unloaded
-excesses, which paid them once: where the loaded point asks more than that, the rest is 0 and the
-unloaded point is over-predicted (the loaded point, nearer where goodput is decided, wins).
+the 1P:1D pair's TTFT at 0.8 of its goodput by 19%, and its goodput came out 15-19% high; at
+0.75, nearer where goodput is decided, every configuration's goodput came within 11% in one run
+and 9-15% under at the median in the next. The per-sequence and per-prompt overheads come out
+of the unloaded excesses, which paid them once: where the loaded points ask more than that, the
+rest is 0 and the unloaded point is over-predicted (the loaded points, nearer where goodput is
+decided, win).
 
 Speculative steps measured as a whole (`SpeculationCost.step`) get the same two step overheads,
 and a draft's prefill steps the prompt's. Calibrated on a speculating deployment with
 `speculation_only` (`pdserve calibrate --speculation-only`), a profile calibrated on a plain one
-keeps those and its speculative steps get what they cost beyond them (`calibrated_speculation`):
-a speculative step streams 2-3 tokens a sequence, and priced with the plain pair's overheads the
-planner validation's 1P:1D +spec TPOT came out 24% under the measured. A speculating deployment's acceptance rate is measured
-too, from the tokens its unloaded decode steps stream (`acceptance`): `pdserve profile` measures
-it on its own prompts, and on the planner validation's requests the demo pair accepted far less
-(per-position α about 0.6 against the profile's 0.73). An excess that is negative (the simulation already
-slower) changes nothing. What is left out: any cost that grows with prompt length beyond the
+keeps those; its speculative steps get what they cost beyond them, and its prefills with the
+draft a prompt's cost of their own (`calibrated_speculation`). A speculative step streams 2-3
+tokens a sequence, and priced with the plain pair's overheads the planner validation's 1P:1D
++spec TPOT came out 24% under the measured. A speculating deployment's acceptance rate is
+measured too, from the tokens its unloaded decode steps stream (`acceptance`): `pdserve profile`
+measures it on its own prompts, and on the planner validation's requests the demo pair accepted
+far less (per-position α about 0.6 against the profile's 0.73). An excess that is negative (the
+simulation already slower) changes nothing. What is left out: any cost that grows with prompt length beyond the
 profile's, and an overhead that is not the workers' (the router's, or a load generator's on the
 same cores) except as the time it adds.
 """
@@ -427,7 +430,8 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
     the closed loop showed the pair can carry, sets it instead.
 
     `speculation_only`: the deployment speculates, and the profile was calibrated on a plain one
-    before; only the speculative steps' overheads are measured (`calibrated_speculation`)."""
+    before; only the speculative steps' overheads and each prompt's cost in a prefill with the
+    draft are fitted (`calibrated_speculation`)."""
     from pdserve.loadgen.bench import run_bench
 
     if num_requests < 2:
@@ -454,7 +458,7 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         busy = run_bench(loaded_config, progress=progress).runs[0].records
         _check_measured(busy, f"loaded ({concurrency} in flight)")
         loaded, inputs = Point.of(busy), sent_inputs(loaded_config, busy)
-        if open_fraction:
+        if open_fraction and math.isfinite(throughput(busy)):
             open_rate = open_fraction * throughput(busy)
             open_config = dataclasses.replace(loaded_config, rates=(open_rate,), max_concurrency=None)
             arrived = run_bench(open_config, progress=progress).runs[0].records

@@ -235,6 +235,8 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(sub) -> argparse.ArgumentParser:
+    from pdserve.loadgen.calibrate import OPEN_FRACTION
+
     p = sub.add_parser("calibrate", help="add a running deployment's serving overheads to a cost profile",
                        description="Measure a running deployment unloaded and under load, beside the simulator's "
                                    "prediction for the same requests, and write the profile with the router's and the "
@@ -256,11 +258,10 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                    help="requests in flight at the loaded point (0: calibrate unloaded only)")
     p.add_argument("--loaded-requests", type=int, default=None, help="requests at the loaded point "
                    "(default: 4 x --concurrency)")
-    from pdserve.loadgen.calibrate import OPEN_FRACTION
-
-    p.add_argument("--open-fraction", type=float, default=OPEN_FRACTION, help="after the loaded point, as many requests "
-                   "again arrive open loop at this fraction of the request throughput it measured; their TTFT sets "
-                   "each prompt's prefill overhead (0: the loaded point's TTFT does)")
+    p.add_argument("--open-fraction", type=float, default=OPEN_FRACTION,
+                   help="after the loaded point, as many requests again arrive open loop at this fraction of the "
+                   "request throughput it measured; their TTFT sets each prompt's prefill overhead (0: the loaded "
+                   "point's TTFT does)")
     p.add_argument("--seed", type=int, default=100)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=calibrate_main, request_rate=None, request_rates=None, goodput_search=None, search_steps=4,

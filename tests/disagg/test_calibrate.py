@@ -86,6 +86,7 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
     (["--target", "127.0.0.1:1", "--prefill-workers", "-1"], "num_prefill"),
     (["--target", "127.0.0.1:1", "--num-requests", "1"], "at least 2 requests"),
     (["--target", "127.0.0.1:1", "--concurrency", "1"], "at least 2"),
+    (["--target", "127.0.0.1:1", "--open-fraction", "1.5"], "open_fraction must be in [0, 1)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     ENGINE.save(tmp_path / "engine.json")
