@@ -134,9 +134,8 @@ def test_an_open_loop_point_sets_the_prompt_overhead_and_both_loads_come_back():
 def test_speculation_only_adds_to_the_speculative_steps_alone():
     # a plain calibration puts the decode step's overheads on speculative steps too; a speculating
     # deployment whose steps cost more beyond that gets the rest on its speculative steps only
-    from pdserve.loadgen.calibrate import calibrated_speculation, with_speculation_overheads
-
-    from pdserve.loadgen.calibrate import with_speculation_prefill
+    from pdserve.loadgen.calibrate_speculation import (calibrated_speculation, with_speculation_overheads,
+                                                       with_speculation_prefill)
 
     shape = Shape(1, 1, True)
     drafting = dataclasses.replace(BASE, speculation=dataclasses.replace(
