@@ -250,8 +250,9 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--speculation", action="store_true", help="the deployment's decode workers speculate, at the "
                    "profile's fixed depth (--no-spec-adaptive): their acceptance rate is measured too")
     p.add_argument("--speculation-only", action="store_true", help="a speculating deployment (implies "
-                   "--speculation), and a --profile calibrated on a plain one before: measure only the speculative "
-                   "steps' own overheads and acceptance rate, and keep the others")
+                   "--speculation), and a --profile calibrated on a plain one before: measure only what is "
+                   "speculation's own (its steps' overheads beyond the plain ones, each prompt's cost in a prefill "
+                   "with the draft, its acceptance rate) and keep the others")
     _add_target_and_workload_args(p)
     p.add_argument("--num-requests", type=int, default=16, help="requests measured one at a time")
     p.add_argument("--concurrency", type=int, default=8,
