@@ -181,6 +181,15 @@ def with_overheads(profile: CostProfile, request_s: float = 0.0, step_s: float =
                                prefill=add(profile.prefill, 0.0, prefill_s), speculation=spec, transfer=transfer)
 
 
+def with_acceptance(profile: CostProfile, acceptance_rate: float | None) -> CostProfile:
+    """The profile with its speculation's α replaced, where both are given (a deployment's own,
+    `acceptance`)."""
+    if acceptance_rate is None or profile.speculation is None:
+        return profile
+    return dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
+                                                                        acceptance_rate=acceptance_rate))
+
+
 def predict(profile: CostProfile, shape: Shape, config, rate: float) -> RunSummary:
     """The simulator's summary of the requests `pdserve bench` sends at `rate` for `config`."""
     return summarize(simulate(profile, shape, bench_inputs(config, rate), config.seed).records, rate, config.slo)
@@ -240,9 +249,7 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
     came); the request's from the unloaded TTFT; then, under load, how much of the one-sequence
     step's overhead is per sequence (the rest is the step's fixed part) and how much of the
     request's is each prompt's prefill."""
-    if acceptance_rate is not None and profile.speculation is not None:
-        profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
-                                                                               acceptance_rate=acceptance_rate))
+    profile = with_acceptance(profile, acceptance_rate)
     # the unloaded requests far apart, their workload built once (every solve's step simulates them)
     quiet, seed = bench_inputs(unloaded_config, 0.01), unloaded_config.seed
     sim = point(profile, shape, quiet, seed)
@@ -370,8 +377,9 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         busy = run_bench(loaded_config, progress=progress).runs[0].records
         _check_measured(busy, f"loaded ({concurrency} in flight)")
         loaded, inputs = Point.of(busy), sent_inputs(loaded_config, busy)
-        if open_fraction and math.isfinite(throughput(busy)):
-            open_rate = open_fraction * throughput(busy)
+        measured = throughput(busy)
+        if open_fraction and math.isfinite(measured):
+            open_rate = open_fraction * measured
             open_config = dataclasses.replace(loaded_config, rates=(open_rate,), max_concurrency=None)
             arrived = run_bench(open_config, progress=progress).runs[0].records
             _check_measured(arrived, f"open-loop ({open_rate:.2f} requests/s)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pdserve.loadgen.calibrate import LOADED_ROUNDS, Calibration, Point, point, solve
+from pdserve.loadgen.calibrate import LOADED_ROUNDS, Calibration, Point, point, solve, with_acceptance
 from pdserve.loadgen.costs import CostProfile
 from pdserve.loadgen.simulator import Shape, SimInput, bench_inputs
 
@@ -56,9 +56,7 @@ def calibrated_speculation(profile: CostProfile, shape: Shape, unloaded: Point, 
     if not shape.speculate:
         raise ValueError("calibrating speculation's steps needs a speculating deployment (--speculation)")
     profile = with_speculation_overheads(profile)  # refuses a profile without measured speculative steps
-    if acceptance_rate is not None:
-        profile = dataclasses.replace(profile, speculation=dataclasses.replace(profile.speculation,
-                                                                               acceptance_rate=acceptance_rate))
+    profile = with_acceptance(profile, acceptance_rate)
     quiet, seed = bench_inputs(unloaded_config, 0.01), unloaded_config.seed
     sim = point(profile, shape, quiet, seed)
     one = solve(lambda x: point(with_speculation_overheads(profile, x), shape, quiet, seed).steady_tpot_s,
