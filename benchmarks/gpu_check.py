@@ -21,6 +21,9 @@ cut short keeps what it did. A part that fails records its error and the run goe
   timings. Then a sweep of the launcher's settings (partition size, prefetch, fused reduce, grid
   order, warps, stages), each checked against the reference before it is timed
   (`gpu_attention.py`).
+- **extend**: the prefill attention kernel against dense SDPA at Llama-3.2-1B's heads (a chunked
+  prefill, a fresh prompt, speculative verification) and a sweep of its tiles, warps and 16-bit
+  products, each checked against the reference before it is timed (`gpu_extend.py`).
 - **sampling**: the fused sample kernel against torch's reference at 1, 32 and 128 rows of a
   128k vocabulary, with no filter, top-p, and top-k + top-p + min-p (eager timings: sampling
   runs outside the captured step). The CUDA backend samples with the reference while the
@@ -32,6 +35,13 @@ cut short keeps what it did. A part that fails records its error and the run goe
   bandwidth), and transformers' `generate` on the same weights at batch 1.
 - **spec**: the same model with n-gram speculation (k = 4) at batch 1, greedy, against plain
   decoding: tokens/s and whether the tokens agree.
+- **spec_demo**: the committed demo pair (trained, so its draft is accepted) with CUDA graphs:
+  draft k = 4, draft adaptive and n-gram adaptive against plain decoding at batch 1, 8 and 32,
+  greedy and temperature 1, interleaved repeats, tokens compared (`gpu_spec.py`).
+- **serving**: the engine's and the serving tests on CUDA (`SERVING_TESTS`): the engine against
+  transformers, speculation against plain decoding, CUDA graphs, the gpu-marked tests, and real
+  prefill, decode and router processes whose KV caches are on the GPU (a prefill's K/V stream
+  out layer by layer inside the forward pass), tokens against the offline engine's.
 """
 from __future__ import annotations
 
@@ -51,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules 
 from cuda_timing import events_ms, host_ms  # noqa: E402
 from gpu_attention import part_attention  # noqa: E402
 from gpu_model import part_decode, part_spec  # noqa: E402
+from gpu_extend import part_extend  # noqa: E402
+from gpu_spec import part_spec_demo  # noqa: E402
 from kernel_bandwidth import paged_kv  # noqa: E402
 from gpu_report import render  # noqa: E402
 
@@ -67,7 +79,12 @@ KERNEL_TESTS = ["tests/kernels/test_kernel_extend_attention.py", "tests/kernels/
                 "tests/kernels/test_kernel_rmsnorm.py", "tests/kernels/test_kernel_rotary.py",
                 "tests/kernels/test_kernel_sampling.py", "tests/kernels/test_gathered_attention.py",
                 "tests/kernels/test_engine_triton_backend.py"]
-PARTS = ("env", "ops", "attention", "decode", "spec", "sampling", "kernels", "tests")  # the compiled tests last
+# the engine and the serving processes on CUDA (device "auto" picks it): these tests' engines,
+# workers and routers are what runs, on the GPU
+SERVING_TESTS = ["tests/engine/test_gpu_marker.py", "tests/engine/test_sampler.py", "tests/engine/test_capture.py",
+                 "tests/engine/test_model_vs_transformers.py", "tests/engine/test_spec_decode.py",
+                 "tests/engine/test_disagg.py", "tests/disagg/test_disagg_e2e.py"]
+PARTS = ("env", "ops", "attention", "extend", "spec_demo", "serving", "decode", "spec", "sampling", "kernels", "tests")
 
 
 class Sizes:
@@ -115,28 +132,34 @@ def part_env(sizes: Sizes, report: dict) -> dict:
 
 # --- tests --------------------------------------------------------------------------------
 
-def part_tests(sizes: Sizes, report: dict, out_dir: Path, timeout_s: int = 180) -> dict:
+def part_tests(sizes: Sizes, report: dict, out_dir: Path, timeout_s: int = 180, tests: list[str] = KERNEL_TESTS,
+               log_name: str = "gpu_check_kernel_tests.log", by_file: bool = False) -> dict:
+    """by_file: each test file on one xdist worker (a file's session fixtures, its servers, start once)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if sizes.smoke:
-        return dict(skipped="--smoke: CI runs these tests interpreted")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", *KERNEL_TESTS]
+        return dict(skipped="--smoke: CI runs these tests on the CPU")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", *tests]
     try:
         import xdist  # noqa: F401  (compiles in parallel: most of this part is Triton compiling)
 
-        cmd += ["-n", "8"]
+        cmd += ["-n", "8"] + (["--dist", "loadfile"] if by_file else [])
     except ImportError:
         pass
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    log = proc.stdout + proc.stderr
-    (out_dir / "gpu_check_kernel_tests.log").write_text(log)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        returncode, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:  # keep what it printed
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        returncode, log = f"timed out after {timeout_s} s", "".join(text)
+    (out_dir / log_name).write_text(log)
     tail = [line for line in log.strip().splitlines() if " passed" in line or " failed" in line][-1:]
     failed = [line for line in log.splitlines() if line.startswith("FAILED")]
     print("  " + " / ".join(tail))
     for line in failed[:10]:
         print("  " + line)
-    return dict(returncode=proc.returncode, summary=tail, failed=failed, seconds=time.perf_counter() - start,
-                ok=proc.returncode == 0)
+    return dict(returncode=returncode, summary=tail, failed=failed, seconds=time.perf_counter() - start,
+                ok=returncode == 0)
 
 
 # --- ops ----------------------------------------------------------------------------------
@@ -291,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
                     result = part_env(sizes, report)
                 elif part == "tests":
                     result = part_tests(sizes, report, args.out, args.test_timeout)
+                elif part == "serving":
+                    result = part_tests(sizes, report, args.out, args.test_timeout, SERVING_TESTS,
+                                        "gpu_check_serving_tests.log", by_file=True)
+                elif part == "extend":
+                    result = part_extend(sizes, report)
+                elif part == "spec_demo":
+                    result = part_spec_demo(sizes, report)
                 elif part == "ops":
                     result = part_ops(sizes, report)
                 elif part == "attention":

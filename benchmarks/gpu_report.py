@@ -105,6 +105,35 @@ def render(out_dir: Path) -> str:
                   f"({ng['tokens_per_s']:.0f} against {spec['plain']['tokens_per_s']:.0f} tok/s); {ng.get('drafts', 0)} "
                   f"drafts, {ng.get('accepted_tokens', 0)} of {ng.get('draft_tokens', 0)} draft tokens accepted; "
                   f"tokens identical to plain decoding: {spec['identical']}.", ""]
+    ext = report.get("extend", {})
+    if ext.get("shapes"):
+        lines += [f"Prefill attention (`extend_attention`), {ext['heads']} query / {ext['kv_heads']} KV heads, head_dim "
+                  f"{ext['head_dim']}, bf16, graph replays from a cold L2; TFLOP/s of the causal products needed:", "",
+                  "| shape | dense SDPA | default launcher | best of the sweep | its settings |", "|---|---|---|---|---|"]
+        cell = lambda e: f"{e['ms'] * 1e3:.1f} µs ({e['tflops']:.0f} TFLOP/s)" if e else ""  # noqa: E731
+        for name, r in ext["shapes"].items():
+            dense = f"{r['dense_ms'] * 1e3:.1f} µs" if "dense_ms" in r else r.get("dense_error", "")[:60]
+            lines.append(f"| {name} | {dense} | {cell(r.get('default'))} | {cell(r.get('best'))} | "
+                         f"`{(r.get('best') or {}).get('label', '')}` |")
+        lines.append("")
+    demo = report.get("spec_demo", {})
+    if "table" in demo:
+        lines += [f"Speculative decoding of the demo pair (`models/demo`, `models/demo-draft`) with "
+                  f"{demo['capture']}, {demo['max_tokens']} tokens a request, {demo['repeats']} interleaved repeats "
+                  "(each method's run between two plain runs; speedup over their mean, min / median / max); tokens "
+                  "compared with plain decoding's:", "",
+                  "| method | batch | temperature | speedup | plain tok/s | α | tokens / verification | mean k | "
+                  "tokens as plain |", "|---|---|---|---|---|---|---|---|---|"]
+        fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+        lines += [f"| {r['method']} | {r['batch']} | {r['temperature']:g} | {r['speedup_min']:.2f} / "
+                  f"{r['speedup_median']:.2f} / {r['speedup_max']:.2f}× | {r['plain_tokens_per_s_median']:.0f} | "
+                  f"{fmt(r['acceptance'], '.2f')} | {fmt(r['tokens_per_verification'], '.2f')} | "
+                  f"{fmt(r['mean_k'], '.1f')} | {'yes' if r['identical'] else 'no'} |" for r in demo["table"]]
+        lines.append("")
+    serving = report.get("serving", {})
+    if "summary" in serving:
+        lines += [f"The engine's and the serving tests on CUDA (`SERVING_TESTS`): {' '.join(serving['summary']).strip()}"
+                  + "".join(f"; {f}" for f in serving.get("failed", [])) + ".", ""]
     if "table" in report.get("sampling", {}):
         lines += [f"The sample kernel against torch's reference, vocabulary {report['sampling']['vocab']}:", "",
                   "| filters | rows | kernel | torch reference | kernel's speed-up | same tokens |",

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from pdserve.kernels._triton import tl, triton
 from pdserve.kernels.kv_write import write_kv_ref
-from pdserve.kernels.paged_attention import (check_paged_inputs, dot_precision, gather_kv, load_kv_tile,
-                                             paged_decode_attention_ref)
+from pdserve.kernels.paged_attention import (cache_dtype_dots_apply, check_paged_inputs, dot_precision, gather_kv,
+                                             load_kv_tile, paged_decode_attention_ref)
 
 
 def extend_attention_ref(
@@ -70,8 +70,11 @@ def extend_attention_kernel(
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, block_table_stride,
     cache_block_stride, cache_offset_stride, cache_head_stride,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CACHE_DTYPE_DOTS: tl.constexpr, KV_AS_F32: tl.constexpr,
 ):
+    """CACHE_DTYPE_DOTS (16-bit caches): q and the probabilities are rounded to the cache's dtype
+    and both products run on it, accumulating in fp32, as FlashAttention does; else q, K and V
+    are widened to fp32 and the products run in tf32 (16-bit inputs) or full fp32."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     if pid < tl.load(tile_cu_ptr + num_seqs):
@@ -97,7 +100,11 @@ def extend_attention_kernel(
         tokens = (q_start + offs_m).to(tl.int64)
         io_mask = (offs_m[:, None] < q_len) & (offs_d[None, :] < head_dim)
         q = tl.load(q_ptr + tokens[:, None] * q_token_stride + head * q_head_stride + offs_d[None, :],
-                    mask=io_mask, other=0.0).to(tl.float32)
+                    mask=io_mask, other=0.0)
+        if CACHE_DTYPE_DOTS:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
         block_table_ptr = block_tables_ptr + seq * block_table_stride
         # keys past the tile's last query position are masked for every row: stop there
         kv_end = tl.minimum(context_len, context_len - q_len + tile * BLOCK_M + BLOCK_M)
@@ -108,7 +115,7 @@ def extend_attention_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             is_valid = offs_n < kv_end
             k = load_kv_tile(k_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, True)
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             # key 0 is visible to every row, so each row's running max is finite after tile 0
             is_visible = is_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -118,8 +125,8 @@ def extend_attention_kernel(
             p = tl.exp(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_kv_tile(v_cache_ptr, block_table_ptr, kv_head, offs_n, is_valid, offs_d, head_dim,
-                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, True)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+                             cache_block_stride, cache_offset_stride, cache_head_stride, BLOCK_SIZE, KV_AS_F32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + tokens[:, None] * out_token_stride + head * out_head_stride + offs_d[None, :],
@@ -135,7 +142,27 @@ def extend_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton `extend_attention_ref`; no host sync (see the tiling note above)."""
+    """Triton `extend_attention_ref` with the default launch (`extend_attention_with_settings`);
+    no host sync (see the tiling note above)."""
+    return extend_attention_with_settings(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def extend_attention_with_settings(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    *,
+    block_m: int | None = None,  # query rows per tile (None: 16 for short chunks, else 64)
+    block_n: int = 32,  # keys per tile; these and the launch settings are `gpu_check.py`'s sweep
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    cache_dtype_dots: bool = True,  # 16-bit products on a 16-bit cache with q of its dtype (see the kernel)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`extend_attention` with its tiles, launch settings and products chosen by the caller."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     check_paged_inputs(q, k_cache, v_cache, block_tables, num_seqs)
@@ -144,7 +171,10 @@ def extend_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     # short chunks (speculative verification: k + 1 tokens) waste less of a 16-row tile
-    block_m = 16 if num_tokens <= 16 * num_seqs else 64
+    if block_m is None:
+        block_m = 16 if num_tokens <= 16 * num_seqs else 64
+    dots_16 = cache_dtype_dots_apply(cache_dtype_dots, q.dtype, k_cache.dtype)
+    settings = {k: v for k, v in dict(num_warps=num_warps, num_stages=num_stages).items() if v is not None}
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     tile_cu = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     tile_cu[1:] = torch.cumsum((q_lens + block_m - 1) // block_m, 0)
@@ -154,8 +184,9 @@ def extend_attention(
         scale, num_seqs, head_dim, num_heads // k_cache.shape[2],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=32,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION=dot_precision(q.dtype, k_cache.dtype),
+        CACHE_DTYPE_DOTS=dots_16, KV_AS_F32=not dots_16, **settings,
     )
     return out
 

@@ -6,6 +6,7 @@ ceil(context_len / block_size) are never read.
 """
 from __future__ import annotations
 
+import os
 
 import torch
 
@@ -250,6 +251,15 @@ def paged_decode_attention_reduce_kernel(
                      out_seq_stride, out_head_stride, BLOCK_G, BLOCK_D)
 
 
+def cache_dtype_dots_apply(asked: bool, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether a kernel asked for 16-bit products gets them: on a 16-bit cache with q of its
+    dtype, and for bf16 only compiled (Triton's interpreter has no bf16 arithmetic: its bf16
+    products come out as garbage, so interpreted bf16 runs widen to fp32 as before)."""
+    if not asked or q_dtype != cache_dtype or cache_dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return cache_dtype == torch.float16 or os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def dot_precision(*dtypes: torch.dtype) -> str:
     # 16-bit values are exact in tf32, so tensor cores lose nothing on them; fp32 inputs get ieee
     # to match the fp32 reference.
@@ -328,7 +338,7 @@ def paged_decode_attention_with_partitions(
     run = DecodeLaunch(q, k_cache, v_cache, block_tables, context_lens, partition_size, block_n, num_warps, num_stages)
     if run.num_seqs == 0:
         return run.out
-    dots_16 = cache_dtype_dots and k_cache.dtype in (torch.float16, torch.bfloat16) and q.dtype == k_cache.dtype
+    dots_16 = cache_dtype_dots_apply(cache_dtype_dots, q.dtype, k_cache.dtype)
     grid = ((run.num_kv_heads, run.num_seqs, run.max_partitions) if heads_first
             else (run.num_seqs, run.num_kv_heads, run.max_partitions))
     counters = split_counters(q.device, run.num_seqs * run.num_kv_heads) if run.is_split and fused_reduce else None

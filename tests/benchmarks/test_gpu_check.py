@@ -48,3 +48,17 @@ def test_gpu_check_smoke_runs_every_part_on_the_cpu(tmp_path):
     # n-gram speculation on the same greedy prompts: the same tokens as plain decoding (fp32 would
     # guarantee it; bf16 on a toy model agrees here)
     assert report["spec"]["plain"]["tokens_per_s"] > 0 and report["spec"]["ngram_k4"]["draft_tokens"] > 0
+    # the demo pair's speculation: every method at every case, the trained draft accepted, and
+    # the coupled verifier's tokens those of plain decoding, greedy and seeded alike
+    demo = report["spec_demo"]["table"]
+    assert {(r["method"], r["batch"], r["temperature"]) for r in demo} == {
+        (m, b, t) for m in ("plain, second engine", "draft k=4", "draft adaptive", "ngram adaptive")
+        for b in (1, 2) for t in (0.0, 1.0)}
+    assert all(r["identical"] and r["speedup_min"] > 0 for r in demo)
+    greedy_draft = [r for r in demo if r["method"] == "draft k=4" and r["temperature"] == 0]
+    assert all(r["acceptance"] > 0.5 for r in greedy_draft), greedy_draft
+    # the prefill kernel's sweep: every setting computes the reference's result
+    extend = report["extend"]["shapes"]
+    assert extend and all(e["ok"] for r in extend.values() for e in r["sweep"]), extend
+    assert all(r["default"]["ms"] > 0 and r["dense_ms"] > 0 for r in extend.values())
+    assert "skipped" in report["serving"]  # its tests are the CPU suite's: CI runs them

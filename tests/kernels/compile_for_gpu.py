@@ -112,6 +112,10 @@ def launch_everything() -> list[str]:
                 cu_t = torch.tensor(cu, dtype=torch.int32)
                 attempt(f"extend_attention {dt} d{d} {cu[-1]} tokens",
                         lambda: ea.extend_attention(qe, kc, vc, tables, cu_t, lens, 0.1))
+                for settings in (dict(cache_dtype_dots=False), dict(block_m=128, block_n=128, num_warps=8),
+                                 dict(block_m=64, block_n=64, num_warps=4)):  # what gpu_check.py sweeps
+                    attempt(f"extend_attention {dt} d{d} {cu[-1]} tokens {settings}",
+                            lambda: ea.extend_attention_with_settings(qe, kc, vc, tables, cu_t, lens, 0.1, **settings))
     for vocab in (1000, 128256):
         logits = torch.randn(4, vocab)
         params = (torch.full((4,), 0.8), torch.full((4,), 50, dtype=torch.int64), torch.full((4,), 0.9),

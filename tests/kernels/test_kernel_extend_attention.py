@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_kv_cases import dense_causal_attention, make_paged_kv
 
-from pdserve.kernels.extend_attention import extend_attention, extend_attention_ref
+from pdserve.kernels.extend_attention import extend_attention, extend_attention_ref, extend_attention_with_settings
 
 BLOCK_SIZE = 16
 # (context_lens, chunk lengths). Each chunk is its sequence's last tokens.
@@ -58,14 +58,32 @@ def test_extend_kernel_matches_ref_fp32(case, num_heads, num_kv_heads, device):
     _check_kernel(*CASES[case], num_heads, num_kv_heads, 64, torch.float32, device)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_extend_kernel_matches_ref_half(dtype, device):
-    # the reference's SDPA runs in the half dtype; compare both against the fp32 reference
-    q, _, _, k_cache, v_cache, tables, cu, lens = _extend_inputs(*CASES["ragged"], 4, 2, 128, dtype, device)
-    out = extend_attention(q, k_cache, v_cache, tables, cu, lens, 128 ** -0.5)
+# Triton's interpreter has no bf16 arithmetic, so interpreted bf16 runs keep fp32 products
+# (`cache_dtype_dots_apply`): bf16 products are checked compiled, on a GPU
+@pytest.mark.parametrize("dtype,cache_dtype_dots", [
+    (torch.bfloat16, False), (torch.float16, False), (torch.float16, True),
+    pytest.param(torch.bfloat16, True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", ["ragged", "long_chunk"])
+def test_extend_kernel_matches_ref_half(dtype, cache_dtype_dots, case, device):
+    # the reference's SDPA runs in the half dtype; compare both against the fp32 reference. In
+    # the cache's dtype, q and the probabilities are rounded once more each: twice the tolerance
+    q, _, _, k_cache, v_cache, tables, cu, lens = _extend_inputs(*CASES[case], 4, 2, 128, dtype, device)
+    out = extend_attention_with_settings(q, k_cache, v_cache, tables, cu, lens, 128 ** -0.5,
+                                         cache_dtype_dots=cache_dtype_dots)
     expected = extend_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, cu, lens, 128 ** -0.5)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    tol = {k: v * (2 if cache_dtype_dots else 1) for k, v in TOL[dtype].items()}
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("block_m,block_n,num_warps", [(16, 16, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8)])
+def test_extend_kernel_launch_settings(block_m, block_n, num_warps, device):
+    # the tiles and warps `benchmarks/gpu_check.py` sweeps compute the same thing
+    q, _, _, k_cache, v_cache, tables, cu, lens = _extend_inputs(*CASES["long_chunk"], 8, 2, 64, torch.float16, device)
+    want = extend_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, cu, lens, 0.125)
+    out = extend_attention_with_settings(q, k_cache, v_cache, tables, cu, lens, 0.125, block_m=block_m,
+                                         block_n=block_n, num_warps=num_warps)
+    torch.testing.assert_close(out.float(), want, **{k: 2 * v for k, v in TOL[torch.float16].items()})
 
 
 def test_extend_kernel_head_dim_128(device):
