@@ -19,8 +19,10 @@ for a few configurations of the demo pair on this machine.
    own overheads, each prompt's cost in a prefill with the draft and the acceptance rate on
    1P:1D +spec as `pdserve calibrate --speculation-only` does (the same three points; the
    profile's α is measured on its own prompts, and a speculative step streams 2-3 tokens a
-   sequence, which the plain pair's overheads a step do not pay). The rates validated are
-   predicted, not calibrated.
+   sequence, which the plain pair's overheads a step do not pay), and the colocated workers' own
+   steps on 2 colocated as `pdserve calibrate --colocated-only` does (the same three points:
+   priced with the 1P:1D pair's overheads, their TTFT came out 29-33% over the measured;
+   --no-colocated-calibration to keep that). The rates validated are predicted, not calibrated.
 4. For each configuration: SLOs at 3x its measured unloaded TTFT and 2x its TPOT (p90s); the
    simulator's goodput on the exact traffic bench sends (same arrival times and lengths), which
    picks the rates below and brackets the measured goodput's bisection; measured latencies at
@@ -136,13 +138,14 @@ def predicted_goodput(profile, shape, cfg: BenchConfig, low: float, high: float,
     return search.result()
 
 
-def calibrate(profile: CostProfile, addresses: dict, num: int,
-              open_fraction: float = OPEN_FRACTION) -> tuple[CostProfile, dict, dict]:
+def calibrate(profile: CostProfile, addresses: dict, num: int, open_fraction: float = OPEN_FRACTION,
+              colocated: bool = True) -> tuple[CostProfile, dict, dict, dict | None]:
     """`pdserve calibrate`'s calibration on 1P:1D (unloaded; 40 requests, eight in flight; 40
     more open loop at `open_fraction` of the throughput those eight measured), then `pdserve
     calibrate --speculation-only`'s on 1P:1D +spec the same way (unloaded, which also gives
     speculation's acceptance rate): the speculative steps' own overheads, and each prompt's cost
-    in a prefill with the draft."""
+    in a prefill with the draft; then, with `colocated`, `pdserve calibrate --colocated-only`'s on
+    the 2 colocated workers the same way: their own decode steps, prompts and request overhead."""
     cfg = BenchConfig(target=addresses["1P:1D"], workload=workload(), num_warmup=2, seed=100)
     with pinned(CONFIGS["1P:1D"]):
         profile, cal = calibrate_profile(profile, CONFIGS["1P:1D"], cfg, num, concurrency=8, loaded_requests=40,
@@ -152,7 +155,15 @@ def calibrate(profile: CostProfile, addresses: dict, num: int,
         profile, spec_cal = calibrate_profile(profile, CONFIGS["1P:1D +spec"], spec, num, concurrency=8,
                                               loaded_requests=40, open_fraction=open_fraction,
                                               speculation_only=True)
-    return profile, cal.to_json(), spec_cal.to_json()
+    colocated_cal = None
+    if colocated:
+        name = "2 colocated"
+        with pinned(CONFIGS[name]):
+            profile, colocated_cal = calibrate_profile(profile, CONFIGS[name], dataclasses.replace(
+                cfg, target=addresses[name]), num, concurrency=8, loaded_requests=40, open_fraction=open_fraction,
+                colocated_only=True)
+        colocated_cal = colocated_cal.to_json()
+    return profile, cal.to_json(), spec_cal.to_json(), colocated_cal
 
 
 def main() -> None:
@@ -166,6 +177,8 @@ def main() -> None:
                    "after the bracket's ends (3 left a grid of 15%% steps, the goal's size: the goodput "
                    "found, the highest passing rate, read up to 15%% low)")
     p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--no-colocated-calibration", action="store_true", help="price the colocated workers with the "
+                   "1P:1D pair's overheads, as before `pdserve calibrate --colocated-only`")
     p.add_argument("--open-fraction", type=float, default=OPEN_FRACTION, help="the calibration's open-loop "
                    "point, as a fraction of the request throughput its closed loop measured (0: none)")
     p.add_argument("--out", default=None, help="path stem of the JSON and PNG (default: "
@@ -180,13 +193,13 @@ def main() -> None:
         routers = {name: start(run, name, shape) for name, shape in CONFIGS.items()}
         run.wait_ready()
         addresses = {name: r.address for name, r in routers.items()}
-        calibration = spec_calibration = None
+        calibration = spec_calibration = colocated_calibration = None
         if not args.no_calibrate:
-            profile, calibration, spec_calibration = calibrate(profile, addresses, 4 if args.quick else 10,
-                                                               args.open_fraction)
+            profile, calibration, spec_calibration, colocated_calibration = calibrate(
+                profile, addresses, 4 if args.quick else 10, args.open_fraction, not args.no_colocated_calibration)
         result = validate(profile, addresses, args)
-    result.update(calibration=calibration, speculation_calibration=spec_calibration, profile=profile.to_json(),
-                  config=vars(args))
+    result.update(calibration=calibration, speculation_calibration=spec_calibration,
+                  colocated_calibration=colocated_calibration, profile=profile.to_json(), config=vars(args))
     report(result, args)
 
 
@@ -300,6 +313,9 @@ def report(result: dict, args) -> None:
     if result.get("speculation_calibration"):
         print("\nspeculation calibrated on 1P:1D +spec (--speculation-only):\n"
               f"{Calibration.from_json(result['speculation_calibration']).describe()}")
+    if result.get("colocated_calibration"):
+        print("\ncolocated workers calibrated on 2 colocated (--colocated-only):\n"
+              f"{Calibration.from_json(result['colocated_calibration']).describe()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

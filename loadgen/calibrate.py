@@ -124,6 +124,7 @@ class Calibration:
     spec_step_overhead_s: float = 0.0  # added to speculative steps alone, beyond the decode step's
     spec_per_seq_overhead_s: float = 0.0
     spec_prefill_s: float = math.nan  # each prompt's cost in a prefill with the draft, fitted (nan: kept)
+    colocated_only: bool = False  # a colocated worker's own steps: the overheads above are their totals
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -146,6 +147,11 @@ class Calibration:
         if self.measured_open is not None:
             lines.append(f"open loop at {self.open_rate:.2f} requests/s: measured {self.measured_open.describe()}; "
                          f"calibrated {self.calibrated_open.describe()}")
+        if self.colocated_only:
+            lines.append(f"a colocated worker's own steps (the engine's seconds and the serving's together): per "
+                         f"request {ms(self.request_overhead_s)}; per decode step {ms(self.step_overhead_s)} + "
+                         f"{ms(self.per_seq_overhead_s)} a sequence; per prompt prefilled {ms(self.prefill_overhead_s)}")
+            return "\n".join(lines)
         if self.speculation_only:
             lines.append(f"overheads of a speculative step beyond the profile's: {ms(self.spec_step_overhead_s)} + "
                          f"{ms(self.spec_per_seq_overhead_s)} a sequence"
@@ -234,7 +240,7 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
                loaded: Point | None = None, loaded_inputs: list[SimInput] | None = None,
                acceptance_rate: float | None = None, loaded_concurrency: int = 0,
                opened: Point | None = None, open_inputs: list[SimInput] | None = None,
-               open_rate: float = 0.0) -> tuple[CostProfile, Calibration]:
+               open_rate: float = 0.0, joint_fit=None) -> tuple[CostProfile, Calibration]:
     """The calibration from measured points: `unloaded`, of the requests `unloaded_config` sends
     one at a time; `loaded` (or None), of `loaded_inputs` (as `sent_inputs` replays them);
     `opened` (or None), of `open_inputs`, arrivals at `open_rate` whatever the system's pace,
@@ -248,7 +254,8 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
     (the prefill worker's token) and the second (the decode worker's first step, after the K/V
     came); the request's from the unloaded TTFT; then, under load, how much of the one-sequence
     step's overhead is per sequence (the rest is the step's fixed part) and how much of the
-    request's is each prompt's prefill."""
+    request's is each prompt's prefill. `joint_fit`, where given, finds the per-sequence and
+    per-prompt overheads in place of the solves in turn (`_fit_loaded`)."""
     profile = with_acceptance(profile, acceptance_rate)
     # the unloaded requests far apart, their workload built once (every solve's step simulates them)
     quiet, seed = bench_inputs(unloaded_config, 0.01), unloaded_config.seed
@@ -266,7 +273,8 @@ def calibrated(profile: CostProfile, shape: Shape, unloaded: Point, unloaded_con
     request = max(0.0, unloaded.ttft_s - point(stepped, shape, quiet, seed).ttft_s)
     fit = _LoadedFit()
     if loaded is not None:
-        fit = _fit_loaded(profile, shape, loaded, loaded_inputs, seed, request, one, handover, opened, open_inputs)
+        fit = _fit_loaded(profile, shape, loaded, loaded_inputs, seed, request, one, handover, opened, open_inputs,
+                          joint_fit)
     step, request = max(0.0, one - fit.per_seq), max(0.0, request - fit.prefill)
     profile = with_overheads(profile, request, step, fit.per_seq, fit.prefill, handover)
     notes = dict(profile.notes, calibration=f"overheads measured on a running {shape.label} deployment "
@@ -290,20 +298,27 @@ class _LoadedFit:
 
 def _fit_loaded(profile: CostProfile, shape: Shape, loaded: Point, inputs: list[SimInput], seed: int,
                 request: float, one: float, handover: float, opened: Point | None = None,
-                open_inputs: list[SimInput] | None = None) -> _LoadedFit:
+                open_inputs: list[SimInput] | None = None, joint_fit=None) -> _LoadedFit:
     """The per-sequence and per-prompt overheads, out of the unloaded request's (`request`) and
     one-sequence step's (`one`) excesses, at which the replayed loaded requests' TPOT after the
     second delta and TTFT are the measured ones. The first gives the per-sequence overhead; TTFT
     under load what each prompt's serving on the prefill side costs (its stream, its K/V sent),
     as time its prefill step takes: the open-loop point's TTFT where one was measured, else the
     loaded point's. Each moves the other (colocated, a prompt's prefill runs inside a decode
-    step), so they are found in turn, the per-sequence one last."""
+    step), so they are found in turn, the per-sequence one last; or by `joint_fit(at, one, request,
+    loaded, inputs, others)`, others the open-loop point's (point, inputs) if any."""
     def at(per_seq: float, prefill: float, where: list[SimInput]) -> Point:
         return point(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill,
                                     handover), shape, where, seed)
 
     ttft_point, ttft_inputs = (loaded, inputs) if opened is None else (opened, open_inputs)
     fit = _LoadedFit(before=at(0.0, 0.0, inputs))
+    if joint_fit is not None:
+        others = [] if opened is None else [(opened, open_inputs)]
+        fit.per_seq, fit.prefill = joint_fit(at, one, request, loaded, inputs, others)
+        fit.after = at(fit.per_seq, fit.prefill, inputs)
+        fit.open_after = None if opened is None else at(fit.per_seq, fit.prefill, open_inputs)
+        return fit
     for round_ in range(LOADED_ROUNDS):
         per_seq = solve(lambda x: at(x, fit.prefill, inputs).steady_tpot_s, loaded.steady_tpot_s)
         if per_seq is None:
@@ -333,7 +348,7 @@ def acceptance(records: list[RequestRecord], k: int) -> float | None:
 
 def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16, concurrency: int = 8,
               loaded_requests: int | None = None, progress: bool = False, open_fraction: float = OPEN_FRACTION,
-              speculation_only: bool = False) -> tuple[CostProfile, Calibration]:
+              speculation_only: bool = False, colocated_only: bool = False) -> tuple[CostProfile, Calibration]:
     """Measure the points on the deployment `config` targets (a `BenchConfig`: its workload,
     sampling and seed; its rates are ignored) and calibrate the profile: `num_requests` one at a
     time, then `loaded_requests` (default 4 x concurrency) with `concurrency` in flight, each sent
@@ -350,7 +365,9 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
 
     `speculation_only`: the deployment speculates, and the profile was calibrated on a plain one
     before; only the speculative steps' overheads and each prompt's cost in a prefill with the
-    draft are fitted (`calibrate_speculation.calibrated_speculation`)."""
+    draft are fitted (`calibrate_speculation.calibrated_speculation`). `colocated_only`: the
+    deployment is colocated and plain, and the profile was calibrated on a disaggregated one
+    before; the colocated worker's own steps are fitted (`calibrate_colocated.calibrated_colocated`)."""
     from pdserve.loadgen.bench import run_bench
 
     if num_requests < 2:
@@ -361,6 +378,9 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
         raise ValueError(f"open_fraction must be in [0, 1) (of the closed loop's throughput), got {open_fraction}")
     if speculation_only and not shape.speculate:
         raise ValueError("speculation_only calibrates a speculating deployment (--speculation)")
+    if colocated_only and (not shape.is_colocated or shape.speculate):
+        raise ValueError("colocated_only calibrates a plain colocated deployment (--prefill-workers 0, "
+                         "without --speculation)")
     unloaded_config = dataclasses.replace(config, rates=(math.inf,), num_requests=num_requests, max_concurrency=1,
                                           duration_s=None, search=None)
     one_at_a_time = run_bench(unloaded_config, progress=progress)
@@ -384,6 +404,11 @@ def calibrate(profile: CostProfile, shape: Shape, config, num_requests: int = 16
             arrived = run_bench(open_config, progress=progress).runs[0].records
             _check_measured(arrived, f"open-loop ({open_rate:.2f} requests/s)")
             opened, open_inputs = Point.of(arrived), sent_inputs(open_config, arrived)
+    if colocated_only:
+        from pdserve.loadgen.calibrate_colocated import calibrated_colocated
+
+        return calibrated_colocated(profile, shape, Point.of(records), unloaded_config, loaded, inputs, concurrency,
+                                    opened, open_inputs, open_rate)
     if speculation_only:
         from pdserve.loadgen.calibrate_speculation import calibrated_speculation
 

@@ -253,6 +253,10 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                    "--speculation), and a --profile calibrated on a plain one before: measure only what is "
                    "speculation's own (its steps' overheads beyond the plain ones, each prompt's cost in a prefill "
                    "with the draft, its acceptance rate) and keep the others")
+    p.add_argument("--colocated-only", action="store_true", help="a plain colocated deployment (with "
+                   "--prefill-workers 0), and a --profile calibrated on a disaggregated one before: fit a colocated "
+                   "worker's own steps (its decode steps, each prompt it prefills, a request's overhead), which "
+                   "`pdserve plan` then prices colocated shapes with, and keep the others")
     _add_target_and_workload_args(p)
     p.add_argument("--num-requests", type=int, default=16, help="requests measured one at a time")
     p.add_argument("--concurrency", type=int, default=8,
@@ -283,10 +287,18 @@ def calibrate_main(args: argparse.Namespace) -> int:
     if args.speculation_only and "calibration" not in profile.notes:
         raise ValueError(f"--speculation-only: {args.profile} was not calibrated (pdserve calibrate on a plain "
                          "deployment first; or --speculation to calibrate every overhead on this one)")
+    if args.colocated_only:
+        if args.speculation_only or args.speculation or args.prefill_workers != 0:
+            raise ValueError("--colocated-only: calibrate a plain colocated deployment (--prefill-workers 0, "
+                             "without --speculation or --speculation-only)")
+        if "calibration" not in profile.notes:
+            raise ValueError(f"--colocated-only: {args.profile} was not calibrated (pdserve calibrate on a "
+                             "disaggregated deployment first; or without --colocated-only to calibrate every "
+                             "overhead on this one)")
     config = config_from_args(args)
     profile, cal = calibrate(profile, shape, config, args.num_requests, args.concurrency, args.loaded_requests,
                              progress=not args.quiet, open_fraction=args.open_fraction,
-                             speculation_only=args.speculation_only)
+                             speculation_only=args.speculation_only, colocated_only=args.colocated_only)
     profile.save(args.output)
     print(f"{shape.label}: {cal.describe()}")
     print(f"wrote {args.output}", file=sys.stderr)

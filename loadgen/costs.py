@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -117,6 +117,23 @@ class TransferCost:
 
 
 @dataclass(frozen=True, slots=True)
+class ColocatedCost:
+    """A colocated worker's own steps, where they were calibrated apart from the disaggregated
+    ones (`pdserve calibrate --colocated-only`): its decode steps and the prompts it prefills
+    between them, and a request's overhead on the way to it. A served prompt costs a colocated
+    worker less than a prefill worker (no first token relayed apart, no K/V handed over), and
+    priced as the 1P:1D pair's, the planner validation's colocated TTFT came out 29-33% over the
+    measured (BENCHMARKS.md, planner validation)."""
+
+    decode: StepCost
+    prefill: StepCost
+    request_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("ColocatedCost", request_overhead_s=self.request_overhead_s)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -140,9 +157,18 @@ class CostProfile:
     request_overhead_s: float = 0.0  # arrival at the router to the request reaching the workers
     notes: dict[str, str] = field(default_factory=dict)  # field -> where its number comes from
     measurements: dict = field(default_factory=dict)  # raw points the fits came from, if measured
+    colocated: ColocatedCost | None = None  # a colocated worker's own steps, where calibrated apart
 
     def __post_init__(self) -> None:
         _check_nonnegative("CostProfile", request_overhead_s=self.request_overhead_s)
+
+    def for_workers(self, colocated: bool) -> "CostProfile":
+        """The profile a deployment of this kind runs on: colocated, with the colocated worker's
+        own steps and request overhead where the profile has them; else as it is."""
+        if not colocated or self.colocated is None:
+            return self
+        c = self.colocated
+        return replace(self, decode=c.decode, prefill=c.prefill, request_overhead_s=c.request_overhead_s)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -154,11 +180,15 @@ class CostProfile:
             if spec is not None:
                 spec = SpeculationCost(**{**spec, **{k: StepCost(**spec[k]) if spec.get(k) else None
                                                      for k in ("step", "prefill")}})
+            colocated = obj.get("colocated")
+            if colocated is not None:
+                colocated = ColocatedCost(StepCost(**colocated["decode"]), StepCost(**colocated["prefill"]),
+                                          colocated.get("request_overhead_s", 0.0))
             return cls(model=obj["model"], hardware=obj["hardware"], prefill=StepCost(**obj["prefill"]),
                        decode=StepCost(**obj["decode"]), transfer=TransferCost(**obj["transfer"]),
                        limits=WorkerLimits(**obj.get("limits", {})), speculation=spec,
                        request_overhead_s=obj.get("request_overhead_s", 0.0), notes=dict(obj.get("notes", {})),
-                       measurements=dict(obj.get("measurements", {})))
+                       measurements=dict(obj.get("measurements", {})), colocated=colocated)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a cost profile: {e}") from None
 

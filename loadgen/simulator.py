@@ -126,7 +126,9 @@ class Router:
 
 
 def simulate(profile: CostProfile, shape: Shape, inputs: list[SimInput], seed: int = 0) -> SimResult:
-    """Run every request to completion; those that never fit anywhere end RESOURCE_EXHAUSTED."""
+    """Run every request to completion; those that never fit anywhere end RESOURCE_EXHAUSTED.
+    A colocated shape runs on the profile's colocated steps where it has them (`for_workers`)."""
+    profile = profile.for_workers(shape.is_colocated)
     clock = Clock()
     router = Router(clock, profile, shape, seed)
     requests = []

@@ -5,6 +5,7 @@ overheads must come back, both points predicted as "measured". The real deployme
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -174,3 +175,58 @@ def test_speculation_only_adds_to_the_speculative_steps_alone():
         calibrated_speculation(plain, Shape(1, 1), unloaded, UNLOADED)
     with pytest.raises(ValueError, match="speculative steps were measured"):
         calibrated_speculation(dataclasses.replace(plain, speculation=None), shape, unloaded, UNLOADED)
+
+
+# a colocated worker's own steps: (decode fixed, per sequence), each prompt's prefill, the request's;
+# as on the demo pair (BENCHMARKS.md, planner validation) a prompt costs several decode steps
+COLOCATED_TRUTHS = [((0.002, 3e-4), 0.008, 0.0005), ((0.003, 4e-4), 0.004, 0.0005)]
+
+
+@pytest.mark.parametrize("decode,prompt,request_s", COLOCATED_TRUTHS)
+def test_colocated_only_gives_colocated_workers_steps_of_their_own(decode, prompt, request_s):
+    # a disaggregated calibration prices a colocated worker's prompts and steps as the pair's; a
+    # colocated deployment whose steps cost more and whose prompts cost less gets its own, and
+    # the disaggregated shapes keep theirs
+    from pdserve.loadgen.calibrate_colocated import calibrated_colocated
+    from pdserve.loadgen.costs import ColocatedCost
+
+    shape = Shape(0, 2)
+    disaggregated = with_overheads(BASE, request_s=0.002, step_s=0.001, per_seq_s=3e-4, prefill_s=0.010,
+                                   handover_s=0.002)
+    own = ColocatedCost(StepCost(decode[0], per_seq_s=decode[1]), StepCost(0.002, per_seq_s=prompt, per_token_s=2e-5),
+                        request_s)
+    truth = dataclasses.replace(disaggregated, colocated=own)
+    unloaded, inputs, loaded = _measured(truth, shape)
+    open_inputs = bench_inputs(dataclasses.replace(UNLOADED, rates=(OPEN_RATE,), max_concurrency=None), OPEN_RATE)
+    opened = point(truth, shape, open_inputs, UNLOADED.seed)
+    before = point(disaggregated, shape, open_inputs, UNLOADED.seed)
+    assert before.ttft_s > 1.2 * opened.ttft_s  # priced as the pair's, the prompts cost too much here
+    profile, cal = calibrated_colocated(disaggregated, shape, unloaded, UNLOADED, loaded, inputs, 8, opened,
+                                        open_inputs, OPEN_RATE)
+    got = profile.colocated
+    assert cal.colocated_only and got is not None
+    # each comes back whole: the step's fixed and per-sequence seconds, each prompt's, the request's
+    assert got.decode.fixed_s == pytest.approx(decode[0], rel=0.1)
+    assert got.decode.per_seq_s == pytest.approx(decode[1], rel=0.1)
+    assert got.prefill.per_seq_s == pytest.approx(prompt, rel=0.15)
+    assert got.request_overhead_s + got.prefill.per_seq_s == pytest.approx(prompt + request_s, rel=0.01)
+    # what the profile measured stays: per-token and attention costs, the prefill's fixed cost
+    assert got.prefill.per_token_s == BASE.prefill.per_token_s and got.decode.per_token_s == BASE.decode.per_token_s
+    # the disaggregated shapes run on what they did
+    assert (profile.decode, profile.prefill, profile.transfer, profile.speculation) == (
+        disaggregated.decode, disaggregated.prefill, disaggregated.transfer, disaggregated.speculation)
+    assert point(profile, Shape(1, 1), inputs, UNLOADED.seed) == point(disaggregated, Shape(1, 1), inputs, UNLOADED.seed)
+    # and the colocated one predicts all three points as measured
+    assert cal.calibrated_open == point(profile, shape, open_inputs, UNLOADED.seed)
+    assert cal.calibrated_open.ttft_s == pytest.approx(opened.ttft_s, rel=0.05)
+    assert cal.calibrated_loaded.steady_tpot_s == pytest.approx(loaded.steady_tpot_s, rel=0.05)
+    first = point(profile, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed)
+    assert first.steady_tpot_s == pytest.approx(unloaded.steady_tpot_s, rel=0.03)
+    assert first.ttft_s == pytest.approx(unloaded.ttft_s, rel=0.05)
+    assert cal.simulated_unloaded == point(disaggregated, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed)
+    assert "colocated worker's own steps" in cal.describe() and "colocated_calibration" in profile.notes
+    assert Calibration.from_json(cal.to_json()) == cal
+    assert CostProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    for wrong in (Shape(1, 1), Shape(0, 2, True)):
+        with pytest.raises(ValueError, match="plain colocated deployment"):
+            calibrated_colocated(disaggregated, wrong, unloaded, UNLOADED)
