@@ -32,21 +32,26 @@ def bare(profile: CostProfile) -> CostProfile:
 
 
 def joint_fit(at, one: float, request: float, loaded: Point, inputs: list[SimInput],
-              others: list[tuple[Point, list[SimInput]]], size: int = 13, refinements: int = 2) -> tuple[float, float]:
+              others: list[tuple[Point, list[SimInput]]], size: int = 17, refinements: int = 3) -> tuple[float, float]:
     """The per-sequence and per-prompt overheads of a colocated worker, together. A prompt's
     overhead slows the decode steps it is prefilled in, so both move TPOT; moved from the
     request's overhead to the prompt's, the same seconds move TTFT only through queueing. Found in
     turn, as `calibrate._fit_loaded` finds a disaggregated pair's, the per-sequence overhead
     takes the prompts' time first, and the prompt's then comes back 0: on a synthetic colocated
     pair whose prompts cost 8 ms, it did, with 0.52 ms a sequence for 0.30. Here, for each prompt
-    overhead on a grid over [0, request] (refined twice around the best, a step either side), the
+    overhead on a grid over [0, the largest TTFT measured] (refined three times around the best, a step
+    either side), the
     per-sequence overhead at which the loaded point's TPOT after the second delta is the measured
     one (`at(per_seq, prompt, inputs)` simulates); of those pairs, the one with the least sum of
     squared relative errors of the loaded point's TTFT and the open loop's (`others`) TPOT and
     TTFT. That pair came back exactly at 8 ms and within 15% at 4 ms (tests); where a prompt costs
     less than the request's own overhead (2 ms against 5), the points hardly tell the two apart,
     and TTFT past the loaded point's rate was over-predicted (scratch: +3% at 100 requests/s,
-    +87% at 200 on that synthetic pair)."""
+    +87% at 200 on that synthetic pair). A prompt's overhead may exceed the request's whole
+    unloaded excess (`request`; the request's own is then 0 and the unloaded TTFT over-predicted):
+    on the planner validation's colocated workers, with the router and the load generator on
+    their cores, a prompt cost them more under load than one at a time, and capped there the fit
+    put the open loop's TTFT at 15.7 ms against 25.7 measured."""
     def per_seq_at(prompt: float) -> float:
         per_seq = solve(lambda x: at(x, prompt, inputs).steady_tpot_s, loaded.steady_tpot_s)
         if per_seq is None:
@@ -63,12 +68,13 @@ def joint_fit(at, one: float, request: float, loaded: Point, inputs: list[SimInp
             out += ((got.ttft_s - want.ttft_s) / want.ttft_s) ** 2
         return out
 
-    low, high, best = 0.0, request, (0.0, 0.0)
+    top = max([request, loaded.ttft_s] + [want.ttft_s for want, _ in others])
+    low, high, best = 0.0, top, (0.0, 0.0)
     for _ in range(refinements + 1):
         pairs = [(per_seq_at(x), x) for x in (low + (high - low) * j / (size - 1) for j in range(size))]
         best = min(pairs, key=lambda px: loss(*px))
         step = (high - low) / (size - 1)
-        low, high, size = max(0.0, best[1] - step), min(request, best[1] + step), 9
+        low, high, size = max(0.0, best[1] - step), min(top, best[1] + step), 9
     return best
 
 

