@@ -236,6 +236,14 @@ def validate(profile: CostProfile, addresses: dict, args) -> dict:
                                 "predicted": predicted, "measured": rows[name],
                                 "predicted_goodput": predicted_goodputs, "measured_goodput": goodputs[name],
                                 "measured_search": searches[name]}
+        if shape.is_colocated and profile.colocated is not None:  # the same run, priced as the pair's
+            as_pair = dataclasses.replace(profile, colocated=None)
+            out["configs"][f"{name}, priced as 1P:1D"] = {
+                **out["configs"][name],
+                "predicted": [[predict(as_pair, shape, dataclasses.replace(plan["cfg"], seed=r), rate).to_json()
+                               for rate in plan["rates"]] for r in range(args.repeats)],
+                "predicted_goodput": [predicted_goodput(as_pair, shape, dataclasses.replace(plan["cfg"], seed=r), low,
+                                                        high, 8).rate or 0.0 for r in range(args.repeats)]}
     return out
 
 
