@@ -48,7 +48,10 @@ and a draft's prefill steps the prompt's. Calibrated on a speculating deployment
 keeps those; its speculative steps get what they cost beyond them, and its prefills with the
 draft a prompt's cost of their own (`calibrate_speculation.py`). A speculative step streams 2-3
 tokens a sequence, and priced with the plain pair's overheads the planner validation's 1P:1D
-+spec TPOT came out 24% under the measured. A speculating deployment's acceptance rate is
++spec TPOT came out 24% under the measured. Likewise `colocated_only` (`pdserve calibrate
+--colocated-only`, `calibrate_colocated.py`) gives a colocated worker steps of its own, which
+the colocated shapes run on: priced with the 1P:1D pair's overheads, the validation's colocated
+TTFT came out 29-33% over. A speculating deployment's acceptance rate is
 measured too, from the tokens its unloaded decode steps stream (`acceptance`): `pdserve profile`
 measures it on its own prompts, and on the planner validation's requests the demo pair accepted
 far less (per-position α about 0.6 against the profile's 0.73). An excess that is negative (the

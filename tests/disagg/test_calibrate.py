@@ -87,6 +87,8 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
     (["--target", "127.0.0.1:1", "--num-requests", "1"], "at least 2 requests"),
     (["--target", "127.0.0.1:1", "--concurrency", "1"], "at least 2"),
     (["--target", "127.0.0.1:1", "--open-fraction", "1.5"], "open_fraction must be in [0, 1)"),
+    (["--target", "127.0.0.1:1", "--colocated-only"], "calibrate a plain colocated deployment (--prefill-workers 0"),
+    (["--target", "127.0.0.1:1", "--colocated-only", "--prefill-workers", "0", "--speculation"], "without --speculation"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     ENGINE.save(tmp_path / "engine.json")
@@ -148,4 +150,44 @@ def test_speculation_only_adds_the_speculative_steps_to_a_plain_calibration(clus
     assert after.speculation.step.per_seq_s >= before.speculation.step.per_seq_s
     assert after.speculation.acceptance_rate > 0.95  # D drafts with the target itself at greedy
     assert "pdserve calibrate --speculation-only" in after.notes["speculation_calibration"]
+    cluster.wait_all_free(("P", "D", "D2"))
+
+
+def test_colocated_only_gives_the_colocated_workers_their_own_steps(cluster, tmp_path):
+    # R (disaggregated, speculating) calibrates every overhead; then R2, the plain colocated worker,
+    # gets steps of its own, which the colocated shapes run on, and the disaggregated ones keep theirs
+    cluster.wait_all_free(("P", "D", "D2"))
+    ENGINE.save(tmp_path / "engine.json")
+    common = ["--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len",
+              "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
+
+    def calibrate_cmd(profile: str, output: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / profile), "--output",
+                               str(tmp_path / output), *common, *args], capture_output=True, text=True, timeout=120)
+
+    colocated = ["--colocated-only", "--prefill-workers", "0", "--target", cluster.address("R2")]
+    refused = calibrate_cmd("engine.json", "x.json", *colocated)
+    assert refused.returncode == 2 and "was not calibrated" in refused.stderr, refused.stderr
+    pair = calibrate_cmd("engine.json", "pair.json", "--speculation", "--target", cluster.address("R"))
+    assert pair.returncode == 0, pair.stderr
+    done = calibrate_cmd("pair.json", "both.json", *colocated)
+    assert done.returncode == 0, done.stderr
+    assert "a colocated worker's own steps" in done.stdout and "open loop at" in done.stdout
+    before, after = CostProfile.load(tmp_path / "pair.json"), CostProfile.load(tmp_path / "both.json")
+    assert before.colocated is None and after.colocated is not None
+    assert (after.decode, after.prefill, after.transfer, after.speculation, after.request_overhead_s) == (
+        before.decode, before.prefill, before.transfer, before.speculation, before.request_overhead_s)
+    own = after.colocated
+    assert own.decode.fixed_s + own.decode.per_seq_s > 0  # the engine counted as free: the serving's
+    assert own.decode.per_token_s == ENGINE.decode.per_token_s and own.prefill.per_token_s == ENGINE.prefill.per_token_s
+    assert "pdserve calibrate --colocated-only" in after.notes["colocated_calibration"]
+    # the colocated shape is priced with them, the disaggregated one as before
+    inputs = bench_inputs(BenchConfig(target="unused", workload=WORKLOAD, rates=(20.0,), num_requests=20, seed=3), 20.0)
+    assert point(after, Shape(0, 1), inputs, 3) != point(before, Shape(0, 1), inputs, 3)
+    assert point(after, SHAPE, inputs, 3) == point(before, SHAPE, inputs, 3)
+    plan = subprocess.run([PDSERVE, "plan", "--profile", str(tmp_path / "both.json"), "--max-workers", "2",
+                           "--num-requests", "40", "--search-steps", "2", "--slo-ttft", "0.5", "--slo-tpot", "0.05",
+                           "--prompt-len", "uniform:8,64", "--output-len", "uniform:8,24", "--quiet"], capture_output=True, text=True,
+                          timeout=120)
+    assert plan.returncode == 0 and "colocated" in plan.stdout, plan.stderr
     cluster.wait_all_free(("P", "D", "D2"))
