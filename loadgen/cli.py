@@ -225,6 +225,10 @@ def plan_main(args: argparse.Namespace) -> int:
             bar.close()
     print(f"{profile.model} on {profile.hardware}; prompts {traffic.prompt_len.spec}, outputs "
           f"{traffic.output_len.spec}, {arrival.value} arrivals; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s")
+    if config.include_colocated:
+        print("colocated shapes: " + ("their own steps (pdserve calibrate --colocated-only)" if profile.colocated else
+                                      "priced with the profile's disaggregated steps (pdserve calibrate "
+                                      "--colocated-only on a colocated deployment gives them their own)"))
     print(result.format_markdown())
     print("\n".join(result.answer()))
     if args.output:

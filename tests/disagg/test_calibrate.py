@@ -189,5 +189,5 @@ def test_colocated_only_gives_the_colocated_workers_their_own_steps(cluster, tmp
                            "--num-requests", "40", "--search-steps", "2", "--slo-ttft", "0.5", "--slo-tpot", "0.05",
                            "--prompt-len", "uniform:8,64", "--output-len", "uniform:8,24", "--quiet"], capture_output=True, text=True,
                           timeout=120)
-    assert plan.returncode == 0 and "colocated" in plan.stdout, plan.stderr
+    assert plan.returncode == 0 and "colocated shapes: their own steps" in plan.stdout, plan.stderr
     cluster.wait_all_free(("P", "D", "D2"))

@@ -76,6 +76,7 @@ def test_plan_command_answers_and_refuses_bad_input(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "best disaggregated: 1P:1D" in out.stdout and "| 2 colocated |" in out.stdout
+    assert "colocated shapes: priced with the profile's disaggregated steps" in out.stdout
     assert json.loads((tmp_path / "plan.json").read_text())["rows"]
     for args, message in ((["--profile", str(tmp_path / "none.json"), "--slo-ttft", "1"], "cannot read profile"),
                           (["--profile", str(path)], "needs an SLO"),
