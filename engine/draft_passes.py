@@ -86,6 +86,14 @@ class DraftPasses:
             picks.append(state[:, 0])
         return torch.stack(picks)
 
+    def with_logits(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
+                    noise: torch.Tensor | None = None,
+                    catch_up: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`__call__`'s picks and the logits each pass picked from [num_passes, num_seqs,
+        vocab_size] (what the rejection sampler's q comes from): through the native passes only;
+        None elsewhere, and the caller runs its passes one by one."""
+        return None if self.native is None else self.native.with_logits(state, num_passes, temperature, noise, catch_up)
+
     def compiled(self, kind: str):
         """The compiled function of one of `KINDS` (None when eager)."""
         fn = self._fns[kind]

@@ -182,13 +182,16 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_passes(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], num_passes: int,
                      temperatures: list[float] | None = None, noise: torch.Tensor | None = None,
-                     previous_ids: list[int] | None = None) -> list[list[int]] | None:
+                     previous_ids: list[int] | None = None,
+                     keep_logits: bool = False) -> list[list[int]] | tuple[list[list[int]], torch.Tensor] | None:
         """Each sequence's next num_passes tokens (`draft_passes.DraftPasses`): token_ids[i] at
         positions[i] goes in first, then each pick at the next position, their K/V written into
         the sequence's blocks. With previous_ids, the first pass is a catch-up: previous_ids[i]
         goes in at positions[i] - 1 beside token_ids[i]. Greedy picks, unless temperatures (0:
         greedy) and noise [num_passes, len(seqs), vocab_size] (each pass's Exp(1) draws) are
-        given. None where `can_draft_passes` says no: the caller then runs passes one by one."""
+        given. None where `can_draft_passes` says no: the caller then runs passes one by one.
+        keep_logits: also the logits each pass picked from, [num_passes, len(seqs), vocab_size]
+        (the rejection sampler's q comes from them); None where the passes cannot keep them."""
         if not self.can_draft_passes(seqs, positions, num_passes):
             return None
         width = (max(positions) + num_passes - 1) // self.block_size + 1
@@ -197,8 +200,11 @@ class ModelRunner:
         temperature = None
         if temperatures is not None:
             temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
-        return self.passes(torch.from_numpy(state).to(self.device), num_passes, temperature, noise,
-                           catch_up=previous_ids is not None).t().tolist()
+        state = torch.from_numpy(state).to(self.device)
+        if keep_logits:
+            out = self.passes.with_logits(state, num_passes, temperature, noise, catch_up=previous_ids is not None)
+            return None if out is None else (out[0].t().tolist(), out[1])
+        return self.passes(state, num_passes, temperature, noise, catch_up=previous_ids is not None).t().tolist()
 
     def warm_up_draft_passes(self) -> None:
         """Compile every kind of pass now, on one dummy sequence in block 0, as the forward's

@@ -57,6 +57,17 @@ class NativePasses(_NativeModel):
         return torch.ops.pdserve.draft_passes(state, num_passes, catch_up, self.weights, self.caches, self.cos,
                                               self.sin, heads, kv_heads, eps, scale, temperature, noise)
 
+    def with_logits(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
+                    noise: torch.Tensor | None = None,
+                    catch_up: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The picks, and the logits each pass picked from [num_passes, num_seqs, vocab_size]
+        (`pdserve::draft_passes_logits`); None where the library predates that op."""
+        if not hasattr(torch.ops.pdserve, "draft_passes_logits"):
+            return None
+        heads, kv_heads, eps, scale = self.shape
+        return torch.ops.pdserve.draft_passes_logits(state, num_passes, catch_up, self.weights, self.caches, self.cos,
+                                                     self.sin, heads, kv_heads, eps, scale, temperature, noise)
+
 
 def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: bool) -> list[torch.Tensor] | None:
     """The model's tensors as the ops of `kernels/cpu/decoder.cpp` and `draft_passes.cpp` take them:

@@ -55,8 +55,9 @@ class DraftProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         noise: list[torch.Tensor | None] = [None] * len(seqs)
-        if active and self.catch_up_at_once and self._run_at_once(seqs, active, ks, tokens, catch_up=True, noise=noise):
-            return [Proposal(t, None, n) for t, n in zip(tokens, noise)]
+        if active and self.catch_up_at_once and self._run_at_once(seqs, active, ks, tokens, catch_up=True, noise=noise,
+                                                                  probs=probs):
+            return [Proposal(t, torch.stack(p) if p else None, n) for t, p, n in zip(tokens, probs, noise)]
         entries = [BatchEntry(seqs[i], seqs[i].num_tokens - seqs[i].num_draft_computed_tokens, 1,
                               start=seqs[i].num_draft_computed_tokens) for i in active]
         step = 0
@@ -79,17 +80,21 @@ class DraftProposer:
                     probs[i].append(q[row])
             step += 1
             active = [i for i in active if ks[i] > step]
-            if step == 1 and active and self._run_at_once(seqs, active, ks, tokens, catch_up=False):
+            if step == 1 and active and self._run_at_once(seqs, active, ks, tokens, catch_up=False, probs=probs):
                 break
             entries = [BatchEntry(seqs[i], 1, 1, start=seqs[i].num_tokens + step - 1, extra_token_ids=tokens[i])
                        for i in active]
         return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _run_at_once(self, seqs: list[Sequence], active: list[int], ks: list[int], tokens: list[list[int]],
-                     catch_up: bool, noise: list | None = None) -> bool:
+                     catch_up: bool, noise: list | None = None, probs: list | None = None) -> bool:
         """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
-        drafting is greedy or samples by temperature alone, and no q is kept (the rejection
-        sampler's); False when not, or the runner cannot. Sequences of mixed depths (adaptive depth
+        drafting is greedy or samples by temperature alone; False when not, or the runner cannot.
+        Where q is kept (the rejection sampler's), the passes hand back the logits they picked
+        from, and each sampled row's q, the sampler's filter of them as `_run` makes it, goes to
+        `probs`; through the native passes only (elsewhere False). Pass by pass, a rejection
+        step cost 2.3x a coupled one at batch 1, temperature 1 (b0c83da, scratch profile).
+        Sequences of mixed depths (adaptive depth
         trims each to the positions worth verifying) all run to the deepest, where every block
         table already holds those slots, and each keeps its own depth's tokens: the passes' cost
         is mostly fixed, and pass by pass through `execute` and the sampler, the catch-up alone cost
@@ -105,9 +110,9 @@ class DraftProposer:
         depth = max(ks[i] for i in active)
         group = [seqs[i] for i in active]
         params = [s.params for s in group]
-        if not all(p.is_greedy for p in params) and (
-                self.keep_probs or not all(p.is_greedy or p.filters_by_temperature_only for p in params)):
+        if not all(p.is_greedy or p.filters_by_temperature_only for p in params):
             return False
+        keep = self.keep_probs and not all(p.is_greedy for p in params)
         if catch_up:
             if any(not 1 <= s.num_tokens - s.num_draft_computed_tokens <= 2 or s.num_tokens < 2 for s in group):
                 return False
@@ -128,11 +133,19 @@ class DraftProposer:
             races = race_noise(params * num_passes, [s.seed for s in group] * num_passes, picked_at,
                                self.runner.cfg.vocab_size, self.noise_stream, self.runner.device,
                                self.sampler.hash_fn).view(num_passes, len(active), -1)
-        picks = self.runner.draft_passes(group, last_ids, positions, num_passes, temperatures, races, previous)
+        picks = self.runner.draft_passes(group, last_ids, positions, num_passes, temperatures, races, previous,
+                                         keep_logits=keep)
         if picks is None:
             return False
+        if keep:  # q of every pass's rows, as `_run` filters them, by sequence: [len(active), num_passes, vocab]
+            picks, logits = picks  # logits [num_passes, len(active), vocab_size]
+            q = self.sampler.ops.filter_probs(logits.reshape(-1, logits.shape[-1]),
+                                              *self.sampler.tensors.build(params * num_passes))
+            q = q.view(num_passes, len(active), -1).transpose(0, 1)
         for row, (i, more) in enumerate(zip(active, picks)):
             tokens[i].extend(more[:ks[i] - first])  # its own depth
+            if keep and not params[row].is_greedy:  # a greedy request's q is never read
+                probs[i].extend(q[row, :ks[i] - first])
             seqs[i].num_draft_computed_tokens = seqs[i].num_tokens + depth - 1
             if noise is not None and races is not None and not first and self.noise_stream == rng.SAMPLE_STREAM:
                 noise[i] = races[:ks[i], row]

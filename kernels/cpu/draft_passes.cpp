@@ -28,11 +28,15 @@
 // [blocks, block_size, kv_heads, head_dim]. temperature [S] float32 and noise [passes, S, vocab]
 // float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
 // exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
-// picks [passes, S].
+// picks [passes, S]. pdserve::draft_passes_logits: the same passes, and the logits each pass picked
+// from [passes, S, vocab] float32: the rejection sampler needs the distribution every draft token
+// was drawn from, and without them its draft ran its passes one call each (a step at batch 1,
+// temperature 1: 3.39 ms against coupled's 1.50; BENCHMARKS.md, speculative decoding).
 #include <torch/library.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -91,10 +95,11 @@ int64_t pick(const float* logits, const float* noise, int64_t n, float t, std::v
   return t <= 0.f ? first_max(logits, n) : race(logits, noise, n, t, probs);
 }
 
-at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
-                        at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                        int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
-                        const c10::optional<at::Tensor>& noise) {
+// The passes; where logits_out is given, each pass's logits are kept there [passes, S, vocab].
+at::Tensor run_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
+                      at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                      int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
+                      const c10::optional<at::Tensor>& noise, at::Tensor* logits_out) {
   const int64_t head = catch_up ? 3 : 2;
   TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > head && state.size(0) >= 1,
               "draft_passes: state must be int64 [seqs, ", head, " + block ids], got ", state.sizes());
@@ -126,6 +131,7 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
   }
   at::Tensor picks = at::empty({num_passes, num_seqs}, i64);
   int64_t* picks_p = picks.data_ptr<int64_t>();
+  if (logits_out != nullptr) *logits_out = at::empty({num_passes, num_seqs, vocab}, f32);
   std::vector<float> scratch;
   // buffers for the most rows a pass has (the catch-up's two per sequence), and their views for
   // each row count: made once per call, not per pass
@@ -172,6 +178,8 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
                last.data_ptr<float>() + s * hidden);
     at::Tensor logits = pdserve_native::linear_packed(last, weights[2], bias_of(weights[3]), vocab);
     const float* lp = logits.data_ptr<float>();
+    if (logits_out != nullptr)
+      std::memcpy(logits_out->data_ptr<float>() + pass * num_seqs * vocab, lp, sizeof(float) * num_seqs * vocab);
     for (int64_t s = 0; s < num_seqs; ++s) {
       const float t = sampled ? temperature->data_ptr<float>()[s] : 0.f;
       const float* row_noise = sampled ? noise->data_ptr<float>() + (pass * num_seqs + s) * vocab : nullptr;
@@ -182,6 +190,24 @@ at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_
     }
   }
   return picks;
+}
+
+at::Tensor draft_passes(const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights,
+                        at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                        int64_t num_kv_heads, double eps, double scale, const c10::optional<at::Tensor>& temperature,
+                        const c10::optional<at::Tensor>& noise) {
+  return run_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale,
+                    temperature, noise, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> draft_passes_logits(
+    const at::Tensor& state, int64_t num_passes, bool catch_up, at::TensorList weights, at::TensorList kv_caches,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+    const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise) {
+  at::Tensor logits;
+  at::Tensor picks = run_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, num_heads, num_kv_heads,
+                                eps, scale, temperature, noise, &logits);
+  return {picks, logits};
 }
 
 // pdserve::race_rows: each row's pick as draft_passes picks: a row with temperature <= 0 takes the
@@ -320,6 +346,9 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
   m.def("draft_passes(Tensor state, int num_passes, bool catch_up, Tensor[] weights, Tensor(a!)[] kv_caches, "
         "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, Tensor? temperature, "
         "Tensor? noise) -> Tensor");
+  m.def("draft_passes_logits(Tensor state, int num_passes, bool catch_up, Tensor[] weights, Tensor(a!)[] kv_caches, "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, Tensor? temperature, "
+        "Tensor? noise) -> (Tensor, Tensor)");
   m.def("spec_step(Tensor state, Tensor depths, Tensor[] draft_weights, Tensor(a!)[] draft_caches, "
         "Tensor draft_cos, Tensor draft_sin, int draft_heads, int draft_kv_heads, float draft_eps, float draft_scale, "
         "Tensor[] weights, Tensor(b!)[] kv_caches, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, "
@@ -329,6 +358,7 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
 
 TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {
   m.impl("draft_passes", &draft_passes);
+  m.impl("draft_passes_logits", &draft_passes_logits);
   m.impl("spec_step", &spec_step);
   m.impl("race_rows", &race_rows);
 }

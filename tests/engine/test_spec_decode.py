@@ -70,6 +70,39 @@ def test_greedy_with_speculation_equals_without(target, useless_draft, baseline,
         assert st.acceptance_rate < 0.3
 
 
+def test_the_rejection_samplers_draft_runs_its_passes_at_once(target, useless_draft):
+    """The rejection sampler needs q, the distribution each draft token was drawn from: the
+    native passes hand back the logits they picked from (`pdserve::draft_passes_logits`), and
+    its draft runs them as one call, as the coupled verifier's does. The same tokens as pass by
+    pass (q the sampler's filter of the same logits), greedy rows among sampled ones; pass by
+    pass again where a request filters (top-p)."""
+    if not torch.ops.pdserve.linear_packed_available():
+        pytest.skip("the native passes need the packed projections")
+    options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False,
+                   spec_verifier="rejection")
+    at_once, one_by_one = LLM(target, **options), LLM(target, **options)
+    one_by_one.engine.draft_runner.passes = None
+    at_once.engine.fused_step = None  # greedy batches' passes too through draft_passes (the fused step: test_fused_step.py)
+    runner, calls = at_once.engine.draft_runner, []
+    assert runner.passes.native is not None
+    original = runner.draft_passes
+    runner.draft_passes = lambda *a, **k: calls.append((a[4] is not None, k.get("keep_logits"))) or original(*a, **k)
+    sampled = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=3 + i)
+               for i, t in enumerate((1.0, 0.0, 0.7, 1.3, 1.0))]
+    for prompts, params in ((PROMPTS[:1], sampled[0]), (PROMPTS, sampled)):
+        assert [o.token_ids for o in at_once.generate(prompts, params)] == \
+            [o.token_ids for o in one_by_one.generate(prompts, params)]
+    assert (True, True) in calls  # sampled batches ran their passes at once, keeping the logits
+    mine, theirs = at_once.engine.speculator.stats, one_by_one.engine.speculator.stats
+    assert mine.num_drafts > 0 and (mine.num_draft_tokens, mine.num_accepted_tokens) == (
+        theirs.num_draft_tokens, theirs.num_accepted_tokens)
+    calls.clear()
+    filtered = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=1)
+    at_once.generate(PROMPTS[:2], filtered)
+    assert not calls  # top-p: q is the filtered distribution, which the passes do not make
+    assert_all_free(at_once)
+
+
 @pytest.mark.parametrize("path", ["native", "graphs-off", "graphs-compile"])
 def test_draft_passes_run_at_once(target, useless_draft, baseline, path):
     """A batch drafting to one depth, greedy or sampling by temperature alone, runs the draft's
@@ -93,7 +126,7 @@ def test_draft_passes_run_at_once(target, useless_draft, baseline, path):
         native_call = runner.passes.native.__call__
         runner.passes.native = lambda *a, **k: native_calls.append(a[1]) or native_call(*a, **k)
     original = runner.draft_passes
-    runner.draft_passes = lambda *a: calls.append((a[3], a[4] is not None, a[6] is not None)) or original(*a)
+    runner.draft_passes = lambda *a, **k: calls.append((a[3], a[4] is not None, a[6] is not None)) or original(*a, **k)
     sampled = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=3 + i)
                for i, t in enumerate((1.0, 0.0, 0.7, 1.3, 1.0))]  # a greedy row among sampled ones
     for prompts, params in ((PROMPTS[:1], GREEDY), (PROMPTS, GREEDY), (PROMPTS[:1], sampled[0]), (PROMPTS, sampled)):
@@ -145,7 +178,7 @@ def test_mixed_depths_draft_at_once_to_the_deepest(target, useless_draft):
     at_once.engine.fused_step = None  # the passes through draft_passes (fused: test_fused_step.py)
     runner, calls = at_once.engine.draft_runner, []
     original = runner.draft_passes
-    runner.draft_passes = lambda *a: calls.append((a[3], a[6] is not None)) or original(*a)
+    runner.draft_passes = lambda *a, **k: calls.append((a[3], a[6] is not None)) or original(*a, **k)
     for params in (GREEDY, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=9)):
         assert [o.token_ids for o in at_once.generate(PROMPTS, params)] == \
             [o.token_ids for o in one_by_one.generate(PROMPTS, params)]
@@ -166,7 +199,7 @@ def test_sampled_draft_passes_race_the_noise_of_the_tokens_they_pick(target):
     llm.engine.fused_step = None  # the passes through draft_passes (fused: test_fused_step.py)
     calls = []
     original = llm.engine.draft_runner.draft_passes
-    llm.engine.draft_runner.draft_passes = lambda *a: calls.append((a[4] is not None, a[6] is not None)) or original(*a)
+    llm.engine.draft_runner.draft_passes = lambda *a, **k: calls.append((a[4] is not None, a[6] is not None)) or original(*a, **k)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain
     st = llm.engine.speculator.stats
     assert (True, True) in calls and st.num_draft_tokens > 50  # sampled passes, catch-ups among them
