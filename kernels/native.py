@@ -16,7 +16,8 @@
 - `torch.ops.pdserve.draft_passes(state, num_passes, catch_up, weights, kv_caches, cos, sin, ...)`
   (`cpu/draft_passes.cpp`): a draft model's passes of a speculative step in one call, the whole
   forward and the pick in C++, its ops calling the two above straight (`cpu/native_ops.h`); used
-  through `engine.native_forward.NativePasses`. `decoder_forward(input_ids, positions, slot_mapping,
+  through `engine.native_forward.NativePasses`. `draft_passes_logits(...)`: the same passes and the
+  logits each picked from (the rejection sampler's q). `decoder_forward(input_ids, positions, slot_mapping,
   block_ids, context_lens, query_starts, weights, kv_caches, cos, sin, ...)` (`cpu/decoder.cpp`,
   the same layers, `cpu/decoder.h`): an engine step (decode, a verification, prefill chunks)
   through every layer in one call, the final norm's output returned; used through

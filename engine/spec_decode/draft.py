@@ -90,23 +90,23 @@ class DraftProposer:
                      catch_up: bool, noise: list | None = None, probs: list | None = None) -> bool:
         """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
         drafting is greedy or samples by temperature alone; False when not, or the runner cannot.
-        Where q is kept (the rejection sampler's), the passes hand back the logits they picked
-        from, and each sampled row's q, the sampler's filter of them as `_run` makes it, goes to
-        `probs`; through the native passes only (elsewhere False). Pass by pass, a rejection
-        step cost 2.3x a coupled one at batch 1, temperature 1 (b0c83da, scratch profile).
-        Sequences of mixed depths (adaptive depth
-        trims each to the positions worth verifying) all run to the deepest, where every block
-        table already holds those slots, and each keeps its own depth's tokens: the passes' cost
-        is mostly fixed, and pass by pass through `execute` and the sampler, the catch-up alone cost
-        about two passes at once (at batch 8, temperature 1 on the demo pair, a scratch trace had
-        mixed depths in 8 to 18% of the steps). The extra K/V lie beyond what verification can
-        accept, as a rejected draft's do, and go the same way (`Speculator.rollback`). With catch_up,
-        every pass of the proposal, the first catching the draft up on the sequence's last two
-        tokens, where none has more than two tokens the draft has not seen (after a verification,
-        one or two; a fresh prompt, or a sequence back from plain steps, catches up pass by
-        pass); without, the passes after the first. A sampled pass races the same noise as `_run`
-        would draw (the stream, seed and position of the token it picks); with `noise` (a list
-        per sequence), each drafting sequence's rows [k, vocab_size] go there for its proposal."""
+        Where q is kept (the rejection sampler's), the passes hand back the logits they picked from,
+        and each sampled row's q, the sampler's filter of them as `_run` makes it, goes to `probs`;
+        through the native passes only (elsewhere False). Pass by pass, a rejection step cost 2.3x a
+        coupled one at batch 1, temperature 1 (b0c83da, scratch profile). Sequences of mixed depths
+        (adaptive depth trims each to the positions worth verifying) all run to the deepest, where
+        every block table already holds those slots, and each keeps its own depth's tokens: the
+        passes' cost is mostly fixed, and pass by pass through `execute` and the sampler, the
+        catch-up alone cost about two passes at once (at batch 8, temperature 1 on the demo pair, a
+        scratch trace had mixed depths in 8 to 18% of the steps). The extra K/V lie beyond what
+        verification can accept, as a rejected draft's do, and go the same way
+        (`Speculator.rollback`). With catch_up, every pass of the proposal, the first catching the
+        draft up on the sequence's last two tokens, where none has more than two tokens the draft
+        has not seen (after a verification, one or two; a fresh prompt, or a sequence back from
+        plain steps, catches up pass by pass); without, the passes after the first. A sampled pass
+        races the same noise as `_run` would draw (the stream, seed and position of the token it
+        picks); with `noise` (a list per sequence), each drafting sequence's rows [k, vocab_size] go
+        there for its proposal."""
         depth = max(ks[i] for i in active)
         group = [seqs[i] for i in active]
         params = [s.params for s in group]
