@@ -132,9 +132,9 @@ class ForwardTimer:
         self.calls.append((sum(e.num_new_tokens for e in batch), time.perf_counter() - start))
         return out
 
-    def _timed_passes(self, seqs, token_ids, positions, num_passes, *sampling):
+    def _timed_passes(self, seqs, token_ids, positions, num_passes, *sampling, **options):
         start = time.perf_counter()
-        out = self._draft_passes(seqs, token_ids, positions, num_passes, *sampling)
+        out = self._draft_passes(seqs, token_ids, positions, num_passes, *sampling, **options)
         if out is not None:
             self.passes(len(seqs), time.perf_counter() - start, num_passes)
         return out
