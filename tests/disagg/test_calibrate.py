@@ -5,6 +5,7 @@ input is one line and exit 2."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import subprocess
 import sys
@@ -128,12 +129,7 @@ def test_speculation_only_adds_the_speculative_steps_to_a_plain_calibration(clus
     # what its speculative steps cost beyond that
     cluster.wait_all_free(("P", "D", "D2"))
     ENGINE.save(tmp_path / "engine.json")
-    common = ["--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len",
-              "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
-
-    def calibrate_cmd(profile: str, output: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / profile), "--output",
-                               str(tmp_path / output), *common, *args], capture_output=True, text=True, timeout=120)
+    calibrate_cmd = functools.partial(_calibrate_cmd, tmp_path)
 
     refused = calibrate_cmd("engine.json", "x.json", "--speculation-only", "--target", cluster.address("R"))
     assert refused.returncode == 2 and "was not calibrated" in refused.stderr, refused.stderr
@@ -158,12 +154,7 @@ def test_colocated_only_gives_the_colocated_workers_their_own_steps(cluster, tmp
     # gets steps of its own, which the colocated shapes run on, and the disaggregated ones keep theirs
     cluster.wait_all_free(("P", "D", "D2"))
     ENGINE.save(tmp_path / "engine.json")
-    common = ["--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len",
-              "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
-
-    def calibrate_cmd(profile: str, output: str, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / profile), "--output",
-                               str(tmp_path / output), *common, *args], capture_output=True, text=True, timeout=120)
+    calibrate_cmd = functools.partial(_calibrate_cmd, tmp_path)
 
     colocated = ["--colocated-only", "--prefill-workers", "0", "--target", cluster.address("R2")]
     refused = calibrate_cmd("engine.json", "x.json", *colocated)
@@ -191,3 +182,11 @@ def test_colocated_only_gives_the_colocated_workers_their_own_steps(cluster, tmp
                           timeout=120)
     assert plan.returncode == 0 and "colocated shapes: their own steps" in plan.stdout, plan.stderr
     cluster.wait_all_free(("P", "D", "D2"))
+
+
+def _calibrate_cmd(tmp_path: Path, profile: str, output: str, *args: str) -> subprocess.CompletedProcess:
+    """`pdserve calibrate` from tmp_path/profile to tmp_path/output, on a few short random requests."""
+    common = ["--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len",
+              "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
+    return subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / profile), "--output",
+                           str(tmp_path / output), *common, *args], capture_output=True, text=True, timeout=120)
