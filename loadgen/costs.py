@@ -123,7 +123,9 @@ class ColocatedCost:
     between them, and a request's overhead on the way to it. A served prompt costs a colocated
     worker less than a prefill worker (no first token relayed apart, no K/V handed over), and
     priced as the 1P:1D pair's, the planner validation's colocated TTFT came out 29-33% over the
-    measured (BENCHMARKS.md, planner validation)."""
+    measured (BENCHMARKS.md, planner validation). A speculating colocated shape runs its plain
+    steps on these but keeps speculation's own (`SpeculationCost`: its steps, its prefills with
+    the draft), as calibrated on a disaggregated deployment."""
 
     decode: StepCost
     prefill: StepCost
