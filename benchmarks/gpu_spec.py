@@ -13,7 +13,6 @@ for greedy and seeded requests alike, so any difference is a numeric near-tie (b
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -29,8 +28,7 @@ METHODS = {  # name -> LLM options beyond the shared ones ("draft": the demo dra
 def part_spec_demo(sizes, report: dict) -> dict:
     import torch
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from prompts import code_prompts
+    from prompts import code_prompts  # beside this module, on the path gpu_check.py set
 
     from pdserve.engine import LLM, SamplingParams
 

@@ -59,11 +59,9 @@ class NativePasses(_NativeModel):
 
     def with_logits(self, state: torch.Tensor, num_passes: int, temperature: torch.Tensor | None = None,
                     noise: torch.Tensor | None = None,
-                    catch_up: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    catch_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The picks, and the logits each pass picked from [num_passes, num_seqs, vocab_size]
-        (`pdserve::draft_passes_logits`); None where the library predates that op."""
-        if not hasattr(torch.ops.pdserve, "draft_passes_logits"):
-            return None
+        (`pdserve::draft_passes_logits`, built from the same source as `draft_passes`)."""
         heads, kv_heads, eps, scale = self.shape
         return torch.ops.pdserve.draft_passes_logits(state, num_passes, catch_up, self.weights, self.caches, self.cos,
                                                      self.sin, heads, kv_heads, eps, scale, temperature, noise)

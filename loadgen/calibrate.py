@@ -314,7 +314,6 @@ def _fit_loaded(profile: CostProfile, shape: Shape, loaded: Point, inputs: list[
         return point(with_overheads(profile, max(0.0, request - prefill), max(0.0, one - per_seq), per_seq, prefill,
                                     handover), shape, where, seed)
 
-    ttft_point, ttft_inputs = (loaded, inputs) if opened is None else (opened, open_inputs)
     fit = _LoadedFit(before=at(0.0, 0.0, inputs))
     if joint_fit is not None:
         others = [] if opened is None else [(opened, open_inputs)]
@@ -322,6 +321,7 @@ def _fit_loaded(profile: CostProfile, shape: Shape, loaded: Point, inputs: list[
         fit.after = at(fit.per_seq, fit.prefill, inputs)
         fit.open_after = None if opened is None else at(fit.per_seq, fit.prefill, open_inputs)
         return fit
+    ttft_point, ttft_inputs = (loaded, inputs) if opened is None else (opened, open_inputs)
     for round_ in range(LOADED_ROUNDS):
         per_seq = solve(lambda x: at(x, fit.prefill, inputs).steady_tpot_s, loaded.steady_tpot_s)
         if per_seq is None:

@@ -92,6 +92,8 @@ def calibrated_colocated(profile: CostProfile, shape: Shape, unloaded: Point, un
     if not shape.is_colocated or shape.speculate:
         raise ValueError("calibrating a colocated worker's own steps needs a plain colocated deployment "
                          "(--prefill-workers 0, without --speculation)")
+    # "simulated on the profile as given": what it predicted for these requests before this fit
+    before = point(profile, shape, bench_inputs(unloaded_config, 0.01), unloaded_config.seed)
     fitted, cal = calibrated(bare(profile), shape, unloaded, unloaded_config, loaded, loaded_inputs, None,
                              loaded_concurrency, opened, open_inputs, open_rate, joint_fit=joint_fit)
     colocated = ColocatedCost(fitted.decode, fitted.prefill, fitted.request_overhead_s)
@@ -100,7 +102,4 @@ def calibrated_colocated(profile: CostProfile, shape: Shape, unloaded: Point, un
         f"request {cal.request_overhead_s:.6f} s, decode step {fitted.decode.fixed_s:.6f} s + "
         f"{fitted.decode.per_seq_s:.6f} s a sequence, prefill {fitted.prefill.per_seq_s:.6f} s a prompt"))
     profile = dataclasses.replace(profile, colocated=colocated, notes=notes)
-    # "simulated on the profile as given": what the disaggregated calibration predicted here
-    before = point(dataclasses.replace(profile, colocated=None), shape, bench_inputs(unloaded_config, 0.01),
-                   unloaded_config.seed)
     return profile, dataclasses.replace(cal, simulated_unloaded=before, colocated_only=True)
