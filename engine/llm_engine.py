@@ -30,7 +30,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.sequence import FinishReason, Sequence
 from pdserve.engine.spec_decode.fused_step import FusedSpecStep
-from pdserve.engine.spec_decode.rejection_sampler import verify_greedy
 from pdserve.engine.spec_decode.speculator import Proposal, StepShape, build_speculator
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels import native, select_ops
@@ -346,13 +345,12 @@ class LLMEngine:
     def _verify_fused(self, batch: list[BatchEntry]) -> list[RequestOutput]:
         """The step's drafts and verification as one native call (`fused_step.FusedSpecStep`:
         every entry a decode with lookahead slots, greedy or sampling by temperature alone), then
-        what `_postprocess` and `_verify` do for such a batch: each sequence keeps its drafts
-        while they match the target's picks, then one pick more."""
+        what `_postprocess` and `_verify` do for such a batch with the tokens each sequence emits
+        (the drafts its verifier kept, then one)."""
         self.forward_started_at = time.perf_counter()
-        drafts, picks, draft_seconds, target_seconds = self.fused_step(batch)
+        drafts, tokens, draft_seconds, target_seconds = self.fused_step(batch)
         self.runner.last_pass = (sum(e.num_new_tokens for e in batch), target_seconds)
         seqs = [e.seq for e in batch]
-        tokens = [verify_greedy(p, d) for p, d in zip(picks, drafts)]
         self.speculator.record_fused(seqs, [len(d) for d in drafts], tokens, draft_seconds)
         outputs = []
         for seq, toks in zip(seqs, tokens):

@@ -84,6 +84,18 @@ class NativeHash:
         return self.keys(keys, codes)
 
 
+def seed_words(seeds: list[int]) -> torch.Tensor:
+    """[len(seeds)] int64: each seed's 64 bits, as the native ops take a seed (`NativeHash`'s rows,
+    the rejection sampler's rule)."""
+    return torch.tensor([_int64(s & _MASK) for s in seeds], dtype=torch.int64)
+
+
+def vocab_codes(vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int32 on the CPU: the codes the hash mixes with a row's key, for native ops that
+    hash rows themselves."""
+    return _vocab_codes(vocab_size, "cpu")
+
+
 def hash_uniforms(
     keys: torch.Tensor,  # [rows, 2] int32: each row's 64-bit key as two halves
     codes: torch.Tensor,  # [vocab_size] int32: `_vocab_codes`

@@ -106,6 +106,23 @@ class Sampler:
             picks[index] = torch.ops.pdserve.race_rows(logits[index].float(), tensors[0][index], noise[index])
         return picks
 
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distributions the rows are sampled from [num_rows, vocab_size] float32 (one-hot on
+        the argmax for a greedy row): where rows race natively, those rows' as the native race
+        makes them (`pdserve::temperature_probs`), so that the rejection sampler's q and p are the
+        numbers its tokens were raced against; the others' the kernels' filter."""
+        if not self.races_natively:
+            return self.ops.filter_probs(logits, *self.tensors.build(params))
+        native_rows = [i for i, p in enumerate(params) if p.is_greedy or p.filters_by_temperature_only]
+        tensors = self.tensors.build(params)
+        if len(native_rows) == len(params):
+            return torch.ops.pdserve.temperature_probs(logits.float(), tensors[0])
+        out = self.ops.filter_probs(logits, *tensors)
+        if native_rows:
+            index = torch.tensor(native_rows)
+            out[index] = torch.ops.pdserve.temperature_probs(logits[index].float(), tensors[0][index])
+        return out
+
     @staticmethod
     def top_logprobs(logits: torch.Tensor, token_ids: list[int], num: int) -> list[list[tuple[int, float]]]:
         """The sampled token's log-prob first, then the top `num`, from the raw model logits."""

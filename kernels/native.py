@@ -29,7 +29,13 @@
   target's verification with its picks in one call, for sequences that decode greedily or sample
   by temperature alone (used through `engine.spec_decode.fused_step.FusedSpecStep`);
   `race_rows(logits, temperature, noise)`: the same picks for logits rows, the sampler's CPU
-  path for such rows (`engine.sampler`).
+  path for such rows (`engine.sampler`). `spec_step_rejection(..., temperature, noise, seeds,
+  codes)`: the same step under the rejection sampler, its rule (`cpu/rejection.cpp`) run on the
+  distributions the passes and the verification raced, the draft's noise given.
+- `torch.ops.pdserve.temperature_probs(logits, temperature)` and `rejection_rows(probs, draft_probs,
+  drafts, depths, seeds, positions, temperature, codes)` (`cpu/rejection.cpp`): the distributions
+  those picks race, and the rejection sampler's rule over them for a whole step (used through
+  `engine.sampler.Sampler.probs` and `engine.spec_decode.verifier.RejectionVerifier`).
 - `torch.ops.pdserve.copy_rows_crc32c` and `rows_crc32c` (`cpu/kv_copy.cpp`): the KV transfer's
   copies with their CRC-32C in the same pass (used through `engine.kv_copy`).
 - `torch.ops.pdserve.hash_uniforms(keys, codes)` (`cpu/noise.cpp`): `engine.rng.hash_uniforms`
@@ -61,8 +67,9 @@ log = logging.getLogger(__name__)
 
 _CPU = Path(__file__).with_name("cpu")
 SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp", "draft_passes.cpp",
-                                    "noise.cpp")]
-HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h", "decoder.h", "linear_loops.h", "linear_amx.h", "crc32c.h")]  # included by the sources: in the build name
+                                    "noise.cpp", "rejection.cpp")]
+HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h", "decoder.h", "linear_loops.h", "linear_amx.h",
+                                    "crc32c.h", "pick.h", "noise.h")]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever

@@ -1,6 +1,6 @@
 """The native sources built again with narrower instruction sets, so the loops a CPU with
 AVX-512 never runs (AVX2, plain, the CRC fallbacks) are tested here too. Each variant is one
-source with other flags (decoder.cpp and draft_passes.cpp with the two they call), under an op
+source with other flags (decoder.cpp and draft_passes.cpp with the three they call), under an op
 namespace of its own beside the loaded library.
 
 A variant takes 7 to 12 s to compile on these 2 cores (the decoder's, four sources, about
@@ -29,8 +29,8 @@ VARIANTS = {  # in the order the suite reaches them (tests/disagg before tests/k
     "pdserve_test_plain": ("paged_attention.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
     "pdserve_test_linear_avx2": ("linear.cpp", ["-mno-avx512f"]),
     "pdserve_test_linear_plain": ("linear.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
-    "pdserve_test_decoder_avx2": (("decoder.cpp", "draft_passes.cpp", "linear.cpp", "paged_attention.cpp"),
-                                  ["-mno-avx512f"]),
+    "pdserve_test_decoder_avx2": (("decoder.cpp", "draft_passes.cpp", "rejection.cpp", "linear.cpp",
+                                   "paged_attention.cpp"), ["-mno-avx512f"]),
 }
 BUILD_TIMEOUT_S = 1200  # the background process's eight builds, niced beside the suite
 BUILT = "built"  # written into a variant's directory once it is built

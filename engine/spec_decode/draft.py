@@ -91,7 +91,7 @@ class DraftProposer:
         """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
         drafting is greedy or samples by temperature alone; False when not, or the runner cannot.
         Where q is kept (the rejection sampler's), the passes hand back the logits they picked from,
-        and each sampled row's q, the sampler's filter of them as `_run` makes it, goes to `probs`;
+        and each sampled row's q, the sampler's distribution of them as `_run` makes it (`Sampler.probs`), goes to `probs`;
         through the native passes only (elsewhere False). Pass by pass, a rejection step cost 2.3x a
         coupled one at batch 1, temperature 1 (b0c83da, scratch profile). Sequences of mixed depths
         (adaptive depth trims each to the positions worth verifying) all run to the deepest, where
@@ -139,8 +139,7 @@ class DraftProposer:
             return False
         if keep:  # q of every pass's rows, as `_run` filters them, by sequence: [len(active), num_passes, vocab]
             picks, logits = picks  # logits [num_passes, len(active), vocab_size]
-            q = self.sampler.ops.filter_probs(logits.reshape(-1, logits.shape[-1]),
-                                              *self.sampler.tensors.build(params * num_passes))
+            q = self.sampler.probs(logits.reshape(-1, logits.shape[-1]), params * num_passes)
             q = q.view(num_passes, len(active), -1).transpose(0, 1)
         for row, (i, more) in enumerate(zip(active, picks)):
             tokens[i].extend(more[:ks[i] - first])  # its own depth
@@ -168,7 +167,7 @@ class DraftProposer:
         if all(p.is_greedy for p in params):
             picks = argmax_rows(logits)
         elif self.keep_probs:
-            q = self.sampler.ops.filter_probs(logits, *self.sampler.tensors.build(params))
+            q = self.sampler.probs(logits, params)
             picks = race_ref(q, race_noise(params, seeds, positions, logits.shape[-1], self.noise_stream, q.device,
                                          self.sampler.hash_fn))
         else:

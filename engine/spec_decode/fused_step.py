@@ -30,6 +30,7 @@ from pdserve.engine.native_forward import NativePasses, native_weights
 from pdserve.engine.penalties import has_penalties
 from pdserve.engine.sampler import Sampler, race_noise
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode.rejection_sampler import verify_greedy
 
 
 class FusedSpecStep:
@@ -37,9 +38,10 @@ class FusedSpecStep:
     step can take it, calling it runs the step's drafts and verification."""
 
     def __init__(self, runner: ModelRunner, draft_runner: ModelRunner, weights: list[torch.Tensor],
-                 sampler: Sampler | None):
+                 sampler: Sampler | None, rejection: bool = False):
         self.draft_runner = draft_runner
         self.sampler = sampler  # sampled rows' noise; None: greedy steps only
+        self.rejection = rejection  # sampled steps verify by the rejection sampler's rule
         self.weights = weights  # the target's, with its lm_head
         target = runner.native_forward
         self.target = (target.caches, target.cos, target.sin, *target.shape)
@@ -53,16 +55,18 @@ class FusedSpecStep:
            draft_stream: int) -> FusedSpecStep | None:
         """The fused step for this pair, or None where it cannot run: no draft, either model not
         run natively, the target's lm_head not packed (a tied one would need a packed copy), or
-        the two caches in different block sizes. Sampled steps too where the draft races plain
-        sampling's noise (the coupled verifier's `draft_stream`) and the sampler races natively."""
+        the two caches in different block sizes. Sampled steps too where the sampler races
+        natively: the coupled verifier's (the draft races plain sampling's noise, `draft_stream`)
+        or the rejection sampler's (its own stream; `pdserve::spec_step_rejection`)."""
         from pdserve.engine.model.llama import PackedLinear
 
         if (draft_runner is None or runner.native_forward is None or _native_passes(draft_runner) is None
                 or not isinstance(runner.model.lm_head, PackedLinear) or runner.block_size != draft_runner.block_size):
             return None
         weights = native_weights(runner.model, runner.kv_caches, "spec_step", with_head=True)
-        samples = sampler.races_natively and draft_stream == rng.SAMPLE_STREAM
-        return None if weights is None else cls(runner, draft_runner, weights, sampler if samples else None)
+        samples = sampler.races_natively and draft_stream in (rng.SAMPLE_STREAM, rng.DRAFT_STREAM)
+        return None if weights is None else cls(runner, draft_runner, weights, sampler if samples else None,
+                                                rejection=draft_stream == rng.DRAFT_STREAM)
 
     def covers(self, batch: list[BatchEntry]) -> bool:
         """Whether every entry is a decode (at least one given lookahead slots for a draft; one
@@ -118,17 +122,25 @@ class FusedSpecStep:
         return True
 
     def __call__(self, batch: list[BatchEntry]) -> tuple[list[list[int]], list[list[int]], float, float]:
-        """Per entry (k = num_new_tokens - 1 drafts): its k drafts and the target's picks at its
-        last token and each draft (k + 1), a sampled one with the noise plain sampling would
-        draw for its position; then the seconds of the draft's passes and of the verification.
-        The draft's passes run to the deepest k, as `DraftProposer`'s do, and each sequence's
-        draft cache is marked computed to match."""
+        """Per entry (k = num_new_tokens - 1 drafts): its k drafts and the tokens it emits (the
+        drafts it keeps, then one); then the seconds of the draft's passes and of the
+        verification. Under the coupled verifier (and in any greedy step) each keeps its drafts
+        while they match the target's picks (`picks`, `verify_greedy`'s rule); a sampled step under
+        the rejection sampler runs its rule natively (`_rejection_step`)."""
+        seqs = [e.seq for e in batch]
+        if self.rejection and not all(s.params.is_greedy for s in seqs):
+            drafts, tokens, seconds = self._rejection_step(seqs, [e.num_new_tokens - 1 for e in batch])
+            return drafts, tokens, *seconds.tolist()
+        drafts, picks, draft_seconds, target_seconds = self.picks(batch)
+        return drafts, [verify_greedy(p, d) for p, d in zip(picks, drafts)], draft_seconds, target_seconds
+
+    def picks(self, batch: list[BatchEntry]) -> tuple[list[list[int]], list[list[int]], float, float]:
+        """`pdserve::spec_step`: per entry its k drafts and the target's picks at its last token and
+        each draft (k + 1), a sampled one with the noise plain sampling would draw for its position;
+        then the seconds of the draft's passes and of the verification. The draft's passes run to
+        the deepest k, as `DraftProposer`'s do."""
         seqs, ks = [e.seq for e in batch], [e.num_new_tokens - 1 for e in batch]
-        deepest = max(ks)
-        width = max(s.num_tokens - 1 + max(k, deepest - 1) for s, k in zip(seqs, ks)) // self.block_size + 1
-        previous, last = zip(*(s.last_token_ids(2) for s in seqs))  # draft_passes' catch-up state
-        state = passes_state(seqs, [list(previous), list(last), [s.num_tokens - 1 for s in seqs]], width)
-        draft = _native_passes(self.draft_runner)
+        deepest, draft = max(ks), _native_passes(self.draft_runner)
         temperature = noise = None
         if not all(s.params.is_greedy for s in seqs):  # every pass's and row's noise: positions n .. n + deepest
             temperature = torch.tensor([float(s.params.temperature) for s in seqs], dtype=torch.float32)
@@ -137,17 +149,52 @@ class FusedSpecStep:
                                self.draft_runner.cfg.vocab_size, rng.SAMPLE_STREAM, temperature.device,
                                self.sampler.hash_fn).view(deepest + 1, len(seqs), -1)
         drafts, picks, seconds = torch.ops.pdserve.spec_step(
-            torch.from_numpy(state), torch.tensor(ks), draft.weights, draft.caches, draft.cos, draft.sin,
+            self._state(seqs, ks), torch.tensor(ks), draft.weights, draft.caches, draft.cos, draft.sin,
             *draft.shape, self.weights, *self.target, temperature, noise)
+        self._drafted(seqs, ks)
         drafts, picks = drafts.tolist(), picks.tolist()
         out_drafts, out_picks, row = [], [], 0
-        for seq, k, d in zip(seqs, ks, drafts):
+        for k, d in zip(ks, drafts):
             out_drafts.append(d[:k])
             out_picks.append(picks[row:row + k + 1])
             row += k + 1
-            seq.num_draft_computed_tokens = seq.num_tokens + deepest - 1
         draft_seconds, target_seconds = seconds.tolist()
         return out_drafts, out_picks, draft_seconds, target_seconds
+
+    def _state(self, seqs: list[Sequence], ks: list[int]) -> torch.Tensor:
+        """draft_passes' catch-up state of the step's sequences, with the blocks of every slot its
+        passes and verification write."""
+        deepest = max(ks)
+        width = max(s.num_tokens - 1 + max(k, deepest - 1) for s, k in zip(seqs, ks)) // self.block_size + 1
+        previous, last = zip(*(s.last_token_ids(2) for s in seqs))
+        return torch.from_numpy(passes_state(seqs, [list(previous), list(last), [s.num_tokens - 1 for s in seqs]],
+                                             width))
+
+    @staticmethod
+    def _drafted(seqs: list[Sequence], ks: list[int]) -> None:
+        """Each sequence's draft cache marked computed to the deepest k, where the step's passes ran
+        it (as `DraftProposer`'s do)."""
+        for seq in seqs:
+            seq.num_draft_computed_tokens = seq.num_tokens + max(ks) - 1
+
+    def _rejection_step(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[list[int]],
+                                                                          torch.Tensor]:
+        """`pdserve::spec_step_rejection`: the draft's passes race the draft stream's noise (pass j
+        at position n + j), and the rule draws its acceptance tests and last tokens itself."""
+        deepest, draft = max(ks), _native_passes(self.draft_runner)
+        vocab = self.draft_runner.cfg.vocab_size
+        temperature = torch.tensor([0.0 if s.params.is_greedy else float(s.params.temperature) for s in seqs],
+                                   dtype=torch.float32)
+        noise = race_noise([s.params for s in seqs] * deepest, [s.seed for s in seqs] * deepest,
+                           [s.num_tokens + j for j in range(deepest) for s in seqs], vocab, rng.DRAFT_STREAM,
+                           temperature.device, self.sampler.hash_fn).view(deepest, len(seqs), -1)
+        drafts, accepted, last, seconds = torch.ops.pdserve.spec_step_rejection(
+            self._state(seqs, ks), torch.tensor(ks), draft.weights, draft.caches, draft.cos, draft.sin, *draft.shape,
+            self.weights, *self.target, temperature, noise, rng.seed_words([s.seed for s in seqs]),
+            rng.vocab_codes(vocab))
+        self._drafted(seqs, ks)
+        out_drafts = [d[:k] for d, k in zip(drafts.tolist(), ks)]
+        return out_drafts, [d[:a] + [t] for d, a, t in zip(out_drafts, accepted.tolist(), last.tolist())], seconds
 
 
 def _native_passes(draft_runner: ModelRunner) -> NativePasses | None:

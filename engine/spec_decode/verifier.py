@@ -88,6 +88,41 @@ class RejectionVerifier(_Verifier):
     needs_draft_probs = True
 
     def _verify_sampled(self, seqs, proposals, rows) -> list[list[int]]:
+        """Rows that race natively (greedy or by temperature alone, on the CPU) through the native
+        rule, the rest through `verify_batch`: a sequence's tokens never depend on what else the
+        batch holds."""
+        native = [i for i, s in enumerate(seqs) if self.sampler.races_natively
+                  and (s.params.is_greedy or s.params.filters_by_temperature_only)]
+        if len(native) == len(seqs):
+            return self._verify_native(seqs, proposals, rows)
+        rest = [i for i in range(len(seqs)) if i not in set(native)]
+        out: list[list[int]] = [[] for _ in seqs]
+        for group, verify in ((native, self._verify_native), (rest, self._verify_torch)):
+            if group:
+                for i, tokens in zip(group, verify([seqs[i] for i in group], [proposals[i] for i in group],
+                                                   [rows[i] for i in group])):
+                    out[i] = tokens
+        return out
+
+    def _verify_native(self, seqs, proposals, rows) -> list[list[int]]:
+        """`pdserve::rejection_rows` over p and q as the native races make them (`Sampler.probs`;
+        a proposal without q, an n-gram's, is one-hot on its tokens): the rule of `verify_batch`,
+        with the same draws, in one call (`cpu/rejection.cpp`)."""
+        params, _, _ = _per_row(seqs, rows)
+        vocab = rows[0].shape[-1]
+        p = self.sampler.probs(stack_rows(rows), params)
+        qs = [prop.probs if prop.probs is not None else _draft_probs(prop, len(prop.token_ids), vocab, p.device)
+              for prop in proposals if prop.token_ids]
+        q = torch.cat(qs).float() if qs else p.new_empty(0, vocab)
+        accepted, last = torch.ops.pdserve.rejection_rows(
+            p, q, torch.tensor([t for prop in proposals for t in prop.token_ids], dtype=torch.int64),
+            torch.tensor([len(prop.token_ids) for prop in proposals]), rng.seed_words([s.seed for s in seqs]),
+            torch.tensor([s.num_tokens for s in seqs]),
+            torch.tensor([0.0 if s.params.is_greedy else float(s.params.temperature) for s in seqs]),
+            rng.vocab_codes(vocab))
+        return [prop.token_ids[:a] + [t] for prop, a, t in zip(proposals, accepted.tolist(), last.tolist())]
+
+    def _verify_torch(self, seqs, proposals, rows) -> list[list[int]]:
         drafts, num_drafts = _draft_ids(proposals, rows[0].device)
         params, _, _ = _per_row(seqs, rows)
         vocab, max_k = rows[0].shape[-1], drafts.shape[1]

@@ -3,8 +3,10 @@
 // few rows (embedding, RMS norms, rotary, the projections through linear_packed, the K/V write and
 // attention through paged_attention_cpu, the MLP, the lm_head) and the pick, in C++. The layers are
 // decoder.h's (`Decoder::layers`), which decoder.cpp's ops run too. pdserve::spec_step (below): a
-// speculative step's draft passes and the target's verification in one call; pdserve::race_rows:
-// the picks of logits rows as the passes and the verification pick (the sampler's CPU path).
+// speculative step's draft passes and the target's verification in one call, and
+// pdserve::spec_step_rejection the same under the rejection sampler (its rule: rejection.cpp);
+// pdserve::race_rows: the picks of logits rows as the passes and the verification pick (the
+// sampler's CPU path; the picks themselves: pick.h).
 //
 // Why: a draft is small, so its passes are mostly fixed cost. On the demo draft (2 layers, hidden
 // 128) a pass's arithmetic takes about 20 µs, while its compiled graph took about 115 µs (AMD
@@ -41,58 +43,12 @@
 #include <vector>
 
 #include "decoder.h"  // Decoder, Scratch, rms_norm; attention_vectors.h's softmax and lanes
+#include "pick.h"     // pick, race, first_max, temperature_probs
 
 namespace {
 
 c10::optional<at::Tensor> bias_of(const at::Tensor& t) {  // an empty tensor stands for none
   return t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
-}
-
-// The first index of the largest of n values (as torch.argmax: NaN apart, which no row holds).
-int64_t first_max(const float* v, int64_t n) {
-#ifdef PDSERVE_AVX512
-  if (n >= 16) {  // the largest value, then the first lane holding it: two passes over a row in L1
-    __m512 top = _mm512_loadu_ps(v);
-    int64_t i = 16;
-    for (; i + 16 <= n; i += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(v + i));
-    float m = _mm512_reduce_max_ps(top);
-    for (; i < n; ++i) m = std::max(m, v[i]);
-    const __m512 mv = _mm512_set1_ps(m);
-    for (i = 0; i + 16 <= n; i += 16)
-      if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), mv, _CMP_EQ_OQ))
-        return i + __builtin_ctz(hit);
-    for (; i < n; ++i)
-      if (v[i] == m) return i;
-  }
-#endif
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (v[i] > v[best]) best = i;
-  return best;
-}
-
-// The exponential race over softmax(logits / t): the first largest p / E.
-int64_t race(const float* logits, const float* noise, int64_t n, float t, std::vector<float>& probs) {
-  probs.resize(n);
-  for (int64_t i = 0; i < n; ++i) probs[i] = logits[i] / t;
-#if defined(PDSERVE_AVX512)
-  softmax_row16(probs.data(), n, n);
-#elif defined(PDSERVE_AVX2)
-  softmax_row8(probs.data(), n, n);
-#else
-  const float top = *std::max_element(probs.begin(), probs.end());
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum += probs[i] = exp_nonpositive(probs[i] - top);
-  for (int64_t i = 0; i < n; ++i) probs[i] /= sum;
-#endif
-  for (int64_t i = 0; i < n; ++i) probs[i] /= noise[i];
-  return first_max(probs.data(), n);
-}
-
-// A row's pick, as every op here picks: at temperature t <= 0 the argmax (the first largest, noise
-// unread: it may be null), else the race against the row's noise.
-int64_t pick(const float* logits, const float* noise, int64_t n, float t, std::vector<float>& probs) {
-  return t <= 0.f ? first_max(logits, n) : race(logits, noise, n, t, probs);
 }
 
 // The passes; where logits_out is given, each pass's logits are kept there [passes, S, vocab].
@@ -239,59 +195,30 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& temperature, co
   return picks;
 }
 
-// pdserve::spec_step: a speculative decode step's native work in one call, for sequences that
-// decode greedily or sample by temperature alone. The draft's passes as draft_passes runs them with
-// catch_up (state as it takes it, every sequence to the deepest of `depths`; temperature and noise
-// as it takes them), then the target's verification of each sequence's own depth k (depths [S]
-// int64, each >= 0 and the deepest >= 1; at depth 0 a sequence verifies its input token alone, as a
-// plain step would, while its draft still runs to the deepest): rows of its input token and its
-// first k drafts at positions p .. p + k (p: the state's position), their K/V written into the target's caches by the same block ids, the final
-// norm, the lm_head and each row's pick as race_rows picks, row j of sequence s against noise[j, s]
-// (noise [deepest + 1, S, vocab]: the draft's pass j raced the same row). weights: the target's,
-// with its lm_head, as draft_weights are listed. Returns the drafts [S, deepest], the target's picks
-// [sum(k + 1)] (sequence after sequence) and the seconds of the two parts, float64 [2] (the draft's
-// passes, the verification), which the speculation gate weighs apart. The same drafts and picks as
-// draft_passes, then decoder_forward, linear_packed and race_rows over the same rows: the engine's
-// path, which builds the verification's inputs, splits its logits and samples them in Python between
-// the calls (`engine/spec_decode/fused_step.py`, where it says what that cost).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
-    const at::Tensor& state, const at::Tensor& depths, at::TensorList draft_weights, at::TensorList draft_caches,
-    const at::Tensor& draft_cos, const at::Tensor& draft_sin, int64_t draft_heads, int64_t draft_kv_heads,
-    double draft_eps, double draft_scale, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
-    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-    const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise) {
-  using clock = std::chrono::steady_clock;
-  constexpr int64_t head = 3;  // draft_passes' catch-up state: previous token, input token, its position
-  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > head && state.size(0) >= 1,
-              "spec_step: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
-  const int64_t num_seqs = state.size(0), width = state.size(1) - head;
-  TORCH_CHECK(depths.dim() == 1 && depths.size(0) == num_seqs && depths.scalar_type() == at::kLong,
-              "spec_step: depths must be int64 [", num_seqs, "], got ", depths.sizes());
-  const at::Tensor ks = depths.contiguous();
-  const int64_t* kp = ks.data_ptr<int64_t>();
+// The depths [S] int64 of a speculative step, each >= 0 and the deepest >= 1: their deepest, and the
+// verification's rows (each sequence's depth + 1).
+std::pair<int64_t, int64_t> step_depths(const char* op, const at::Tensor& depths, int64_t num_seqs) {
+  TORCH_CHECK(depths.dim() == 1 && depths.size(0) == num_seqs && depths.scalar_type() == at::kLong, op,
+              ": depths must be int64 [", num_seqs, "], got ", depths.sizes());
+  const int64_t* kp = depths.data_ptr<int64_t>();
   int64_t deepest = 0, rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(kp[s] >= 0, "spec_step: depth ", kp[s], " of sequence ", s, " is negative");
+    TORCH_CHECK(kp[s] >= 0, op, ": depth ", kp[s], " of sequence ", s, " is negative");
     deepest = std::max(deepest, kp[s]);
     rows += kp[s] + 1;
   }
-  TORCH_CHECK(deepest >= 1, "spec_step: no sequence has a draft to verify (every depth is 0)");
-  const Decoder d("spec_step", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
-  const bool sampled = temperature.has_value();
-  TORCH_CHECK(sampled == noise.has_value(), "spec_step: temperature and noise come together");
-  if (sampled)  // draft_passes checks them too, for its passes; the verification reads one row more
-    TORCH_CHECK(noise->dim() == 3 && noise->size(0) == deepest + 1 && noise->size(1) == num_seqs &&
-                    noise->size(2) == d.vocab && noise->scalar_type() == at::kFloat && noise->is_contiguous(),
-                "spec_step: noise must be float32 [", deepest + 1, ", ", num_seqs, ", ", d.vocab, "], got ",
-                noise->sizes());
-  const auto start = clock::now();
-  const at::Tensor drafts = draft_passes(state, deepest, true, draft_weights, draft_caches, draft_cos, draft_sin,
-                                         draft_heads, draft_kv_heads, draft_eps, draft_scale, temperature,
-                                         noise);  // [deepest, S]
-  const auto drafted = clock::now();
+  TORCH_CHECK(deepest >= 1, op, ": no sequence has a draft to verify (every depth is 0)");
+  return {deepest, rows};
+}
 
-  // the verification's rows: each sequence's input token and its drafts, where their K/V go
-  const at::Tensor st = state.contiguous();
+// The target's verification of a speculative step: for each sequence of `state` (draft_passes'
+// catch-up state), rows of its input token and its first k drafts (drafts [deepest, S], as
+// draft_passes returns them) at positions p .. p + k (p: the state's position), their K/V written
+// into the target's caches by the same block ids; the final norm and the lm_head. Returns the
+// logits [rows, vocab], sequence after sequence.
+at::Tensor verification_logits(const char* op, const Decoder& d, const at::Tensor& st, int64_t head,
+                               const at::Tensor& drafts, const int64_t* kp, int64_t rows, at::TensorList weights) {
+  const int64_t num_seqs = st.size(0), width = st.size(1) - head;
   const int64_t* sp = st.data_ptr<int64_t>();
   const int64_t stride = st.size(1), block_size = d.block_size;
   const int64_t* dp = drafts.data_ptr<int64_t>();
@@ -307,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
     for (int64_t j = 0; j <= kp[s]; ++j, ++r) {
       ids[r] = j == 0 ? sp[s * stride + head - 2] : dp[(j - 1) * num_seqs + s];
       pos[r] = p + j;
-      TORCH_CHECK(pos[r] < d.max_position && pos[r] / block_size < width, "spec_step: position ", pos[r],
+      TORCH_CHECK(pos[r] < d.max_position && pos[r] / block_size < width, op, ": position ", pos[r],
                   " of sequence ", s, " is outside its blocks or the rotary table");
       slot_p[r] = sp[s * stride + head + pos[r] / block_size] * block_size + pos[r] % block_size;
     }
@@ -316,10 +243,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
   const auto f32 = weights[0].options();
   const at::Tensor res = at::empty({rows, d.hidden}, f32);
   const Scratch scratch = d.scratch(rows, f32);
-  d.forward("spec_step", ids.data(), rows, res.data_ptr<float>(), pos.data(), slots, st.narrow(1, head, width), lens,
-            starts, scratch);
-  const at::Tensor logits = pdserve_native::linear_packed(scratch.normed, weights[2], bias_of(weights[3]), d.vocab);
-  at::Tensor picks = at::empty({rows}, i64);
+  d.forward(op, ids.data(), rows, res.data_ptr<float>(), pos.data(), slots, st.narrow(1, head, width), lens, starts,
+            scratch);
+  return pdserve_native::linear_packed(scratch.normed, weights[2], bias_of(weights[3]), d.vocab);
+}
+
+at::Tensor two_seconds(std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point drafted,
+                       std::chrono::steady_clock::time_point verified) {
+  at::Tensor seconds = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  seconds.data_ptr<double>()[0] = std::chrono::duration<double>(drafted - start).count();
+  seconds.data_ptr<double>()[1] = std::chrono::duration<double>(verified - drafted).count();
+  return seconds;
+}
+
+constexpr int64_t kCatchUpHead = 3;  // draft_passes' catch-up state: previous token, input token, its position
+
+// pdserve::spec_step: a speculative decode step's native work in one call, for sequences that
+// decode greedily or sample by temperature alone. The draft's passes as draft_passes runs them with
+// catch_up (state as it takes it, every sequence to the deepest of `depths`; temperature and noise
+// as it takes them), then the target's verification of each sequence's own depth k (depths [S]
+// int64, each >= 0 and the deepest >= 1; at depth 0 a sequence verifies its input token alone, as a
+// plain step would, while its draft still runs to the deepest; `verification_logits`), and each
+// row's pick as race_rows picks, row j of sequence s against noise[j, s] (noise [deepest + 1, S,
+// vocab]: the draft's pass j raced the same row). weights: the target's, with its lm_head, as
+// draft_weights are listed. Returns the drafts [S, deepest], the target's picks [sum(k + 1)]
+// (sequence after sequence) and the seconds of the two parts, float64 [2] (the draft's passes, the
+// verification), which the speculation gate weighs apart. The same drafts and picks as
+// draft_passes, then decoder_forward, linear_packed and race_rows over the same rows: the engine's
+// path, which builds the verification's inputs, splits its logits and samples them in Python between
+// the calls (`engine/spec_decode/fused_step.py`, where it says what that cost).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
+    const at::Tensor& state, const at::Tensor& depths, at::TensorList draft_weights, at::TensorList draft_caches,
+    const at::Tensor& draft_cos, const at::Tensor& draft_sin, int64_t draft_heads, int64_t draft_kv_heads,
+    double draft_eps, double draft_scale, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+    const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise) {
+  using clock = std::chrono::steady_clock;
+  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > kCatchUpHead && state.size(0) >= 1,
+              "spec_step: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
+  const int64_t num_seqs = state.size(0);
+  const at::Tensor ks = depths.contiguous();
+  const auto [deepest, rows] = step_depths("spec_step", ks, num_seqs);
+  const Decoder d("spec_step", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
+  const bool sampled = temperature.has_value();
+  TORCH_CHECK(sampled == noise.has_value(), "spec_step: temperature and noise come together");
+  if (sampled)  // draft_passes checks them too, for its passes; the verification reads one row more
+    TORCH_CHECK(noise->dim() == 3 && noise->size(0) == deepest + 1 && noise->size(1) == num_seqs &&
+                    noise->size(2) == d.vocab && noise->scalar_type() == at::kFloat && noise->is_contiguous(),
+                "spec_step: noise must be float32 [", deepest + 1, ", ", num_seqs, ", ", d.vocab, "], got ",
+                noise->sizes());
+  const auto start = clock::now();
+  const at::Tensor drafts = draft_passes(state, deepest, true, draft_weights, draft_caches, draft_cos, draft_sin,
+                                         draft_heads, draft_kv_heads, draft_eps, draft_scale, temperature,
+                                         noise);  // [deepest, S]
+  const auto drafted = clock::now();
+  const at::Tensor st = state.contiguous();
+  const int64_t* kp = ks.data_ptr<int64_t>();
+  const at::Tensor logits = verification_logits("spec_step", d, st, kCatchUpHead, drafts, kp, rows, weights);
+  at::Tensor picks = at::empty({rows}, st.options());
   const float* lp = logits.data_ptr<float>();
   std::vector<float> probs;
   for (int64_t s = 0, r = 0; s < num_seqs; ++s) {
@@ -329,11 +310,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
           pick(lp + r * d.vocab, sampled ? noise->data_ptr<float>() + (j * num_seqs + s) * d.vocab : nullptr, d.vocab,
                t, probs);
   }
-  const auto verified = clock::now();
-  at::Tensor seconds = at::empty({2}, st.options().dtype(at::kDouble));
-  seconds.data_ptr<double>()[0] = std::chrono::duration<double>(drafted - start).count();
-  seconds.data_ptr<double>()[1] = std::chrono::duration<double>(verified - drafted).count();
-  return {drafts.t().contiguous(), picks, seconds};
+  return {drafts.t().contiguous(), picks, two_seconds(start, drafted, clock::now())};
+}
+
+// pdserve::spec_step_rejection: spec_step under the rejection sampler, for a step with sampled
+// rows (temperature [S] float32: a row at t <= 0 is greedy). The draft's passes race noise [deepest,
+// S, vocab] (the draft stream's rows, pass j's at position p + 1 + j) and keep their logits; the
+// verification as spec_step's; then q of each sequence's drafts and p of its verified rows at its
+// temperature (`temperature_probs`), and the rejection rule over them (`rejection_rule`,
+// rejection.cpp), with each sequence's seed (seeds [S] int64) and `rng._vocab_codes` (codes [vocab]
+// int32) for its draws, at positions p + 1 on. Returns the drafts [S, deepest], the accepted counts
+// and the last tokens (int64 [S] each), and the seconds of the two parts, float64 [2] (the rule
+// counts with the verification). The same tokens as the engine's path: draft_passes_logits, then
+// decoder_forward and linear_packed, then temperature_probs and rejection_rows over the same rows
+// (`RejectionVerifier`).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_step_rejection(
+    const at::Tensor& state, const at::Tensor& depths, at::TensorList draft_weights, at::TensorList draft_caches,
+    const at::Tensor& draft_cos, const at::Tensor& draft_sin, int64_t draft_heads, int64_t draft_kv_heads,
+    double draft_eps, double draft_scale, at::TensorList weights, at::TensorList kv_caches, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+    const at::Tensor& temperature, const at::Tensor& noise, const at::Tensor& seeds, const at::Tensor& codes) {
+  using clock = std::chrono::steady_clock;
+  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > kCatchUpHead && state.size(0) >= 1,
+              "spec_step_rejection: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
+  const int64_t num_seqs = state.size(0);
+  const at::Tensor ks = depths.contiguous();
+  const auto [deepest, rows] = step_depths("spec_step_rejection", ks, num_seqs);
+  const Decoder d("spec_step_rejection", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps,
+                  scale);
+  const int64_t vocab = d.vocab;
+  TORCH_CHECK(noise.dim() == 3 && noise.size(0) == deepest && noise.size(1) == num_seqs && noise.size(2) == vocab &&
+                  noise.scalar_type() == at::kFloat && noise.is_contiguous(),
+              "spec_step_rejection: noise must be float32 [", deepest, ", ", num_seqs, ", ", vocab, "], got ",
+              noise.sizes());
+  TORCH_CHECK(seeds.dim() == 1 && seeds.size(0) == num_seqs && seeds.scalar_type() == at::kLong,
+              "spec_step_rejection: seeds must be int64 [", num_seqs, "], got ", seeds.sizes());
+  TORCH_CHECK(codes.dim() == 1 && codes.size(0) == vocab && codes.scalar_type() == at::kInt && codes.is_contiguous(),
+              "spec_step_rejection: codes must be int32 [", vocab, "], got ", codes.sizes());
+  const auto start = clock::now();
+  at::Tensor draft_logits;  // [deepest, S, vocab]
+  const at::Tensor drafts = run_passes(state, deepest, true, draft_weights, draft_caches, draft_cos, draft_sin,
+                                       draft_heads, draft_kv_heads, draft_eps, draft_scale, temperature, noise,
+                                       &draft_logits);  // [deepest, S]; run_passes checks temperature
+  const auto drafted = clock::now();
+  const at::Tensor st = state.contiguous();
+  const int64_t* kp = ks.data_ptr<int64_t>();
+  const at::Tensor logits = verification_logits("spec_step_rejection", d, st, kCatchUpHead, drafts, kp, rows, weights);
+  const float* t = temperature.data_ptr<float>();
+  const at::Tensor p = at::empty({rows, vocab}, logits.options()), q = at::empty({rows - num_seqs, vocab}, logits.options());
+  std::vector<int64_t> draft_ids(rows - num_seqs), positions(num_seqs);
+  const int64_t* dp = drafts.data_ptr<int64_t>();
+  for (int64_t s = 0, r = 0, i = 0; s < num_seqs; ++s) {
+    positions[s] = st.data_ptr<int64_t>()[s * st.size(1) + kCatchUpHead - 1] + 1;
+    for (int64_t j = 0; j <= kp[s]; ++j, ++r)
+      temperature_probs(logits.data_ptr<float>() + r * vocab, vocab, t[s], p.data_ptr<float>() + r * vocab);
+    for (int64_t j = 0; j < kp[s]; ++j, ++i) {
+      temperature_probs(draft_logits.data_ptr<float>() + (j * num_seqs + s) * vocab, vocab, t[s],
+                        q.data_ptr<float>() + i * vocab);
+      draft_ids[i] = dp[j * num_seqs + s];
+    }
+  }
+  at::Tensor accepted = at::empty({num_seqs}, st.options()), last = at::empty({num_seqs}, st.options());
+  const at::Tensor seed = seeds.contiguous();
+  pdserve_native::rejection_rule(p, q, draft_ids.data(), kp, seed.data_ptr<int64_t>(), positions.data(), t, num_seqs,
+                                 codes, accepted.data_ptr<int64_t>(), last.data_ptr<int64_t>());
+  return {drafts.t().contiguous(), accepted, last, two_seconds(start, drafted, clock::now())};
 }
 
 }  // namespace
@@ -353,6 +394,10 @@ TORCH_LIBRARY_FRAGMENT(PDSERVE_OP_NAMESPACE, m) {
         "Tensor draft_cos, Tensor draft_sin, int draft_heads, int draft_kv_heads, float draft_eps, float draft_scale, "
         "Tensor[] weights, Tensor(b!)[] kv_caches, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, "
         "float scale, Tensor? temperature, Tensor? noise) -> (Tensor, Tensor, Tensor)");
+  m.def("spec_step_rejection(Tensor state, Tensor depths, Tensor[] draft_weights, Tensor(a!)[] draft_caches, "
+        "Tensor draft_cos, Tensor draft_sin, int draft_heads, int draft_kv_heads, float draft_eps, float draft_scale, "
+        "Tensor[] weights, Tensor(b!)[] kv_caches, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, "
+        "float scale, Tensor temperature, Tensor noise, Tensor seeds, Tensor codes) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("race_rows(Tensor logits, Tensor temperature, Tensor noise) -> Tensor");
 }
 
@@ -360,5 +405,6 @@ TORCH_LIBRARY_IMPL(PDSERVE_OP_NAMESPACE, CPU, m) {
   m.impl("draft_passes", &draft_passes);
   m.impl("draft_passes_logits", &draft_passes_logits);
   m.impl("spec_step", &spec_step);
+  m.impl("spec_step_rejection", &spec_step_rejection);
   m.impl("race_rows", &race_rows);
 }

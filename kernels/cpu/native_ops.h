@@ -28,4 +28,14 @@ __attribute__((visibility("hidden"))) at::Tensor paged_attention(
     const at::Tensor& slot_mapping, const at::Tensor& block_ids, const at::Tensor& context_lens,
     const at::Tensor& query_starts, double scale);
 
+// The rejection sampler's rule (rejection.cpp, pdserve::rejection_rows, which checks what it is
+// given): S sequences' acceptance tests and last tokens. probs [sum(depths) + S, vocab] and
+// draft_probs [sum(depths), vocab] contiguous float32, codes `rng._vocab_codes` int32 [vocab];
+// accepted and last [S] are written.
+__attribute__((visibility("hidden"))) void rejection_rule(const at::Tensor& probs, const at::Tensor& draft_probs,
+                                                          const int64_t* drafts, const int64_t* depths,
+                                                          const int64_t* seeds, const int64_t* positions,
+                                                          const float* temperature, int64_t num_seqs,
+                                                          const at::Tensor& codes, int64_t* accepted, int64_t* last);
+
 }  // namespace pdserve_native

@@ -1,9 +1,9 @@
 """A speculative step as one native call (`fused_step.FusedSpecStep`, `pdserve::spec_step`): the
 same drafts, picks and K/V as the engine's own path (the draft's passes, then the verification
 through `execute` and the sampler), the same tokens and acceptance in whole runs, greedy and
-sampled by temperature, at fixed and adaptive depth, alone and in batches of mixed depths; steps
-it cannot take (filtered sampling, the rejection verifier's sampling, penalties, log-probs) take
-the engine's path; malformed calls are refused with the reason. The sampler's native race for
+sampled by temperature, at fixed and adaptive depth, alone and in batches of mixed depths, under
+either verifier (the rejection sampler's: `pdserve::spec_step_rejection`); steps it cannot take
+(filtered sampling, penalties, log-probs) take the engine's path; malformed calls are refused with the reason. The sampler's native race for
 rows sampled by temperature alone (`pdserve::race_rows`, which the fused step picks with) against
 the reference sampler."""
 from __future__ import annotations
@@ -211,17 +211,62 @@ def test_steps_the_fused_step_cannot_take_take_the_engine_path(target, drafts, p
     _assert_all_free(fused)
 
 
-def test_the_rejection_verifier_samples_on_the_engine_path(target, drafts):
-    """Its drafts race their own noise and keep their distributions, which the fused step does
-    not: its sampled steps never fuse, its greedy ones do."""
-    llm = LLM(target, draft_model=drafts["small"], num_speculative_tokens=3, spec_adaptive=False,
-              spec_verifier="rejection")
-    calls = _counted(llm)
-    llm.generate(PROMPTS[:2], SAMPLED[0])
-    assert not calls and llm.engine.speculator.stats.num_draft_tokens > 0
-    llm.generate(PROMPTS[:2], GREEDY)
-    assert calls
-    _assert_all_free(llm)
+@pytest.mark.parametrize("draft", ["small", "target"])
+def test_the_rejection_samplers_steps_fuse_and_emit_what_its_engine_path_emits(target, drafts, draft):
+    """Under the rejection sampler a sampled step fuses too (`pdserve::spec_step_rejection`: the
+    draft's passes race the draft stream's noise and keep their logits, the rule runs natively).
+    The same tokens and acceptance as the same engine with the fused step set aside (its draft's
+    passes at once, then `execute`, `Sampler.probs` and `pdserve::rejection_rows`), one request and
+    a batch of five with a greedy one among them; a greedy batch fuses as under the coupled
+    verifier. With the target as its own draft nearly every draft is accepted (p = q to float
+    rounding)."""
+    options = dict(draft_model=drafts[draft], num_speculative_tokens=4, spec_adaptive=False,
+                   spec_verifier="rejection")
+    fused, apart = LLM(target, **options), LLM(target, **options)
+    apart.engine.fused_step = None
+    calls = _counted(fused)
+    for prompts, params in ((PROMPTS[1:2], SAMPLED[0]), (PROMPTS, SAMPLED), (PROMPTS[:2], GREEDY)):
+        assert [o.token_ids for o in fused.generate(prompts, params)] == \
+            [o.token_ids for o in apart.generate(prompts, params)]
+    assert max(calls) == len(PROMPTS)
+    mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
+    assert mine.num_draft_tokens > 0 and (mine.num_drafts, mine.num_draft_tokens, mine.num_accepted_tokens,
+                                          mine.accepted_per_pos) == (theirs.num_drafts, theirs.num_draft_tokens,
+                                                                     theirs.num_accepted_tokens, theirs.accepted_per_pos)
+    if draft == "target":
+        assert mine.acceptance_rate > 0.95
+    _assert_all_free(fused)
+
+
+def test_the_rejection_samplers_mixed_depths_fuse(target, drafts):
+    """Sampled sequences planned to depths 1-4, some at 0 at times (one verifying its input token
+    alone draws as plain sampling does): the same tokens and acceptance fused as on the engine's
+    path."""
+    def mixed(llm: LLM) -> None:
+        spec, planned = llm.engine.speculator, {}
+
+        def plan(seqs, max_model_len, fused=False):
+            for s in seqs:
+                planned[s.req_id] = planned.get(s.req_id, 0) + 1
+            spec._ks = {s.req_id: 0 if s.prompt_token_ids[0] in (3, 7) and planned[s.req_id] % 2
+                        else min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
+                                 s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
+        spec.plan = plan
+
+    options = dict(draft_model=drafts["small"], num_speculative_tokens=4, spec_adaptive=False,
+                   spec_verifier="rejection")
+    fused, apart = LLM(target, **options), LLM(target, **options)
+    apart.engine.fused_step = None
+    mixed(fused)
+    mixed(apart)
+    depths: list[list[int]] = []
+    calls = _counted(fused, depths)
+    assert [o.token_ids for o in fused.generate(PROMPTS, SAMPLED)] == \
+        [o.token_ids for o in apart.generate(PROMPTS, SAMPLED)]
+    mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
+    assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
+    assert len(PROMPTS) in calls and any(0 in ks for ks in depths)
+    _assert_all_free(fused)
 
 
 def _prefilled_pair(target, draft):
@@ -262,7 +307,7 @@ def test_the_fused_call_gives_the_engine_paths_drafts_picks_and_kv(target, draft
     batch = [BatchEntry(s, k + 1, k + 1) for s, k in zip(seqs, ks)]
     assert eng.fused_step.covers(batch)
     positions = [s.num_tokens - 1 for s in seqs]
-    drafts_, picks, draft_s, target_s = eng.fused_step(batch)
+    drafts_, picks, draft_s, target_s = eng.fused_step.picks(batch)
     assert [len(d) for d in drafts_] == ks and [len(p) for p in picks] == [k + 1 for k in ks]
     assert draft_s > 0 and target_s > 0
     assert all(s.num_draft_computed_tokens == s.num_tokens + 3 for s in seqs)  # to the deepest: 4 passes

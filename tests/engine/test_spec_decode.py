@@ -324,6 +324,15 @@ def test_speculation_is_lossless_in_distribution(small_pair, params, method, ver
     else:
         options["speculative_method"] = "ngram"
     llm = LLM(target, **options)
+    rules = []  # the rejection sampler's rule: natively (`pdserve::rejection_rows`) or in torch (`verify_batch`)
+    if verifier == "rejection":
+        verifier_ = llm.engine.speculator.verifier
+        for name in ("_verify_native", "_verify_torch"):
+            rule = getattr(verifier_, name)
+            setattr(verifier_, name, lambda *a, _rule=rule, _name=name: rules.append(_name) or _rule(*a))
+        if llm.engine.fused_step is not None:
+            step = llm.engine.fused_step._rejection_step
+            llm.engine.fused_step._rejection_step = lambda *a: rules.append("fused") or step(*a)
     n = 3000
     seeded = [SamplingParams(**{**{f: getattr(params, f) for f in ("temperature", "top_k", "top_p", "max_tokens",
                                                                      "ignore_eos")}, "seed": s}) for s in range(n)]
@@ -331,6 +340,9 @@ def test_speculation_is_lossless_in_distribution(small_pair, params, method, ver
     prompt = PROMPT + list(range(VOCAB)) + PROMPT if method == "ngram" else PROMPT
     outs = llm.generate([prompt] * n, seeded)
     st = llm.engine.speculator.stats
+    if verifier == "rejection":  # the native rule where the rows race natively, the torch one where they filter
+        native_rule = params.filters_by_temperature_only and llm.engine.sampler.races_natively
+        assert rules and set(rules) <= ({"fused", "_verify_native"} if native_rule else {"_verify_torch"})
     # the test needs both outcomes in numbers (n-gram drafts are accepted with probability p(x) only)
     assert st.num_accepted_tokens >= 20 and st.acceptance_rate < 0.95
     p2, p3 = exact_distributions(target, params, prompt)

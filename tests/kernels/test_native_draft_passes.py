@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine import rng
 from pdserve.engine.draft_passes import DraftPasses
 from pdserve.engine.native_forward import NativePasses
 from pdserve.engine.model.config import load_model_config
@@ -136,3 +137,29 @@ def test_the_avx2_build_picks_what_the_loaded_build_picks(runner, native_variant
     for (k1, v1), (k2, v2) in zip(avx2_cache, mine_cache):
         torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+
+
+def test_the_avx2_build_of_the_rejection_rule_gives_the_loaded_builds_tokens(native_variant):
+    """rejection.cpp built without AVX-512 (the AVX2 softmax, a scalar first argmax): its
+    distributions within float rounding of the loaded build's, and on the same distributions the
+    same accepted counts and last tokens, greedy and sampled rows."""
+    require_avx2_fma()
+    ops = native_variant("pdserve_test_decoder_avx2")
+    gen = torch.Generator().manual_seed(6)
+    ks = torch.tensor([3, 1, 4, 2])
+    temps = torch.tensor([1.0, 0.0, 0.7, 1.3])
+    logits = torch.randn(int(2 * ks.sum() + len(ks)), 300, generator=gen) * 3
+    rows = torch.cat([torch.full((2 * k + 1,), float(t)) for k, t in zip(ks.tolist(), temps.tolist())])
+    mine, avx2 = torch.ops.pdserve.temperature_probs(logits, rows), ops.temperature_probs(logits, rows)
+    torch.testing.assert_close(avx2, mine, rtol=1e-5, atol=1e-7)
+    p, q, drafts, start = [], [], [], 0
+    for k in ks.tolist():  # per sequence: k + 1 target rows, then k draft rows and a draft from each
+        p.append(mine[start:start + k + 1])
+        q.append(mine[start + k + 1:start + 2 * k + 1])
+        drafts.append(torch.multinomial(q[-1], 1, generator=gen).view(-1))
+        start += 2 * k + 1
+    args = (torch.cat(p), torch.cat(q), torch.cat(drafts), ks, rng.seed_words([5, 6, 7, 2**63 + 1]),
+            torch.tensor([10, 200, 3, 4000]), temps, rng.vocab_codes(300))
+    accepted, last = torch.ops.pdserve.rejection_rows(*args)
+    avx2_accepted, avx2_last = ops.rejection_rows(*args)
+    assert accepted.tolist() == avx2_accepted.tolist() and last.tolist() == avx2_last.tolist()
