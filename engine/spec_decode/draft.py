@@ -91,9 +91,10 @@ class DraftProposer:
         """The draft's passes as one call (`ModelRunner.draft_passes`) when every sequence still
         drafting is greedy or samples by temperature alone; False when not, or the runner cannot.
         Where q is kept (the rejection sampler's), the passes hand back the logits they picked from,
-        and each sampled row's q, the sampler's distribution of them as `_run` makes it (`Sampler.probs`), goes to `probs`;
-        through the native passes only (elsewhere False). Pass by pass, a rejection step cost 2.3x a
-        coupled one at batch 1, temperature 1 (b0c83da, scratch profile). Sequences of mixed depths
+        and each sampled row's q, the sampler's distribution of them as `_run` makes it
+        (`Sampler.probs`), goes to `probs`; through the native passes only (elsewhere False). Pass
+        by pass, a rejection step cost 2.3x a coupled one at batch 1, temperature 1 (b0c83da,
+        scratch profile); the fused step now takes most of its steps. Sequences of mixed depths
         (adaptive depth trims each to the positions worth verifying) all run to the deepest, where
         every block table already holds those slots, and each keeps its own depth's tokens: the
         passes' cost is mostly fixed, and pass by pass through `execute` and the sampler, the

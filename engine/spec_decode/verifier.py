@@ -10,10 +10,13 @@
 Both run the whole batch at once, with one host copy of the results: the coupled verifier
 draws every row in one call and matches the drafts against the draws on the host
 (`verify_greedy`'s rule: keep drafts while they equal the target's token, then emit the
-target's token); the rejection sampler pads every sequence's rows to the deepest proposal and
-tests them together (`rejection_sampler.verify_batch`). A batch of only greedy requests takes
-the argmax and needs neither distributions nor noise; both verifiers then agree with
-`verify_greedy`.
+target's token); the rejection sampler runs its rule for every sequence in one native call where
+the rows race natively (`pdserve::rejection_rows`, on the CPU, for rows sampled by temperature
+alone), and elsewhere pads every sequence's rows to the deepest proposal and tests them together
+in torch (`rejection_sampler.verify_batch`, the same rule on the same draws). A batch of only
+greedy requests takes the argmax and needs neither distributions nor noise; both verifiers then
+agree with `verify_greedy`. A step the fused step covers (`fused_step.py`) runs either verifier's
+rule inside its one native call and never reaches these.
 """
 from __future__ import annotations
 

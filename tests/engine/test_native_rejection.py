@@ -53,8 +53,8 @@ def _reference(ps, qs, ids, ks, temps, seeds, positions):
     p = torch.stack([torch.cat([x, x[-1:].expand(max_k + 1 - len(x), vocab)]) for x in ps])
     q = torch.stack([torch.cat([x, torch.zeros(max_k - len(x), vocab)]) for x in qs])
     drafts = torch.stack([torch.cat([x, torch.zeros(max_k - len(x), dtype=torch.int64)]) for x in ids])
-    u = torch.tensor([[rng.uniform(s, n + i, rng.ACCEPT_STREAM) for i in range(max_k)] for s, n in zip(seeds, positions)],
-                     dtype=torch.float64)
+    u = torch.tensor([[rng.uniform(s, n + i, rng.ACCEPT_STREAM) for i in range(max_k)]
+                      for s, n in zip(seeds, positions)], dtype=torch.float64)
     sampled = [b for b in range(batch) if temps[b] > 0]
 
     def last_noise(accepted):
@@ -114,8 +114,8 @@ def test_temperature_probs_is_the_distribution_the_native_race_draws_from():
 def test_malformed_calls_are_refused_with_the_reason():
     ps, qs, ids, ks, temps, seeds, positions = _case(0)
     p, q, d = torch.cat(ps), torch.cat(qs), torch.cat(ids)
-    args = dict(probs=p, draft_probs=q, drafts=d, depths=ks, seeds=rng.seed_words(seeds), positions=torch.tensor(positions),
-                temperature=temps, codes=rng.vocab_codes(p.shape[-1]))
+    args = dict(probs=p, draft_probs=q, drafts=d, depths=ks, seeds=rng.seed_words(seeds),
+                positions=torch.tensor(positions), temperature=temps, codes=rng.vocab_codes(p.shape[-1]))
 
     def call(**change):
         return torch.ops.pdserve.rejection_rows(*{**args, **change}.values())

@@ -74,8 +74,8 @@ def test_the_rejection_samplers_draft_runs_its_passes_at_once(target, useless_dr
     """The rejection sampler needs q, the distribution each draft token was drawn from: the
     native passes hand back the logits they picked from (`pdserve::draft_passes_logits`), and
     its draft runs them as one call, as the coupled verifier's does. The same tokens as pass by
-    pass (q the sampler's filter of the same logits), greedy rows among sampled ones; pass by
-    pass again where a request filters (top-p)."""
+    pass (q the sampler's distribution of the same logits, `Sampler.probs`), greedy rows among
+    sampled ones; pass by pass again where a request filters (top-p)."""
     if not torch.ops.pdserve.linear_packed_available():
         pytest.skip("the native passes need the packed projections")
     options = dict(draft_model=useless_draft, num_speculative_tokens=4, spec_adaptive=False,
