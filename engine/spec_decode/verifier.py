@@ -98,7 +98,7 @@ class RejectionVerifier(_Verifier):
                   and (s.params.is_greedy or s.params.filters_by_temperature_only)]
         if len(native) == len(seqs):
             return self._verify_native(seqs, proposals, rows)
-        rest = [i for i in range(len(seqs)) if i not in set(native)]
+        rest = sorted(set(range(len(seqs))) - set(native))
         out: list[list[int]] = [[] for _ in seqs]
         for group, verify in ((native, self._verify_native), (rest, self._verify_torch)):
             if group:
