@@ -457,10 +457,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
     ap.add_argument("--no-markdown", action="store_true",
                     help="do not update BENCHMARKS.md; results go to benchmarks/results/spec_decode_partial.*")
+    ap.add_argument("--render", metavar="JSON",
+                    help="write BENCHMARKS.md's section again from a full run's JSON (benchmarks/results/spec_decode.json)")
     ap.add_argument("--serve", metavar="JSON", help=argparse.SUPPRESS)  # an engine process (`start_engine`)
     args = ap.parse_args()
     if args.serve:
         return serve(args.serve)
+    if args.render:  # the section again from a run's JSON (its figures as measured, the report's current shape)
+        result = json.loads(Path(args.render).read_text())
+        text = markdown(result, Path(args.render).stem)
+        update_section(MARKDOWN, SECTION, text)
+        print(f"## {SECTION}\n\n{text}")
+        return
     if args.quick:
         args.batch_sizes, args.max_tokens, args.runs, args.graph_capture = [1, 8], 32, 2, "off"
     load_start = os.getloadavg()[0]

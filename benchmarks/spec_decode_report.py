@@ -148,7 +148,8 @@ def goals(rows: list[dict]) -> list[Goal]:
                 out.append(Goal(f"batch 1 greedy, {name}: share of ideal", _sp(r["share_of_ideal"]), 0.85, True))
     for b in (8, 32):
         for t in (0.0, 1.0):
-            for name in ("draft adaptive", "ngram adaptive"):
+            # the default verifier's adaptive methods, then (temperature 1) the rejection sampler's
+            for name in ("draft adaptive", "ngram adaptive", "draft adaptive rejection"):
                 r = row(b, t, name)
                 # against plain decoding's process, and against the method's own engine with
                 # speculation set aside (one process: none of the processes' own differences)

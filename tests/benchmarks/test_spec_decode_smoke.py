@@ -122,6 +122,13 @@ def test_markdown_has_a_line_per_row_and_goals(report):
                         "batch 8, temp 0, draft adaptive: speedup, vs its own engine (median)": True,
                         "batch 8, temp 0, draft adaptive: speedup, vs its own engine (every repeat)": True}
     assert "| 0.99 / 1.02 / 1.04 |" in report.markdown_table([b8])
+    # the rejection sampler's adaptive method too (not the default verifier: its goals stand beside)
+    rejection = dict(b8, method="draft adaptive rejection", batch_size=32, temperature=1.0)
+    verdicts = {g.name: g.is_met for g in report.goals([rejection])}
+    assert verdicts == {"batch 32, temp 1, draft adaptive rejection: speedup (median)": False,
+                        "batch 32, temp 1, draft adaptive rejection: speedup (every repeat)": False,
+                        "batch 32, temp 1, draft adaptive rejection: speedup, vs its own engine (median)": True,
+                        "batch 32, temp 1, draft adaptive rejection: speedup, vs its own engine (every repeat)": True}
     # the adaptive methods' first runs, apart from the table
     first = [dict(batch_size=8, temperature=1.0, method="draft adaptive", speedup=0.91, decode_speedup=0.97),
              dict(batch_size=8, temperature=1.0, method="draft k=2", speedup=0.8, decode_speedup=0.8)]
