@@ -15,7 +15,8 @@ def engine_options(args: argparse.Namespace, speculates: bool = True) -> dict:
                 max_model_len=args.max_model_len,
                 draft_model=args.draft_model,
                 num_speculative_tokens=speculation_depth(args, speculates),
-                speculative_method=args.speculative_method, spec_adaptive=args.spec_adaptive)
+                speculative_method=args.speculative_method, spec_adaptive=args.spec_adaptive,
+                spec_verifier=args.spec_verifier)
 
 
 def _generate(args: argparse.Namespace) -> int:

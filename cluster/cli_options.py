@@ -88,6 +88,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: draft with --draft-model")
     p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="per-sequence speculation depth from acceptance and step costs")
+    p.add_argument("--spec-verifier", default="coupled", choices=["coupled", "rejection"],
+                   help="how sampled drafts are verified: coupled (a seeded request's tokens are plain sampling's, "
+                   "at any depth) or rejection (accepts more; its tokens depend on the depth); both exact in "
+                   "distribution")
 
 
 def speculation_depth(args: argparse.Namespace, speculates: bool = True) -> int:

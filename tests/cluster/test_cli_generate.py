@@ -32,6 +32,22 @@ def test_generate_with_speculation_prints_its_stats(text_checkpoint):
     assert "speculative:" in out.stderr and "draft tokens accepted" in out.stderr
 
 
+def test_generate_takes_the_rejection_verifier(text_checkpoint):
+    """--spec-verifier reaches the engine: a seeded sampled completion under the rejection sampler
+    is the offline engine's with the same option; a verifier it does not know exits 2."""
+    args = ("generate", "--model", str(text_checkpoint), "--draft-model", str(text_checkpoint),
+            "--num-speculative-tokens", "3", "--no-spec-adaptive", "--prompt", "def ", "--max-tokens", "12",
+            "--temperature", "1", "--seed", "4")
+    out = run_cli(*args, "--spec-verifier", "rejection")
+    assert out.returncode == 0, out.stderr
+    llm = LLM(text_checkpoint, draft_model=text_checkpoint, num_speculative_tokens=3, spec_adaptive=False,
+              spec_verifier="rejection")
+    want = llm.generate(["def "], SamplingParams(temperature=1, max_tokens=12, seed=4))[0]
+    assert out.stdout == "def " + want.text + "\n" and "speculative:" in out.stderr
+    bad = run_cli(*args, "--spec-verifier", "maybe")
+    assert bad.returncode == 2 and "--spec-verifier" in bad.stderr and "invalid choice" in bad.stderr
+
+
 def test_generate_with_a_compiled_forward_gives_the_same_completion(text_checkpoint):
     """--graph-capture reaches the engine: compiled, the greedy completion is the eager one."""
     args = ("generate", "--model", str(text_checkpoint), "--prompt", "def ", "--max-tokens", "8", "--temperature", "0")
