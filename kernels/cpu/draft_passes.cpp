@@ -195,9 +195,15 @@ at::Tensor race_rows(const at::Tensor& logits, const at::Tensor& temperature, co
   return picks;
 }
 
-// The depths [S] int64 of a speculative step, each >= 0 and the deepest >= 1: their deepest, and the
+constexpr int64_t kCatchUpHead = 3;  // draft_passes' catch-up state: previous token, input token, its position
+
+// A speculative step's state (draft_passes' catch-up state, [S, 3 + block ids] int64) and depths
+// ([S] int64, each >= 0 and the deepest >= 1), checked: S, the deepest depth, and the
 // verification's rows (each sequence's depth + 1).
-std::pair<int64_t, int64_t> step_depths(const char* op, const at::Tensor& depths, int64_t num_seqs) {
+std::tuple<int64_t, int64_t, int64_t> step_shape(const char* op, const at::Tensor& state, const at::Tensor& depths) {
+  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > kCatchUpHead && state.size(0) >= 1,
+              op, ": state must be int64 [seqs, 3 + block ids], got ", state.sizes());
+  const int64_t num_seqs = state.size(0);
   TORCH_CHECK(depths.dim() == 1 && depths.size(0) == num_seqs && depths.scalar_type() == at::kLong, op,
               ": depths must be int64 [", num_seqs, "], got ", depths.sizes());
   const int64_t* kp = depths.data_ptr<int64_t>();
@@ -208,7 +214,7 @@ std::pair<int64_t, int64_t> step_depths(const char* op, const at::Tensor& depths
     rows += kp[s] + 1;
   }
   TORCH_CHECK(deepest >= 1, op, ": no sequence has a draft to verify (every depth is 0)");
-  return {deepest, rows};
+  return {num_seqs, deepest, rows};
 }
 
 // The target's verification of a speculative step: for each sequence of `state` (draft_passes'
@@ -256,8 +262,6 @@ at::Tensor two_seconds(std::chrono::steady_clock::time_point start, std::chrono:
   return seconds;
 }
 
-constexpr int64_t kCatchUpHead = 3;  // draft_passes' catch-up state: previous token, input token, its position
-
 // pdserve::spec_step: a speculative decode step's native work in one call, for sequences that
 // decode greedily or sample by temperature alone. The draft's passes as draft_passes runs them with
 // catch_up (state as it takes it, every sequence to the deepest of `depths`; temperature and noise
@@ -279,11 +283,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> spec_step(
     const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
     const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& noise) {
   using clock = std::chrono::steady_clock;
-  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > kCatchUpHead && state.size(0) >= 1,
-              "spec_step: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
-  const int64_t num_seqs = state.size(0);
   const at::Tensor ks = depths.contiguous();
-  const auto [deepest, rows] = step_depths("spec_step", ks, num_seqs);
+  const auto [num_seqs, deepest, rows] = step_shape("spec_step", state, ks);
   const Decoder d("spec_step", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps, scale);
   const bool sampled = temperature.has_value();
   TORCH_CHECK(sampled == noise.has_value(), "spec_step: temperature and noise come together");
@@ -331,11 +332,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> spec_step_rejection(
     const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
     const at::Tensor& temperature, const at::Tensor& noise, const at::Tensor& seeds, const at::Tensor& codes) {
   using clock = std::chrono::steady_clock;
-  TORCH_CHECK(state.dim() == 2 && state.scalar_type() == at::kLong && state.size(1) > kCatchUpHead && state.size(0) >= 1,
-              "spec_step_rejection: state must be int64 [seqs, 3 + block ids], got ", state.sizes());
-  const int64_t num_seqs = state.size(0);
   const at::Tensor ks = depths.contiguous();
-  const auto [deepest, rows] = step_depths("spec_step_rejection", ks, num_seqs);
+  const auto [num_seqs, deepest, rows] = step_shape("spec_step_rejection", state, ks);
   const Decoder d("spec_step_rejection", kHeadWeights, weights, kv_caches, cos, sin, num_heads, num_kv_heads, eps,
                   scale);
   const int64_t vocab = d.vocab;

@@ -91,13 +91,16 @@ def test_fused_steps_emit_what_the_engine_path_emits(target, drafts, draft, adap
     _assert_all_free(fused)
 
 
-@pytest.mark.parametrize("lowest", [1, 0], ids=["depths-1-4", "depths-0-4-at-times"])
-def test_mixed_depths_take_the_fused_step(target, drafts, lowest):
+@pytest.mark.parametrize("verifier, sampled, lowest", [("coupled", False, 1), ("coupled", False, 0),
+                                                      ("rejection", True, 0)],
+                         ids=["depths-1-4", "depths-0-4-at-times", "rejection-sampled-depths-0-4"])
+def test_mixed_depths_take_the_fused_step(target, drafts, verifier, sampled, lowest):
     """Sequences planned to different depths: the draft's passes run to the deepest, each
     sequence verifies its own depth's drafts; the same tokens and acceptance as the engine's path.
     With lowest 0, two of the five sequences plan depth 0 at every other step, as one at its
     last token does after drafting: it verifies its input token alone in the fused step (its
-    draft still runs, so it stays caught up) and counts no draft."""
+    draft still runs, so it stays caught up) and counts no draft. Under the rejection sampler,
+    sampled (a sequence at depth 0 draws as plain sampling does)."""
     def mixed(llm: LLM) -> None:  # depths 1-4 by prompt, at most each one's room; some at 0 at times
         spec, planned = llm.engine.speculator, {}
 
@@ -109,14 +112,15 @@ def test_mixed_depths_take_the_fused_step(target, drafts, lowest):
                                  s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
         spec.plan = plan
 
-    options = dict(draft_model=drafts["small"], num_speculative_tokens=4, spec_adaptive=False)
+    options = dict(draft_model=drafts["small"], num_speculative_tokens=4, spec_adaptive=False, spec_verifier=verifier)
     fused, apart = LLM(target, **options), LLM(target, **options)
     apart.engine.fused_step = None
     mixed(fused)
     mixed(apart)
     depths: list[list[int]] = []
     calls = _counted(fused, depths)
-    assert [o.token_ids for o in fused.generate(PROMPTS, GREEDY)] == [o.token_ids for o in apart.generate(PROMPTS, GREEDY)]
+    params = SAMPLED if sampled else GREEDY
+    assert [o.token_ids for o in fused.generate(PROMPTS, params)] == [o.token_ids for o in apart.generate(PROMPTS, params)]
     mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
     assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
     assert len(PROMPTS) in calls
@@ -238,37 +242,6 @@ def test_the_rejection_samplers_steps_fuse_and_emit_what_its_engine_path_emits(t
     _assert_all_free(fused)
 
 
-def test_the_rejection_samplers_mixed_depths_fuse(target, drafts):
-    """Sampled sequences planned to depths 1-4, some at 0 at times (one verifying its input token
-    alone draws as plain sampling does): the same tokens and acceptance fused as on the engine's
-    path."""
-    def mixed(llm: LLM) -> None:
-        spec, planned = llm.engine.speculator, {}
-
-        def plan(seqs, max_model_len, fused=False):
-            for s in seqs:
-                planned[s.req_id] = planned.get(s.req_id, 0) + 1
-            spec._ks = {s.req_id: 0 if s.prompt_token_ids[0] in (3, 7) and planned[s.req_id] % 2
-                        else min(1 + (len(s.prompt_token_ids) + s.prompt_token_ids[0]) % 4,
-                                 s.params.max_tokens - s.num_output_tokens - 1) for s in seqs}
-        spec.plan = plan
-
-    options = dict(draft_model=drafts["small"], num_speculative_tokens=4, spec_adaptive=False,
-                   spec_verifier="rejection")
-    fused, apart = LLM(target, **options), LLM(target, **options)
-    apart.engine.fused_step = None
-    mixed(fused)
-    mixed(apart)
-    depths: list[list[int]] = []
-    calls = _counted(fused, depths)
-    assert [o.token_ids for o in fused.generate(PROMPTS, SAMPLED)] == \
-        [o.token_ids for o in apart.generate(PROMPTS, SAMPLED)]
-    mine, theirs = fused.engine.speculator.stats, apart.engine.speculator.stats
-    assert (mine.num_draft_tokens, mine.num_accepted_tokens) == (theirs.num_draft_tokens, theirs.num_accepted_tokens)
-    assert len(PROMPTS) in calls and any(0 in ks for ks in depths)
-    _assert_all_free(fused)
-
-
 def _prefilled_pair(target, draft):
     """An engine on the pair, and three sequences (next positions mid-block, at a block's start,
     early) whose prompts are in both caches but their last token, with a second-to-last token new
@@ -366,6 +339,22 @@ def test_the_fused_call_refuses_malformed_calls(target, drafts):
         call(state, torch.tensor([2]), torch.ones(1), None)
     with pytest.raises(RuntimeError, match=r"noise must be float32 \[3, 1, "):  # a row for every draft and the bonus
         call(state, torch.tensor([2]), torch.ones(1), torch.ones(2, 1, vocab))
+
+    def rejection(state, depths, noise, seeds=torch.tensor([1]), codes=rng.vocab_codes(vocab)):
+        return torch.ops.pdserve.spec_step_rejection(state, depths, draft.weights, draft.caches, draft.cos, draft.sin,
+                                                     *draft.shape, fused.weights, *fused.target, torch.ones(1), noise,
+                                                     seeds, codes)
+    noise = torch.ones(2, 1, vocab)  # the draft's passes' rows alone: the rule draws the rest
+    with pytest.raises(RuntimeError, match="spec_step_rejection: depth -1 of sequence 0 is negative"):
+        rejection(state, torch.tensor([-1]), noise)
+    with pytest.raises(RuntimeError, match="spec_step_rejection: state must be int64"):
+        rejection(state[:, :3], torch.tensor([2]), noise)
+    with pytest.raises(RuntimeError, match=r"spec_step_rejection: noise must be float32 \[2, 1, "):
+        rejection(state, torch.tensor([2]), torch.ones(3, 1, vocab))
+    with pytest.raises(RuntimeError, match=r"seeds must be int64 \[1\]"):
+        rejection(state, torch.tensor([2]), noise, seeds=torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="codes must be int32"):
+        rejection(state, torch.tensor([2]), noise, codes=rng.vocab_codes(vocab + 1))
     for s in seqs:
         eng.block_manager.free(s)
 
