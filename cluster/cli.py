@@ -163,7 +163,7 @@ SERVE_OVERRIDES = {
     "http_port": "router.http_port", "drain_timeout": "router.drain_timeout", "max_failovers": "router.max_failovers",
     "placement_timeout": "placement_timeout", "metrics_targets_file": "metrics_targets_file",
     "cluster_token_file": "security.cluster_token_file", "tls_cert": "security.tls_cert",
-    "tls_key": "security.tls_key", "api_key": "security.api_keys",
+    "tls_key": "security.tls_key", "api_key": "security.api_keys", "spec_verifier": "decode.engine.spec_verifier",
 }
 
 

@@ -183,6 +183,8 @@ def add_serve_args(sv) -> None:
             ("--draft-model", str, "draft checkpoint (default: the demo draft)"),
             ("--num-speculative-tokens", int, "speculation depth k of the decode pool"),
             ("--speculative-method", str, "'draft' or 'ngram'"),
+            ("--spec-verifier", str, "the decode pool's verifier of sampled drafts: 'coupled' or 'rejection' "
+             "(README, speculative decoding)"),
             ("--served-model-name", str, "model name in the API and metrics"),
             ("--dtype", str, "auto, float32, bfloat16 or float16"),
             ("--prefill-workers", int, "prefill workers (0: colocated)"),

@@ -207,7 +207,7 @@ SECTIONS = {"router": RouterSection, "security": SecuritySection, "prefill": Poo
 
 def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
     """The config from a YAML file (or the defaults), then `overrides` (dotted names, e.g.
-    {"decode.workers": 2}; None values are skipped). Paths in the file are relative to the file.
+    {"decode.workers": 2} or {"decode.engine.spec_verifier": "rejection"}; None values are skipped). Paths in the file are relative to the file.
     ValueError names what is wrong."""
     raw: dict[str, Any] = {}
     if path is not None:
@@ -216,8 +216,11 @@ def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
     for dotted, value in overrides.items():
         if value is None:
             continue
-        section, _, key = dotted.rpartition(".")
-        (raw.setdefault(section, {}) if section else raw)[key] = value
+        *sections, key = dotted.split(".")  # "decode.engine.spec_verifier": into the file's engine options
+        table = raw
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[key] = value
     return _build(ServeConfig, raw, "")
 
 

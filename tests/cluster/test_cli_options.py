@@ -65,6 +65,24 @@ def test_serve_flags_override_the_config(tmp_path):
     assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
 
 
+def test_serve_takes_the_decode_pools_verifier_beside_the_files_engine_options(tmp_path):
+    """--spec-verifier lands in the decode pool's engine options, beside those the file sets
+    (merged, not replaced); a verifier the engine does not know is a ValueError naming the field."""
+    from pdserve.cluster.cli import serve_config
+
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("decode:\n  engine: {max_num_seqs: 16}\n")
+    assert serve_config(build_parser().parse_args(["serve", "--config", str(config)])).decode.engine == \
+        {"max_num_seqs": 16}
+    flagged = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--spec-verifier",
+                                                      "rejection"]))
+    assert flagged.decode.engine == {"max_num_seqs": 16, "spec_verifier": "rejection"}
+    assert flagged.engine_config("decode").spec_verifier == "rejection"
+    assert flagged.engine_config("prefill").spec_verifier == "coupled"  # a prefill worker never verifies
+    with pytest.raises(ValueError, match="spec_verifier"):
+        serve_config(build_parser().parse_args(["serve", "--spec-verifier", "maybe"]))
+
+
 def test_speculation_flags_are_never_silent(text_checkpoint, capsys):
     assert main(["generate", "--model", str(text_checkpoint), "-k", "3", "--prompt", "x"]) == 2
     assert "needs a proposer" in capsys.readouterr().err
