@@ -207,8 +207,8 @@ SECTIONS = {"router": RouterSection, "security": SecuritySection, "prefill": Poo
 
 def load(path: str | None, overrides: dict[str, Any]) -> ServeConfig:
     """The config from a YAML file (or the defaults), then `overrides` (dotted names, e.g.
-    {"decode.workers": 2} or {"decode.engine.spec_verifier": "rejection"}; None values are skipped). Paths in the file are relative to the file.
-    ValueError names what is wrong."""
+    {"decode.workers": 2} or {"decode.engine.spec_verifier": "rejection"}; None values are
+    skipped). Paths in the file are relative to the file. ValueError names what is wrong."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(path)

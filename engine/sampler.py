@@ -93,34 +93,37 @@ class Sampler:
             return argmax_rows(logits)
         if noise is None:
             noise = race_noise(params, seeds, positions, logits.shape[-1], stream, logits.device, self.hash_fn)
-        if not self.races_natively:
-            return self.ops.sample(logits, *self.tensors.build(params), noise)
-        # each row by its own kind, so a row's token never depends on what else the batch holds
-        native_rows = [i for i, p in enumerate(params) if p.is_greedy or p.filters_by_temperature_only]
-        if len(native_rows) == len(params):
-            return torch.ops.pdserve.race_rows(logits.float(), self.tensors.build(params)[0], noise)
-        tensors = self.tensors.build(params)
-        picks = self.ops.sample(logits, *tensors, noise)
-        if native_rows:
-            index = torch.tensor(native_rows)
-            picks[index] = torch.ops.pdserve.race_rows(logits[index].float(), tensors[0][index], noise[index])
-        return picks
+        return self._by_kind(params, lambda tensors: self.ops.sample(logits, *tensors, noise),
+                             lambda i, temperature: torch.ops.pdserve.race_rows(logits[i].float(), temperature,
+                                                                                noise[i]))
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distributions the rows are sampled from [num_rows, vocab_size] float32 (one-hot on
         the argmax for a greedy row): where rows race natively, those rows' as the native race
         makes them (`pdserve::temperature_probs`), so that the rejection sampler's q and p are the
         numbers its tokens were raced against; the others' the kernels' filter."""
+        return self._by_kind(params, lambda tensors: self.ops.filter_probs(logits, *tensors),
+                             lambda i, temperature: torch.ops.pdserve.temperature_probs(logits[i].float(), temperature))
+
+    def native_rows(self, params: list[SamplingParams]) -> list[int]:
+        """The rows that race natively (greedy or sampling by temperature alone, where the sampler
+        races natively): their picks and distributions come from the native ops."""
         if not self.races_natively:
-            return self.ops.filter_probs(logits, *self.tensors.build(params))
-        native_rows = [i for i, p in enumerate(params) if p.is_greedy or p.filters_by_temperature_only]
+            return []
+        return [i for i, p in enumerate(params) if p.is_greedy or p.filters_by_temperature_only]
+
+    def _by_kind(self, params: list[SamplingParams], kernels, native) -> torch.Tensor:
+        """Each row by its own kind, so a row's result never depends on what else the batch holds:
+        `native(index, temperature)` for the rows that race natively, `kernels(tensors)` (the
+        per-row parameter tensors) for the batch otherwise, those rows then overwritten."""
         tensors = self.tensors.build(params)
-        if len(native_rows) == len(params):
-            return torch.ops.pdserve.temperature_probs(logits.float(), tensors[0])
-        out = self.ops.filter_probs(logits, *tensors)
-        if native_rows:
-            index = torch.tensor(native_rows)
-            out[index] = torch.ops.pdserve.temperature_probs(logits[index].float(), tensors[0][index])
+        rows = self.native_rows(params)
+        if rows and len(rows) == len(params):
+            return native(slice(None), tensors[0])
+        out = kernels(tensors)
+        if rows:
+            index = torch.tensor(rows)
+            out[index] = native(index, tensors[0][index])
         return out
 
     @staticmethod

@@ -191,8 +191,7 @@ class FusedSpecStep:
         at position n + j), and the rule draws its acceptance tests and last tokens itself."""
         deepest, draft = max(ks), _native_passes(self.draft_runner)
         vocab = self.draft_runner.cfg.vocab_size
-        temperature = torch.tensor([0.0 if s.params.is_greedy else float(s.params.temperature) for s in seqs],
-                                   dtype=torch.float32)
+        temperature = torch.tensor([float(s.params.temperature) for s in seqs], dtype=torch.float32)
         noise = race_noise([s.params for s in seqs] * deepest, [s.seed for s in seqs] * deepest,
                            [s.num_tokens + j for j in range(deepest) for s in seqs], vocab, rng.DRAFT_STREAM,
                            temperature.device, self.sampler.hash_fn).view(deepest, len(seqs), -1)

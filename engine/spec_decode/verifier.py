@@ -94,8 +94,7 @@ class RejectionVerifier(_Verifier):
         """Rows that race natively (greedy or by temperature alone, on the CPU) through the native
         rule, the rest through `verify_batch`: a sequence's tokens never depend on what else the
         batch holds."""
-        native = [i for i, s in enumerate(seqs) if self.sampler.races_natively
-                  and (s.params.is_greedy or s.params.filters_by_temperature_only)]
+        native = self.sampler.native_rows([s.params for s in seqs])
         if len(native) == len(seqs):
             return self._verify_native(seqs, proposals, rows)
         rest = sorted(set(range(len(seqs))) - set(native))
@@ -121,7 +120,7 @@ class RejectionVerifier(_Verifier):
             p, q, torch.tensor([t for prop in proposals for t in prop.token_ids], dtype=torch.int64),
             torch.tensor([len(prop.token_ids) for prop in proposals]), rng.seed_words([s.seed for s in seqs]),
             torch.tensor([s.num_tokens for s in seqs]),
-            torch.tensor([0.0 if s.params.is_greedy else float(s.params.temperature) for s in seqs]),
+            torch.tensor([float(s.params.temperature) for s in seqs]),
             rng.vocab_codes(vocab))
         return [prop.token_ids[:a] + [t] for prop, a, t in zip(proposals, accepted.tolist(), last.tolist())]
 
