@@ -24,10 +24,13 @@ from procs import MAX_NUM_SEQS, NUM_KV_BLOCKS
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 SHAPE = Shape(1, 1, speculate=True)  # R's: P, and D drafting with the model itself, k = 3
-# the engine counted as nearly free: what the deployment measures is then almost all overhead
-ENGINE = CostProfile("tiny", "test", prefill=StepCost(1e-4, per_token_s=1e-7), decode=StepCost(1e-4),
+# the engine counted as nearly free: what the deployment measures is then almost all overhead.
+# (At a tenth of a millisecond a step, 2e-4 with speculation, a step of four accepted tokens was
+# priced at what the tiny model's steps measure, and a quick unloaded point could measure them
+# under that: no step overhead at all.)
+ENGINE = CostProfile("tiny", "test", prefill=StepCost(1e-5, per_token_s=1e-8), decode=StepCost(1e-5),
                      transfer=TransferCost(1000, 1e10), limits=WorkerLimits(MAX_NUM_SEQS, 256, NUM_KV_BLOCKS * 16),
-                     speculation=SpeculationCost(3, 0.9, 0.1, step=StepCost(2e-4)))
+                     speculation=SpeculationCost(3, 0.9, 0.1, step=StepCost(2e-5)))
 WORKLOAD = WorkloadConfig(WorkloadKind.RANDOM, LengthDistribution.parse("uniform:8,64"),
                           LengthDistribution.parse("uniform:8,24"), vocab_size=300)
 

@@ -64,6 +64,7 @@ def pair(serving_model, tmp_path_factory, dirs):
 def test_same_node_pair_uses_shm_and_the_other_falls_back_to_grpc(pair, dirs):
     shm_before = pair.stats("P").kv_transfer_shm_total
     via_shm = greedy_tokens(pair, "R", PROMPT)
+    pair.wait_all_free(("P",))  # its push counted once it is acknowledged, which may come after the tokens
     assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
     via_grpc = greedy_tokens(pair, "RX", PROMPT)  # DX's probe lives in another folder: P cannot open it
     assert pair.stats("P").kv_transfer_shm_total == shm_before + 1
