@@ -1,6 +1,6 @@
 """Disaggregated against colocated TTFT at low load, measured by `pdserve bench` side by side.
 
-    python benchmarks/ttft_low_load.py [--quick] [--repeats 5] [--num-requests 20] [--no-kv-shm]
+    python benchmarks/ttft_low_load.py [--quick] [--repeats 5] [--num-requests 20] [--no-kv-shm] [--draft]
 
 Two systems run at once, each with single-threaded workers pinned to cores:
 
@@ -18,7 +18,8 @@ median TTFT disagg / median TTFT colocated. Goal: every repeat <= 1.10.
 Writes benchmarks/results/ttft_low_load.json and .png and the "TTFT at low load" section of
 BENCHMARKS.md (not with --quick, another --output-len or --no-kv-shm: those write files of their
 own and print their table). --no-kv-shm moves the prefill worker's K/V over gRPC, as to a decode
-worker on another node.
+worker on another node. --draft gives every worker the demo draft: both arms speculate, and the
+prefill worker also runs the draft over each prompt and sends its K/V.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = str(REPO / "models" / "demo")
+DRAFT = str(REPO / "models" / "demo-draft")
 WORKER = ["--model", MODEL, "--num-kv-blocks", "512", "--max-num-seqs", "8"]
 PROMPT_LEN, OUTPUT_LEN = "uniform:256,768", "fixed:8"
 
@@ -48,10 +50,11 @@ def workload(output_len: str = OUTPUT_LEN) -> WorkloadConfig:
                           LengthDistribution.parse(output_len), tokenizer=MODEL)
 
 
-def start(run: Launcher, prefill_args: list[str] = ()) -> dict:
-    prefill = run.worker("prefill-worker", "disagg-P", [*WORKER, *prefill_args], [0])
-    decode = run.worker("decode-worker", "disagg-D", WORKER, [1])
-    colocated = run.worker("decode-worker", "colocated-D", WORKER, [0])
+def start(run: Launcher, prefill_args: list[str] = (), worker_args: list[str] = ()) -> dict:
+    worker = [*WORKER, *worker_args]
+    prefill = run.worker("prefill-worker", "disagg-P", [*worker, *prefill_args], [0])
+    decode = run.worker("decode-worker", "disagg-D", worker, [1])
+    colocated = run.worker("decode-worker", "colocated-D", worker, [0])
     routers = {"disagg": run.router("disagg-R", MODEL, [prefill], [decode]),
                "colocated": run.router("colocated-R", MODEL, [], [colocated])}
     run.wait_ready()
@@ -122,6 +125,8 @@ def main() -> None:
                    "first token); only the default run rewrites BENCHMARKS.md")
     p.add_argument("--no-kv-shm", action="store_true", help="the prefill worker's K/V over gRPC, as to a decode "
                    "worker on another node (it does not rewrite BENCHMARKS.md)")
+    p.add_argument("--draft", action="store_true", help="every worker with the demo draft (speculative "
+                   "decoding in both arms; it does not rewrite BENCHMARKS.md)")
     args = p.parse_args()
     if args.out is None:  # a smoke run leaves the measured files alone
         args.out = str(RESULTS / ("ttft_low_load_quick" if args.quick else "ttft_low_load"))
@@ -129,7 +134,7 @@ def main() -> None:
         args.repeats, args.num_requests, args.block = 2, 4, 2
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
-        routers = start(run, ["--no-kv-shm"] if args.no_kv_shm else [])
+        routers = start(run, ["--no-kv-shm"] if args.no_kv_shm else [], ["--draft-model", DRAFT] if args.draft else [])
         addresses = {arm: router.address for arm, router in routers.items()}
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
             runs.append(one_repeat(addresses, r, args.num_requests, args.block, args.output_len))
@@ -139,9 +144,10 @@ def main() -> None:
     result = {"repeats": runs, "stages_mean_s": stages, "goal": goal.as_dict(), "machine": machine(),
               "workload": {"prompt_len": PROMPT_LEN, "output_len": args.output_len}, "config": vars(args)}
     out = Path(args.out)
-    if (args.output_len != OUTPUT_LEN or args.no_kv_shm) and args.out == str(RESULTS / "ttft_low_load"):
+    if (args.output_len != OUTPUT_LEN or args.no_kv_shm or args.draft) and args.out == str(RESULTS / "ttft_low_load"):
         # the default run's files stay
         out = RESULTS / "_".join(["ttft_low_load", *(["no_kv_shm"] if args.no_kv_shm else []),
+                                  *(["draft"] if args.draft else []),
                                   *([args.output_len.replace(':', '')] if args.output_len != OUTPUT_LEN else [])])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
@@ -149,7 +155,7 @@ def main() -> None:
     out_name = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)
     body = markdown(runs, stages, goal, args, host(result["machine"]), out_name)
     print(body)
-    if not args.quick and args.output_len == OUTPUT_LEN and not args.no_kv_shm:
+    if not args.quick and args.output_len == OUTPUT_LEN and not args.no_kv_shm and not args.draft:
         update_section(REPO / "BENCHMARKS.md", "TTFT at low load (`benchmarks/ttft_low_load.py`)", body)
 
 
@@ -159,12 +165,14 @@ def markdown(runs: list[dict], stages: dict, goal: Goal, args, host_line: str,
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python benchmarks/ttft_low_load.py --repeats "
              f"{args.repeats} --num-requests {args.num_requests} --block {args.block}"
              + (f" --output-len {args.output_len}" if args.output_len != OUTPUT_LEN else "")
-             + (" --no-kv-shm" if args.no_kv_shm else "")
+             + (" --no-kv-shm" if args.no_kv_shm else "") + (" --draft" if args.draft else "")
              + f"`, through `pdserve bench` (`--max-concurrency 1`), prompts {PROMPT_LEN} tokens of code, "
              f"{args.output_len} output tokens, "
              "demo target, one torch thread per worker, workers pinned (disagg: prefill core 0, decode core 1; "
              "colocated: one worker on core 0), "
              + ("the prefill worker's K/V over gRPC (`--no-kv-shm`), " if args.no_kv_shm else "")
+             + ("every worker with the demo draft (`--draft`: both arms speculate, the prefill worker runs "
+                "the draft over each prompt and sends its K/V), " if args.draft else "")
              + "default worker settings otherwise. Output: "
              f"`{out_name}.json`, `.png`. "
              f"Machine: {host_line}.", "",

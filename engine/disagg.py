@@ -30,7 +30,7 @@ import torch
 
 from pdserve.engine.model.llama import PackedLinear
 from pdserve.engine.model_runner import BatchEntry, ModelRunner
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
@@ -251,10 +251,14 @@ def prefill_chunk(entry: BatchEntry, block_size: int) -> PrefillChunk:
 
 
 def run_handing_off(runner: ModelRunner, draft_runner: ModelRunner | None, batch: list[BatchEntry],
-                    hook: KVHook | None, streams: bool, block_size: int) -> torch.Tensor:
-    """The target's forward pass over `batch`, its logits. Prefill-only sequences' K/V go to
-    `hook` layer by layer: as each lands when `streams`, else once the pass is done; with a
-    draft, the draft's pass over the same tokens follows and its layers go after the target's."""
+                    hook: KVHook | None, streams: bool, block_size: int
+                    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """The target's forward pass over `batch`: its logits, and the draft's pass over the same
+    prompt tokens still to run (None: no draft, or no prefill-only sequence in the batch).
+    Prefill-only sequences' K/V go to `hook` layer by layer: as each lands when `streams`, else
+    once the pass is done. The draft's pass hands its layers over after the target's; the caller
+    runs it right away, or once the step's first tokens are sampled and on their way (a prefill
+    worker: `LLMEngine.defer_draft_handoff`), off the path of TTFT."""
     handoff = [e for e in batch if e.seq.is_prefill_only]
     chunks = [prefill_chunk(e, block_size) for e in handoff] if handoff and hook is not None else None
     if chunks is None:
@@ -265,9 +269,20 @@ def run_handing_off(runner: ModelRunner, draft_runner: ModelRunner | None, batch
         logits = runner.execute(batch)
         for layer in range(len(runner.kv_caches)):
             hook(0, layer, chunks)
-    if handoff and draft_runner is not None:  # the draft's K/V of the same tokens travel too
-        draft_runner.execute([BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff])
+    if not handoff or draft_runner is None:
+        return logits, None
+    # fixed now: where each entry starts, before the step moves its sequence on
+    entries = [BatchEntry(e.seq, e.num_new_tokens, 0, start=e.start) for e in handoff]
+
+    def draft_pass() -> None:
+        """The draft's K/V of the same tokens, which travel too. A sequence that ended since (its
+        blocks freed, maybe another's now) is left out, and its chunk with it."""
+        live = [i for i, e in enumerate(entries) if e.seq.status is not SequenceStatus.FINISHED]
+        if not live:
+            return
+        draft_runner.execute([entries[i] for i in live])
         if chunks is not None:
+            kept = [chunks[i] for i in live]
             for layer in range(len(draft_runner.kv_caches)):
-                hook(1, layer, chunks)
-    return logits
+                hook(1, layer, kept)
+    return logits, draft_pass

@@ -13,6 +13,7 @@ import gc
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,10 @@ class LLMEngine:
         # is done, so that it runs whole (a hook that sends the K/V only after the step anyway)
         self.kv_hook: KVHook | None = None
         self.kv_hook_streams = True
+        # prefill worker: a step's draft pass over its prompt tokens waits for `hand_over_draft`
+        # (or the next step), so the first tokens it samples go out without waiting for it
+        self.defer_draft_handoff = False
+        self._draft_handoff: Callable[[], None] | None = None
         self.forward_started_at: float | None = None  # perf_counter: the last step's target pass began
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -233,6 +238,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration over every running sequence. With speculation, the step is also timed
         for the speculation gate, outside the step itself."""
+        self.hand_over_draft()
         if self.speculator is None:
             return self._step()
         start = time.perf_counter()
@@ -272,8 +278,27 @@ class LLMEngine:
         """The target's forward pass over the flat batch (prefill-only sequences' K/V to
         `kv_hook`: `disagg.run_handing_off`)."""
         self.forward_started_at = time.perf_counter()
-        return run_handing_off(self.runner, self.draft_runner, batch, self.kv_hook, self.kv_hook_streams,
-                               self.block_manager.block_size)
+        logits, draft_pass = run_handing_off(self.runner, self.draft_runner, batch, self.kv_hook,
+                                             self.kv_hook_streams, self.block_manager.block_size)
+        if draft_pass is not None:
+            self._draft_handoff = draft_pass
+            if not self.defer_draft_handoff:
+                self.hand_over_draft()
+        return logits
+
+    @property
+    def draft_handoff_pending(self) -> bool:
+        """Whether the last step's draft pass over prompt tokens waits for `hand_over_draft`."""
+        return self._draft_handoff is not None
+
+    def hand_over_draft(self) -> None:
+        """Prefill worker (engine thread): the last step's draft pass over its prompt tokens, whose
+        layers go to `kv_hook` (`disagg.run_handing_off`), if it is still to run. With
+        `defer_draft_handoff` the worker calls this once the step's first tokens are on their
+        way; the next step calls it first in any case, so no prompt's draft K/V are skipped."""
+        draft_pass, self._draft_handoff = self._draft_handoff, None
+        if draft_pass is not None:
+            draft_pass()
 
     def _lookahead(self, seq: Sequence) -> int:
         if not self._speculate:

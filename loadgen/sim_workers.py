@@ -106,12 +106,17 @@ class Decoder:
 class PrefillWorker:
     """Prefills prompts in chunks, then hands each prompt's K/V over, one prompt at a time: a
     worker's sends share its link (and, on the CPU, the core its serving loop runs on), so the
-    prompts one step completes arrive one after another."""
+    prompts one step completes arrive one after another. With a draft, a step's first tokens are
+    sampled after the target's pass, and the draft's pass over the same tokens follows before the
+    step's hand-over and the next step (`LLMEngine.defer_draft_handoff`)."""
 
     def __init__(self, clock: Clock, profile: CostProfile, cost: StepCost,
-                 on_done: Callable[[SimRequest, float], None]):
-        """on_done(request, kv_arrival_s): a prompt is prefilled, its first token sampled now."""
+                 on_done: Callable[[SimRequest, float], None], sampled_after: StepCost | None = None):
+        """on_done(request, kv_arrival_s): a prompt is prefilled, its first token sampled now.
+        cost: a step's whole, the draft's pass included where there is one; sampled_after: the
+        part of it after which the first tokens are sampled (None: all of it)."""
         self.clock, self.cost, self.limits, self.on_done = clock, cost, profile.limits, on_done
+        self.sampled_after = sampled_after or cost
         self.transfer = profile.transfer
         self.jobs: list[SimRequest] = []
         self.queued_tokens = 0
@@ -128,19 +133,25 @@ class PrefillWorker:
         chunks = take_chunks(self.jobs, self.limits.max_num_batched_tokens, self.limits.max_num_seqs)
         self.is_busy = bool(chunks)
         if chunks:
-            self.clock.at(self.clock.now + prefill_seconds(self.cost, chunks, True, self.clock.now),
-                          self._finish, chunks)
+            now = self.clock.now
+            whole = prefill_seconds(self.cost, chunks, True, now)
+            sampled = min(whole, prefill_seconds(self.sampled_after, chunks, True, now))
+            self.clock.at(now + sampled, self._finish, chunks, now + whole)
 
-    def _finish(self, chunks: list[tuple[SimRequest, int]]) -> None:
+    def _finish(self, chunks: list[tuple[SimRequest, int]], step_end_s: float) -> None:
+        """The step's first tokens are sampled now; it ends (its K/V go) at step_end_s."""
         for req, n in chunks:
             req.num_computed += n
             self.queued_tokens -= n
             if req.num_computed == req.prompt_len:
                 self.jobs.remove(req)
                 req.prefill_end_s = self.clock.now
-                self.link_free_s = max(self.link_free_s, self.clock.now) + self.transfer.seconds(req.prompt_len)
+                self.link_free_s = max(self.link_free_s, step_end_s) + self.transfer.seconds(req.prompt_len)
                 self.on_done(req, self.link_free_s)
-        self._step()
+        if step_end_s > self.clock.now:
+            self.clock.at(step_end_s, self._step)
+        else:
+            self._step()
 
 
 def take_chunks(queue: list[SimRequest], budget: int, max_seqs: int) -> list[tuple[SimRequest, int]]:

@@ -87,14 +87,16 @@ class Router:
         if shape.speculate and spec is None:
             raise ValueError("the profile has no speculation costs: cannot simulate speculative decoding")
         decoder = Decoder(profile, spec, random.Random(seed))
-        # with a draft, prefill fills its cache too (on the prefill worker, or as the draft
-        # catches up in a colocated worker's first speculative step)
+        # with a draft, prefill fills its cache too (on the prefill worker, after the first
+        # tokens are sampled, or as the draft catches up in a colocated worker's first
+        # speculative step, counted here in its prefill)
         prefill = spec.prefill if spec is not None and spec.prefill is not None else profile.prefill
         if shape.is_colocated:
             self.decode = [ColocatedWorker(clock, profile, prefill, decoder, self.admit) for _ in range(shape.num_decode)]
         else:
             self.decode = [DecodeWorker(clock, profile, decoder, self.admit) for _ in range(shape.num_decode)]
-        self.prefill = [PrefillWorker(clock, profile, prefill, self._prefilled) for _ in range(shape.num_prefill)]
+        self.prefill = [PrefillWorker(clock, profile, prefill, self._prefilled, sampled_after=profile.prefill)
+                        for _ in range(shape.num_prefill)]
         self.queue: deque[SimRequest] = deque()
 
     def arrive(self, req: SimRequest) -> None:

@@ -123,6 +123,11 @@ class KVSender:
         self.num_handoffs += 1
         self._aio.call_soon_threadsafe(self._put_tail, batch)
 
+    def flush(self) -> None:
+        """What is queued here goes to the loop now, not when it reaches max_chunk_bytes."""
+        if self._pending:
+            self._hand_over()
+
     def _data(self, group, layer, token_start, num_tokens, data, crc, src_runs=(), num_bytes=None) -> None:
         self._append(KVData(self.num_chunks, group, layer, token_start, num_tokens, data, crc, src_runs),
                      len(data) if num_bytes is None else num_bytes)

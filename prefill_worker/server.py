@@ -153,6 +153,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         self._one_core = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
         loop.engine.kv_hook = self._on_layer
         loop.engine.kv_hook_streams = not self._after_the_step
+        loop.engine.defer_draft_handoff = True  # `_after_step` runs it
         loop.after_step = self._after_step
 
     def _on_layer(self, group: int, layer: int, chunks) -> None:
@@ -184,14 +185,35 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
 
     def _after_step(self, ok: bool) -> None:
         """Engine thread, after a step's outputs are posted: the noted layers' slots go to their
-        senders, and a prompt the step completed has its last K/V handed over. After a failed
-        step nothing is sent (its requests were failed)."""
-        chunks, layers = self._step_chunks, self._step_layers
+        senders, and a prompt the step completed has its last K/V handed over. With a draft, its
+        pass over the step's prompt tokens runs here, once their first tokens are on their way
+        (`LLMEngine.defer_draft_handoff`), and the target's layers go first, so the decode side
+        copies them while it runs. Before the sampling, that pass made a speculating pair's
+        disaggregated TTFT 1.15x the colocated one's at the median (BENCHMARKS.md, TTFT at low
+        load). After a failed step nothing is sent (its requests were failed); a draft pass that
+        fails fails the pushes of the step's prompts."""
+        chunks = self._step_chunks
+        if ok and chunks:
+            if self._one_core and self._step_layers:
+                self._let_first_tokens_out(chunks)
+            if self.engine.draft_handoff_pending:
+                self._send_noted(chunks, last=False)
+                try:
+                    self.engine.hand_over_draft()  # its layers to `_on_layer` too
+                except Exception as e:  # noqa: BLE001 - these prompts' pushes fail, not the worker
+                    log.exception("the draft's pass over the step's prompts failed")
+                    for c in chunks:
+                        if (sender := self._senders.get(c.seq.req_id)) is not None:
+                            self.loop.aio.call_soon_threadsafe(sender.fail, f"the draft's pass failed: {e!r}")
+                    ok = False
+            if ok:
+                self._send_noted(self._step_chunks, last=True)
         self._step_chunks, self._step_layers = None, []
-        if not ok or not chunks:
-            return
-        if self._one_core and layers:
-            self._let_first_tokens_out(chunks)
+
+    def _send_noted(self, chunks, last: bool) -> None:
+        """The layers noted since the last call, for each chunk; with `last`, a chunk that
+        completes its prompt ends it, else what is noted goes to the loop now."""
+        layers, self._step_layers = self._step_layers, []
         for c in chunks:
             sender = self._senders.get(c.seq.req_id)
             if sender is None:
@@ -206,8 +228,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                         sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
                     else:  # copied once, out of our host cache into the chunks' gRPC messages
                         sender.send_rows(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
-                if c.completes_prompt:
+                if last and c.completes_prompt:
                     sender.end_of_prompt()
+                elif not last:
+                    sender.flush()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
                 log.exception("KV hand-over failed req_id=%s", c.seq.req_id)
                 self.loop.aio.call_soon_threadsafe(sender.fail, f"KV hand-over failed: {e!r}")

@@ -20,9 +20,13 @@ def engines(path, **options):
     return prefill, decode
 
 
-def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, req_id: str, params: SamplingParams):
+def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, req_id: str, params: SamplingParams,
+                     defer: str | None = None):
     """Prefill on one engine, copying every hooked layer chunk into the other's reservation.
-    Each call's record ends with whether the chunk's K/V of the last layer were in the cache."""
+    Each call's record ends with whether the chunk's K/V of the last layer were in the cache.
+    defer: the draft's pass waits for the step's first tokens (`defer_draft_handoff`), and runs
+    at `hand_over_draft` after each step ("after_step", as a prefill worker calls it) or first
+    thing in the next step ("next_step")."""
     seq = decode.reserve(req_id, PROMPT, params)
     assert seq is not None and seq.status is SequenceStatus.HELD
     src, dst = kv_cache_groups(prefill), kv_cache_groups(decode)
@@ -38,26 +42,40 @@ def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, req_id: str, params:
                      kv.tobytes())
 
     prefill.kv_hook = hook
+    prefill.defer_draft_handoff = defer is not None
     held = prefill.add_prefill(req_id, PROMPT, params)
     first = None
     while first is None:
         for out in prefill.step():
             assert not out.finished
             first = out.new_token_ids[0]
+        calls.append("stepped")
+        if defer == "after_step":
+            prefill.hand_over_draft()
+    if defer == "next_step":
+        assert prefill.step() == []  # nothing to schedule: only the last chunk's draft pass
     assert held.status is SequenceStatus.HELD and held.block_table  # handed off, blocks kept
-    return first, calls
+    return first, [c for c in calls if c != "stepped"], calls
 
 
-@pytest.mark.parametrize("with_draft,streams", [(False, True), (True, True), (False, False), (True, False)])
-def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_draft, streams):
+@pytest.mark.parametrize("with_draft,streams,defer", [
+    (False, True, None), (True, True, None), (False, False, None), (True, False, None),
+    (True, False, "after_step"), (True, True, "next_step")])
+def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_draft, streams, defer):
     """streams: the hook runs inside the pass as each layer lands (`kv_hook_streams`), or for each
-    layer once the pass is done."""
+    layer once the pass is done. defer: the draft's pass after each step (`prefill_and_ship`)."""
     path = checkpoint("llama", seed=1)
     options = dict(draft_model=str(path), num_speculative_tokens=2, spec_adaptive=False) if with_draft else {}
     prefill, decode = engines(path, **options)
     prefill.kv_hook_streams = streams
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)
-    first, calls = prefill_and_ship(prefill, decode, "r", params)
+    first, calls, timeline = prefill_and_ship(prefill, decode, "r", params, defer)
+    # each step's draft layers come after the step returned its outputs when deferred, inside it if not
+    for step in [i for i, c in enumerate(timeline) if c == "stepped"]:
+        chunk = [c for c in timeline[:step] if c != "stepped" and c[0] == 0][-1][2]  # the step's tokens
+        draft_at = [i for i, c in enumerate(timeline) if c != "stepped" and c[0] == 1 and c[2] == chunk]
+        assert not with_draft or (len(draft_at) == len(prefill.draft_runner.kv_caches)
+                                  and all((i > step) == (defer is not None) for i in draft_at))
     layers = prefill.model_config.num_layers
     assert [c[2] for c in calls if c[:2] == (0, 0)] == [[(0, 16)], [(16, 16)], [(32, 8)]]  # layer by layer, per chunk
     assert [c[1] for c in calls if c[0] == 0] == list(range(layers)) * 3  # in order, each chunk
@@ -75,6 +93,29 @@ def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_d
     prefill.release("r")
     for e in (prefill, decode):
         assert e.block_manager.num_free_blocks == e.block_manager.num_blocks and not e.scheduler.held
+
+
+def test_a_deferred_draft_pass_leaves_out_a_request_that_ended(checkpoint):
+    """A prompt whose request ends between its step and the draft's pass (its blocks freed, maybe
+    another's by then) gets no draft pass and no draft layers; one still held gets both."""
+    path = checkpoint("llama", seed=1)
+    prefill = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, draft_model=str(path),
+                                     num_speculative_tokens=2, spec_adaptive=False))
+    calls = []
+    prefill.kv_hook = lambda group, layer, chunks: calls.append((group, [c.seq.req_id for c in chunks]))
+    prefill.defer_draft_handoff = True
+    params = SamplingParams(max_tokens=4)
+    prefill.add_prefill("gone", PROMPT, params)
+    prefill.add_prefill("kept", PROMPT[:20], params)
+    assert len(prefill.step()) == 2  # both prompts in one step: two first tokens
+    assert {g for g, _ in calls} == {0}
+    prefill.abort("gone")
+    prefill.hand_over_draft()
+    assert [ids for g, ids in calls if g == 1] == [["kept"]] * len(prefill.draft_runner.kv_caches)
+    prefill.hand_over_draft()  # once only
+    assert len([1 for g, _ in calls if g == 1]) == len(prefill.draft_runner.kv_caches)
+    prefill.release("kept")
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
 
 
 def test_reservations_count_against_the_pool_and_abort_frees_them(checkpoint):

@@ -59,6 +59,20 @@ def test_a_prefill_worker_hands_its_prompts_over_one_at_a_time():
     assert times(a) == [(0.1, 1), (0.25, 1)] and times(b) == [(0.1, 1), (0.25, 1)]
 
 
+def test_a_prefill_worker_samples_before_the_draft_pass_by_hand():
+    # With a draft: the target's pass 0.1 s, with the draft's 0.14 (its pass runs after the first
+    # tokens, `LLMEngine.defer_draft_handoff`). A's first token at .1, its hand-over (.15) from
+    # the step's end at .14: KV at .29; B's step [.14, .28), its token at .24, its hand-over after
+    # A's: KV at .44. Decode free, every draft rejected: one token a step.
+    spec = SpeculationCost(1, 0.0, 0.0, step=FREE, prefill=StepCost(0.14))
+    p = profile(prefill=StepCost(0.1), transfer=TransferCost(0, 1.0, latency_s=0.15), spec=spec)
+    a, b = simulate(p, Shape(1, 1, speculate=True), [SimInput(0.0, 4, 2), SimInput(0.0, 4, 2)]).records
+    assert times(a) == [(0.1, 1), (0.29, 1)] and times(b) == [(0.24, 1), (0.44, 1)]
+    # colocated, the draft catches up in the worker's first speculative step: counted in its prefill
+    (c,) = simulate(p, Shape(0, 1, speculate=True), [SimInput(0.0, 4, 1)]).records
+    assert times(c) == [(0.14, 1)]
+
+
 def test_chunked_prefill_under_a_token_budget_by_hand():
     # budget 8, prompts of 10; step costs 0.1 + 0.01/token.
     # [0, .18): A 8 tokens (B arrives at .05, waits);  [.18, .36): A 2 + B 6 -> A done;  [.36, .50): B 4 -> B done

@@ -32,12 +32,14 @@ class InProcessSystem:
     queue_timeout_s: float = 10.0
     kv_transfer_timeout_s: float = 10.0
     max_failovers: int = 0
+    engine_options: dict = field(default_factory=dict)  # more EngineConfig fields, for every worker
     transport: KVTransport | None = None  # default: a plain InProcessTransport
     inproc: InProcessTransport = field(default_factory=InProcessTransport)
     servers: list[AioServer] = field(default_factory=list)
 
     async def __aenter__(self) -> InProcessSystem:
-        engine_config = EngineConfig(model=str(self.model), num_kv_blocks=self.num_kv_blocks, max_num_seqs=8)
+        engine_config = EngineConfig(model=str(self.model), num_kv_blocks=self.num_kv_blocks, max_num_seqs=8,
+                                     **self.engine_options)
         self.prefills = [PrefillWorkerServicer(PrefillServerConfig(self.kv_transfer_timeout_s),
                                                self.transport or self.inproc) for _ in range(self.num_prefill)]
         self.decodes = [DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30))

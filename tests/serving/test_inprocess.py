@@ -198,6 +198,43 @@ def test_a_failing_engine_step_fails_its_requests_not_the_worker(text_checkpoint
     assert len(joined(after)) == 4
 
 
+def test_with_a_draft_its_kv_follow_the_first_token_and_a_failed_draft_pass_fails_only_that_push(text_checkpoint):
+    """A speculating pair (the model drafting for itself): the prefill worker's draft pass runs
+    after the first token (`defer_draft_handoff`), its K/V still reach the decode worker (every
+    draft accepted, the offline engine's tokens). When that pass fails, its push ends at once (the
+    decode side reads a stream without its trailer), every block is freed, and the next request is
+    served."""
+    draft = dict(draft_model=str(text_checkpoint), num_speculative_tokens=3, spec_adaptive=False)
+    want = LLM(text_checkpoint).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint, engine_options=draft) as system:
+            assert system.prefill.engine.defer_draft_handoff
+            got = [await system.generate(p, 12) for p in PROMPTS[:2]]
+            stats = system.decode.engine.speculator.stats
+            accepted = (stats.num_draft_tokens, stats.num_accepted_tokens)
+            runner = system.prefill.engine.draft_runner
+            real_execute, calls = runner.execute, []
+
+            def broken_once(*args, **kwargs):
+                if not calls:
+                    calls.append(1)
+                    raise RuntimeError("injected draft failure")
+                return real_execute(*args, **kwargs)
+
+            runner.execute = broken_once
+            with pytest.raises(RequestFailed) as err:
+                await system.generate(PROMPTS[2], 8)
+            await system.wait_all_free()
+            return got, accepted, err.value, await system.generate(PROMPTS[3], 4)
+
+    got, (drafted, accepted), err, after = run(scenario())
+    assert [joined(m) for m in got] == [o.token_ids for o in want]
+    assert drafted > 0 and accepted == drafted
+    assert err.code == grpc.StatusCode.DATA_LOSS and "truncated" in str(err)  # the decode side's verdict
+    assert len(joined(after)) == 4
+
+
 def _request(prompt: str, max_tokens: int):
     from pdserve.v1 import generation_pb2 as gen
 
