@@ -195,6 +195,13 @@ class PairCalls:
                 if (last := _final_first_token(first)) is not None:
                     yield last
                     return
+            if (not failure and e.code() == grpc.StatusCode.DATA_LOSS and prefill_task is not None
+                    and not prefill_task.done()):
+                # the decode side saw the transfer end short or corrupt; when the prefill worker
+                # gave it up, its own failure says why (a failed hand-over, a failed draft pass)
+                await asyncio.wait({prefill_task}, timeout=PREFILL_REASON_GRACE_S)
+            if not failure and prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
+                _on_prefill_done(prefill_task, call, failure)
             if failure:
                 raise failure[0] from None
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -209,6 +216,7 @@ class PairCalls:
 
 
 FIRST_TOKEN_GRACE_S = 10.0  # for the prefill worker's first token once the decode side says its sender gave up
+PREFILL_REASON_GRACE_S = 1.0  # for the prefill worker's own failure once the decode side saw its transfer fail
 
 
 def _final_first_token(first: asyncio.Future) -> tuple | None:
