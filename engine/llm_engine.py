@@ -184,7 +184,9 @@ class LLMEngine:
 
     def abort_unfinished(self) -> list[str]:
         """Abort every queued or running request (after a failed step); their ids. Held ones,
-        which no step touches, stay."""
+        which no step touches, stay. The failed step's draft pass (`hand_over_draft`) is dropped:
+        run at the next step, its layers would reach the hook among that step's."""
+        self._draft_handoff = None
         ids = [s.req_id for s in (*self.scheduler.running, *self.scheduler.waiting)]
         for req_id in ids:
             self.abort(req_id)

@@ -118,6 +118,24 @@ def test_a_deferred_draft_pass_leaves_out_a_request_that_ended(checkpoint):
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
 
 
+def test_a_failed_steps_draft_pass_is_dropped(checkpoint):
+    """After a failed step (`abort_unfinished`), its draft pass does not run at the next step,
+    where its layers would reach the hook among that step's: not even for a prompt it held."""
+    path = checkpoint("llama", seed=1)
+    prefill = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, draft_model=str(path),
+                                     num_speculative_tokens=2, spec_adaptive=False))
+    calls = []
+    prefill.kv_hook = lambda group, layer, chunks: calls.append((group, [c.seq.req_id for c in chunks]))
+    prefill.defer_draft_handoff = True
+    prefill.add_prefill("held", PROMPT[:20], SamplingParams(max_tokens=4))
+    assert len(prefill.step()) == 1 and prefill.draft_handoff_pending
+    assert prefill.abort_unfinished() == [] and not prefill.draft_handoff_pending  # held, not aborted
+    prefill.add_prefill("next", PROMPT[:12], SamplingParams(max_tokens=4))
+    prefill.step()
+    prefill.hand_over_draft()
+    assert [ids for g, ids in calls if g == 1] == [["next"]] * len(prefill.draft_runner.kv_caches)
+
+
 def test_reservations_count_against_the_pool_and_abort_frees_them(checkpoint):
     path = checkpoint("llama", seed=1)
     decode = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=6, max_num_seqs=8))
