@@ -95,15 +95,22 @@ def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_d
         assert e.block_manager.num_free_blocks == e.block_manager.num_blocks and not e.scheduler.held
 
 
-def test_a_deferred_draft_pass_leaves_out_a_request_that_ended(checkpoint):
-    """A prompt whose request ends between its step and the draft's pass (its blocks freed, maybe
-    another's by then) gets no draft pass and no draft layers; one still held gets both."""
+def deferring_prefill(checkpoint) -> tuple[LLMEngine, list]:
+    """A prefill engine with a draft whose pass waits for `hand_over_draft`, and the record of
+    its hook's calls: (group, the chunks' request ids)."""
     path = checkpoint("llama", seed=1)
     prefill = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, draft_model=str(path),
                                      num_speculative_tokens=2, spec_adaptive=False))
     calls = []
     prefill.kv_hook = lambda group, layer, chunks: calls.append((group, [c.seq.req_id for c in chunks]))
     prefill.defer_draft_handoff = True
+    return prefill, calls
+
+
+def test_a_deferred_draft_pass_leaves_out_a_request_that_ended(checkpoint):
+    """A prompt whose request ends between its step and the draft's pass (its blocks freed, maybe
+    another's by then) gets no draft pass and no draft layers; one still held gets both."""
+    prefill, calls = deferring_prefill(checkpoint)
     params = SamplingParams(max_tokens=4)
     prefill.add_prefill("gone", PROMPT, params)
     prefill.add_prefill("kept", PROMPT[:20], params)
@@ -121,12 +128,7 @@ def test_a_deferred_draft_pass_leaves_out_a_request_that_ended(checkpoint):
 def test_a_failed_steps_draft_pass_is_dropped(checkpoint):
     """After a failed step (`abort_unfinished`), its draft pass does not run at the next step,
     where its layers would reach the hook among that step's: not even for a prompt it held."""
-    path = checkpoint("llama", seed=1)
-    prefill = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, draft_model=str(path),
-                                     num_speculative_tokens=2, spec_adaptive=False))
-    calls = []
-    prefill.kv_hook = lambda group, layer, chunks: calls.append((group, [c.seq.req_id for c in chunks]))
-    prefill.defer_draft_handoff = True
+    prefill, calls = deferring_prefill(checkpoint)
     prefill.add_prefill("held", PROMPT[:20], SamplingParams(max_tokens=4))
     assert len(prefill.step()) == 1 and prefill.draft_handoff_pending
     assert prefill.abort_unfinished() == [] and not prefill.draft_handoff_pending  # held, not aborted
