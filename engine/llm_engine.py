@@ -282,10 +282,10 @@ class LLMEngine:
         self.forward_started_at = time.perf_counter()
         logits, draft_pass = run_handing_off(self.runner, self.draft_runner, batch, self.kv_hook,
                                              self.kv_hook_streams, self.block_manager.block_size)
-        if draft_pass is not None:
+        if draft_pass is not None and self.defer_draft_handoff:
             self._draft_handoff = draft_pass
-            if not self.defer_draft_handoff:
-                self.hand_over_draft()
+        elif draft_pass is not None:
+            draft_pass()
         return logits
 
     @property

@@ -192,49 +192,58 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         disaggregated TTFT 1.15x the colocated one's at the median (BENCHMARKS.md, TTFT at low
         load). After a failed step nothing is sent (its requests were failed); a draft pass that
         fails fails the pushes of the step's prompts."""
-        chunks = self._step_chunks
+        chunks, runs = self._step_chunks, {}
         if ok and chunks:
             if self._one_core and self._step_layers:
                 self._let_first_tokens_out(chunks)
-            if self.engine.draft_handoff_pending:
-                self._send_noted(chunks, last=False)
+            if not self.engine.draft_handoff_pending:
+                self._send_noted(chunks, runs, last=True)
+            else:
+                self._send_noted(chunks, runs, last=False)
                 try:
                     self.engine.hand_over_draft()  # its layers to `_on_layer` too
                 except Exception as e:  # noqa: BLE001 - these prompts' pushes fail, not the worker
                     log.exception("the draft's pass over the step's prompts failed")
                     for c in chunks:
-                        if (sender := self._senders.get(c.seq.req_id)) is not None:
-                            self.loop.aio.call_soon_threadsafe(sender.fail, f"the draft's pass failed: {e!r}")
-                    ok = False
-            if ok:
-                self._send_noted(self._step_chunks, last=True)
+                        self._fail_push(c, f"the draft's pass failed: {e!r}")
+                else:
+                    self._send_noted(self._step_chunks, runs, last=True)
         self._step_chunks, self._step_layers = None, []
 
-    def _send_noted(self, chunks, last: bool) -> None:
+    def _send_noted(self, chunks, runs: dict, last: bool) -> None:
         """The layers noted since the last call, for each chunk; with `last`, a chunk that
-        completes its prompt ends it, else what is noted goes to the loop now."""
+        completes its prompt ends it, else what is noted goes to the loop now. `runs`: each
+        chunk's slot runs, by request, made once a step."""
         layers, self._step_layers = self._step_layers, []
         for c in chunks:
             sender = self._senders.get(c.seq.req_id)
             if sender is None:
                 continue
             try:
-                runs = shm.slot_runs(c.slots.numpy()) if layers else []
+                if layers and c.seq.req_id not in runs:
+                    runs[c.seq.req_id] = shm.slot_runs(c.slots.numpy())
                 for group, layer in layers:
                     if self._reads_slots:  # the transport reads the slots itself (`DistTransport`)
                         k = self._groups[group][layer][0]
-                        sender.send_refs(group, layer, c.token_start, runs, 2 * k[0, 0].nbytes)
+                        sender.send_refs(group, layer, c.token_start, runs[c.seq.req_id], 2 * k[0, 0].nbytes)
                     elif self._in_shm:  # they stay in shared memory
-                        sender.send_slots(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
+                        sender.send_slots(group, layer, c.token_start, runs[c.seq.req_id],
+                                          *self._raw_layer(group, layer))
                     else:  # copied once, out of our host cache into the chunks' gRPC messages
-                        sender.send_rows(group, layer, c.token_start, runs, *self._raw_layer(group, layer))
+                        sender.send_rows(group, layer, c.token_start, runs[c.seq.req_id],
+                                         *self._raw_layer(group, layer))
                 if last and c.completes_prompt:
                     sender.end_of_prompt()
                 elif not last:
                     sender.flush()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
                 log.exception("KV hand-over failed req_id=%s", c.seq.req_id)
-                self.loop.aio.call_soon_threadsafe(sender.fail, f"KV hand-over failed: {e!r}")
+                self._fail_push(c, f"KV hand-over failed: {e!r}")
+
+    def _fail_push(self, chunk, reason: str) -> None:
+        """Engine thread: end the push of this chunk's request with `reason` (on the loop)."""
+        if (sender := self._senders.get(chunk.seq.req_id)) is not None:
+            self.loop.aio.call_soon_threadsafe(sender.fail, reason)
 
     def _let_first_tokens_out(self, chunks) -> None:
         """Engine thread, on a worker with one core: wait (FIRST_TOKEN_WAIT_S at most) until the

@@ -200,7 +200,7 @@ class PairCalls:
                 # the decode side saw the transfer end short or corrupt; when the prefill worker
                 # gave it up, its own failure says why (a failed hand-over, a failed draft pass)
                 await asyncio.wait({prefill_task}, timeout=PREFILL_REASON_GRACE_S)
-            if not failure and prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
+            if not failure and prefill_task is not None and prefill_task.done():
                 _on_prefill_done(prefill_task, call, failure)
             if failure:
                 raise failure[0] from None
