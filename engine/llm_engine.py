@@ -91,6 +91,7 @@ class LLMEngine:
         # (or the next step), so the first tokens it samples go out without waiting for it
         self.defer_draft_handoff = False
         self._draft_handoff: Callable[[], None] | None = None
+        self._held_in_step: list[str] = []  # prefill-only requests this step held (`_hand_off`)
         self.forward_started_at: float | None = None  # perf_counter: the last step's target pass began
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -184,10 +185,14 @@ class LLMEngine:
 
     def abort_unfinished(self) -> list[str]:
         """Abort every queued or running request (after a failed step); their ids. Held ones,
-        which no step touches, stay. The failed step's draft pass (`hand_over_draft`) is dropped:
-        run at the next step, its layers would reach the hook among that step's."""
+        which no step touches, stay, except those the failed step itself held: their first tokens
+        were in the outputs it never returned, so nothing else would end them (a prefill worker's
+        push would wait for its transfer timeout). The failed step's draft pass
+        (`hand_over_draft`) is dropped: run at the next step, its layers would reach the hook
+        among that step's."""
         self._draft_handoff = None
-        ids = [s.req_id for s in (*self.scheduler.running, *self.scheduler.waiting)]
+        ids = [s.req_id for s in (*self.scheduler.running, *self.scheduler.waiting)] + self._held_in_step
+        self._held_in_step = []
         for req_id in ids:
             self.abort(req_id)
         return ids
@@ -240,12 +245,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration over every running sequence. With speculation, the step is also timed
         for the speculation gate, outside the step itself."""
+        self._held_in_step = []
         self.hand_over_draft()
-        if self.speculator is None:
-            return self._step()
         start = time.perf_counter()
         outputs = self._step()
-        self.speculator.observe_step(self._shape, time.perf_counter() - start, outputs, self.runner.last_pass)
+        self._held_in_step = []  # their first tokens are in the outputs
+        if self.speculator is not None:
+            self.speculator.observe_step(self._shape, time.perf_counter() - start, outputs, self.runner.last_pass)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -357,6 +363,7 @@ class LLMEngine:
         seq.output_token_ids.append(first_token)
         self.block_manager.commit(seq)
         self.scheduler.hold(seq)
+        self._held_in_step.append(seq.req_id)
         return self._output(self._requests[seq.req_id])
 
     def _verify(self, seqs: list[Sequence], props: list[Proposal], rows: list, raw_rows: list) -> list[RequestOutput]:

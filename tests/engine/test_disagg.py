@@ -138,6 +138,32 @@ def test_a_failed_steps_draft_pass_is_dropped(checkpoint):
     assert [ids for g, ids in calls if g == 1] == [["next"]] * len(prefill.draft_runner.kv_caches)
 
 
+def test_a_prompt_held_by_a_step_that_then_failed_is_aborted_with_it(checkpoint):
+    """A step that holds a prompt and then fails returns no outputs, so that prompt's first token
+    never reaches its caller: `abort_unfinished` ends it with the running ones, where a held
+    prompt of an earlier step (its token delivered) stays."""
+    path = checkpoint("llama", seed=1)
+    prefill = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32))
+    params = SamplingParams(max_tokens=4)
+    prefill.add_prefill("earlier", PROMPT[:12], params)
+    assert len(prefill.step()) == 1
+    prefill.add_prefill("held", PROMPT[:20], params)
+    prefill.add_prefill("waiting", PROMPT, params)
+    real_hand_off = prefill._hand_off
+
+    def hand_off_then_fail(seq, tok):
+        real_hand_off(seq, tok)
+        raise RuntimeError("injected failure after the hand-off")
+
+    prefill._hand_off = hand_off_then_fail
+    with pytest.raises(RuntimeError, match="injected"):
+        prefill.step()
+    assert sorted(prefill.abort_unfinished()) == ["held", "waiting"]
+    assert prefill.scheduler.num_seqs == 1  # "earlier", still held for its push
+    prefill.release("earlier")
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+
+
 def test_reservations_count_against_the_pool_and_abort_frees_them(checkpoint):
     path = checkpoint("llama", seed=1)
     decode = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=6, max_num_seqs=8))

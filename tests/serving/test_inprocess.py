@@ -198,6 +198,33 @@ def test_a_failing_engine_step_fails_its_requests_not_the_worker(text_checkpoint
     assert len(joined(after)) == 4
 
 
+def test_a_prefill_step_that_fails_after_holding_a_prompt_fails_its_push_at_once(text_checkpoint):
+    """The prefill worker's step samples a prompt's first token, holds it, then fails: that
+    request fails at once with the step's error, well inside the transfer timeout its push would
+    otherwise have waited out, every block is freed, and the next request is served."""
+    async def scenario():
+        async with InProcessSystem(text_checkpoint, kv_transfer_timeout_s=60.0) as system:
+            engine = system.prefill.engine
+            real_hand_off, calls = engine._hand_off, []
+
+            def hand_off_then_fail_once(seq, tok):
+                out = real_hand_off(seq, tok)
+                if not calls:
+                    calls.append(1)
+                    raise RuntimeError("injected failure after the hand-off")
+                return out
+
+            engine._hand_off = hand_off_then_fail_once
+            with pytest.raises(RequestFailed) as err:
+                await asyncio.wait_for(system.generate(PROMPTS[0], 8), 20)
+            await system.wait_all_free()
+            return err.value, await system.generate(PROMPTS[1], 4)
+
+    err, after = run(scenario())
+    assert "injected failure after the hand-off" in str(err)
+    assert len(joined(after)) == 4
+
+
 def test_with_a_draft_its_kv_follow_the_first_token_and_a_failed_draft_pass_fails_only_that_push(text_checkpoint):
     """A speculating pair (the model drafting for itself): the prefill worker's draft pass runs
     after the first token (`defer_draft_handoff`), its K/V still reach the decode worker (every
