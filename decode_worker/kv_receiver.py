@@ -5,7 +5,10 @@ must carry the next sequence number and a matching CRC-32C; the header must desc
 worker's KV groups and the reservation's prompt; the trailer's chunk count must equal what
 arrived, and every token of every layer of every group must have been written. Anything else
 is a `TransferError`; the caller then fails the request, which frees its blocks. Runs on the
-asyncio loop only; it writes only into the slots of a HELD sequence, which no step reads.
+asyncio loop only; it writes only into the slots of a HELD sequence, which no step reads, or,
+after a `KVTargetReady` (`target_ready`: the target's K/V verified, the sequence decoding), into
+the draft's cache in blocks the engine keeps pinned for it (`PinnedBlocks`), which no draft pass
+reads until they are verified.
 
 A chunk carries its bytes, or (a same-node pair, the header naming the sender's shared-memory
 segments) names the sender's slots: those are copied straight into the reserved slots and the
@@ -24,7 +27,7 @@ import torch
 from pdserve.engine import kv_copy
 from pdserve.engine.disagg import DTYPE_NAMES, KVCache, KVGroupLayout, place_kv, raw_layer, slot_ids, write_kv
 from pdserve.engine.sequence import Sequence
-from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer, TransferError, TransferFailure
+from pdserve.serving.kv_transfer import KVData, KVHeader, KVTargetReady, KVTrailer, TransferError, TransferFailure
 from pdserve.serving.kv_transfer.dist import DistGroups, backend_for
 from pdserve.serving.kv_transfer.shm import PeerGroup, PeerSegments, copy_pieces, copy_runs, parse_runs
 
@@ -44,6 +47,15 @@ class TransferProgress:
     # the latest chunk's token range: ((token_start, num_tokens, src_runs), our slots, copy pieces
     # or None); the layers of one range share it
     plan: tuple | None = None
+    target_ready: bool = False  # `KVTargetReady` came: the target's cache is the running sequence's now
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBlocks:
+    """What a transfer writes into once its sequence decodes (`KVTargetReady`): the blocks it
+    reserved, pinned by the engine, as they were (the sequence's own table changes as it runs)."""
+
+    block_table: list[int]
 
 
 class KVReceiver:
@@ -144,6 +156,8 @@ class KVReceiver:
         if not 0 <= d.group < len(self.groups) or not 0 <= d.layer < self.groups[d.group][0].num_layers:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} names group {d.group} layer {d.layer}, "
                                 "which does not exist")
+        if d.group == 0 and p.target_ready:
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} is the target's, after KVTargetReady")
         if d.num_tokens < 1 or d.token_start + d.num_tokens > p.covered.shape[1]:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} covers tokens [{d.token_start}, "
                                 f"{d.token_start + d.num_tokens}) outside the prompt's {p.covered.shape[1]}")
@@ -212,6 +226,24 @@ class KVReceiver:
         if crc != d.crc32c:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} failed its CRC-32C checksum after the "
                                 "copy from shared memory")
+
+    def target_ready(self, p: TransferProgress, t: KVTargetReady) -> None:
+        """Mid-stream: the chunks so far cover every layer of the target (group 0) for the whole
+        prompt, and the first token is a token; else a `TransferError`."""
+        if p.covered is None:
+            raise TransferError(TransferFailure.CORRUPT, "KVTargetReady before the header")
+        if len(self.groups) < 2:
+            raise TransferError(TransferFailure.CORRUPT, "KVTargetReady, but this worker's KV cache has no draft "
+                                "group to follow")
+        if t.num_chunks != p.num_chunks:
+            raise TransferError(TransferFailure.CORRUPT, f"KVTargetReady counts {t.num_chunks} chunks but "
+                                f"{p.num_chunks} arrived")
+        if not p.covered[:p.layer_offsets[1]].all():
+            row = int(np.argmin(p.covered[:p.layer_offsets[1]].all(axis=1)))
+            raise TransferError(TransferFailure.CORRUPT, f"KVTargetReady, but the target's layer {row} lacks tokens")
+        if not 0 <= t.first_token_id < self.vocab_size:
+            raise TransferError(TransferFailure.CORRUPT, f"first token {t.first_token_id} is outside the vocabulary")
+        p.target_ready = True
 
     def finish(self, p: TransferProgress, t: KVTrailer) -> None:
         if p.covered is None:

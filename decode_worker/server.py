@@ -7,6 +7,11 @@ Life cycle of a disaggregated request on this worker (`DecodeState`):
         ──token deltas on the Decode stream──► finished (blocks freed)
     from any state ──bad chunk, truncation, timeout, Decode cancelled──► failed / cancelled (freed)
 
+With a draft model, the target's K/V come first and a `KVTargetReady` after them: the request
+is activated then (running, decoding plainly), the draft's K/V land in its pinned blocks while
+it decodes, and at the trailer the draft takes it up. Whatever happens to the stream after
+`KVTargetReady` costs the request only its speculation, never the request.
+
 The transfer ticket is issued here at reservation (serving/tickets.py): signed under the
 cluster's secret, naming the request, this worker's address and an expiry, distinct from the
 request id; only a push presenting it reaches the reservation, and a reservation nobody pushes
@@ -26,7 +31,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from pdserve.decode_worker.kv_receiver import KVReceiver, TransferProgress
+from pdserve.decode_worker.kv_receiver import KVReceiver, PinnedBlocks, TransferProgress
 from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
@@ -35,7 +40,8 @@ from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
-from pdserve.serving.kv_transfer import KVAck, KVData, KVHeader, KVMessage, KVTrailer, TransferError, TransferFailure
+from pdserve.serving.kv_transfer import (KVAck, KVData, KVHeader, KVMessage, KVTargetReady, KVTrailer, TransferError,
+                                         TransferFailure)
 from pdserve.serving.kv_transfer import dist, shm
 from pdserve.serving.kv_transfer.dist import DistGroups
 from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF, add_decode_worker_servicer, serve_push_kv
@@ -69,6 +75,7 @@ class DecodeRequest:
     seq: Sequence | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
     progress: TransferProgress = field(default_factory=TransferProgress)
+    kv_blocks: Sequence | PinnedBlocks | None = None  # where the transfer writes: the reservation's
     spans: RequestSpans | None = None  # reservation, transfer, decode
     num_tokens: int = 0  # generated and sent
 
@@ -116,6 +123,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size, dist_groups)
         if self.receiver.dist_backend is not None:
             self.info.kv_dist_backends.append(self.receiver.dist_backend)
+        self.info.kv_target_ready = len(groups) > 1  # a draft: decode on the target's K/V, take the draft's after
         if self.config.kv_shm and self.receiver.accepts_shm and shm.is_available():
             shm.clean_stale_segments()
             self.probe = shm.Probe()
@@ -153,7 +161,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             spans.finish("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
         text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s)
-        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans)
+        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans, kv_blocks=seq)
         self.num_requests_total += 1
         self.transfers[r.nonce] = r
         self._track(r)
@@ -268,6 +276,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         return await serve_push_kv(self, request_iterator, context)
 
     async def receive_kv(self, messages: AsyncIterator[KVMessage]) -> KVAck:
+        """A push's stream into its reservation. After a `KVTargetReady` the request decodes, and
+        what is left (the draft's K/V) can cost it nothing: whatever becomes of the rest, the
+        push is acknowledged, and a draft's K/V that did not arrive whole only cost that request
+        its speculation (`_draft_kv_lost`)."""
         r, opened_at = None, time.perf_counter()
         try:
             async for msg in messages:
@@ -285,17 +297,26 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     if not r.is_live:  # ended while the bytes came: its blocks may be another's now
                         raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended "
                                             f"({r.state.value})")
-                    self.receiver.place_dist(r.progress, r.seq, msg, buf, num_bytes)
+                    self.receiver.place_dist(r.progress, r.kv_blocks, msg, buf, num_bytes)
                 elif isinstance(msg, KVData):
-                    self.receiver.receive(r.progress, r.seq, msg)
+                    self.receiver.receive(r.progress, r.kv_blocks, msg)
+                elif isinstance(msg, KVTargetReady):
+                    self.receiver.target_ready(r.progress, msg)
+                    r.kv_blocks = PinnedBlocks(list(r.seq.block_table))  # held still: no step has touched it
+                    r.spans.end("transfer")
+                    r.spans.start("decode")
+                    self._activate(r, msg.first_token_id, msg.first_token_logprobs, r.kv_blocks.block_table)
                 elif isinstance(msg, KVTrailer) and msg.abandoned:
                     raise TransferError(TransferFailure.ABORTED, "the sender abandoned the transfer (its request "
                                         "ended)")
                 elif isinstance(msg, KVTrailer):
                     self.receiver.finish(r.progress, msg)
-                    r.spans.end("transfer")
-                    r.spans.start("decode")
-                    self._activate(r, msg.first_token_id, msg.first_token_logprobs)
+                    if r.progress.target_ready:  # the draft's K/V are in
+                        self.loop.call(lambda e: e.draft_kv_landed(r.req_id, ok=True))
+                    else:
+                        r.spans.end("transfer")
+                        r.spans.start("decode")
+                        self._activate(r, msg.first_token_id, msg.first_token_logprobs)
                     self.kv_transfer_bytes_total += r.progress.num_bytes
                     self.metrics.observe_transfer(time.perf_counter() - opened_at, r.progress.num_bytes)
                     return KVAck(r.progress.num_chunks, r.progress.num_bytes)
@@ -303,13 +324,28 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         except TransferError as e:
             if r is not None:
                 self.receiver.drop_dist(r.progress)
+                if r.progress.target_ready:
+                    return self._draft_kv_lost(r, e)
                 self._end(r, e)
             raise
         except asyncio.CancelledError:
             if r is not None:
                 self.receiver.drop_dist(r.progress)
-                self._end(r, TransferError(TransferFailure.ABORTED, "the KV push was cancelled by its sender"))
+                if r.progress.target_ready:
+                    self._draft_kv_lost(r, TransferError(TransferFailure.ABORTED, "the KV push was cancelled"))
+                else:
+                    self._end(r, TransferError(TransferFailure.ABORTED, "the KV push was cancelled by its sender"))
             raise
+
+    def _draft_kv_lost(self, r: DecodeRequest, e: TransferError) -> KVAck:
+        """After `KVTargetReady` the transfer ended short of the draft's K/V: the request, which
+        decodes already, goes on without speculation; the push is acknowledged for what came. A
+        request that ended meanwhile (finished, cancelled) only stops the transfer."""
+        self.loop.call(lambda eng: eng.draft_kv_landed(r.req_id, ok=False))
+        if r.is_live and e.failure is not TransferFailure.ABORTED:
+            self.kv_transfer_failures_total += 1
+            log.warning("request %s decodes without speculation: its draft's K/V did not arrive: %s", r.req_id, e)
+        return KVAck(r.progress.num_chunks, r.progress.num_bytes)
 
     def _open(self, header: KVHeader) -> DecodeRequest:
         try:
@@ -326,17 +362,18 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         r.spans.start("transfer")
         return r
 
-    def _activate(self, r: DecodeRequest, first_token: int, logprobs) -> None:
+    def _activate(self, r: DecodeRequest, first_token: int, logprobs, draft_pending: list[int] | None = None) -> None:
         """Queue the verified request's activation on the engine thread. The ack does not wait for
         it (about 0.5 ms of a push on 2 cores): the engine runs commands in order, so anything
-        queued later (an abort) finds the request active. An activation that fails ends it."""
+        queued later (an abort) finds the request active. An activation that fails ends it.
+        draft_pending: the request's blocks, into which the draft's K/V are still coming."""
         loop = self.loop
         logprobs = list(logprobs) if logprobs else None
 
         def run(engine: LLMEngine) -> None:
             if r.state is DecodeState.RUNNING:  # not ended while this command waited (`_end` frees it then)
                 # before any later step's outputs
-                loop.deliver_soon([engine.activate(r.req_id, first_token, logprobs)])
+                loop.deliver_soon([engine.activate(r.req_id, first_token, logprobs, draft_pending)])
 
         def check(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is not None:

@@ -109,6 +109,16 @@ class BlockManager:
             self._unref(block_id)
         seq.block_table = []
 
+    def pin(self, block_ids: list[int]) -> None:
+        """Keep these blocks allocated, whatever their sequence does, until `unpin`: a transfer
+        still writing into them (the draft's K/V of a sequence already decoding)."""
+        for block_id in block_ids:
+            self._ref(block_id)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
+            self._unref(block_id)
+
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the blocks covering the first `num_tokens` tokens (speculative rollback)."""
         keep = self.blocks_for(num_tokens)

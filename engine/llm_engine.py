@@ -29,7 +29,7 @@ from pdserve.engine.penalties import penalize
 from pdserve.engine.sampler import Sampler, stack_rows
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.engine.sequence import FinishReason, Sequence
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pdserve.engine.spec_decode.fused_step import FusedSpecStep
 from pdserve.engine.spec_decode.speculator import Proposal, StepShape, build_speculator
 from pdserve.engine.tokenizer import Tokenizer
@@ -92,6 +92,7 @@ class LLMEngine:
         self.defer_draft_handoff = False
         self._draft_handoff: Callable[[], None] | None = None
         self._held_in_step: list[str] = []  # prefill-only requests this step held (`_hand_off`)
+        self._pinned: dict[str, list[int]] = {}  # decode worker: blocks the draft's K/V are still arriving in
         self.forward_started_at: float | None = None  # perf_counter: the last step's target pass began
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -226,20 +227,48 @@ class LLMEngine:
         self._register(seq)
         return seq
 
-    def activate(self, req_id: str, first_token: int, first_logprobs: list[tuple[int, float]] | None = None
-                 ) -> RequestOutput:
+    def activate(self, req_id: str, first_token: int, first_logprobs: list[tuple[int, float]] | None = None,
+                 draft_pending: list[int] | None = None) -> RequestOutput:
         """Decode worker, once a reserved sequence's K/V transfer is verified: its prompt counts
         as computed (in the draft's cache too, which the transfer also filled), it joins the
         running batch, and the first token is appended (which may already finish it), with the
-        log-probs the prefill worker computed for it when the request asked for them."""
+        log-probs the prefill worker computed for it when the request asked for them.
+
+        draft_pending: only the target's K/V are verified yet, and the draft's are still being
+        written into these blocks (the prompt's, as reserved). The sequence decodes plainly
+        meanwhile (no draft pass touches it) and the blocks stay pinned, whatever becomes of
+        it, until `draft_kv_landed`."""
         seq = self._requests[req_id].seq
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(first_logprobs or [(first_token, float("nan"))])
         seq.num_computed_tokens = seq.num_prompt_tokens
-        if self.draft_runner is not None:
+        if draft_pending is not None:
+            self.block_manager.pin(draft_pending)
+            self._pinned[req_id] = list(draft_pending)
+            seq.draft_kv_pending = self.draft_runner is not None
+        elif self.draft_runner is not None:
             seq.num_draft_computed_tokens = seq.num_prompt_tokens
         self.scheduler.activate(seq)
         return self.append_tokens(seq, [first_token])
+
+    def draft_kv_landed(self, req_id: str, ok: bool) -> None:
+        """Decode worker: the transfer into a sequence activated with `draft_pending` ended. ok:
+        the draft's K/V of the prompt are verified in its blocks, and the draft takes up the
+        sequence from there (catching up on the tokens decoded meanwhile); else the sequence goes
+        on without speculation. Its pinned blocks are let go either way. A no-op for a request
+        that was never activated so."""
+        blocks = self._pinned.pop(req_id, None)
+        if blocks is None:
+            return
+        req = self._requests.get(req_id)
+        seq = req.seq if req is not None else None
+        if (seq is not None and seq.draft_kv_pending and ok and seq.status is SequenceStatus.RUNNING
+                and seq.num_computed_tokens >= seq.num_prompt_tokens and seq.block_table[:len(blocks)] == blocks):
+            seq.num_draft_computed_tokens = seq.num_prompt_tokens
+            seq.draft_kv_pending = False
+        elif seq is not None and seq.draft_kv_pending and seq.block_table[:len(blocks)] != blocks:
+            seq.draft_kv_pending = False  # preempted and recomputed: the draft catches up like any other's
+        self.block_manager.unpin(blocks)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -48,6 +48,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_draft_computed_tokens: int = 0  # tokens whose K/V are in the draft model's cache
+    # decode worker: decoding began on the target's K/V while the draft's are still arriving
+    # (`LLMEngine.activate`'s draft_pending): no draft pass may touch this sequence until they land
+    draft_kv_pending: bool = False
     num_preemptions: int = 0
     # prefill worker: once the prompt is computed and the first token sampled, hand the
     # sequence off (HELD, blocks kept while its K/V are sent) instead of decoding it

@@ -54,6 +54,7 @@ class SimRequest:
     num_computed: int = 0  # prompt tokens prefilled
     num_generated: int = 0
     decode_worker: "DecodeWorker | None" = None
+    draft_at_s: float | None = None  # when its draft's K/V land on the decode worker (None: no draft to wait for)
 
     @property
     def kv_tokens(self) -> int:
@@ -107,16 +108,21 @@ class PrefillWorker:
     """Prefills prompts in chunks, then hands each prompt's K/V over, one prompt at a time: a
     worker's sends share its link (and, on the CPU, the core its serving loop runs on), so the
     prompts one step completes arrive one after another. With a draft, a step's first tokens are
-    sampled after the target's pass, and the draft's pass over the same tokens follows before the
-    step's hand-over and the next step (`LLMEngine.defer_draft_handoff`)."""
+    sampled after the target's pass, and the target's K/V go then, while the draft's pass over
+    the same tokens runs (`LLMEngine.defer_draft_handoff`): the decode worker starts on them, and
+    the draft's K/V land at the step's end (their bytes, a fraction of the target's, left out of
+    the link's time); the next step starts then."""
 
     def __init__(self, clock: Clock, profile: CostProfile, cost: StepCost,
-                 on_done: Callable[[SimRequest, float], None], sampled_after: StepCost | None = None):
-        """on_done(request, kv_arrival_s): a prompt is prefilled, its first token sampled now.
-        cost: a step's whole, the draft's pass included where there is one; sampled_after: the
-        part of it after which the first tokens are sampled (None: all of it)."""
+                 on_done: Callable[[SimRequest, float, float | None], None], sampled_after: StepCost | None = None):
+        """on_done(request, kv_arrival_s, draft_arrival_s): a prompt is prefilled, its first
+        token sampled now; its target's K/V arrive at kv_arrival_s, its draft's at draft_arrival_s
+        (None without a draft). cost: a step's whole, the draft's pass included where there is
+        one; sampled_after: the part of it after which the first tokens are sampled (None: all of
+        it, and no draft)."""
         self.clock, self.cost, self.limits, self.on_done = clock, cost, profile.limits, on_done
         self.sampled_after = sampled_after or cost
+        self.has_draft = sampled_after is not None and sampled_after != cost
         self.transfer = profile.transfer
         self.jobs: list[SimRequest] = []
         self.queued_tokens = 0
@@ -139,15 +145,16 @@ class PrefillWorker:
             self.clock.at(now + sampled, self._finish, chunks, now + whole)
 
     def _finish(self, chunks: list[tuple[SimRequest, int]], step_end_s: float) -> None:
-        """The step's first tokens are sampled now; it ends (its K/V go) at step_end_s."""
+        """The step's first tokens are sampled now, and the target's K/V go; it ends (the
+        draft's K/V go) at step_end_s."""
         for req, n in chunks:
             req.num_computed += n
             self.queued_tokens -= n
             if req.num_computed == req.prompt_len:
                 self.jobs.remove(req)
                 req.prefill_end_s = self.clock.now
-                self.link_free_s = max(self.link_free_s, step_end_s) + self.transfer.seconds(req.prompt_len)
-                self.on_done(req, self.link_free_s)
+                self.link_free_s = max(self.link_free_s, self.clock.now) + self.transfer.seconds(req.prompt_len)
+                self.on_done(req, self.link_free_s, max(self.link_free_s, step_end_s) if self.has_draft else None)
         if step_end_s > self.clock.now:
             self.clock.at(step_end_s, self._step)
         else:
@@ -214,11 +221,14 @@ class DecodeWorker:
         self.is_busy = bool(self.running)
         if self.running:
             batch = list(self.running)
-            self.clock.at(self.clock.now + self.decoder.seconds(batch), self._finish, batch)
+            self.clock.at(self.clock.now + self.decoder.seconds(batch), self._finish, batch, self.clock.now)
 
-    def _finish(self, batch: list[SimRequest]) -> None:
+    def _finish(self, batch: list[SimRequest], started_s: float) -> None:
+        """A step that began at started_s ends: a request whose draft's K/V had not landed by
+        then decoded plainly (one token)."""
         for req in batch:
-            req.emit(self.clock.now, self.decoder.num_tokens())
+            landed = req.draft_at_s is None or req.draft_at_s <= started_s
+            req.emit(self.clock.now, self.decoder.num_tokens() if landed else 1)
         self.running = [r for r in self.running if not r.is_done]
         for req in batch:
             if req.is_done:

@@ -5,7 +5,8 @@
     disaggregated: prefill worker with the fewest queued prompt tokens (chunked prefill): the
         first token goes out as it is sampled ──KV transfer (a prefill worker's one after
         another)──► decode worker: joins at its next step boundary, then continuous batching,
-        plain or speculative
+        plain or speculative (with a draft: the target's K/V go as the first token is sampled,
+        and the request decodes plainly until the draft's land, at the prefill step's end)
     colocated: the decode worker prefills it in chunks beside its running decodes
 
 It produces the same `RequestRecord`s as `pdserve bench`, so the same summaries, SLO
@@ -119,11 +120,12 @@ class Router:
             if self.prefill:
                 min(self.prefill, key=lambda p: p.queued_tokens).submit(req)
 
-    def _prefilled(self, req: SimRequest, kv_arrival_s: float) -> None:
+    def _prefilled(self, req: SimRequest, kv_arrival_s: float, draft_arrival_s: float | None) -> None:
         req.emit(self.clock.now, 1)  # the prefill worker's first token goes to the router at once
         if req.is_done:
             req.decode_worker.release(req)
             return
+        req.draft_at_s = draft_arrival_s  # it decodes on the target's K/V, plainly until the draft's land
         self.clock.at(kv_arrival_s, req.decode_worker.kv_arrived, req)
 
 

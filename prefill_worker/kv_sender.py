@@ -16,6 +16,10 @@ loop, and 3-4 ms with batches. So the engine thread collects messages and hands 
 batches of at least `max_chunk_bytes` (a long prompt still streams layer by layer, a short one
 goes in one batch, with `end_of_prompt`).
 
+With a draft model and a decode worker that starts on the target's K/V (`targets_first`), the
+engine thread calls `target_done` once the target's K/V are handed over, before the draft's pass
+over the prompt: a `KVTargetReady` with the first token follows them, as soon as both are known.
+
 `fail` ends the stream early; the decode side then reports a truncated transfer and frees its
 blocks. `abandon` ends it with a trailer that says the request ended: the decode side frees the
 blocks and counts no failure.
@@ -29,7 +33,7 @@ import time
 import numpy as np
 
 from pdserve.engine.kv_copy import copy_rows, crc32c, rows_crc32c
-from pdserve.serving.kv_transfer import KVData, KVHeader, KVTrailer
+from pdserve.serving.kv_transfer import KVData, KVHeader, KVTargetReady, KVTrailer
 from pdserve.serving.kv_transfer.grpc_transport import data_chunk_in_place
 from pdserve.serving.kv_transfer.shm import copy_pieces, split_runs
 
@@ -37,8 +41,13 @@ _END = object()
 
 
 class KVSender:
-    def __init__(self, aio_loop: asyncio.AbstractEventLoop, header: KVHeader, max_chunk_bytes: int):
+    def __init__(self, aio_loop: asyncio.AbstractEventLoop, header: KVHeader, max_chunk_bytes: int,
+                 targets_first: bool = False):
+        """targets_first: the decode worker starts decoding on the target's K/V (`target_done`)."""
         self._aio = aio_loop
+        self.targets_first = targets_first
+        self._target_chunks: int | None = None  # loop: the target's data chunks, once `target_done` said
+        self._target_ready_sent = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._max_chunk_bytes = max_chunk_bytes
         self.num_chunks = 0
@@ -123,6 +132,12 @@ class KVSender:
         self.num_handoffs += 1
         self._aio.call_soon_threadsafe(self._put_tail, batch)
 
+    def target_done(self) -> None:
+        """After the target's K/V of the whole prompt are handed over (`flush`ed), before the
+        draft's: the decode side may start on them once it has the first token too."""
+        self.flush()
+        self._aio.call_soon_threadsafe(self._put_target_ready, self.num_chunks)
+
     def flush(self) -> None:
         """What is queued here goes to the loop now, not when it reaches max_chunk_bytes."""
         if self._pending:
@@ -150,6 +165,7 @@ class KVSender:
         """The first token, on the loop, once the engine delivered it."""
         self.first_token, self._first_logprobs = first_token, tuple(logprobs) if logprobs else None
         self.finished_at = time.perf_counter()
+        self._target_ready_if_known()
         self._end_if_complete()
 
     def abandon(self) -> None:
@@ -171,6 +187,8 @@ class KVSender:
     def _put_all(self, items: list) -> None:
         if self._ended:
             return
+        if items and self._target_chunks is not None:  # the draft's K/V: too late for a KVTargetReady
+            self._target_ready_sent = True
         for item in items:
             self._queue.put_nowait(item)
 
@@ -178,6 +196,19 @@ class KVSender:
         self._put_all(items)
         self._tail_handed = True
         self._end_if_complete()
+
+    def _put_target_ready(self, num_chunks: int) -> None:
+        self._target_chunks = num_chunks
+        self._target_ready_if_known()
+
+    def _target_ready_if_known(self) -> None:
+        """`KVTargetReady`, once `target_done` said and the first token is known, whichever came
+        first (before the trailer, which `end_of_prompt` queues after it)."""
+        if (self._ended or self._target_ready_sent or self._target_chunks is None or self.first_token is None
+                or self._tail_handed):
+            return
+        self._target_ready_sent = True
+        self._queue.put_nowait(KVTargetReady(self._target_chunks, self.first_token, self._first_logprobs))
 
     def _end_if_complete(self) -> None:
         """The trailer, once the engine thread is done with this request (`end_of_prompt`; its

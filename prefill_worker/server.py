@@ -188,10 +188,12 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         senders, and a prompt the step completed has its last K/V handed over. With a draft, its
         pass over the step's prompt tokens runs here, once their first tokens are on their way
         (`LLMEngine.defer_draft_handoff`), and the target's layers go first, so the decode side
-        copies them while it runs. Before the sampling, that pass made a speculating pair's
-        disaggregated TTFT 1.15x the colocated one's at the median (BENCHMARKS.md, TTFT at low
-        load). After a failed step nothing is sent (its requests were failed); a draft pass that
-        fails fails the pushes of the step's prompts."""
+        copies them while it runs; a decode worker that takes it (`KVSender.targets_first`) is
+        told they are complete (`KVTargetReady`) and starts decoding before the draft's arrive.
+        Before the sampling, that pass made a speculating pair's disaggregated TTFT 1.15x the
+        colocated one's at the median (BENCHMARKS.md, TTFT at low load). After a failed step
+        nothing is sent (its requests were failed); a draft pass that fails fails the pushes of
+        the step's prompts (a decode worker already decoding one goes on without its draft)."""
         chunks, runs = self._step_chunks, {}
         if ok and chunks:
             if self._one_core and self._step_layers:
@@ -234,6 +236,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                                          *self._raw_layer(group, layer))
                 if last and c.completes_prompt:
                     sender.end_of_prompt()
+                elif not last and c.completes_prompt and sender.targets_first:
+                    sender.target_done()  # the decode worker may start on them
                 elif not last:
                     sender.flush()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others
@@ -284,7 +288,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
         loop = asyncio.get_running_loop()
-        r = PrefillRequest(req_id, KVSender(loop, header, self.config.max_chunk_bytes), loop.create_future(),
+        sender = KVSender(loop, header, self.config.max_chunk_bytes, targets_first=request.target_ready)
+        r = PrefillRequest(req_id, sender, loop.create_future(),
                            finish_reason_of=(lambda tok: engine.finish_reason_of(params, tok, 1, len(ids) + 1))
                            if stream_first_token else None)
         metadata = context.invocation_metadata()

@@ -117,7 +117,9 @@ class PairCalls:
         w = candidates[0]
         w.num_queued_prompt_tokens += len(prompt)
         w.num_in_flight += 1
-        call = w.stub.PrefillStream(worker_pb2.PrefillRequest(request=work, ticket=ticket),
+        # a decode worker with a draft starts on the target's K/V when it says so (KVTargetReady)
+        target_ready = decode.info is not None and decode.info.kv_target_ready
+        call = w.stub.PrefillStream(worker_pb2.PrefillRequest(request=work, ticket=ticket, target_ready=target_ready),
                                     timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         resp = None
         try:

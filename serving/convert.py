@@ -82,6 +82,10 @@ def parse_logprobs(msg: gen_pb2.TokenLogprobs, token_id: int) -> TokenLogprobs:
     return [(token_id, msg.logprob), *zip(msg.top_token_ids, msg.top_logprobs)]
 
 
+# WorkerInfo fields the worker itself sets, not the engine's description
+WORKERS_OWN = ("role", "shm_probe", "shm_probe_nonce", "kv_dist_backends", "kv_target_ready")
+
+
 def worker_info(role: str, desc) -> worker_pb2.WorkerInfo:
     """A WorkerInfo from any object with its fields as attributes (`engine.disagg.WorkerDescription`)."""
     msg = worker_pb2.WorkerInfo(role=role)
@@ -90,7 +94,7 @@ def worker_info(role: str, desc) -> worker_pb2.WorkerInfo:
             msg.kv_groups.extend(worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers,
                                                           num_kv_heads=g.num_kv_heads, head_dim=g.head_dim)
                                  for g in desc.kv_groups)
-        elif field.name not in ("role", "shm_probe", "shm_probe_nonce", "kv_dist_backends"):  # the worker's own, not the engine's
+        elif field.name not in WORKERS_OWN:
             value = getattr(desc, field.name)
             if isinstance(value, tuple):
                 getattr(msg, field.name).extend(value)

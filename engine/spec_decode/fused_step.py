@@ -118,13 +118,13 @@ class FusedSpecStep:
     def takes(self, seqs: list[Sequence]) -> bool:
         """Whether steps of these sequences can fuse by what they ask (greedy, or sampling by
         temperature alone where this step samples; no penalties, no log-probs, no prefill-only
-        request) and the draft's passes are native: what the depth model plans for
+        request, none whose draft K/V are still arriving) and the draft's passes are native: what the depth model plans for
         (`AdaptiveDepth.plan`'s fused) before the step's state is known."""
         if _native_passes(self.draft_runner) is None:
             return False
         for seq in seqs:
             p = seq.params
-            if (p.logprobs is not None or has_penalties(seq) or seq.is_prefill_only
+            if (p.logprobs is not None or has_penalties(seq) or seq.is_prefill_only or seq.draft_kv_pending
                     or not (p.is_greedy or (self.sampler is not None and p.filters_by_temperature_only))):
                 return False
         return True

@@ -160,8 +160,10 @@ class Speculator:
     def plan(self, seqs: list[Sequence], max_model_len: int, fused: bool = False) -> None:
         """The step's depths for the sequences about to decode (`choose_k` then answers the
         scheduler): fixed, or picked for the batch by the depth model (fused: the step can run
-        as one native call, `AdaptiveDepth.plan`)."""
-        rooms = [min(s.params.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens) - 1 for s in seqs]
+        as one native call, `AdaptiveDepth.plan`). A sequence whose draft K/V are still arriving
+        (`Sequence.draft_kv_pending`) has no room: it decodes plainly until they land."""
+        rooms = [-1 if s.draft_kv_pending else
+                 min(s.params.max_tokens - s.num_output_tokens, max_model_len - s.num_tokens) - 1 for s in seqs]
         self._ks = dict(zip((s.req_id for s in seqs), self.depth.plan(seqs, rooms, fused)))
 
     def choose_k(self, seq: Sequence) -> int:

@@ -6,6 +6,12 @@ on the decode side by the decode worker's `KVEndpoint`:
 
     KVHeader ─► KVData 0 ─► KVData 1 ─► … ─► KVTrailer(num_chunks, first_token_id)   ⇒  KVAck
 
+With a draft model, to a decode worker that takes it, the target's K/V go first and a
+`KVTargetReady` follows them, before the draft's: the decode worker starts decoding on it, and
+the draft's K/V land meanwhile (the draft drafts for that request once they have).
+
+    KVHeader ─► target's KVData … ─► KVTargetReady(n, first_token_id) ─► draft's KVData … ─► KVTrailer
+
 A `KVTransport` carries a stream to the endpoint at an address and returns its acknowledgement,
 or raises `TransferError` saying why the transfer failed (the decode side's verdict, a timeout,
 an unreachable peer). Backends:
@@ -96,7 +102,17 @@ class KVTrailer:
     abandoned: bool = False  # the sender gave the transfer up on purpose (its request ended)
 
 
-KVMessage = KVHeader | KVData | KVTrailer
+@dataclass(frozen=True, slots=True)
+class KVTargetReady:
+    """The target's K/V are complete (data chunks 0 to num_chunks - 1) and the first token is
+    sampled; the draft's K/V follow, then the trailer."""
+
+    num_chunks: int  # data chunks sent so far: the target's
+    first_token_id: int
+    first_token_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+KVMessage = KVHeader | KVData | KVTargetReady | KVTrailer
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from pdserve.engine.disagg import KVCache, gather_kv
 from pdserve.engine.kv_copy import crc32c
-from pdserve.serving.kv_transfer import KVAck, KVData, KVDist, KVHeader, KVMessage, TransferError, TransferFailure
+from pdserve.serving.kv_transfer import (KVAck, KVData, KVDist, KVHeader, KVMessage, KVTargetReady, TransferError,
+                                         TransferFailure)
 from pdserve.serving.kv_transfer.grpc_transport import GrpcTransport
 from pdserve.serving.kv_transfer.shm import parse_runs
 
@@ -241,6 +242,8 @@ class _Stream:
                     if joining is not None:
                         pair.group, joining = await self._joined(joining), None
                     sends.append(pair.group.send([buf], 1, msg.seq))
+                elif isinstance(msg, KVTargetReady):  # the decode side has received every chunk before it
+                    yield msg
                 else:
                     if not msg.abandoned:
                         if joining is not None:

@@ -35,8 +35,8 @@ from pdserve.serving.logs import REQUEST_ID_KEY, request_id
 from pdserve.serving.tracing import metadata_value, outgoing_metadata
 from pdserve.engine.disagg import KVGroupLayout
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.kv_transfer import (KVAck, KVData, KVDist, KVEndpoint, KVHeader, KVMessage, KVShm, KVTrailer,
-                                         TransferError, TransferFailure)
+from pdserve.serving.kv_transfer import (KVAck, KVData, KVDist, KVEndpoint, KVHeader, KVMessage, KVShm, KVTargetReady,
+                                         KVTrailer, TransferError, TransferFailure)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.kv_transfer")
@@ -69,6 +69,11 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
             d = msg.dist
             header.dist.CopyFrom(worker_pb2.KVDist(host=d.host, port=d.port, name=d.name, backend=d.backend))
         return worker_pb2.KVChunk(header=header)
+    if isinstance(msg, KVTargetReady):
+        ready = worker_pb2.KVTargetReady(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id)
+        if msg.first_token_logprobs is not None:
+            ready.first_token_logprobs.CopyFrom(logprobs_message(list(msg.first_token_logprobs)))
+        return worker_pb2.KVChunk(target_ready=ready)
     trailer = worker_pb2.KVTrailer(num_chunks=msg.num_chunks, first_token_id=msg.first_token_id,
                                    abandoned=msg.abandoned)
     if msg.first_token_logprobs is not None:
@@ -94,6 +99,11 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))
                     if t.HasField("first_token_logprobs") else None)
         return KVTrailer(t.num_chunks, t.first_token_id, logprobs, t.abandoned)
+    if part == "target_ready":
+        r = chunk.target_ready
+        logprobs = (tuple(parse_logprobs(r.first_token_logprobs, r.first_token_id))
+                    if r.HasField("first_token_logprobs") else None)
+        return KVTargetReady(r.num_chunks, r.first_token_id, logprobs)
     if part == "batch":
         raise TransferError(TransferFailure.CORRUPT, "a KV batch holds another batch")
     raise TransferError(TransferFailure.CORRUPT, "a KV chunk carries no header, data or trailer")
@@ -353,7 +363,7 @@ class _Batches:
         if isinstance(item, Exception):
             raise item
         batch, size = [item], _wire_size(item)
-        while self._ready and isinstance(self._ready[0], KVData | KVHeader | KVTrailer) \
+        while self._ready and isinstance(self._ready[0], KVData | KVHeader | KVTargetReady | KVTrailer) \
                 and size + _wire_size(self._ready[0]) <= BATCH_BYTES:
             batch.append(self._ready.popleft())
             size += _wire_size(batch[-1])

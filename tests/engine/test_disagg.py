@@ -95,6 +95,47 @@ def test_prefilled_kv_decodes_exactly_like_the_offline_engine(checkpoint, with_d
         assert e.block_manager.num_free_blocks == e.block_manager.num_blocks and not e.scheduler.held
 
 
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_sequence_decodes_on_the_targets_kv_while_the_drafts_arrive(checkpoint, landed):
+    """Activated with `draft_pending` (the target's K/V verified, the draft's still coming), a
+    sequence decodes plainly, no draft pass touching it, and its blocks stay pinned even once
+    it is gone; when the draft's K/V land it speculates, catching up on the tokens decoded
+    meanwhile; when they do not, it never does. Its tokens are the offline engine's either way."""
+    path = checkpoint("llama", seed=1)
+    options = dict(draft_model=str(path), num_speculative_tokens=2, spec_adaptive=False)
+    prefill, decode = engines(path, **options)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first, _, _ = prefill_and_ship(prefill, decode, "r", params)
+    blocks = list(decode.scheduler.held["r"].block_table)
+    tokens = list(decode.activate("r", first, draft_pending=blocks).new_token_ids)
+    stats = decode.speculator.stats
+    for _ in range(3):
+        tokens += decode.step()[0].new_token_ids
+    assert len(tokens) == 4 and stats.num_drafts == 0  # plain steps, no draft pass
+    decode.draft_kv_landed("r", ok=landed)
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens += o.new_token_ids
+    assert tokens == LLM(str(path), **options).generate([PROMPT], params)[0].token_ids
+    assert (stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens) if landed else \
+        stats.num_drafts == 0
+    prefill.release("r")
+    for e in (prefill, decode):
+        assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+    # pinned: a sequence that ends while its draft's K/V arrive leaves its blocks allocated until they land
+    first, _, _ = prefill_and_ship(prefill, decode, "s", params)
+    blocks = list(decode.scheduler.held["s"].block_table)
+    decode.activate("s", first, draft_pending=blocks)
+    decode.step()
+    decode.abort("s")
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks - len(blocks)
+    decode.draft_kv_landed("s", ok=True)
+    decode.draft_kv_landed("s", ok=True)  # once only
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    prefill.release("s")
+
+
 def deferring_prefill(checkpoint) -> tuple[LLMEngine, list]:
     """A prefill engine with a draft whose pass waits for `hand_over_draft`, and the record of
     its hook's calls: (group, the chunks' request ids)."""

@@ -61,16 +61,27 @@ def test_a_prefill_worker_hands_its_prompts_over_one_at_a_time():
 
 def test_a_prefill_worker_samples_before_the_draft_pass_by_hand():
     # With a draft: the target's pass 0.1 s, with the draft's 0.14 (its pass runs after the first
-    # tokens, `LLMEngine.defer_draft_handoff`). A's first token at .1, its hand-over (.15) from
-    # the step's end at .14: KV at .29; B's step [.14, .28), its token at .24, its hand-over after
-    # A's: KV at .44. Decode free, every draft rejected: one token a step.
+    # tokens, `LLMEngine.defer_draft_handoff`, and the target's K/V go meanwhile). A's first token
+    # at .1, its hand-over (.15) from then: KV at .25; B's step [.14, .28), its token at .24, its
+    # hand-over after A's: KV at .40. Decode free, every draft rejected: one token a step.
     spec = SpeculationCost(1, 0.0, 0.0, step=FREE, prefill=StepCost(0.14))
     p = profile(prefill=StepCost(0.1), transfer=TransferCost(0, 1.0, latency_s=0.15), spec=spec)
     a, b = simulate(p, Shape(1, 1, speculate=True), [SimInput(0.0, 4, 2), SimInput(0.0, 4, 2)]).records
-    assert times(a) == [(0.1, 1), (0.29, 1)] and times(b) == [(0.24, 1), (0.44, 1)]
+    assert times(a) == [(0.1, 1), (0.25, 1)] and times(b) == [(0.24, 1), (0.4, 1)]
     # colocated, the draft catches up in the worker's first speculative step: counted in its prefill
     (c,) = simulate(p, Shape(0, 1, speculate=True), [SimInput(0.0, 4, 1)]).records
     assert times(c) == [(0.14, 1)]
+
+
+def test_a_request_decodes_plainly_until_its_drafts_kv_land_by_hand():
+    # The target's pass 0.1 s, with the draft's 0.14; transfers free: A's first token and its
+    # target's K/V at .1, its draft's K/V at .14. Decode steps 0.02 s, every draft accepted at
+    # k = 1: the steps begun at .1 and .12 decode plainly (tokens at .12, .14), the one begun at
+    # .14 speculates (two at .16).
+    spec = SpeculationCost(1, 0.999999, 0.0, step=StepCost(0.02), prefill=StepCost(0.14))
+    p = profile(prefill=StepCost(0.1), decode=StepCost(0.02), spec=spec)
+    (a,) = simulate(p, Shape(1, 1, speculate=True), [SimInput(0.0, 4, 5)]).records
+    assert times(a) == [(0.1, 1), (0.12, 1), (0.14, 1), (0.16, 2)]
 
 
 def test_chunked_prefill_under_a_token_budget_by_hand():

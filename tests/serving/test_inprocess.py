@@ -12,7 +12,7 @@ import pytest
 from inprocess import InProcessSystem
 from pdserve.engine import LLM, SamplingParams
 from pdserve.router.request import RequestFailed
-from pdserve.serving.kv_transfer import KVData, KVTrailer
+from pdserve.serving.kv_transfer import InProcessTransport, KVData, KVTrailer
 from pdserve.v1 import generation_pb2 as gen
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass"]
@@ -225,19 +225,54 @@ def test_a_prefill_step_that_fails_after_holding_a_prompt_fails_its_push_at_once
     assert len(joined(after)) == 4
 
 
-def test_with_a_draft_its_kv_follow_the_first_token_and_a_failed_draft_pass_fails_only_that_push(text_checkpoint):
+class RecordingTransport(InterceptingTransport):
+    """The in-process transport, keeping each stream's message kinds in order (a run of one kind
+    once; a data chunk's kind names its group)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.streams: list[list[str]] = []
+
+    async def intercept(self, header, messages):
+        kinds = [type(header).__name__]
+        self.streams.append(kinds)
+
+        async def recorded():
+            async for m in messages:
+                kind = type(m).__name__ + (str(m.group) if isinstance(m, KVData) else "")  # KVData0: the target's
+                if kinds[-1] != kind:
+                    kinds.append(kind)
+                yield m
+
+        return recorded()
+
+
+@pytest.mark.parametrize("target_ready", [True, False])
+def test_with_a_draft_its_kv_follow_the_first_token_and_a_failed_draft_pass_costs_at_most_its_speculation(
+        text_checkpoint, target_ready):
     """A speculating pair (the model drafting for itself): the prefill worker's draft pass runs
     after the first token (`defer_draft_handoff`), its K/V still reach the decode worker (every
-    draft accepted, the offline engine's tokens). When that pass fails, its push ends at once, the
-    request fails with the prefill worker's reason (not the decode side's "truncated"), every block
-    is freed, and the next request is served."""
+    draft accepted, the offline engine's tokens). With `target_ready` (what a decode worker with
+    a draft says) the target's K/V are followed by `KVTargetReady`, before the draft's, and the
+    decode worker starts on them. When the draft's pass fails, such a request is still served
+    whole (without speculation; the decode side counts the transfer failed). A decode worker
+    that does not say so gets the trailer alone, and there the request fails with the prefill
+    worker's reason (not the decode side's "truncated"). Every block is freed, and the next
+    request is served."""
     draft = dict(draft_model=str(text_checkpoint), num_speculative_tokens=3, spec_adaptive=False)
-    want = LLM(text_checkpoint).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    # long enough that the draft's K/V land well before the end (the decode worker does not wait for them)
+    want = LLM(text_checkpoint).generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    inproc = InProcessTransport()
+    recording = RecordingTransport(inproc)
 
     async def scenario():
-        async with InProcessSystem(text_checkpoint, engine_options=draft) as system:
+        async with InProcessSystem(text_checkpoint, engine_options=draft, inproc=inproc, transport=recording) as system:
             assert system.prefill.engine.defer_draft_handoff
-            got = [await system.generate(p, 12) for p in PROMPTS[:2]]
+            assert all(w.info.kv_target_ready for w in system.router.pool.workers.values() if w.role == "decode")
+            if not target_ready:  # as a decode worker that does not take KVTargetReady says
+                for w in system.router.pool.workers.values():
+                    w.info.kv_target_ready = False
+            got = [await system.generate(p, 64) for p in PROMPTS[:2]]
             stats = system.decode.engine.speculator.stats
             accepted = (stats.num_draft_tokens, stats.num_accepted_tokens)
             runner = system.prefill.engine.draft_runner
@@ -250,15 +285,27 @@ def test_with_a_draft_its_kv_follow_the_first_token_and_a_failed_draft_pass_fail
                 return real_execute(*args, **kwargs)
 
             runner.execute = broken_once
-            with pytest.raises(RequestFailed) as err:
-                await system.generate(PROMPTS[2], 8)
+            try:
+                failed = await system.generate(PROMPTS[2], 64)
+            except RequestFailed as e:
+                failed = e
             await system.wait_all_free()
-            return got, accepted, err.value, await system.generate(PROMPTS[3], 4)
+            return (got, accepted, failed, system.decode.kv_transfer_failures_total,
+                    await system.generate(PROMPTS[3], 4))
 
-    got, (drafted, accepted), err, after = run(scenario())
-    assert [joined(m) for m in got] == [o.token_ids for o in want]
+    got, (drafted, accepted), failed, failures, after = run(scenario())
+    assert [joined(m) for m in got] == [o.token_ids for o in want[:2]]
     assert drafted > 0 and accepted == drafted
-    assert "prefill on" in str(err) and "injected draft failure" in str(err)  # the cause, not the decode side's verdict
+    streams = recording.streams
+    if target_ready:
+        ordered = ["KVHeader", "KVData0", "KVTargetReady", "KVData1", "KVTrailer"]
+        assert streams[0] == streams[1] == streams[3] == ordered
+        assert streams[2] == ordered[:3]  # the draft's pass failed: its push ended there
+        assert joined(failed) == want[2].token_ids and failures == 1
+    else:
+        assert [s for s in streams if s != ["KVHeader", "KVData0", "KVData1", "KVTrailer"]] == [["KVHeader", "KVData0"]]
+        assert isinstance(failed, RequestFailed)
+        assert "prefill on" in str(failed) and "injected draft failure" in str(failed)  # the cause, not the decode side's verdict
     assert len(joined(after)) == 4
 
 
