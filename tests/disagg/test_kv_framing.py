@@ -13,7 +13,7 @@ import torch
 from pdserve.engine.disagg import KVGroupLayout, raw_layer, read_kv
 from pdserve.engine.kv_copy import crc32c
 from pdserve.prefill_worker.kv_sender import host_chunks
-from pdserve.serving.kv_transfer import KVData, KVHeader, KVShm, KVTrailer, TransferError
+from pdserve.serving.kv_transfer import KVData, KVHeader, KVShm, KVTargetReady, KVTrailer, TransferError
 from pdserve.serving.kv_transfer.grpc_transport import (BATCH_BYTES, GrpcTransport, _Batches, add_decode_worker_servicer,
                                                          data_chunk_in_place, decode_chunk, encode_chunk, from_proto)
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -62,6 +62,20 @@ def test_what_is_ready_at_once_goes_in_one_message_and_decodes_as_sent():
     # protobuf's parser reads the same parts
     parts = worker_pb2.KVChunk.FromString(raw[1]).batch.parts
     assert [from_proto(p) for p in parts] == sent[1]
+
+
+def test_a_target_ready_mark_travels_in_its_place_in_a_batch():
+    """`KVTargetReady` (the target's K/V complete, the first token with its log-probs) between
+    the target's chunks and the draft's, batched with them, decodes as sent."""
+    ready = KVTargetReady(2, 42, ((42, -0.25), (7, -1.5)))
+    sent = [[HEADER], [shm_chunk(0), shm_chunk(1), ready, shm_chunk(2), KVTrailer(3, 42, ((42, -0.25), (7, -1.5)))]]
+    raw = wire(sent)
+    assert len(raw) == 2 and flat(raw) == [m for burst in sent for m in burst]
+    parts = worker_pb2.KVChunk.FromString(raw[1]).batch.parts
+    assert [p.WhichOneof("part") for p in parts] == ["data", "data", "target_ready", "data", "trailer"]
+    assert [from_proto(p) for p in parts] == sent[1]
+    assert from_proto(worker_pb2.KVChunk(target_ready=worker_pb2.KVTargetReady(num_chunks=5, first_token_id=9))) == \
+        KVTargetReady(5, 9)  # no log-probs asked
 
 
 def test_bulk_chunks_go_alone_and_their_bytes_arrive_whole():

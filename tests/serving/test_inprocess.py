@@ -11,8 +11,9 @@ import pytest
 
 from inprocess import InProcessSystem
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.kv_copy import crc32c
 from pdserve.router.request import RequestFailed
-from pdserve.serving.kv_transfer import InProcessTransport, KVData, KVTrailer
+from pdserve.serving.kv_transfer import InProcessTransport, KVData, KVTargetReady, KVTrailer
 from pdserve.v1 import generation_pb2 as gen
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass"]
@@ -307,6 +308,67 @@ def test_with_a_draft_its_kv_follow_the_first_token_and_a_failed_draft_pass_cost
         assert isinstance(failed, RequestFailed)
         assert "prefill on" in str(failed) and "injected draft failure" in str(failed)  # the cause, not the decode side's verdict
     assert len(joined(after)) == 4
+
+
+async def corrupt_a_draft_chunk(messages):
+    async for m in messages:
+        if isinstance(m, KVData) and m.group == 1:
+            m = dataclasses.replace(m, data=b"\xff" + m.data[1:])
+        yield m
+
+
+def target_chunk_after_ready(layout):
+    """A well-formed target chunk (one token of zeros, its right size and checksum) after the
+    mark: it would overwrite a running sequence's cache."""
+    zeros = bytes(2 * layout.num_kv_heads * layout.head_dim * 4)  # float32 K and V of one token
+
+    async def fault(messages):
+        async for m in messages:
+            yield m
+            if isinstance(m, KVTargetReady):
+                yield KVData(m.num_chunks, 0, 0, 0, 1, zeros, crc32c(zeros))
+    return fault
+
+
+async def ready_before_the_target_is_whole(messages):
+    async for m in messages:
+        if isinstance(m, KVTargetReady):
+            continue  # the real mark goes: a false one came after the first chunk
+        yield m
+        if isinstance(m, KVData) and m.seq == 0:
+            yield KVTargetReady(1, 5)
+
+
+@pytest.mark.parametrize("fault, served", [(lambda _: corrupt_a_draft_chunk, True), (target_chunk_after_ready, True),
+                                           (lambda _: ready_before_the_target_is_whole, False)])
+def test_after_target_ready_a_bad_transfer_costs_only_speculation(text_checkpoint, fault, served):
+    """Once the decode worker verified the target's K/V (`KVTargetReady`) and decodes, a bad
+    draft chunk, or a target chunk after the mark (refused: it would write into a running
+    sequence's cache), cost that request only its speculation: it is served whole, with the
+    offline engine's tokens, and the decode side counts the transfer failed. A mark before the
+    target's K/V are whole fails the transfer and the request, as any bad transfer. Every block
+    is freed either way, and the next request is served."""
+    draft = dict(draft_model=str(text_checkpoint), num_speculative_tokens=3, spec_adaptive=False)
+    want = LLM(text_checkpoint).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+
+    async def scenario():
+        system = InProcessSystem(text_checkpoint, engine_options=draft)
+        system.transport = FaultyTransport(system.inproc, None, len(system_tokenizer(text_checkpoint).encode(PROMPTS[0])))
+        async with system:
+            system.transport.fault = fault(system.decode.receiver.groups[0][0])
+            try:
+                got = await system.generate(PROMPTS[0], 32)
+            except RequestFailed as e:
+                got = e
+            await system.wait_all_free()
+            return got, system.decode.kv_transfer_failures_total, await system.generate(PROMPTS[1], 4)
+
+    got, failures, after = run(scenario())
+    if served:
+        assert joined(got) == want[0].token_ids
+    else:
+        assert isinstance(got, RequestFailed) and got.code == grpc.StatusCode.DATA_LOSS and "KVTargetReady" in str(got)
+    assert failures == 1 and len(joined(after)) == 4
 
 
 def _request(prompt: str, max_tokens: int):
