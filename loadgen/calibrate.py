@@ -433,10 +433,10 @@ def _decode_step_tokens(records: list[RequestRecord]) -> list[int]:
     more than one token a step, only those count, from their first such step: a disaggregated
     decode worker with a draft starts on the target's K/V and decodes plainly until the draft's
     land (`KVTargetReady`). On the test cluster's tiny model, whose steps (0.1-0.6 ms) are far
-    shorter than that wait (2-5 ms: the engine thread's steps hold the GIL the decode worker's
-    serving loop needs to take them in), those plain steps made a self-drafting pair that accepts
-    everything read 1.06 tokens a step, and a short request could end before its draft's K/V
-    landed."""
+    shorter than that wait (2.7-8 ms in a scratch timing: the prefill worker's draft pass and the
+    messages' hops between three processes on two cores), those plain steps made a
+    self-drafting pair that accepts everything read 1.06 tokens a step, and a short request
+    could end before its draft's K/V landed."""
     steps = [r.delta_tokens[1:-1] for r in records if r.is_ok]
     speculated = [next(i for i, n in enumerate(s) if n > 1) for s in steps if max(s, default=1) > 1]
     if speculated:
