@@ -279,7 +279,9 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         """A push's stream into its reservation. After a `KVTargetReady` the request decodes, and
         what is left (the draft's K/V) can cost it nothing: whatever becomes of the rest, the
         push is acknowledged, and a draft's K/V that did not arrive whole only cost that request
-        its speculation (`_draft_kv_lost`)."""
+        its speculation (`_draft_kv_lost`). A request that ends meanwhile does not stop the
+        stream: the rest still lands in its pinned blocks, so the sender's stream ends as sent
+        (over a torch.distributed group, stopping early would leave its sends unmatched)."""
         r, opened_at = None, time.perf_counter()
         try:
             async for msg in messages:
@@ -290,11 +292,12 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                 elif r is None:
                     raise TransferError(TransferFailure.CORRUPT, f"the stream starts with {type(msg).__name__}, "
                                         "not a header")
-                elif not r.is_live:
+                elif not r.is_live and not r.progress.target_ready:  # (after it, the blocks are pinned)
                     raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended ({r.state.value})")
                 elif isinstance(msg, KVData) and r.progress.dist is not None:
                     buf, num_bytes = await self.receiver.fetch_dist(r.progress, msg)
-                    if not r.is_live:  # ended while the bytes came: its blocks may be another's now
+                    if not r.is_live and not r.progress.target_ready:  # ended while the bytes came: its
+                        # blocks may be another's now
                         raise TransferError(TransferFailure.ABORTED, f"request {r.req_id} already ended "
                                             f"({r.state.value})")
                     self.receiver.place_dist(r.progress, r.kv_blocks, msg, buf, num_bytes)
@@ -339,8 +342,8 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
 
     def _draft_kv_lost(self, r: DecodeRequest, e: TransferError) -> KVAck:
         """After `KVTargetReady` the transfer ended short of the draft's K/V: the request, which
-        decodes already, goes on without speculation; the push is acknowledged for what came. A
-        request that ended meanwhile (finished, cancelled) only stops the transfer."""
+        decodes already, goes on without speculation; the push is acknowledged for what came (a
+        request that ended meanwhile is not counted a failure)."""
         self.loop.call(lambda eng: eng.draft_kv_landed(r.req_id, ok=False))
         if r.is_live and e.failure is not TransferFailure.ABORTED:
             self.kv_transfer_failures_total += 1

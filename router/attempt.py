@@ -6,7 +6,8 @@
     prefill: PrefillStream on the paired prefill worker, which pushes the K/V where the
         reservation's ticket says and sends the first token as soon as it is sampled
     events: the decode stream's token deltas, the prefill worker's first token ahead of them,
-        and a failed prefill or the router's own abort as the attempt's failure
+        and a failed prefill (until the decode stream streams: then the decode worker has what
+        it needs) or the router's own abort as the attempt's failure
 
 Worker failures come out as `RequestFailed` with the worker named; what to do about them
 (fail over, or end the request) is `server.Router`'s.
@@ -14,6 +15,7 @@ Worker failures come out as `RequestFailed` with the worker named; what to do ab
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +26,8 @@ from pdserve.router.request import RequestFailed
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import worker_pb2
+
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass(slots=True, eq=False)
@@ -152,10 +156,14 @@ class PairCalls:
         with the prefill's failure, and the router's own abort with its reason. With `first`, the
         prefill worker's first token goes out as soon as it comes, and the decode stream's copy of
         it is skipped; a first token that ends the request, with how it ends, is the whole answer
-        (the decode stream is left: the caller cancels it)."""
+        (the decode stream is left: the caller cancels it). Once the decode stream has streamed
+        tokens, the decode worker holds the request's verified K/V, and a failing prefill (one
+        killed after handing the target's K/V over, or whose draft's pass failed) no longer ends
+        it."""
         failure: list[RequestFailed] = []
+        decoding = [False]  # the decode stream has streamed tokens
         if prefill_task is not None:
-            prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure))
+            prefill_task.add_done_callback(lambda t: _on_prefill_done(t, call, failure, decoding))
         early = None
         try:
             # read(), not `async for`: admission already read() the first event, and grpc.aio
@@ -174,6 +182,7 @@ class PairCalls:
             event = await read
             while event is not grpc.aio.EOF:
                 if event.WhichOneof("event") == "tokens":
+                    decoding[0] = True
                     ids, logprobs = list(event.tokens.token_ids), list(event.tokens.logprobs)
                     if early is not None and ids:  # the first token, which went out already
                         if ids[0] != early.token_id:
@@ -203,7 +212,7 @@ class PairCalls:
                 # gave it up, its own failure says why (a failed hand-over, a failed draft pass)
                 await asyncio.wait({prefill_task}, timeout=PREFILL_REASON_GRACE_S)
             if not failure and prefill_task is not None and prefill_task.done():
-                _on_prefill_done(prefill_task, call, failure)
+                _on_prefill_done(prefill_task, call, failure, decoding)
             if failure:
                 raise failure[0] from None
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -238,10 +247,12 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-def _on_prefill_done(task: asyncio.Task, call, failure: list) -> None:
+def _on_prefill_done(task: asyncio.Task, call, failure: list, decoding: list[bool]) -> None:
     if task.cancelled():
         return
     exc = task.exception()
-    if exc is not None:
+    if exc is not None and decoding[0]:
+        log.warning("%s after the decode worker began decoding: the request goes on", exc)
+    elif exc is not None:
         failure.append(exc if isinstance(exc, RequestFailed) else RequestFailed(grpc.StatusCode.INTERNAL, repr(exc)))
         call.cancel()

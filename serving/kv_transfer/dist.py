@@ -157,6 +157,12 @@ class DistTransport:
             stream = _Stream(self, pair, timeout_s)
             try:
                 ack = await self.grpc.push(address, stream.messages(messages), timeout_s)
+                if not stream.complete and stream.target_ready:
+                    # the decode worker decodes on the target's K/V and gave up the draft's (a
+                    # failed draft pass here, a bad chunk there): the request is served, and the
+                    # group goes, as sends may be left unmatched
+                    asyncio.get_running_loop().run_in_executor(self.pool, _drain, stream.sends, pair)
+                    return ack
                 if not stream.complete:
                     raise TransferError(TransferFailure.CORRUPT, "the decode worker acked a push before its trailer")
             except BaseException as e:
@@ -224,6 +230,7 @@ class _Stream:
         self.t, self.pair, self.timeout_s = transport, pair, timeout_s
         self.error: TransferError | None = None  # what failed here, rather than what gRPC makes of it
         self.complete = False
+        self.target_ready = False  # a KVTargetReady went: the decode worker may ack before the trailer
         self.sends: list = []  # the sends' works, in order
 
     async def messages(self, messages: AsyncIterator[KVMessage]):
@@ -243,6 +250,7 @@ class _Stream:
                         pair.group, joining = await self._joined(joining), None
                     sends.append(pair.group.send([buf], 1, msg.seq))
                 elif isinstance(msg, KVTargetReady):  # the decode side has received every chunk before it
+                    self.target_ready = True
                     yield msg
                 else:
                     if not msg.abandoned:

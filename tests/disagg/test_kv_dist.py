@@ -1,6 +1,7 @@
 """K/V bytes over a torch.distributed group (`serving/kv_transfer/dist.py`) between real worker
 processes on loopback, with gloo (these caches are on the host; between CUDA caches the same
-code runs NCCL, device to device):
+code runs NCCL, device to device). Every worker has a draft (the model itself), so a push carries
+the target's K/V, a `KVTargetReady`, then the draft's:
 
     P (--kv-dist) ──gloo──► D       D takes gloo: the bytes go over the group, gRPC carries the rest
     P (--kv-dist) ──gRPC──► DN      DN takes none (--no-kv-dist): bytes over gRPC, CRC-32C made here
@@ -26,19 +27,24 @@ from pdserve.v1 import worker_pb2 as wk
 from procs import Cluster, greedy_tokens, reserve, wait_ready
 
 PROMPT = list(range(40, 90))
-WORKER = ["--num-threads", "1", "--num-kv-blocks", "64", "--no-warmup"]
+
+
+def worker(model) -> list[str]:
+    """Every worker's options: one thread, a small cache, the model drafting for itself."""
+    return ["--num-threads", "1", "--num-kv-blocks", "64", "--no-warmup", "--draft-model", str(model)]
 
 
 @pytest.fixture(scope="module")
 def cluster(serving_model, tmp_path_factory):
+    args = worker(serving_model)
     c = Cluster(serving_model, tmp_path_factory.mktemp("dist-logs"))
     try:
         # small chunks and a small step budget: the prompt's K/V are several chunks, over several steps
         small = ["--max-chunk-bytes", "1024", "--max-num-batched-tokens", "16", "--kv-transfer-timeout", "20"]
-        wait_ready(c.start("P", "prefill-worker", *WORKER, *small, "--kv-dist"),
-                   c.start("PG", "prefill-worker", *WORKER, *small, "--no-kv-shm"),
-                   c.start("D", "decode-worker", *WORKER, "--kv-transfer-timeout", "5"),
-                   c.start("DN", "decode-worker", *WORKER, "--kv-transfer-timeout", "20", "--no-kv-dist"))
+        wait_ready(c.start("P", "prefill-worker", *args, *small, "--kv-dist"),
+                   c.start("PG", "prefill-worker", *args, *small, "--no-kv-shm"),
+                   c.start("D", "decode-worker", *args, "--kv-transfer-timeout", "5"),
+                   c.start("DN", "decode-worker", *args, "--kv-transfer-timeout", "20", "--no-kv-dist"))
         wait_ready(c.start_router("R", "--prefill", c.address("P"), "--decode", c.address("D")),
                    c.start_router("RN", "--prefill", c.address("P"), "--decode", c.address("DN")),
                    c.start_router("RG", "--prefill", c.address("PG"), "--decode", c.address("D")))
@@ -50,16 +56,20 @@ def cluster(serving_model, tmp_path_factory):
 def test_kv_goes_over_the_group_to_a_decode_worker_that_takes_it_and_over_grpc_to_one_that_does_not(cluster):
     assert list(cluster.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5).kv_dist_backends) == ["gloo"]
     assert list(cluster.decode_stub("DN").GetInfo(wk.InfoRequest(), timeout=5).kv_dist_backends) == []
+    assert cluster.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5).kv_target_ready  # it has a draft
     reference = greedy_tokens(cluster, "RG", PROMPT)
     received = cluster.stats("D").kv_transfer_bytes_total
     for n in (1, 2):  # the second push reuses the group the first one made
         assert greedy_tokens(cluster, "R", PROMPT) == reference and len(reference) == 12
+        cluster.wait_all_free(("P",))  # the draft's K/V may still be on their way when the answer ends
         assert cluster.stats("P").kv_transfer_dist_total == n
     assert cluster.stats("D").kv_transfer_bytes_total > received
     # bytes over gRPC, read out of P's cache and checksummed there
     assert greedy_tokens(cluster, "RN", PROMPT) == reference
     assert cluster.stats("P").kv_transfer_dist_total == 2 and cluster.stats("DN").kv_transfer_bytes_total > 0
     cluster.wait_all_free(("P", "PG", "D", "DN"))
+    # the draft's K/V arrived whole every time (a part lost after KVTargetReady counts as failed)
+    assert cluster.stats("D").kv_transfer_failures_total == cluster.stats("DN").kv_transfer_failures_total == 0
 
 
 @pytest.mark.parametrize("fault", [None, "corrupt", "stalled"])
@@ -76,11 +86,12 @@ def test_hand_made_push_over_a_group(cluster, fault):
     chunks, bufs = [wk.KVChunk(header=wk.KVHeader(
         ticket=ticket, num_tokens=len(PROMPT), dtype=info.dtype, groups=info.kv_groups,
         dist=wk.KVDist(host="127.0.0.1", port=store.port, name=name, backend="gloo")))], []
+    last = sum(group.num_layers for group in info.kv_groups) - 1  # corrupt, the sends before it all match
     for g, group in enumerate(info.kv_groups):
         for layer in range(group.num_layers):
             buf = torch.randn(2, len(PROMPT), group.num_kv_heads, group.head_dim).to(dtype)
             crc, _ = checksum(buf, "gloo")
-            if fault == "corrupt" and len(bufs) == 1:
+            if fault == "corrupt" and len(bufs) == last:
                 buf.view(torch.int16).view(-1)[7] ^= 1  # one bit off after the sum was taken
             chunks.append(wk.KVChunk(data=wk.KVData(seq=len(bufs), group=g, layer=layer, token_start=0,
                                                     num_tokens=len(PROMPT), crc32c=crc)))
@@ -124,11 +135,13 @@ def test_a_decode_worker_killed_with_a_group_open_costs_one_request(cluster):
     seconds (not the 20 s transfer timeout), drops the group and frees P's blocks, and P serves on."""
     from pdserve.v1 import worker_pb2_grpc
 
-    d3 = cluster.start("D3", "decode-worker", *WORKER)
+    d3 = cluster.start("D3", "decode-worker", *worker(cluster.model))
     wait_ready(d3)
     wait_ready(cluster.start_router("R3", "--prefill", cluster.address("P"), "--decode", d3.address))
+    cluster.wait_all_free(("P",))
     pushed = cluster.stats("P").kv_transfer_dist_total
     reference = greedy_tokens(cluster, "R3", PROMPT)
+    cluster.wait_all_free(("P",))
     assert cluster.stats("P").kv_transfer_dist_total == pushed + 1  # a group with D3 now
     request = wk.WorkRequest(req_id="dist-killed", prompt_token_ids=PROMPT,
                              sampling_params=gen.SamplingParams(temperature=0, max_tokens=3))
@@ -144,6 +157,7 @@ def test_a_decode_worker_killed_with_a_group_open_costs_one_request(cluster):
     assert time.monotonic() - started < 10
     cluster.wait_all_free(("P",))
     assert greedy_tokens(cluster, "R", PROMPT) == reference  # to D, over its own group
+    cluster.wait_all_free(("P",))
     assert cluster.stats("P").kv_transfer_dist_total == pushed + 2
 
 

@@ -10,7 +10,7 @@ import pytest
 from pdserve.v1 import generation_pb2 as gen
 from procs import NUM_KV_BLOCKS, generate_all
 
-NUM_TOKENS = 6
+NUM_TOKENS = 48  # long enough that D speculates: it decodes plainly until a draft's K/V land (KVTargetReady)
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3] * 17]
 EMPTY = frozenset()
 

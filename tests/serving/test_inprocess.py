@@ -371,6 +371,37 @@ def test_after_target_ready_a_bad_transfer_costs_only_speculation(text_checkpoin
     assert failures == 1 and len(joined(after)) == 4
 
 
+def test_a_prefill_that_fails_once_the_decode_worker_decodes_does_not_end_the_request(text_checkpoint):
+    """The prefill worker's call fails after the decode worker verified the K/V and began
+    streaming tokens (as when it dies right after its push): the request is served whole all the
+    same, with no failover, since the decode worker has what it needs. Failover off, so a
+    request the router ended would fail."""
+    from pdserve.serving.kv_transfer import TransferError, TransferFailure
+
+    want = LLM(text_checkpoint).generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            transport, decoding = system.prefill.transport, []
+            real_push = transport.push
+
+            async def push_then_fail(address, messages, timeout_s):
+                await real_push(address, messages, timeout_s)
+                await asyncio.sleep(0.03)  # the decode worker's first tokens reach the router meanwhile
+                decoding.append(bool(system.decode.engine.scheduler.running))  # and it decodes still
+                raise TransferError(TransferFailure.UNREACHABLE, "injected: the link failed after the ack")
+
+            transport.push = push_then_fail
+            got = await system.generate(PROMPTS[0], 300)
+            transport.push = real_push
+            await system.wait_all_free()
+            return got, decoding, system.router.metrics.failovers._value.get()
+
+    got, decoding, failovers = run(scenario())
+    assert decoding == [True]  # the prefill failed while the request decoded
+    assert joined(got) == want[0].token_ids and failovers == 0
+
+
 def _request(prompt: str, max_tokens: int):
     from pdserve.v1 import generation_pb2 as gen
 
