@@ -75,9 +75,14 @@ class DecodeRequest:
     seq: Sequence | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or the error that ends it
     progress: TransferProgress = field(default_factory=TransferProgress)
-    kv_blocks: Sequence | PinnedBlocks | None = None  # where the transfer writes: the reservation's
+    pinned: PinnedBlocks | None = None  # after KVTargetReady: the reservation's blocks, as reserved
     spans: RequestSpans | None = None  # reservation, transfer, decode
     num_tokens: int = 0  # generated and sent
+
+    @property
+    def kv_blocks(self) -> Sequence | PinnedBlocks:
+        """Where the transfer writes: the held sequence, or once it decodes its pinned blocks."""
+        return self.pinned or self.seq
 
     @property
     def is_live(self) -> bool:
@@ -161,7 +166,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             spans.finish("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
         text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s)
-        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans, kv_blocks=seq)
+        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans)
         self.num_requests_total += 1
         self.transfers[r.nonce] = r
         self._track(r)
@@ -305,10 +310,10 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
                     self.receiver.receive(r.progress, r.kv_blocks, msg)
                 elif isinstance(msg, KVTargetReady):
                     self.receiver.target_ready(r.progress, msg)
-                    r.kv_blocks = PinnedBlocks(list(r.seq.block_table))  # held still: no step has touched it
+                    r.pinned = PinnedBlocks(list(r.seq.block_table))  # held still: no step has touched it
                     r.spans.end("transfer")
                     r.spans.start("decode")
-                    self._activate(r, msg.first_token_id, msg.first_token_logprobs, r.kv_blocks.block_table)
+                    self._activate(r, msg.first_token_id, msg.first_token_logprobs, r.pinned.block_table)
                 elif isinstance(msg, KVTrailer) and msg.abandoned:
                     raise TransferError(TransferFailure.ABORTED, "the sender abandoned the transfer (its request "
                                         "ended)")

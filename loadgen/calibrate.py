@@ -438,10 +438,9 @@ def _decode_step_tokens(records: list[RequestRecord]) -> list[int]:
     self-drafting pair that accepts everything read 1.06 tokens a step, and a short request
     could end before its draft's K/V landed."""
     steps = [r.delta_tokens[1:-1] for r in records if r.is_ok]
-    speculated = [next(i for i, n in enumerate(s) if n > 1) for s in steps if max(s, default=1) > 1]
-    if speculated:
-        steps = [s for s in steps if max(s, default=1) > 1]
-        return [n for s, first in zip(steps, speculated) for n in s[first:]]
+    firsts = [next((i for i, n in enumerate(s) if n > 1), None) for s in steps]
+    if any(first is not None for first in firsts):
+        return [n for s, first in zip(steps, firsts) if first is not None for n in s[first:]]
     return [n for s in steps for n in s]
 
 

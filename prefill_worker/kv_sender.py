@@ -133,10 +133,12 @@ class KVSender:
         self._aio.call_soon_threadsafe(self._put_tail, batch)
 
     def target_done(self) -> None:
-        """After the target's K/V of the whole prompt are handed over (`flush`ed), before the
-        draft's: the decode side may start on them once it has the first token too."""
+        """After the target's K/V of the whole prompt, before the draft's: they go to the loop
+        now, and with `targets_first` a `KVTargetReady` follows them once the first token is
+        known (the decode side may start on them)."""
         self.flush()
-        self._aio.call_soon_threadsafe(self._put_target_ready, self.num_chunks)
+        if self.targets_first:
+            self._aio.call_soon_threadsafe(self._put_target_ready, self.num_chunks)
 
     def flush(self) -> None:
         """What is queued here goes to the loop now, not when it reaches max_chunk_bytes."""

@@ -224,20 +224,19 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             try:
                 if layers and c.seq.req_id not in runs:
                     runs[c.seq.req_id] = shm.slot_runs(c.slots.numpy())
+                slot_runs = runs.get(c.seq.req_id)
                 for group, layer in layers:
                     if self._reads_slots:  # the transport reads the slots itself (`DistTransport`)
                         k = self._groups[group][layer][0]
-                        sender.send_refs(group, layer, c.token_start, runs[c.seq.req_id], 2 * k[0, 0].nbytes)
+                        sender.send_refs(group, layer, c.token_start, slot_runs, 2 * k[0, 0].nbytes)
                     elif self._in_shm:  # they stay in shared memory
-                        sender.send_slots(group, layer, c.token_start, runs[c.seq.req_id],
-                                          *self._raw_layer(group, layer))
+                        sender.send_slots(group, layer, c.token_start, slot_runs, *self._raw_layer(group, layer))
                     else:  # copied once, out of our host cache into the chunks' gRPC messages
-                        sender.send_rows(group, layer, c.token_start, runs[c.seq.req_id],
-                                         *self._raw_layer(group, layer))
-                if last and c.completes_prompt:
+                        sender.send_rows(group, layer, c.token_start, slot_runs, *self._raw_layer(group, layer))
+                if c.completes_prompt and last:
                     sender.end_of_prompt()
-                elif not last and c.completes_prompt and sender.targets_first:
-                    sender.target_done()  # the decode worker may start on them
+                elif c.completes_prompt:  # the target's K/V of the whole prompt: the decode worker may start
+                    sender.target_done()
                 elif not last:
                     sender.flush()
             except Exception as e:  # noqa: BLE001 - this request's push fails, not the step's others

@@ -161,14 +161,12 @@ class DistTransport:
                     # the decode worker decodes on the target's K/V and gave up the draft's (a
                     # failed draft pass here, a bad chunk there): the request is served, and the
                     # group goes, as sends may be left unmatched
-                    asyncio.get_running_loop().run_in_executor(self.pool, _drain, stream.sends, pair)
+                    self._let_go(stream, pair)
                     return ack
                 if not stream.complete:
                     raise TransferError(TransferFailure.CORRUPT, "the decode worker acked a push before its trailer")
             except BaseException as e:
-                # the group goes: its sends still out are waited for (or time out) off the loop,
-                # which then lets the group go (its destructor may wait for them too)
-                asyncio.get_running_loop().run_in_executor(self.pool, _drain, stream.sends, pair)
+                self._let_go(stream, pair)
                 if not isinstance(e, TransferError):
                     raise
                 self._takes.pop(address, None)  # ask again next time: it may have restarted
@@ -176,6 +174,11 @@ class DistTransport:
             idle.append(pair)  # every send matched: the group can take the next push
             self.num_dist_pushes += 1
             return ack
+
+    def _let_go(self, stream: _Stream, pair: _Pair) -> None:
+        """The pair's group goes: its sends still out are waited for (or time out) off the loop,
+        which then lets the group go (its destructor may wait for them too)."""
+        asyncio.get_running_loop().run_in_executor(self.pool, _drain, stream.sends, pair)
 
     async def takes_dist(self, address: str) -> bool:
         """Whether the decode worker at `address` takes our backend: asked once (pushes that

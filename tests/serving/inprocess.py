@@ -1,6 +1,7 @@
 """The whole serving path in this process: a prefill worker and a decode worker (real servicers
 and engines on real grpc.aio servers on loopback, port 0) behind a real `Router`, with the K/V
-carried by `InProcessTransport` (or a test's wrapper of it). Fast enough to start per test."""
+carried by `InProcessTransport` (or a test's wrapper of it: `InterceptingTransport`,
+`FaultyTransport`). Fast enough to start per test. With the helpers the tests that use it share."""
 from __future__ import annotations
 
 import asyncio
@@ -100,3 +101,57 @@ class InProcessSystem:
         while any((held := await self.held_blocks()).values()):
             assert asyncio.get_running_loop().time() < deadline, f"still held: {held}"
             await asyncio.sleep(0.05)
+
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys", "héllo wörld", "class Foo:\n    pass"]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def joined(msgs) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+class InterceptingTransport:
+    """The in-process transport, with `intercept(header, messages)` deciding what follows the
+    header of each stream (a fault, a wait)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def intercept(self, header, messages):
+        return messages
+
+    async def push(self, address, messages, timeout_s):
+        header = await anext(messages)
+        rest = await self.intercept(header, messages)
+
+        async def stream():
+            yield header
+            async for m in rest:
+                yield m
+
+        return await self.inner.push(address, stream(), timeout_s)
+
+    async def close(self):
+        pass
+
+
+class FaultyTransport(InterceptingTransport):
+    """One fault applied to the streams of prompts of one length (the first `times` of them)."""
+
+    def __init__(self, inner, fault, num_tokens: int, times: int = 1 << 30):
+        super().__init__(inner)
+        self.fault, self.num_tokens, self.times = fault, num_tokens, times
+
+    async def intercept(self, header, messages):
+        if header.num_tokens == self.num_tokens and self.times > 0:
+            self.times -= 1
+            return self.fault(messages)
+        return messages
+
+
+def system_tokenizer(path) -> Tokenizer:
+    return Tokenizer.from_dir(str(path))
