@@ -461,7 +461,8 @@ def _check_speculation(records: list[RequestRecord], speculate: bool) -> None:
                          "deploy it with --no-speculation")
     if speculate and per_step <= SPECULATING_TOKENS_PER_STEP:
         raise ValueError(f"calibration: --speculation, but the deployment's decode steps streamed {per_step:.2f} "
-                         "tokens each: it does not speculate (or its adaptive depth chose plain decoding)")
+                         "tokens each: it does not speculate (or its adaptive depth chose plain decoding, or "
+                         "every request ended before its draft's K/V landed: give them longer outputs)")
 
 
 def _check_measured(records: list[RequestRecord], what: str) -> None:

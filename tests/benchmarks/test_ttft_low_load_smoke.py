@@ -17,7 +17,10 @@ def test_a_speculating_pair_and_a_colocated_worker_answer_every_request(load_ben
 
     with Launcher(tmp_path / "logs") as run:
         routers = bench.start(run, [], ["--draft-model", bench.DRAFT])
-        rep = bench.one_repeat({arm: r.address for arm, r in routers.items()}, 0, num_requests=4, block=2)
+        # answers long enough to outlast the draft's K/V (the decode worker decodes plainly until
+        # they land) on a loaded machine, so it speculates
+        rep = bench.one_repeat({arm: r.address for arm, r in routers.items()}, 0, num_requests=4, block=2,
+                               output_len="fixed:32")
         stages = {arm: bench.stage_means(r.metrics_address) for arm, r in routers.items()}
         decode = next(p for p in run.procs if p.name == "disagg-D")
         drafted = scrape(decode.metrics_address).get("pdserve:spec_decode_num_draft_tokens_total", 0.0)

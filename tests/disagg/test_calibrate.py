@@ -31,8 +31,13 @@ SHAPE = Shape(1, 1, speculate=True)  # R's: P, and D drafting with the model its
 ENGINE = CostProfile("tiny", "test", prefill=StepCost(1e-5, per_token_s=1e-8), decode=StepCost(1e-5),
                      transfer=TransferCost(1000, 1e10), limits=WorkerLimits(MAX_NUM_SEQS, 256, NUM_KV_BLOCKS * 16),
                      speculation=SpeculationCost(3, 0.9, 0.1, step=StepCost(2e-5)))
+# Outputs long enough that R's requests speculate on a loaded machine: D decodes plainly until the
+# draft's K/V land (`KVTargetReady`), 2-3 ms after the target's here, 1-2 of the tiny model's
+# steps; in a loaded CI run every request of 8-24 tokens ended before they did, and calibrating
+# with --speculation was refused ("it does not speculate").
+OUTPUT_LEN = "uniform:40,56"
 WORKLOAD = WorkloadConfig(WorkloadKind.RANDOM, LengthDistribution.parse("uniform:8,64"),
-                          LengthDistribution.parse("uniform:8,24"), vocab_size=300)
+                          LengthDistribution.parse(OUTPUT_LEN), vocab_size=300)
 
 
 def test_the_calibrated_profile_predicts_what_the_deployment_measured(cluster):
@@ -71,7 +76,7 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
     out = subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / "engine.json"), "--output",
                           str(tmp_path / "calibrated.json"), "--speculation", "--target", cluster.address("R"),
                           "--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64",
-                          "--output-len", "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"],
+                          "--output-len", OUTPUT_LEN, "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("1P:1D +spec: unloaded: measured TTFT") and "a sequence; per prompt prefilled" in out.stdout
@@ -112,7 +117,7 @@ def test_a_deployment_calibrated_as_what_it_is_not_is_refused(cluster, tmp_path,
     ENGINE.save(tmp_path / "engine.json")
     out = subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / "engine.json"), "--output",
                           str(tmp_path / "out.json"), "--target", cluster.address(router), "--workload", "random",
-                          "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len", "uniform:12,24",
+                          "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len", OUTPUT_LEN,
                           "--num-requests", "2", "--concurrency", "0", "--quiet", *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -190,6 +195,6 @@ def test_colocated_only_gives_the_colocated_workers_their_own_steps(cluster, tmp
 def _calibrate_cmd(tmp_path: Path, profile: str, output: str, *args: str) -> subprocess.CompletedProcess:
     """`pdserve calibrate` from tmp_path/profile to tmp_path/output, on a few short random requests."""
     common = ["--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64", "--output-len",
-              "uniform:8,24", "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
+              OUTPUT_LEN, "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"]
     return subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / profile), "--output",
                            str(tmp_path / output), *common, *args], capture_output=True, text=True, timeout=120)
