@@ -17,6 +17,7 @@ launch each), one a core: cold, the whole took 106 s in a CI run on a 2-core AMD
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import traceback
@@ -67,7 +68,7 @@ def launch_everything(shard: int = 0, num_shards: int = 1) -> list[str]:
     from pdserve.kernels import extend_attention as ea, kv_write, paged_attention as pa, rmsnorm, rotary, sampling
     from pdserve.kernels.paged_attention_all_heads import paged_decode_attention_all_heads
 
-    failures, launches = [], iter(range(1 << 30))
+    failures, launches = [], itertools.count()
 
     def attempt(name, fn):
         if next(launches) % num_shards != shard:
