@@ -118,8 +118,9 @@ class FusedSpecStep:
     def takes(self, seqs: list[Sequence]) -> bool:
         """Whether steps of these sequences can fuse by what they ask (greedy, or sampling by
         temperature alone where this step samples; no penalties, no log-probs, no prefill-only
-        request, none whose draft K/V are still arriving) and the draft's passes are native: what the depth model plans for
-        (`AdaptiveDepth.plan`'s fused) before the step's state is known."""
+        request, none whose draft K/V are still arriving) and the draft's passes are native:
+        what the depth model plans for (`AdaptiveDepth.plan`'s fused) before the step's state is
+        known."""
         if _native_passes(self.draft_runner) is None:
             return False
         for seq in seqs:
