@@ -48,6 +48,7 @@ class TransferProgress:
     # or None); the layers of one range share it
     plan: tuple | None = None
     target_ready: bool = False  # `KVTargetReady` came: the target's cache is the running sequence's now
+    num_cached_tokens: int = 0  # the prompt's leading tokens in blocks adopted from the prefix cache: not sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,10 @@ class KVReceiver:
         if header.groups != mine:
             raise TransferError(TransferFailure.MISMATCH, f"KV groups {list(header.groups)} differ from this "
                                 f"worker's {list(mine)}")
+        if header.num_cached_tokens != seq.num_cached_tokens:
+            raise TransferError(TransferFailure.MISMATCH, f"the header says this worker holds the prompt's first "
+                                f"{header.num_cached_tokens} tokens; its reservation holds {seq.num_cached_tokens} (the "
+                                "ticket's count: a sender that ignores it is older than this worker)")
         if header.shm is not None and header.dist is not None:
             raise TransferError(TransferFailure.CORRUPT, "the header names both shared memory and a torch.distributed group")
         if header.shm is not None:
@@ -98,6 +103,8 @@ class KVReceiver:
             raise TransferError(TransferFailure.MISMATCH, "this decode worker takes no K/V over torch.distributed")
         p.layer_offsets = list(np.cumsum([0] + [g.num_layers for g in mine]))
         p.covered = np.zeros((p.layer_offsets[-1], header.num_tokens), dtype=bool)
+        p.covered[:, :seq.num_cached_tokens] = True  # in blocks adopted from the prefix cache: never written
+        p.num_cached_tokens = seq.num_cached_tokens
 
     def _open_shm(self, p: TransferProgress, header: KVHeader) -> None:
         if not self.accepts_shm:
@@ -161,6 +168,9 @@ class KVReceiver:
         if d.num_tokens < 1 or d.token_start + d.num_tokens > p.covered.shape[1]:
             raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} covers tokens [{d.token_start}, "
                                 f"{d.token_start + d.num_tokens}) outside the prompt's {p.covered.shape[1]}")
+        if d.token_start < p.num_cached_tokens:  # their blocks are shared with other sequences
+            raise TransferError(TransferFailure.CORRUPT, f"chunk {d.seq} covers tokens from {d.token_start}, but this "
+                                f"worker holds the first {p.num_cached_tokens} already")
         layout = self.groups[d.group][0]
         return 2 * d.num_tokens * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
 

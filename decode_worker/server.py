@@ -18,6 +18,12 @@ request id; only a push presenting it reaches the reservation, and a reservation
 to within the KV transfer timeout is freed and counted (`num_reservations_expired`). A failed transfer ends both the push and the Decode stream
 with the same status and counts in `kv_transfer_failures_total` (a cancellation does not).
 
+A reservation adopts the prompt's leading blocks that this worker's prefix cache holds, with the
+draft's K/V too where there is a draft (`LLMEngine.reserve`: an earlier turn of the conversation,
+decoded here, or a system prompt shared with another request): its ticket says how many tokens
+they hold, and the push carries the K/V of the tokens after them only, into the blocks taken
+fresh. They count as prefix cache hits (`pdserve:prefix_cache_hits`).
+
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.
 """
@@ -165,14 +171,16 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
         if seq is None:
             spans.finish("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
-        text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s)
+        text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s,
+                             seq.num_cached_tokens)
         r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans)
         self.num_requests_total += 1
         self.transfers[r.nonce] = r
         self._track(r)
         try:
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
-                ticket=text, num_free_blocks=self.engine.block_manager.num_free_blocks))
+                ticket=text, num_free_blocks=self.engine.block_manager.num_free_blocks,
+                num_cached_tokens=seq.num_cached_tokens))
             async for event in self._token_stream(r, context):
                 yield event
         finally:

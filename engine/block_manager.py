@@ -63,9 +63,10 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: Sequence, with_draft: bool = False) -> list[int]:
         """Cached blocks holding a prefix of the sequence's tokens; never the last token, whose
-        logits must be computed. Pure: changes nothing."""
+        logits must be computed. with_draft: only the leading ones holding the draft's K/V too.
+        Pure: changes nothing."""
         if not self.enable_prefix_caching:
             return []
         hits, prev = [], None
@@ -73,10 +74,11 @@ class BlockManager:
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._cached.get(hash((prev, chunk)))
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            block = self.blocks[block_id] if block_id is not None else None
+            if block is None or block.token_ids != chunk or with_draft and not block.has_draft:
                 break
             hits.append(block_id)
-            prev = self.blocks[block_id].hash
+            prev = block.hash
         return hits
 
     def can_allocate(self, seq: Sequence, num_tokens: int, prefix: list[int] = ()) -> bool:
@@ -153,6 +155,12 @@ class BlockManager:
             block.hash = hash((prev, block.token_ids))
             self._cached.setdefault(block.hash, block.block_id)
             prev = block.hash
+
+    def mark_drafted(self, block_ids: list[int]) -> None:
+        """These blocks, a prefix of some block table, hold the draft's K/V of their tokens too
+        (a decode worker's transfer delivered them)."""
+        for block_id in block_ids:
+            self.blocks[block_id].has_draft = True
 
     # ---- internals -----------------------------------------------------------------------
     def _ref(self, block_id: int) -> None:

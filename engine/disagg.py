@@ -225,8 +225,10 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """Tokens [token_start, token_start + num_tokens) of `seq` whose K/V this step completes: the
-    ones it ran, plus any prefix-cache hits ahead of them (which the decode side lacks)."""
+    """Tokens [token_start, token_start + num_tokens) of `seq` whose K/V this step completes and
+    the decode side lacks: the ones it ran, plus any prefix-cache hits ahead of them, less those
+    before `seq.kv_send_from` (the decode side's own prefix cache holds them). num_tokens is 0
+    where the decode side holds every one."""
 
     seq: Sequence
     token_start: int
@@ -245,9 +247,10 @@ KVHook = Callable[[int, int, list[PrefillChunk]], None]
 
 def prefill_chunk(entry: BatchEntry, block_size: int) -> PrefillChunk:
     seq, start = entry.seq, entry.start
-    send_from = 0 if start == seq.num_cached_tokens else start
-    num_send = start + entry.num_new_tokens - send_from
-    return PrefillChunk(seq, send_from, num_send, slot_ids(seq, block_size, send_from, num_send))
+    send_from = max(0 if start == seq.num_cached_tokens else start, seq.kv_send_from)
+    num_send = max(0, start + entry.num_new_tokens - send_from)
+    slots = slot_ids(seq, block_size, send_from, num_send) if num_send else torch.zeros(0, dtype=torch.int64)
+    return PrefillChunk(seq, send_from, num_send, slots)
 
 
 def run_handing_off(runner: ModelRunner, draft_runner: ModelRunner | None, batch: list[BatchEntry],

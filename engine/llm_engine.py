@@ -92,7 +92,7 @@ class LLMEngine:
         self.defer_draft_handoff = False
         self._draft_handoff: Callable[[], None] | None = None
         self._held_in_step: list[str] = []  # prefill-only requests this step held (`_hand_off`)
-        self._pinned: dict[str, list[int]] = {}  # decode worker: blocks the draft's K/V are still arriving in
+        self._pinned: dict[str, tuple[list[int], int]] = {}  # decode worker: blocks the draft's K/V come to
         self.forward_started_at: float | None = None  # perf_counter: the last step's target pass began
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -199,13 +199,15 @@ class LLMEngine:
         return ids
 
     # ---- disaggregated serving: each method runs on the engine's thread --------------------
-    def add_prefill(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_prefill(self, req_id: str, prompt_ids: list[int], params: SamplingParams, send_from: int = 0) -> Sequence:
         """Prefill worker, when a Prefill call arrives: queue a prompt for prefill only
         (ValueError on a bad request). Steps prefill it in chunks, handing each layer's K/V to
-        `kv_hook`; the step that completes it samples the first token (in that step's outputs)
-        and holds the sequence with its blocks until `release`."""
+        `kv_hook` from token `send_from` on (the decode worker holds those before); the step that
+        completes it samples the first token (in its outputs) and holds it until `release`."""
         seq = self.make_sequence(req_id, prompt_ids, params)
-        seq.is_prefill_only = True
+        if not 0 <= send_from < seq.num_prompt_tokens:
+            raise ValueError(f"the decode worker holds {send_from} of {seq.num_prompt_tokens} prompt tokens, not fewer")
+        seq.is_prefill_only, seq.kv_send_from = True, send_from
         self.add_sequence(seq)
         return seq
 
@@ -220,9 +222,12 @@ class LLMEngine:
         """Decode worker, when the router asks it to admit a request: validate it (ValueError),
         take blocks for its prompt and first token, whole or nothing, and hold it while its K/V
         arrive (written into `seq.block_table`'s slots, which no step reads). None when the pool
-        or `max_num_seqs` has no room. End it with `activate` or `abort`."""
+        or `max_num_seqs` has no room. End it with `activate` or `abort`. The prompt's leading
+        blocks in the prefix cache (with the draft's K/V too, where there is a draft) are adopted:
+        the transfer carries the K/V after their `seq.num_cached_tokens` only, into fresh blocks."""
         seq = self.make_sequence(req_id, prompt_ids, params)
-        if not self.scheduler.reserve(seq, seq.num_prompt_tokens + 1):
+        prefix = self.block_manager.match_prefix(seq, with_draft=self.draft_runner is not None)
+        if not self.scheduler.reserve(seq, seq.num_prompt_tokens + 1, prefix):
             return None
         self._register(seq)
         return seq
@@ -244,7 +249,7 @@ class LLMEngine:
         seq.num_computed_tokens = seq.num_prompt_tokens
         if draft_pending is not None:
             self.block_manager.pin(draft_pending)
-            self._pinned[req_id] = list(draft_pending)
+            self._pinned[req_id] = list(draft_pending), seq.num_prompt_tokens
             seq.draft_kv_pending = self.draft_runner is not None
         elif self.draft_runner is not None:
             seq.num_draft_computed_tokens = seq.num_prompt_tokens
@@ -256,10 +261,14 @@ class LLMEngine:
         the draft's K/V of the prompt are verified in its blocks, and the draft takes up the
         sequence from there (catching up on the tokens decoded meanwhile); else the sequence goes
         on without speculation. Its pinned blocks are let go either way. A no-op for a request
-        that was never activated so."""
-        blocks = self._pinned.pop(req_id, None)
-        if blocks is None:
+        that was never activated so. Landed, they mark the prompt's full blocks `has_draft`, even
+        for a request that ended meanwhile, so the conversation's next turn can adopt them."""
+        pinned = self._pinned.pop(req_id, None)
+        if pinned is None:
             return
+        blocks, num_prompt_tokens = pinned
+        if ok:
+            self.block_manager.mark_drafted(blocks[:num_prompt_tokens // self.block_manager.block_size])
         req = self._requests.get(req_id)
         seq = req.seq if req is not None else None
         if (seq is not None and seq.draft_kv_pending and ok and seq.status is SequenceStatus.RUNNING

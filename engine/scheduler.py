@@ -153,11 +153,15 @@ class Scheduler:
         self.running.remove(seq)
         self._hold(seq)
 
-    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Take blocks for `num_tokens` tokens of a new sequence, whole or nothing, and hold it.
-        False when the pool or `max_num_seqs` has no room."""
-        if self.num_seqs >= self.config.max_num_seqs or not self.block_manager.allocate(seq, num_tokens):
+    def reserve(self, seq: Sequence, num_tokens: int, prefix: list[int] = ()) -> bool:
+        """Take blocks for `num_tokens` tokens of a new sequence, whole or nothing, first adopting
+        `prefix` (cached blocks, `BlockManager.match_prefix`), and hold it. False when the pool or
+        `max_num_seqs` has no room."""
+        if self.num_seqs >= self.config.max_num_seqs or not self.block_manager.allocate(seq, num_tokens, prefix):
             return False
+        if self.block_manager.enable_prefix_caching:  # a decode worker's admission: its transfer skips the hits
+            self.num_prefix_queried_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
         self._hold(seq)
         return True
 

@@ -55,6 +55,9 @@ class Sequence:
     # prefill worker: once the prompt is computed and the first token sampled, hand the
     # sequence off (HELD, blocks kept while its K/V are sent) instead of decoding it
     is_prefill_only: bool = False
+    # prefill worker: the decode worker holds the prompt's first kv_send_from tokens already (its
+    # prefix cache): the K/V handed over start after them
+    kv_send_from: int = 0
     # top-N log-probs per output token, when params.logprobs is set: (token_id, logprob) pairs
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # what the speculative proposer keeps of this sequence between steps (the n-gram proposer's

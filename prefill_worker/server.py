@@ -180,7 +180,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
                     sender.began(self.engine.forward_started_at)
             return
         for c in chunks:
-            if (sender := self._senders.get(c.seq.req_id)) is not None:
+            if c.num_tokens and (sender := self._senders.get(c.seq.req_id)) is not None:
                 sender.send(group, layer, c.token_start, read_kv(self._groups[group], layer, c.slots))
 
     def _after_step(self, ok: bool) -> None:
@@ -222,10 +222,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             if sender is None:
                 continue
             try:
-                if layers and c.seq.req_id not in runs:
+                if layers and c.num_tokens and c.seq.req_id not in runs:
                     runs[c.seq.req_id] = shm.slot_runs(c.slots.numpy())
                 slot_runs = runs.get(c.seq.req_id)
-                for group, layer in layers:
+                for group, layer in layers if c.num_tokens else ():  # none: the decode side holds them
                     if self._reads_slots:  # the transport reads the slots itself (`DistTransport`)
                         k = self._groups[group][layer][0]
                         sender.send_refs(group, layer, c.token_start, slot_runs, 2 * k[0, 0].nbytes)
@@ -283,7 +283,8 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ticket = await self._check_ticket(request.ticket, req_id, context)
         engine = self.engine
-        header = KVHeader(request.ticket, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)))
+        header = KVHeader(request.ticket, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)),
+                          num_cached_tokens=ticket.cached_tokens)
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")
         loop = asyncio.get_running_loop()
@@ -299,7 +300,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         push = None
         try:
             try:
-                await self.loop.call(lambda e: self._add(e, r, ids, params))
+                await self.loop.call(lambda e: self._add(e, r, ids, params, ticket.cached_tokens))
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.num_requests_total += 1
@@ -362,9 +363,10 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
         log.info("request", extra=fields(state=r.state.value, prompt_seconds=(
             round(s.finished_at - s.created_at, 6) if s.finished_at else None)))
 
-    def _add(self, engine: LLMEngine, r: PrefillRequest, ids: list[int], params) -> None:
-        """Engine thread: queue the prompt (ValueError on a bad request)."""
-        engine.add_prefill(r.req_id, ids, params)
+    def _add(self, engine: LLMEngine, r: PrefillRequest, ids: list[int], params, send_from: int) -> None:
+        """Engine thread: queue the prompt, whose K/V go from token send_from on (ValueError on a
+        bad request)."""
+        engine.add_prefill(r.req_id, ids, params, send_from)
         self._senders[r.req_id] = r.sender
 
     def _on_output(self, r: PrefillRequest, item) -> None:

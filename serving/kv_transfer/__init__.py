@@ -66,11 +66,12 @@ class KVDist:
 @dataclass(frozen=True, slots=True)
 class KVHeader:
     ticket: str  # the reservation's transfer ticket (serving/tickets.py)
-    num_tokens: int  # the prompt's tokens, all of which the data chunks cover
+    num_tokens: int  # the prompt's tokens, all of which the data chunks cover but the cached ones
     dtype: str  # "float32", "bfloat16", "float16"
     groups: tuple[KVGroupLayout, ...]  # every KV cache of the sender, in order (target, draft)
     shm: KVShm | None = None  # set when the data chunks name slots in shared memory
     dist: KVDist | None = None  # set when the data chunks' bytes go over a torch.distributed group
+    num_cached_tokens: int = 0  # the leading tokens the decode side holds already (the ticket's): not sent
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ def to_proto(msg: KVMessage) -> worker_pb2.KVChunk:
             data=bytes(msg.data), crc32c=msg.crc32c, src_runs=msg.src_runs, sum64=msg.sum64))
     if isinstance(msg, KVHeader):
         header = worker_pb2.KVHeader(
-            ticket=msg.ticket, num_tokens=msg.num_tokens, dtype=msg.dtype, groups=[
+            ticket=msg.ticket, num_tokens=msg.num_tokens, dtype=msg.dtype, num_cached_tokens=msg.num_cached_tokens, groups=[
                 worker_pb2.KVGroupLayout(name=g.name, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
                                          head_dim=g.head_dim) for g in msg.groups])
         if msg.shm is not None:
@@ -93,7 +93,8 @@ def from_proto(chunk: worker_pb2.KVChunk) -> KVMessage:
         shm = KVShm(tuple(h.shm.segments), h.shm.num_slots) if h.HasField("shm") else None
         dist = KVDist(h.dist.host, h.dist.port, h.dist.name, h.dist.backend) if h.HasField("dist") else None
         return KVHeader(h.ticket, h.num_tokens, h.dtype, tuple(
-            KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups), shm, dist)
+            KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in h.groups), shm, dist,
+            h.num_cached_tokens)
     if part == "trailer":
         t = chunk.trailer
         logprobs = (tuple(parse_logprobs(t.first_token_logprobs, t.first_token_id))

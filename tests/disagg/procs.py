@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,14 +151,23 @@ def greedy_tokens(cluster, router: str, prompt: list[int], max_tokens: int = 12)
     return [t for m in msgs for t in m.token_ids]
 
 
+def unique_prompt(req_id: str, prompt: list[int]) -> list[int]:
+    """`prompt` with its first token made the request's own: a hand-made push covers every token,
+    so the decode worker must hold none of them (its prefix cache keeps what earlier pushes of the
+    same prompt wrote). Deterministic: a clash would fail the same way every run."""
+    return [1 + zlib.crc32(req_id.encode()) % 97, *prompt[1:]]
+
+
 def reserve(cluster, decode: str, req_id: str, prompt: list[int]):
-    """A reservation on a decode worker for a hand-made push: its event stream and its ticket."""
+    """A reservation on a decode worker for a hand-made push of every token of `prompt` (its first
+    token made the request's own, `unique_prompt`): its event stream and its ticket."""
     from pdserve.v1 import worker_pb2 as wk
 
     stream = cluster.decode_stub(decode).Decode(wk.WorkRequest(
-        req_id=req_id, prompt_token_ids=prompt, sampling_params=gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
-        timeout=60)
+        req_id=req_id, prompt_token_ids=unique_prompt(req_id, prompt),
+        sampling_params=gen.SamplingParams(temperature=0, max_tokens=3, seed=1)), timeout=60)
     event = next(stream)
     assert event.WhichOneof("event") == "admitted"
+    assert event.admitted.num_cached_tokens == 0
     return stream, event.admitted.ticket
 

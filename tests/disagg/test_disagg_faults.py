@@ -14,6 +14,7 @@ import torch
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as wk
+from procs import unique_prompt
 
 PROMPT = list(range(10, 30))  # 20 tokens
 
@@ -67,13 +68,15 @@ def test_vanished_client_frees_blocks(cluster):
 
 # ---- a decode worker's PushKV driven by hand ---------------------------------------------------
 def reserve(cluster, req_id: str, prompt=PROMPT):
-    """Open a Decode stream on D and read its admission."""
-    stream = cluster.decode_stub().Decode(wk.WorkRequest(req_id=req_id, prompt_token_ids=prompt,
+    """Open a Decode stream on D and read its admission, for a hand-made push of every token (the
+    prompt's first token made the request's own: `unique_prompt`)."""
+    stream = cluster.decode_stub().Decode(wk.WorkRequest(req_id=req_id, prompt_token_ids=unique_prompt(req_id, prompt),
                                                          sampling_params=gen.SamplingParams(temperature=0, max_tokens=3, seed=1)),
                                           timeout=60)
     event = next(stream)
     assert event.WhichOneof("event") == "admitted"
     assert event.admitted.ticket and req_id not in event.admitted.ticket  # the decode worker's own, signed
+    assert event.admitted.num_cached_tokens == 0
     return stream, event.admitted.ticket
 
 

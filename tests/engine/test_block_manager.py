@@ -140,6 +140,24 @@ def test_adopted_blocks_count_as_drafted_up_to_the_first_without_draft_kv():
     assert not any(bm.blocks[i].has_draft for i in other.block_table)
 
 
+def test_a_prefix_with_draft_stops_at_the_first_block_without_the_drafts_kv_until_marked():
+    """A speculating decode worker's reservation adopts only blocks holding both models' K/V; a
+    transfer that delivered the draft's marks the prompt's blocks (`mark_drafted`)."""
+    bm = BlockManager(8, BLOCK)
+    a = make_seq(0, list(range(13)))
+    assert bm.allocate(a, 13)
+    a.num_computed_tokens = 13  # the target's K/V of every block, the draft's of none
+    bm.commit(a)
+    b = make_seq(1, list(range(13)))
+    assert len(bm.match_prefix(b)) == 3 and bm.match_prefix(b, with_draft=True) == []
+    drafted = a.block_table[:2]
+    bm.mark_drafted(drafted)
+    assert bm.match_prefix(b, with_draft=True) == drafted
+    bm.free(a)
+    assert bm.match_prefix(b, with_draft=True) == drafted  # freed, still cached with both
+    bm.check_invariants([])
+
+
 def test_eviction_takes_unhashed_blocks_then_a_chain_tail_first():
     bm = BlockManager(4, BLOCK)
     a = make_seq(0, list(range(8)))
