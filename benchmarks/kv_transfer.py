@@ -127,12 +127,17 @@ class Pusher:
         self.info = self.stub.GetInfo(worker_pb2.InfoRequest(), timeout=10)
 
     def reserve(self):
+        """A reservation for the whole prompt: its first token is this reservation's own, or the
+        decode worker would adopt the blocks an earlier push filled (its prefix cache) and take
+        only the K/V after them."""
         self.n += 1
-        work = worker_pb2.WorkRequest(req_id=f"kv-{self.n}", prompt_token_ids=self.prompt,
+        prompt = [3 + (self.prompt[0] + self.n) % 500, *self.prompt[1:]]
+        work = worker_pb2.WorkRequest(req_id=f"kv-{self.n}", prompt_token_ids=prompt,
                                       sampling_params=gen.SamplingParams(temperature=0, max_tokens=1, seed=1))
         stream = self.stub.Decode(work, timeout=120)
         event = next(stream)
         assert event.WhichOneof("event") == "admitted", event
+        assert event.admitted.num_cached_tokens == 0, event
         return stream, event.admitted.ticket
 
     def header(self, ticket: str) -> KVHeader:
