@@ -57,7 +57,7 @@ class PairCalls:
         during a failover, after `failover_wait_s` for one to come back)."""
         queue_deadline = min(deadline, time.monotonic() + self.policy.queue_timeout_s)
         while True:
-            candidates = await self._candidates(is_failover)
+            candidates = await self._candidates(is_failover, list(work.prompt_token_ids))
             colocated = not self.pool.is_disaggregated or self.pool.prefill_down()
             for w in candidates:
                 w.num_in_flight += 1  # before the answer: a burst spreads over the workers
@@ -80,14 +80,14 @@ class PairCalls:
             except QueueFull as e:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"router is overloaded: {e}") from None
 
-    async def _candidates(self, wait: bool) -> list[Worker]:
+    async def _candidates(self, wait: bool, prompt_ids: list[int]) -> list[Worker]:
         give_up = time.monotonic() + (self.policy.failover_wait_s if wait else 0)
         while (missing := self.pool.missing()) is not None:
             if time.monotonic() >= give_up:
                 # final: a new request gets it at once, a failover after its wait
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"cannot serve: {missing}", is_final=True)
             await asyncio.sleep(0.1)
-        return self.pool.decode_candidates()
+        return self.pool.decode_candidates(prompt_ids)
 
     async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=(),
                        colocated: bool = False):

@@ -3,7 +3,9 @@ of `router.request.RequestState`). Protobuf of the public API stops here.
 
     received: validated, tokenized (INVALID_ARGUMENT otherwise; UNAVAILABLE at once, naming the
         pool, when a pool has no usable worker)
-    ──► admitted: Decode() on the least loaded decode worker reserves its blocks
+    ──► admitted: Decode() on the least loaded decode worker reserves its blocks, or on one
+        nearly as loaded whose prefix cache probably holds the prompt's start (a conversation's
+        earlier turn, served there: `WorkerPool.decode_candidates`)
         (RESOURCE_EXHAUSTED: the next worker; none has room: the bounded admission queue)
     ──► prefilling: Prefill() on a paired prefill worker — the one with the least queued work
         beyond the prefix it probably has cached — with the transfer ticket the reservation
@@ -214,7 +216,9 @@ class Router:
             async for ids, reason, logprobs in self.calls.events(call, decode, prefill_task, flight, first):
                 self.metrics.received(trace, len(ids))
                 yield stream.delta(ids, reason, logprobs)
-                if stream.finished:
+                if stream.finished:  # the decode worker's cache now holds the prompt and the answer
+                    decode.prefixes.insert(req.prompt_token_ids + stream.sent_ids, decode.info.block_size
+                                           if decode.info else 16)
                     return
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"decode worker {decode.address} ended the stream "
                                 "without finishing the request")

@@ -31,6 +31,9 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("pdserve.router")
 
 # Health checks in a row that may time out before a healthy worker is taken out of selection.
+# a decode worker whose cache probably holds the prompt's prefix is picked over the least loaded
+# while its load (the share of its sequence slots taken) is at most this much higher
+AFFINITY_SLACK = 0.25
 MAX_SLOW_CHECKS = 3
 # GetStats errors raised inside a worker that answered (not a connection or a deadline): they do
 # not take a worker that says SERVING out of selection.
@@ -69,7 +72,7 @@ class Worker:
     is_removed: bool = False
     num_in_flight: int = 0  # requests this router sent here that have not ended
     num_queued_prompt_tokens: int = 0  # prefill: prompt tokens sent here and not yet answered
-    prefixes: PrefixIndex | None = None  # prefill: what its prefix cache probably holds
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # what its prefix cache probably holds
 
     @property
     def load(self) -> float:
@@ -129,8 +132,7 @@ class WorkerPool:
             self.remove(worker_id)
         channel = self.security.channel(address, WORKER_CHANNEL_OPTIONS)
         stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
-        w = Worker(worker_id, role, address, channel, stub, health_pb2_grpc.HealthStub(channel),
-                   prefixes=PrefixIndex() if role == "prefill" else None)
+        w = Worker(worker_id, role, address, channel, stub, health_pb2_grpc.HealthStub(channel))
         self.workers[worker_id] = w
         self._joined.set()
         log.info("worker %s %s joined at %s", role, worker_id, address)
@@ -249,12 +251,23 @@ class WorkerPool:
         other = "decode" if w.role == "prefill" else "prefill"
         return [o for o in self.of_role(other) if (self.paired(w, o) if w.role == "prefill" else self.paired(o, w))]
 
-    def decode_candidates(self) -> list[Worker]:
-        """Healthy decode workers that can be used now, least loaded first."""
+    def decode_candidates(self, prompt_ids: list[int] = ()) -> list[Worker]:
+        """Healthy decode workers that can be used now, least loaded first; but first, of those
+        loaded at most AFFINITY_SLACK more than the least, the one whose prefix cache probably
+        holds the longest prefix of `prompt_ids` (a conversation's earlier turn, decoded there:
+        its reservation adopts those blocks, so no transfer moves them again, and colocated, no
+        prefill computes them again)."""
         ws = [w for w in self.of_role("decode") if w.healthy and w.info is not None]
         if self.is_disaggregated and not self.prefill_down():
             ws = [w for w in ws if any(p.healthy and self.paired(p, w) for p in self.of_role("prefill"))]
-        return sorted(ws, key=lambda w: (w.load, -w.stats.num_free_blocks))
+        ws.sort(key=lambda w: (w.load, -w.stats.num_free_blocks))
+        if prompt_ids and len(ws) > 1:
+            near = [w for w in ws if w.load <= ws[0].load + AFFINITY_SLACK]
+            cached = [w.prefixes.match(prompt_ids, w.info.block_size) for w in near]
+            best = max(range(len(near)), key=lambda i: (cached[i], -i))
+            if cached[best]:
+                ws.insert(0, ws.pop(ws.index(near[best])))
+        return ws
 
     def prefill_down(self) -> bool:
         """Disaggregated, and not one prefill worker is healthy (all dead or restarting): the decode
@@ -270,7 +283,7 @@ class WorkerPool:
 
     @staticmethod
     def prefill_cost(w: Worker, prompt_ids: list[int]) -> int:
-        cached = w.prefixes.match(prompt_ids, w.info.block_size) if w.prefixes and w.info else 0
+        cached = w.prefixes.match(prompt_ids, w.info.block_size) if w.info else 0
         queued = max(w.num_queued_prompt_tokens, w.stats.num_queued_prompt_tokens)
         return queued + len(prompt_ids) - cached
 

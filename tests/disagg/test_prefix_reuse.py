@@ -4,6 +4,8 @@ says how many tokens they hold, and the prefill worker pushes the K/V of the res
 processes (the shared cluster: P and D speculate, so adoption needs the draft's K/V too)."""
 from __future__ import annotations
 
+import time
+
 import google_crc32c
 import grpc
 import pytest
@@ -12,7 +14,7 @@ import torch
 from pdserve.engine import SamplingParams
 from pdserve.v1 import generation_pb2 as gen
 from pdserve.v1 import worker_pb2 as wk
-from procs import greedy_tokens
+from procs import generate_all, greedy_tokens, joined
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -117,3 +119,39 @@ def test_a_right_hand_made_push_after_the_cached_tokens_decodes(cluster):
         cluster.decode_stub().GetInfo(wk.InfoRequest(), timeout=5))
     assert [t for e in stream for t in e.tokens.token_ids][0] == 5
     cluster.wait_all_free()
+
+
+def test_a_conversations_next_turn_goes_to_the_decode_worker_that_served_the_last(cluster):
+    """Two conversations start at once on a router over two colocated decode workers, one on
+    each (the least loaded takes each); each one's next turn, sent alone, goes where its first
+    turn went, and finds its start cached there: the router noted what each worker finished.
+    (Which worker the least loaded order alone would pick here depends on when the router last
+    read their free blocks; `tests/router/test_decode_affinity.py` checks the choice itself.)"""
+    from procs import MAX_NUM_SEQS, MAX_PROMPT_CHARS, NUM_KV_BLOCKS, wait_ready
+
+    wait_ready(cluster.start("D3", "decode-worker", "--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS),
+                             "--num-kv-blocks", str(NUM_KV_BLOCKS), "--metrics-port", "0", "--block-size", "8"))
+    wait_ready(cluster.start_router("R4", "--decode", f"{cluster.address('D2')},{cluster.address('D3')}",
+                                    "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5",
+                                    "--metrics-port", "0"))
+    deadline = time.monotonic() + 30  # ready once it can serve: wait until it has seen both healthy
+    while sum(v for (name, labels), v in cluster.metrics("R4").items()
+              if name == "pdserve:router_healthy_workers" and ("role", "decode") in labels) < 2:
+        assert time.monotonic() < deadline, [kv for kv in cluster.metrics("R4").items() if "healthy" in kv[0][0]]
+        time.sleep(0.1)
+    cluster.wait_all_free(("D2", "D3"))
+    firsts = {c: [7 + (i * k) % 280 for i in range(45)] for c, k in (("A", 29), ("B", 31))}
+    before = {w: cluster.stats(w) for w in ("D2", "D3")}
+    answers = generate_all(cluster, "R4", [gen.GenerateRequest(token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
+        temperature=0, max_tokens=48, ignore_eos=True)) for p in firsts.values()])
+    mid = {w: cluster.stats(w) for w in ("D2", "D3")}
+    assert [mid[w].num_requests_total - before[w].num_requests_total for w in ("D2", "D3")] == [1, 1]
+    served = {}
+    for (c, first), msgs in zip(firsts.items(), answers):
+        ahead = {w: cluster.stats(w).prefix_cache_hits_total for w in ("D2", "D3")}
+        greedy_tokens(cluster, "R4", first + joined(msgs)[0] + [3, 4, 5], max_tokens=8)
+        hits = {w: cluster.stats(w).prefix_cache_hits_total - ahead[w] for w in ("D2", "D3")}
+        served[c] = [w for w, n in hits.items() if n >= len(first) // 8 * 8]
+        assert len(served[c]) == 1 and sum(hits.values()) == hits[served[c][0]], hits
+    assert served["A"] != served["B"]
+    cluster.wait_all_free(("D2", "D3"))
