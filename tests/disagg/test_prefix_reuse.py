@@ -131,31 +131,31 @@ def test_a_conversations_next_turn_goes_to_the_decode_worker_that_served_the_las
 
     worker = ["--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", str(NUM_KV_BLOCKS),
               "--metrics-port", "0"]
-    names = ("D3", "D4")  # their own: other tests stop and restart the shared ones
+    names = ("D-turns-1", "D-turns-2")  # names no other test uses (`Cluster.channel` keeps a channel by name)
     wait_ready(*(cluster.start(name, "decode-worker", *worker) for name in names))
-    wait_ready(cluster.start_router("R4", "--decode", ",".join(cluster.address(name) for name in names),
+    wait_ready(cluster.start_router("R-turns", "--decode", ",".join(cluster.address(name) for name in names),
                                     "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5",
                                     "--metrics-port", "0"))
     deadline = time.monotonic() + 30  # ready once it can serve: wait until it has seen both healthy
-    while sum(v for (name, labels), v in cluster.metrics("R4").items()
+    while sum(v for (name, labels), v in cluster.metrics("R-turns").items()
               if name == "pdserve:router_healthy_workers" and ("role", "decode") in labels) < 2:
-        assert time.monotonic() < deadline, "R4 did not see both decode workers healthy within 30 s"
+        assert time.monotonic() < deadline, "the router did not see both decode workers healthy within 30 s"
         time.sleep(0.1)
     cluster.wait_all_free(names)
     firsts = {c: [7 + (i * k) % 280 for i in range(45)] for c, k in (("A", 29), ("B", 31))}
     before = {w: cluster.stats(w) for w in names}
-    answers = generate_all(cluster, "R4", [gen.GenerateRequest(token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
+    answers = generate_all(cluster, "R-turns", [gen.GenerateRequest(token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
         temperature=0, max_tokens=48, ignore_eos=True)) for p in firsts.values()])
     mid = {w: cluster.stats(w) for w in names}
     assert [mid[w].num_requests_total - before[w].num_requests_total for w in names] == [1, 1]
     served = {}
     for (c, first), msgs in zip(firsts.items(), answers):
         ahead = {w: cluster.stats(w).prefix_cache_hits_total for w in names}
-        greedy_tokens(cluster, "R4", first + joined(msgs)[0] + [3, 4, 5], max_tokens=8)
+        greedy_tokens(cluster, "R-turns", first + joined(msgs)[0] + [3, 4, 5], max_tokens=8)
         hits = {w: cluster.stats(w).prefix_cache_hits_total - ahead[w] for w in names}
         served[c] = [w for w, n in hits.items() if n >= len(first) // 16 * 16]
         assert len(served[c]) == 1 and sum(hits.values()) == hits[served[c][0]], hits
     assert served["A"] != served["B"]
     cluster.wait_all_free(names)
-    for name in ("R4", *names):
+    for name in ("R-turns", *names):
         cluster.procs.pop(name).stop()

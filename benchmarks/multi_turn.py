@@ -1,0 +1,176 @@
+"""Multi-turn conversations on a disaggregated pair: what the decode worker's prefix cache saves a
+conversation's later turns. A reservation adopts the blocks the decode worker holds of the prompt
+(the earlier turns, prompt and answer), and the prefill worker pushes the K/V of the rest only.
+
+    python benchmarks/multi_turn.py [--quick] [--repeats 5] [--conversations 4] [--turns 4] [--no-kv-shm]
+
+Two pairs side by side, alike but for the decode worker's prefix cache: "reuse" (the default) and
+"no reuse" (`--no-prefix-caching` on the decode worker: every push carries the whole prompt, as
+before the decode side adopted blocks). Both prefill workers keep their own prefix cache. Each
+conversation opens with a 256-token cut of this repository's sources, and each turn adds a
+32-token greedy answer and a 64-token cut as the next question; both arms get the same history
+(the reuse arm's answers). One request at a time; per turn, the arms take turns in an order that
+alternates. Measured per turn after the first: TTFT at the client (the first streamed message),
+and the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_total`). A repeat's
+figure is the median over its later turns; the ratio reuse / no reuse is taken per repeat.
+Workers pinned (prefill core 0, decode core 1, the arms on the same cores), one torch thread each.
+Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from launcher import Launcher, scrape
+from report import Spread, host, machine, update_section
+from tqdm import tqdm
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+MODEL = str(REPO / "models" / "demo")
+WORKER = ["--model", MODEL, "--num-kv-blocks", "1024", "--max-num-seqs", "8"]
+OPENING, QUESTION, ANSWER = 256, 64, 32
+ARMS = ("reuse", "no reuse")
+SECTION = "Multi-turn conversations (`benchmarks/multi_turn.py`)"
+
+
+def source_cuts(num: int, length: int, salt: int) -> list[list[int]]:
+    """`num` cuts of `length` tokens from this repository's engine sources, distinct per salt."""
+    tok = Tokenizer.from_dir(MODEL)
+    ids = [t for p in sorted((REPO / "engine").rglob("*.py")) for t in tok.encode(p.read_text())]
+    step = (len(ids) - length) // (num + 1)
+    return [ids[(i + 1) * step + salt * 7:(i + 1) * step + salt * 7 + length] for i in range(num)]
+
+
+def turn(stub, prompt: list[int]) -> tuple[float, list[int]]:
+    """(TTFT, the answer's tokens) of one greedy request."""
+    start, first, ids = time.perf_counter(), None, []
+    for msg in stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(
+            temperature=0, max_tokens=ANSWER, ignore_eos=True)), timeout=120):
+        first = first or time.perf_counter() - start
+        ids += msg.token_ids
+    return first, ids
+
+
+def one_repeat(stubs: dict, decode_metrics: dict, r: int, conversations: int, turns: int) -> dict:
+    openings = source_cuts(conversations, OPENING, salt=r)
+    questions = source_cuts(conversations * turns, QUESTION, salt=r + 1000)
+    samples = {arm: {"ttft_s": [], "kv_bytes": [], "hit_tokens": []} for arm in ARMS}
+    for c, history in enumerate(openings):
+        for t in range(turns):
+            order = ARMS if (r + c + t) % 2 == 0 else ARMS[::-1]
+            answer = None
+            for arm in order:
+                before = scrape(decode_metrics[arm])
+                ttft, ids = turn(stubs[arm], history)
+                after = scrape(decode_metrics[arm])
+                if t:  # a later turn
+                    s = samples[arm]
+                    s["ttft_s"].append(ttft)
+                    s["kv_bytes"].append(after["pdserve:kv_transfer_bytes_total"] - before["pdserve:kv_transfer_bytes_total"])
+                    s["hit_tokens"].append(after["pdserve:prefix_cache_hits_total"] - before["pdserve:prefix_cache_hits_total"])
+                answer = ids if arm == "reuse" else answer
+            history = history + answer + questions[c * turns + t]
+    return {arm: {"ttft_p50_s": statistics.median(s["ttft_s"]), "kv_bytes_mean": statistics.mean(s["kv_bytes"]),
+                  "hit_tokens_mean": statistics.mean(s["hit_tokens"]), **s} for arm, s in samples.items()}
+
+
+def markdown(result: dict) -> str:
+    runs, a = result["repeats"], result["args"]
+    ms = lambda arm: Spread.of(rep[arm]["ttft_p50_s"] * 1e3 for rep in runs)  # noqa: E731
+    kb = lambda arm: Spread.of(rep[arm]["kv_bytes_mean"] / 1024 for rep in runs)  # noqa: E731
+    hits = lambda arm: Spread.of(rep[arm]["hit_tokens_mean"] for rep in runs)  # noqa: E731
+    ttft_ratio = Spread.of(rep["reuse"]["ttft_p50_s"] / rep["no reuse"]["ttft_p50_s"] for rep in runs)
+    bytes_ratio = Spread.of(rep["reuse"]["kv_bytes_mean"] / rep["no reuse"]["kv_bytes_mean"] for rep in runs)
+    lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python {result['command']}` ({a['repeats']} repeats of "
+             f"{a['conversations']} conversations of {a['turns']} turns: a {OPENING}-token opening, then per turn "
+             f"a {ANSWER}-token greedy answer and a {QUESTION}-token question; demo target, workers pinned, "
+             + ("K/V over gRPC (`--no-kv-shm`, as between nodes), " if a["no_kv_shm"] else "K/V through shared "
+                "memory (the default on one node), ")
+             + f"one request at a time). Machine: {host(result['machine'])}. Figures per later turn, min / median / "
+             "max over repeats.", "",
+             "| arm | TTFT p50 (ms) | KV received per turn (KiB) | prompt tokens found on the decode worker |",
+             "|---|---|---|---|"]
+    for arm in ARMS:
+        lines.append(f"| {arm} | {ms(arm).fmt(1)} | {kb(arm).fmt(0)} | {hits(arm).fmt(0)} |")
+    lines += ["", f"Reuse / no reuse, per repeat: TTFT {ttft_ratio.fmt(2)}×, KV bytes received "
+              f"{bytes_ratio.fmt(3)}×.", "",
+              f"Files: `{result['out']}.json`, `.png`."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["repeats"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for arm in ARMS:
+        ax1.plot([rep[arm]["ttft_p50_s"] * 1e3 for rep in runs], marker="o", label=arm)
+        ax2.plot([rep[arm]["kv_bytes_mean"] / 1024 for rep in runs], marker="o", label=arm)
+    ax1.set(xlabel="repeat", ylabel="TTFT p50, later turns (ms)")
+    ax2.set(xlabel="repeat", ylabel="KV received per later turn (KiB)")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="1 repeat of 2 conversations of 2 turns: checks the script")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--no-kv-shm", action="store_true", help="K/V over gRPC, as to a decode worker on another node")
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.conversations, args.turns = 1, 2, 2
+    stem = "multi_turn" + ("_no_kv_shm" if args.no_kv_shm else "") + ("_quick" if args.quick else "")
+    runs = []
+    with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
+        routers, decode_metrics = {}, {}
+        for arm in ARMS:
+            tag = "reuse" if arm == "reuse" else "noreuse"
+            prefill = run.worker("prefill-worker", f"P-{tag}", [*WORKER, *(["--no-kv-shm"] if args.no_kv_shm else [])], [0])
+            decode = run.worker("decode-worker", f"D-{tag}", [*WORKER, *([] if arm == "reuse" else ["--no-prefix-caching"])],
+                                [1])
+            routers[arm] = run.router(f"R-{tag}", MODEL, [prefill], [decode])
+            decode_metrics[arm] = decode
+        run.wait_ready()
+        decode_metrics = {arm: proc.metrics_address for arm, proc in decode_metrics.items()}
+        channels = {arm: grpc.insecure_channel(r.address) for arm, r in routers.items()}
+        stubs = {arm: generation_pb2_grpc.GenerationStub(ch) for arm, ch in channels.items()}
+        for arm in ARMS:  # warm-up
+            turn(stubs[arm], source_cuts(1, OPENING, salt=999)[0])
+        for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
+            runs.append(one_repeat(stubs, decode_metrics, r, args.conversations, args.turns))
+        for ch in channels.values():
+            ch.close()
+    out = RESULTS / stem
+    command = "benchmarks/multi_turn.py" + ("" if args.quick else f" --repeats {args.repeats} --conversations "
+                                            f"{args.conversations} --turns {args.turns}") \
+        + (" --quick" if args.quick else "") + (" --no-kv-shm" if args.no_kv_shm else "")
+    result = {"repeats": runs, "args": vars(args), "machine": machine(), "command": command,
+              "out": str(out.relative_to(REPO))}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    body = markdown(result)
+    print(body)
+    if not args.quick and not args.no_kv_shm:
+        update_section(REPO / "BENCHMARKS.md", SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
