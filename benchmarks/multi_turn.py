@@ -11,7 +11,9 @@ conversation opens with a 256-token cut of this repository's sources, and each t
 32-token greedy answer and a 64-token cut as the next question; both arms get the same history
 (the reuse arm's answers). One request at a time; per turn, the arms take turns in an order that
 alternates. Measured per turn after the first: TTFT at the client (the first streamed message),
-and the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_total`). A repeat's
+the time to the second token (the transfer sits there: the router streams the first token as soon
+as the prefill worker samples it, and the second comes from the decode worker once the K/V are
+in), and the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_total`). A repeat's
 figure is the median over its later turns; the ratio reuse / no reuse is taken per repeat.
 Workers pinned (prefill core 0, decode core 1, the arms on the same cores), one torch thread each.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
@@ -51,45 +53,48 @@ def source_cuts(num: int, length: int, salt: int) -> list[list[int]]:
     return [ids[(i + 1) * step + salt * 7:(i + 1) * step + salt * 7 + length] for i in range(num)]
 
 
-def turn(stub, prompt: list[int]) -> tuple[float, list[int]]:
-    """(TTFT, the answer's tokens) of one greedy request."""
-    start, first, ids = time.perf_counter(), None, []
+def turn(stub, prompt: list[int]) -> tuple[float, float, list[int]]:
+    """(TTFT, time to the second token, the answer's tokens) of one greedy request."""
+    start, first, second, ids = time.perf_counter(), None, None, []
     for msg in stub.Generate(gen.GenerateRequest(token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(
             temperature=0, max_tokens=ANSWER, ignore_eos=True)), timeout=120):
         first = first or time.perf_counter() - start
         ids += msg.token_ids
-    return first, ids
+        second = second or (time.perf_counter() - start if len(ids) >= 2 else None)
+    return first, second, ids
 
 
 def one_repeat(stubs: dict, decode_metrics: dict, r: int, conversations: int, turns: int) -> dict:
     openings = source_cuts(conversations, OPENING, salt=r)
     questions = source_cuts(conversations * turns, QUESTION, salt=r + 1000)
-    samples = {arm: {"ttft_s": [], "kv_bytes": [], "hit_tokens": []} for arm in ARMS}
+    samples = {arm: {"ttft_s": [], "second_s": [], "kv_bytes": [], "hit_tokens": []} for arm in ARMS}
     for c, history in enumerate(openings):
         for t in range(turns):
             order = ARMS if (r + c + t) % 2 == 0 else ARMS[::-1]
             answer = None
             for arm in order:
                 before = scrape(decode_metrics[arm])
-                ttft, ids = turn(stubs[arm], history)
+                ttft, second, ids = turn(stubs[arm], history)
                 after = scrape(decode_metrics[arm])
                 if t:  # a later turn
                     s = samples[arm]
                     s["ttft_s"].append(ttft)
+                    s["second_s"].append(second)
                     s["kv_bytes"].append(after["pdserve:kv_transfer_bytes_total"] - before["pdserve:kv_transfer_bytes_total"])
                     s["hit_tokens"].append(after["pdserve:prefix_cache_hits_total"] - before["pdserve:prefix_cache_hits_total"])
                 answer = ids if arm == "reuse" else answer
             history = history + answer + questions[c * turns + t]
-    return {arm: {"ttft_p50_s": statistics.median(s["ttft_s"]), "kv_bytes_mean": statistics.mean(s["kv_bytes"]),
+    return {arm: {"ttft_p50_s": statistics.median(s["ttft_s"]), "second_p50_s": statistics.median(s["second_s"]),
+                  "kv_bytes_mean": statistics.mean(s["kv_bytes"]),
                   "hit_tokens_mean": statistics.mean(s["hit_tokens"]), **s} for arm, s in samples.items()}
 
 
 def markdown(result: dict) -> str:
     runs, a = result["repeats"], result["args"]
-    ms = lambda arm: Spread.of(rep[arm]["ttft_p50_s"] * 1e3 for rep in runs)  # noqa: E731
+    ms = lambda arm, key="ttft_p50_s": Spread.of(rep[arm][key] * 1e3 for rep in runs)  # noqa: E731
     kb = lambda arm: Spread.of(rep[arm]["kv_bytes_mean"] / 1024 for rep in runs)  # noqa: E731
     hits = lambda arm: Spread.of(rep[arm]["hit_tokens_mean"] for rep in runs)  # noqa: E731
-    ttft_ratio = Spread.of(rep["reuse"]["ttft_p50_s"] / rep["no reuse"]["ttft_p50_s"] for rep in runs)
+    ratio = lambda key: Spread.of(rep["reuse"][key] / rep["no reuse"][key] for rep in runs)  # noqa: E731
     bytes_ratio = Spread.of(rep["reuse"]["kv_bytes_mean"] / rep["no reuse"]["kv_bytes_mean"] for rep in runs)
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python {result['command']}` ({a['repeats']} repeats of "
              f"{a['conversations']} conversations of {a['turns']} turns: a {OPENING}-token opening, then per turn "
@@ -98,12 +103,13 @@ def markdown(result: dict) -> str:
                 "memory (the default on one node), ")
              + f"one request at a time). Machine: {host(result['machine'])}. Figures per later turn, min / median / "
              "max over repeats.", "",
-             "| arm | TTFT p50 (ms) | KV received per turn (KiB) | prompt tokens found on the decode worker |",
-             "|---|---|---|---|"]
+             "| arm | TTFT p50 (ms) | second token p50 (ms) | KV received per turn (KiB) | prompt tokens found "
+             "on the decode worker |", "|---|---|---|---|---|"]
     for arm in ARMS:
-        lines.append(f"| {arm} | {ms(arm).fmt(1)} | {kb(arm).fmt(0)} | {hits(arm).fmt(0)} |")
-    lines += ["", f"Reuse / no reuse, per repeat: TTFT {ttft_ratio.fmt(2)}×, KV bytes received "
-              f"{bytes_ratio.fmt(3)}×.", "",
+        lines.append(f"| {arm} | {ms(arm).fmt(1)} | {ms(arm, 'second_p50_s').fmt(1)} | {kb(arm).fmt(0)} | "
+                     f"{hits(arm).fmt(0)} |")
+    lines += ["", f"Reuse / no reuse, per repeat: TTFT {ratio('ttft_p50_s').fmt(2)}×, time to the second token "
+              f"{ratio('second_p50_s').fmt(2)}×, KV bytes received {bytes_ratio.fmt(3)}×.", "",
               f"Files: `{result['out']}.json`, `.png`."]
     return "\n".join(lines) + "\n"
 
@@ -116,9 +122,10 @@ def plot(result: dict, path: Path) -> None:
     runs = result["repeats"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for arm in ARMS:
-        ax1.plot([rep[arm]["ttft_p50_s"] * 1e3 for rep in runs], marker="o", label=arm)
+        ax1.plot([rep[arm]["ttft_p50_s"] * 1e3 for rep in runs], marker="o", label=f"{arm}: first token")
+        ax1.plot([rep[arm]["second_p50_s"] * 1e3 for rep in runs], marker="s", label=f"{arm}: second token")
         ax2.plot([rep[arm]["kv_bytes_mean"] / 1024 for rep in runs], marker="o", label=arm)
-    ax1.set(xlabel="repeat", ylabel="TTFT p50, later turns (ms)")
+    ax1.set(xlabel="repeat", ylabel="p50, later turns (ms)")
     ax2.set(xlabel="repeat", ylabel="KV received per later turn (KiB)")
     ax1.legend()
     fig.tight_layout()
