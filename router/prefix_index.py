@@ -1,8 +1,9 @@
 """`PrefixIndex`: which prompt prefixes a worker's prefix cache probably holds, as the router can
 know it without asking: the block-aligned prefixes of the prompts it recently sent to a prefill
-worker, and of the prompts and answers a decode worker recently finished. Each full block of a prompt is keyed by a hash chained from the block before it, the way
-the engine's block manager keys its cache, so a lookup walks a new prompt's blocks until the
-first one never sent. Bounded, least recently used first out (the worker evicts too).
+worker, and of the prompts and answers a decode worker recently finished. Each full block of a
+prompt is keyed by a hash chained from the block before it, the way the engine's block manager
+keys its cache, so a lookup walks a new prompt's blocks until the first one never sent. Bounded,
+least recently used first out (the worker evicts too).
 """
 from __future__ import annotations
 

@@ -30,10 +30,10 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.router")
 
-# Health checks in a row that may time out before a healthy worker is taken out of selection.
-# a decode worker whose cache probably holds the prompt's prefix is picked over the least loaded
-# while its load (the share of its sequence slots taken) is at most this much higher
+# A decode worker whose cache probably holds the prompt's start is picked over the least loaded
+# while its load (the share of its sequence slots taken) is at most this much higher.
 AFFINITY_SLACK = 0.25
+# Health checks in a row that may time out before a healthy worker is taken out of selection.
 MAX_SLOW_CHECKS = 3
 # GetStats errors raised inside a worker that answered (not a connection or a deadline): they do
 # not take a worker that says SERVING out of selection.
