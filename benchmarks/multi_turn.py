@@ -21,6 +21,7 @@ Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENC
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -45,10 +46,16 @@ ARMS = ("reuse", "no reuse")
 SECTION = "Multi-turn conversations (`benchmarks/multi_turn.py`)"
 
 
+@functools.cache
+def _source_ids() -> tuple[int, ...]:
+    """This repository's engine sources, tokenized once."""
+    tok = Tokenizer.from_dir(MODEL)
+    return tuple(t for p in sorted((REPO / "engine").rglob("*.py")) for t in tok.encode(p.read_text()))
+
+
 def source_cuts(num: int, length: int, salt: int) -> list[list[int]]:
     """`num` cuts of `length` tokens from this repository's engine sources, distinct per salt."""
-    tok = Tokenizer.from_dir(MODEL)
-    ids = [t for p in sorted((REPO / "engine").rglob("*.py")) for t in tok.encode(p.read_text())]
+    ids = list(_source_ids())
     step = (len(ids) - length) // (num + 1)
     return [ids[(i + 1) * step + salt * 7:(i + 1) * step + salt * 7 + length] for i in range(num)]
 
@@ -95,7 +102,6 @@ def markdown(result: dict) -> str:
     kb = lambda arm: Spread.of(rep[arm]["kv_bytes_mean"] / 1024 for rep in runs)  # noqa: E731
     hits = lambda arm: Spread.of(rep[arm]["hit_tokens_mean"] for rep in runs)  # noqa: E731
     ratio = lambda key: Spread.of(rep["reuse"][key] / rep["no reuse"][key] for rep in runs)  # noqa: E731
-    bytes_ratio = Spread.of(rep["reuse"]["kv_bytes_mean"] / rep["no reuse"]["kv_bytes_mean"] for rep in runs)
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python {result['command']}` ({a['repeats']} repeats of "
              f"{a['conversations']} conversations of {a['turns']} turns: a {OPENING}-token opening, then per turn "
              f"a {ANSWER}-token greedy answer and a {QUESTION}-token question; demo target, workers pinned, "
@@ -109,7 +115,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {arm} | {ms(arm).fmt(1)} | {ms(arm, 'second_p50_s').fmt(1)} | {kb(arm).fmt(0)} | "
                      f"{hits(arm).fmt(0)} |")
     lines += ["", f"Reuse / no reuse, per repeat: TTFT {ratio('ttft_p50_s').fmt(2)}×, time to the second token "
-              f"{ratio('second_p50_s').fmt(2)}×, KV bytes received {bytes_ratio.fmt(3)}×.", "",
+              f"{ratio('second_p50_s').fmt(2)}×, KV bytes received {ratio('kv_bytes_mean').fmt(3)}×.", "",
               f"Files: `{result['out']}.json`, `.png`."]
     return "\n".join(lines) + "\n"
 
