@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
 from pdserve.serving.logs import LOG_FORMATS, LOG_LEVELS
 
 ENV_PREFIX = "PDSERVE_"
@@ -133,6 +134,10 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--no-kv-dist", action="store_true", help="decode worker: take no K/V over torch.distributed "
                    "(default: take it in the backend of its cache's device)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--local-prefill-tokens", type=int, default=LOCAL_PREFILL_TOKENS, help="decode worker: "
+                   "prefill a disaggregated request itself when its prefix cache holds all but at most this many "
+                   "of the prompt's tokens (a conversation's next turn), instead of the prefill worker; 0: never "
+                   "(default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds live requests get to finish before the worker stops")
@@ -191,6 +196,8 @@ def add_serve_args(sv) -> None:
             ("--decode-workers", int, "decode workers"),
             ("--prefill-cpus", float, "CPUs per prefill worker (fractions allowed)"),
             ("--decode-cpus", float, "CPUs per decode worker"),
+            ("--local-prefill-tokens", int, "a decode worker prefills a request itself when its prefix cache "
+             "holds all but at most this many prompt tokens (0: never)"),
             ("--gpus-per-worker", float, "GPUs per worker of both pools"),
             ("--host", str, "the router's address"),
             ("--grpc-port", int, "the public gRPC API (0: a free port)"),

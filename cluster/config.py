@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL, DEMO_DRAFT = REPO / "models" / "demo", REPO / "models" / "demo-draft"
 
@@ -82,6 +84,9 @@ class ServeConfig:
     # K/V bytes over a torch.distributed group (NCCL between GPU workers, device to device; gloo
     # between CPU ones); in place of kv_shm. Off by default: each pair then holds a group open.
     kv_dist: bool = False
+    # a decode worker prefills a request itself when its prefix cache holds all but at most this
+    # many of the prompt's tokens (a conversation's next turn); 0: never
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
     placement_timeout: float = 60.0  # for the cluster to find the resources of every worker
     start_timeout: float = 300.0  # for every placed worker to load its model and serve
     metrics_targets_file: str | None = None  # Prometheus file-SD list of every process (default: beside the Ray logs)
@@ -100,6 +105,9 @@ class ServeConfig:
             _positive(name, getattr(self, name))
         _check(isinstance(self.kv_shm, bool), "kv_shm", self.kv_shm, "must be true or false")
         _check(isinstance(self.kv_dist, bool), "kv_dist", self.kv_dist, "must be true or false")
+        _check(isinstance(self.local_prefill_tokens, int) and not isinstance(self.local_prefill_tokens, bool)
+               and self.local_prefill_tokens >= 0, "local_prefill_tokens", self.local_prefill_tokens,
+               "must be an integer >= 0")
         _check_pool("prefill", self.prefill, minimum=0)
         _check_pool("decode", self.decode, minimum=1)
         _check_router(self.router)

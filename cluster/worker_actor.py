@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import ray
 
+from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
 from pdserve.serving.logs import Telemetry
 
 log = logging.getLogger("pdserve.cluster")
@@ -40,6 +41,7 @@ class WorkerSpec:
     kv_shm: bool = True  # K/V through shared memory with same-node peers
     model_name: str | None = None  # in metrics: the served model name, as the router's
     kv_dist: bool = False  # prefill: K/V bytes over a torch.distributed group to decode workers that take it
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # decode: prefill a prompt's short uncached tail here
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +134,8 @@ class WorkerActor:
         from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
 
         return DecodeWorkerServicer(DecodeServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
-                                                       stream_timeout_s=s.stream_timeout_s, kv_shm=s.kv_shm),
+                                                       stream_timeout_s=s.stream_timeout_s, kv_shm=s.kv_shm,
+                                                       local_prefill_tokens=s.local_prefill_tokens),
                                     security=s.security)
 
     def _on_ready(self, addresses) -> None:

@@ -24,6 +24,12 @@ decoded here, or a system prompt shared with another request): its ticket says h
 they hold, and the push carries the K/V of the tokens after them only, into the blocks taken
 fresh. They count as prefix cache hits (`pdserve:prefix_cache_hits`).
 
+When the adopted blocks leave at most `local_prefill_tokens` of the prompt (a conversation's
+next turn: the new message, and the answer's last partial block), the tail is prefilled here
+instead: `Admitted.prefills_here`, no ticket, and the router asks no prefill worker. The prefill
+worker would compute the whole prompt and push the tail's K/V; this engine computes the tail
+alone, as one chunk of a step, and the first token comes from its stream.
+
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.
 """
@@ -37,11 +43,12 @@ from typing import AsyncIterator
 
 import grpc
 
+from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
 from pdserve.decode_worker.kv_receiver import KVReceiver, PinnedBlocks, TransferProgress
 from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.serving.auth import ClusterSecurity
 from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
@@ -66,11 +73,17 @@ class DecodeServerConfig:
     stream_timeout_s: float = 120.0  # longest wait for the next token delta
     kv_shm: bool = True  # advertise a shared-memory probe: same-node prefill workers then push K/V through /dev/shm
     kv_dist: bool = True  # take K/V over a torch.distributed group from prefill workers that push so (dist.py)
+    # a disaggregated request whose prompt this worker's prefix cache holds all of but at most this
+    # many tokens is prefilled here (the tail only), not sent to a prefill worker; 0: never
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DecodeServerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.local_prefill_tokens, int) or self.local_prefill_tokens < 0:
+            raise ValueError(f"DecodeServerConfig.local_prefill_tokens must be an integer >= 0, "
+                             f"got {self.local_prefill_tokens!r}")
 
 
 @dataclass(slots=True, eq=False)
@@ -154,33 +167,23 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- disaggregated: reserve, then tokens once the K/V arrived ---------------------------
     async def Decode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
-        spans = self._spans(req_id, context, len(ids))
-        spans.start("reservation")
-        pending = self.loop.call(lambda e: e.reserve(req_id, ids, params))
-        try:
-            seq = await asyncio.shield(pending)
-        except ValueError as e:
-            spans.finish("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except asyncio.CancelledError:  # the router went away while we reserved: give the blocks back
-            spans.finish("cancelled")
-            pending.add_done_callback(lambda f: f.exception() is None and f.result() is not None and self.loop.call(
-                lambda e: e.abort(req_id)))
-            raise
-        spans.end("reservation")
-        if seq is None:
-            spans.finish("resource_exhausted")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
-        text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s,
-                             seq.num_cached_tokens)
-        r = DecodeRequest(req_id, DecodeState.RESERVED, ticket.nonce, seq, spans=spans)
+        await self._check_new(req_id, context)
+        r = DecodeRequest(req_id, DecodeState.RESERVED, spans=self._spans(req_id, context, len(ids)))
+        r.seq, here = await self._reserve(r, ids, params, context)
+        text = ""
+        if here:  # the cache holds all but a short tail, which the engine is prefilling already
+            r.state = DecodeState.RUNNING
+            r.spans.start("decode")
+        else:
+            text, ticket = issue(self.ticket_key, req_id, self.advertised_address, self.config.kv_transfer_timeout_s,
+                                 r.seq.num_cached_tokens)
+            r.nonce = ticket.nonce
+            self.transfers[r.nonce] = r
         self.num_requests_total += 1
-        self.transfers[r.nonce] = r
-        self._track(r)
         try:
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
                 ticket=text, num_free_blocks=self.engine.block_manager.num_free_blocks,
-                num_cached_tokens=seq.num_cached_tokens))
+                num_cached_tokens=r.seq.num_cached_tokens, prefills_here=here))
             async for event in self._token_stream(r, context):
                 yield event
         finally:
@@ -188,6 +191,44 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             self._untrack(r)
             self._end(r, TransferError(TransferFailure.ABORTED, "the request was cancelled"))
             self._log_end(r)
+
+    async def _reserve(self, r: DecodeRequest, ids: list[int], params, context) -> tuple[Sequence, bool]:
+        """The engine's reservation for r's prompt, and whether the engine prefills its tail here
+        (`LLMEngine.reserve`'s local_tail); the call ends INVALID_ARGUMENT or RESOURCE_EXHAUSTED
+        when it cannot reserve. r's sink is in place first: a tail prefilled here may stream its
+        first token before this coroutine resumes."""
+        tail = self.config.local_prefill_tokens
+
+        def reserve(e: LLMEngine) -> tuple[Sequence | None, bool]:
+            seq = e.reserve(r.req_id, ids, params, tail)
+            return seq, seq is not None and seq.status is SequenceStatus.RUNNING
+
+        r.spans.start("reservation")
+        self._track(r)
+        pending = self.loop.call(reserve)
+        try:
+            seq, here = await asyncio.shield(pending)
+        except ValueError as e:
+            self._untrack(r)
+            r.spans.finish("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:  # the router went away while we reserved: give the blocks back
+            self._untrack(r)
+            r.spans.finish("cancelled")
+            pending.add_done_callback(lambda f: f.exception() is None and f.result()[0] is not None and self.loop.call(
+                lambda e: e.abort(r.req_id)))
+            raise
+        r.spans.end("reservation")
+        if seq is None:
+            self._untrack(r)
+            r.spans.finish("resource_exhausted")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._no_room(len(ids)))
+        return seq, here
+
+    async def _check_new(self, req_id: str, context) -> None:
+        """A second call with a live request's id must not touch it: ALREADY_EXISTS."""
+        if req_id in self.loop.sinks:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being served")
 
     def _no_room(self, num_prompt_tokens: int) -> str:
         e = self.engine
@@ -198,8 +239,7 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     # ---- colocated: the engine prefills the request itself -------------------------------
     async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
-        if req_id in self.loop.sinks:  # a second call with a live request's id must not touch it
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being served")
+        await self._check_new(req_id, context)
         r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)))
         r.spans.start("decode")
         self._track(r)

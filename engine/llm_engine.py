@@ -81,14 +81,13 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._speculate = False  # this step's gate decision
         self._shape: StepShape | None = None  # this step's, for the gate
-        # prefill worker: called on this thread for each forward pass that runs prefill-only
-        # sequences, once layer `layer` of KV group `group` (0 target, 1 draft) is in the cache:
-        # inside the pass as each layer lands (kv_hook_streams), or for every layer once the pass
-        # is done, so that it runs whole (a hook that sends the K/V only after the step anyway)
+        # prefill worker: called on this thread, for a pass running prefill-only sequences, once
+        # layer `layer` of KV group `group` (0 target, 1 draft) is in the cache: as each layer lands
+        # (kv_hook_streams), or for all once the pass is done (a hook that sends after the step)
         self.kv_hook: KVHook | None = None
         self.kv_hook_streams = True
-        # prefill worker: a step's draft pass over its prompt tokens waits for `hand_over_draft`
-        # (or the next step), so the first tokens it samples go out without waiting for it
+        # prefill worker: a step's draft pass over its prompts waits for `hand_over_draft` (or the
+        # next step), so the first tokens it samples go out without waiting for it
         self.defer_draft_handoff = False
         self._draft_handoff: Callable[[], None] | None = None
         self._held_in_step: list[str] = []  # prefill-only requests this step held (`_hand_off`)
@@ -97,12 +96,10 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         if self.capture == "compile":
-            # Compiling leaves thousands of dead objects in reference cycles. Collected now, at
-            # start, not by the full collection they would otherwise set off in the first
-            # requests' steps: 400-430 ms inside one step of the demo pair's first 128-token
-            # request. Inside the speculation gate's first burst, that step made speculation
-            # measure 18 ms a token against plain's 5, and at batch 1 greedy the gate then kept
-            # plain decoding for hundreds of steps (BENCHMARKS.md, Speculation by revision).
+            # Compiling leaves thousands of dead objects in reference cycles: collected now, not
+            # in a first request's step (400-430 ms on the demo pair), where inside the speculation
+            # gate's first burst it kept batch-1 greedy plain for hundreds of steps (BENCHMARKS.md,
+            # Speculation by revision).
             gc.collect()
 
     def _num_blocks(self) -> int:
@@ -189,8 +186,7 @@ class LLMEngine:
         which no step touches, stay, except those the failed step itself held: their first tokens
         were in the outputs it never returned, so nothing else would end them (a prefill worker's
         push would wait for its transfer timeout). The failed step's draft pass
-        (`hand_over_draft`) is dropped: run at the next step, its layers would reach the hook
-        among that step's."""
+        (`hand_over_draft`) is dropped: run later, its layers would reach the hook among others'."""
         self._draft_handoff = None
         ids = [s.req_id for s in (*self.scheduler.running, *self.scheduler.waiting)] + self._held_in_step
         self._held_in_step = []
@@ -218,18 +214,23 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req.seq)
 
-    def reserve(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence | None:
+    def reserve(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
+                local_tail: int = 0) -> Sequence | None:
         """Decode worker, when the router asks it to admit a request: validate it (ValueError),
         take blocks for its prompt and first token, whole or nothing, and hold it while its K/V
         arrive (written into `seq.block_table`'s slots, which no step reads). None when the pool
         or `max_num_seqs` has no room. End it with `activate` or `abort`. The prompt's leading
         blocks in the prefix cache (with the draft's K/V too, where there is a draft) are adopted:
-        the transfer carries the K/V after their `seq.num_cached_tokens` only, into fresh blocks."""
+        the transfer carries the K/V after their `seq.num_cached_tokens` only, into fresh blocks.
+        When they leave at most `local_tail` tokens, no transfer comes: the sequence runs at once
+        (RUNNING, not HELD) and this engine prefills the tail, as it would a colocated request."""
         seq = self.make_sequence(req_id, prompt_ids, params)
         prefix = self.block_manager.match_prefix(seq, with_draft=self.draft_runner is not None)
         if not self.scheduler.reserve(seq, seq.num_prompt_tokens + 1, prefix):
             return None
         self._register(seq)
+        if prefix and seq.num_prompt_tokens - seq.num_cached_tokens <= local_tail:
+            self.scheduler.activate(seq)
         return seq
 
     def activate(self, req_id: str, first_token: int, first_logprobs: list[tuple[int, float]] | None = None,
@@ -260,9 +261,8 @@ class LLMEngine:
         """Decode worker: the transfer into a sequence activated with `draft_pending` ended. ok:
         the draft's K/V of the prompt are verified in its blocks, and the draft takes up the
         sequence from there (catching up on the tokens decoded meanwhile); else the sequence goes
-        on without speculation. Its pinned blocks are let go either way. A no-op for a request
-        that was never activated so. Landed, they mark the prompt's full blocks `has_draft`, even
-        for a request that ended meanwhile, so the conversation's next turn can adopt them."""
+        on without speculation. Its pinned blocks are let go either way; a no-op if none. Landed,
+        they mark the prompt's full blocks `has_draft`, even if the request ended, for a next turn."""
         pinned = self._pinned.pop(req_id, None)
         if pinned is None:
             return

@@ -51,8 +51,9 @@ class PairCalls:
         self.pool, self.admission, self.policy = pool, admission, policy
 
     async def admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float, metadata=()):
-        """A decode worker's reservation: (call, worker, transfer ticket, whether it prefills the
-        request itself: colocated, or no prefill worker is healthy). Waits in the admission queue
+        """A decode worker's reservation: (call, worker, its `Admitted`, whether the request was
+        sent to be prefilled there: colocated, or no prefill worker is healthy; a disaggregated
+        reservation may still come back `prefills_here`). Waits in the admission queue
         while every worker is full; when a pool has no usable worker, UNAVAILABLE at once (or,
         during a failover, after `failover_wait_s` for one to come back)."""
         queue_deadline = min(deadline, time.monotonic() + self.policy.queue_timeout_s)
@@ -91,7 +92,7 @@ class PairCalls:
 
     async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=(),
                        colocated: bool = False):
-        """(call, worker, transfer ticket), or None when this worker cannot take it."""
+        """(call, worker, its `Admitted`), or None when this worker cannot take it."""
         rpc = w.stub.PrefillAndDecode if colocated else w.stub.Decode
         call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         try:
@@ -107,7 +108,7 @@ class PairCalls:
                 return None
             raise RequestFailed(e.code(), e.details()) from None
         w.stats.num_free_blocks = event.admitted.num_free_blocks
-        return call, w, event.admitted.ticket
+        return call, w, event.admitted
 
     async def prefill(self, work: worker_pb2.WorkRequest, decode: Worker, ticket: str,
                        deadline: float, metadata=(), first: asyncio.Future | None = None

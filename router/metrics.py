@@ -15,7 +15,9 @@ request add up to its TTFT exactly:
 
     queue     arrival → the decode worker that delivered the first token reserved its blocks
     prefill   the prefill worker's own account: the request received → its first token sampled
-              (colocated: reserved → the decode stream's first token reached the router)
+              (prefilled by the decode worker: colocated, no prefill worker healthy, or all but a
+              short tail of the prompt cached there: reserved → the decode stream's first token
+              reached the router, and the transfer stage is 0)
     transfer  the rest until the decode stream's first token reached the router: the KV
               transfer not hidden behind the prefill compute, activation, the network hops
     delivery  that token reached the router → its delta left for the client (detokenizing)
@@ -76,6 +78,7 @@ class RequestTrace:
     first_token_s: float | None = None  # ... and its delta left for the client
     last_token_s: float | None = None
     prefill_s: float | None = None  # the prefill worker's own account, for this attempt
+    prefilled_on_decode: bool = False  # this attempt's decode worker prefills the request itself
     is_staged: bool = False  # TTFT stages observed
     is_ended: bool = False
 
@@ -157,15 +160,18 @@ class RouterMetrics:
                                  "worker failed mid-request")
         self.prefill_fallbacks = counter("request_prefill_fallbacks", "Requests a decode worker prefilled itself "
                                          "because no prefill worker was healthy")
+        self.local_prefills = counter("request_local_prefills", "Disaggregated requests a decode worker prefilled "
+                                      "itself because its prefix cache held all but a short tail of the prompt")
 
     @staticmethod
     def arrived() -> RequestTrace:
         return RequestTrace(time.monotonic())
 
-    def admitted(self, trace: RequestTrace, attempt: int, num_prompt_tokens: int) -> None:
-        """A decode worker reserved the request's blocks (`attempt` 0, or a failover's)."""
+    def admitted(self, trace: RequestTrace, attempt: int, num_prompt_tokens: int, on_decode: bool = False) -> None:
+        """A decode worker reserved the request's blocks (`attempt` 0, or a failover's); on_decode:
+        it prefills the request itself, and no prefill worker will answer."""
         now = time.monotonic()
-        trace.attempt, trace.admitted_s, trace.prefill_s = attempt, now, None
+        trace.attempt, trace.admitted_s, trace.prefill_s, trace.prefilled_on_decode = attempt, now, None, on_decode
         if trace.first_admitted_s is None:
             trace.first_admitted_s = now
             trace.num_prompt_tokens = num_prompt_tokens
@@ -176,7 +182,7 @@ class RouterMetrics:
         """The prefill worker of `attempt` answered: `prefill_s` from its request to its first token."""
         if attempt == trace.attempt:
             trace.prefill_s = prefill_s
-            self._observe_stages(trace, is_disaggregated=True)
+            self._observe_stages(trace)
 
     def failed_over(self) -> None:
         self.failovers.inc()
@@ -186,7 +192,7 @@ class RouterMetrics:
         if num_tokens and trace.first_received_s is None:
             trace.first_received_s = time.monotonic()
 
-    def delta_out(self, trace: RequestTrace, num_tokens: int, is_disaggregated: bool = True) -> None:
+    def delta_out(self, trace: RequestTrace, num_tokens: int) -> None:
         """A delta of `num_tokens` tokens is leaving for the client."""
         if num_tokens == 0:
             return
@@ -194,7 +200,7 @@ class RouterMetrics:
         if trace.last_token_s is None:
             trace.first_token_s = now
             self.ttft.observe(now - trace.arrival_s)
-            self._observe_stages(trace, is_disaggregated)
+            self._observe_stages(trace)
         else:
             per_token = (now - trace.last_token_s) / num_tokens
             for _ in range(num_tokens):  # a speculative step delivers several tokens at once
@@ -204,13 +210,13 @@ class RouterMetrics:
         trace.num_tokens += num_tokens
         self.generation_tokens.inc(num_tokens)
 
-    def _observe_stages(self, trace: RequestTrace, is_disaggregated: bool) -> None:
-        """Once the first token is out (and, disaggregated, the prefill worker answered)."""
+    def _observe_stages(self, trace: RequestTrace) -> None:
+        """Once the first token is out (and, prefilled by a prefill worker, that one answered)."""
         if trace.is_staged or trace.first_token_s is None or trace.admitted_s is None:
             return
         received = trace.first_received_s if trace.first_received_s is not None else trace.first_token_s
         admitted_to_received = received - trace.admitted_s
-        if is_disaggregated:
+        if not trace.prefilled_on_decode:
             if trace.prefill_s is None:
                 return
             prefill = min(max(trace.prefill_s, 0.0), admitted_to_received)

@@ -9,7 +9,9 @@ of `router.request.RequestState`). Protobuf of the public API stops here.
         (RESOURCE_EXHAUSTED: the next worker; none has room: the bounded admission queue)
     ──► prefilling: Prefill() on a paired prefill worker — the one with the least queued work
         beyond the prefix it probably has cached — with the transfer ticket the reservation
-        answered; it pushes the K/V where the ticket says
+        answered; it pushes the K/V where the ticket says (unless the reservation answered
+        `prefills_here`: the decode worker held all but a short tail of the prompt, and
+        prefills that itself)
     ──► streaming: token deltas from the decode stream become text deltas (`ClientStream`)
     ──► finished: the last delta carries finish reason and usage
 
@@ -133,7 +135,7 @@ class Router:
                 try:
                     async for resp in self._attempt(req, stream, trace, len(failures), deadline, flight, spans):
                         trace.state = RequestState.FINISHED if stream.finished else RequestState.STREAMING
-                        self.metrics.delta_out(trace, len(resp.token_ids), self.pool.is_disaggregated)
+                        self.metrics.delta_out(trace, len(resp.token_ids))
                         if stream.finished:  # as the last delta leaves, not when the client reads on
                             self.metrics.ended(trace, "ok", FINISH_REASON_NAMES.get(resp.finish_reason))
                             status = "ok"
@@ -191,7 +193,7 @@ class Router:
                     *outgoing_metadata(work.req_id, spans.start("attempt", attempt=attempt)))
         spans.start("admission")
         try:
-            call, decode, ticket, colocated = await self.calls.admit(work, attempt > 0, deadline, metadata)
+            call, decode, admitted, colocated = await self.calls.admit(work, attempt > 0, deadline, metadata)
         except BaseException:
             spans.end("attempt")
             raise
@@ -202,15 +204,19 @@ class Router:
         try:
             if attempt == 0:
                 trace.state = RequestState.ADMITTED
-            self.metrics.admitted(trace, attempt, len(req.prompt_token_ids))
+            self.metrics.admitted(trace, attempt, len(req.prompt_token_ids), colocated or admitted.prefills_here)
             first = None
-            if colocated and self.pool.is_disaggregated:
-                self.metrics.prefill_fallbacks.inc()
-                log.warning("no healthy prefill worker: %s prefills the request itself", decode.address,
-                            extra={"req_id": req.req_id})
-            if not colocated:
+            if colocated:
+                if self.pool.is_disaggregated:
+                    self.metrics.prefill_fallbacks.inc()
+                    log.warning("no healthy prefill worker: %s prefills the request itself", decode.address,
+                                extra={"req_id": req.req_id})
+            elif admitted.prefills_here:  # it holds all but a short tail of the prompt
+                self.metrics.local_prefills.inc()
+            else:
                 first = asyncio.get_running_loop().create_future()
-                prefill_task = asyncio.create_task(self.calls.prefill(work, decode, ticket, deadline, metadata, first))
+                prefill_task = asyncio.create_task(self.calls.prefill(work, decode, admitted.ticket, deadline,
+                                                                      metadata, first))
                 prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
                 trace.state = RequestState.PREFILLING
             async for ids, reason, logprobs in self.calls.events(call, decode, prefill_task, flight, first):

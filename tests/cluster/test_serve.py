@@ -108,6 +108,8 @@ def _connections(p: psutil.Process):
     ({"decode.engine": {"block_size": 0}}, "decode.engine.block_size must be >= 1"),
     ({"decode.engine": {"blocksize": 8}}, "decode.engine has unknown options"),
     ({"model": "/nonexistent"}, "model must be a checkpoint directory"),
+    ({"local_prefill_tokens": -1}, "local_prefill_tokens must be an integer >= 0, got -1"),
+    ({"local_prefill_tokens": True}, "local_prefill_tokens must be an integer >= 0, got True"),
     ({"colour": "blue"}, "unknown field colour"),
     ({"router.port": 1}, "unknown field router.port"),
 ])

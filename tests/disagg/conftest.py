@@ -1,6 +1,8 @@
 """One shared set of real processes on loopback for every serving test.
 
-    prefill P ──► decode D   ◄── router R  (disaggregated; R3: same pair, no admission queue)
+    prefill P ──► decode D   ◄── router R  (disaggregated; R3: same pair, no admission queue;
+                                           D never prefills a request itself, however much of
+                                           its prompt it holds: every request is pushed)
                   decode D2  ◄── router R2 (colocated; block size 8, so D2 never pairs with P)
 
 Started once per session (workers in parallel, then routers), each binding port 0 and waited
@@ -24,7 +26,8 @@ def cluster(serving_model, tmp_path_factory) -> Cluster:
     draft = ["--draft-model", str(serving_model)]
     try:
         wait_ready(c.start("P", "prefill-worker", *worker, *draft, "--max-num-batched-tokens", "256"),
-                   c.start("D", "decode-worker", *worker, *draft, "--num-speculative-tokens", "3", "--no-spec-adaptive"),
+                   c.start("D", "decode-worker", *worker, *draft, "--num-speculative-tokens", "3", "--no-spec-adaptive",
+                           "--local-prefill-tokens", "0"),
                    c.start("D2", "decode-worker", *worker, "--block-size", "8"))
         common = ["--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5", "--metrics-port", "0"]
         wait_ready(c.start_router("R", "--prefill", c.address("P"), "--decode", c.address("D"), "--queue-timeout", "60",

@@ -43,8 +43,10 @@ def cluster(serving_model, tmp_path_factory):
         small = ["--max-chunk-bytes", "1024", "--max-num-batched-tokens", "16", "--kv-transfer-timeout", "20"]
         wait_ready(c.start("P", "prefill-worker", *args, *small, "--kv-dist"),
                    c.start("PG", "prefill-worker", *args, *small, "--no-kv-shm"),
-                   c.start("D", "decode-worker", *args, "--kv-transfer-timeout", "5"),
-                   c.start("DN", "decode-worker", *args, "--kv-transfer-timeout", "20", "--no-kv-dist"))
+                   # every request pushed, however much of its prompt the decode worker holds
+                   c.start("D", "decode-worker", *args, "--kv-transfer-timeout", "5", "--local-prefill-tokens", "0"),
+                   c.start("DN", "decode-worker", *args, "--kv-transfer-timeout", "20", "--no-kv-dist",
+                           "--local-prefill-tokens", "0"))
         wait_ready(c.start_router("R", "--prefill", c.address("P"), "--decode", c.address("D")),
                    c.start_router("RN", "--prefill", c.address("P"), "--decode", c.address("DN")),
                    c.start_router("RG", "--prefill", c.address("PG"), "--decode", c.address("D")))
@@ -135,7 +137,7 @@ def test_a_decode_worker_killed_with_a_group_open_costs_one_request(cluster):
     seconds (not the 20 s transfer timeout), drops the group and frees P's blocks, and P serves on."""
     from pdserve.v1 import worker_pb2_grpc
 
-    d3 = cluster.start("D3", "decode-worker", *worker(cluster.model))
+    d3 = cluster.start("D3", "decode-worker", *worker(cluster.model), "--local-prefill-tokens", "0")  # pushed again
     wait_ready(d3)
     wait_ready(cluster.start_router("R3", "--prefill", cluster.address("P"), "--decode", d3.address))
     cluster.wait_all_free(("P",))

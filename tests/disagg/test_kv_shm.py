@@ -48,8 +48,9 @@ def pair(serving_model, tmp_path_factory, dirs):
         # a small step budget: the prompt's prefill takes several steps, each handing its K/V over
         wait_ready(_start(c, "P", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024",
                           "--max-num-batched-tokens", "16"),
-                   _start(c, "D", "decode-worker", a, *worker),
-                   _start(c, "DX", "decode-worker", b, *worker),
+                   # every request pushed, however much of its prompt the decode worker holds
+                   _start(c, "D", "decode-worker", a, *worker, "--local-prefill-tokens", "0"),
+                   _start(c, "DX", "decode-worker", b, *worker, "--local-prefill-tokens", "0"),
                    # no shared memory at all: its chunks are copied out of its own cache into their messages
                    _start(c, "PN", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024",
                           "--max-num-batched-tokens", "16", "--no-kv-shm"))

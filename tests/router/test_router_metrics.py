@@ -23,7 +23,7 @@ def _finished(metrics: RouterMetrics, ttft: float, token_times: list[float], pre
     trace.num_tokens = 1 + len(token_times)
     if token_times:
         trace.last_token_s = ttft + token_times[-1]
-    metrics._observe_stages(trace, is_disaggregated=True)
+    metrics._observe_stages(trace)
     metrics.ended(trace, "ok", "length")
     return trace
 

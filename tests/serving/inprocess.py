@@ -12,6 +12,7 @@ from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerService
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
 from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.server import Router, RouterPolicy
@@ -33,6 +34,7 @@ class InProcessSystem:
     queue_timeout_s: float = 10.0
     kv_transfer_timeout_s: float = 10.0
     max_failovers: int = 0
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # the decode workers' (0: every request to a prefill worker)
     engine_options: dict = field(default_factory=dict)  # more EngineConfig fields, for every worker
     transport: KVTransport | None = None  # default: a plain InProcessTransport
     inproc: InProcessTransport = field(default_factory=InProcessTransport)
@@ -43,7 +45,8 @@ class InProcessSystem:
                                      **self.engine_options)
         self.prefills = [PrefillWorkerServicer(PrefillServerConfig(self.kv_transfer_timeout_s),
                                                self.transport or self.inproc) for _ in range(self.num_prefill)]
-        self.decodes = [DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30))
+        self.decodes = [DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30,
+                                                                    local_prefill_tokens=self.local_prefill_tokens))
                         for _ in range(self.num_decode)]
         prefill_addresses = [await self._start(s, engine_config) for s in self.prefills]
         decode_addresses = [await self._start(s, engine_config) for s in self.decodes]

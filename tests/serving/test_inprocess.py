@@ -211,7 +211,8 @@ def test_shared_prefix_requests_go_where_the_prefix_is_cached(text_checkpoint):
     blocker = list(range(3, 40))
 
     async def scenario():
-        system = InProcessSystem(text_checkpoint, num_prefill=2)
+        # the decode worker never prefills them itself, though it holds the prefix too
+        system = InProcessSystem(text_checkpoint, num_prefill=2, local_prefill_tokens=0)
         system.transport = hold = HoldingTransport(system.inproc, len(blocker))
         async with system:
             blocked = asyncio.create_task(system.generate(blocker, 2))
