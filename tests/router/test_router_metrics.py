@@ -14,11 +14,13 @@ def _value(metrics: RouterMetrics, name: str, **labels) -> float:
     return value
 
 
-def _finished(metrics: RouterMetrics, ttft: float, token_times: list[float], prefill_s: float | None = 0.2):
+def _finished(metrics: RouterMetrics, ttft: float, token_times: list[float], prefill_s: float | None = 0.2,
+              on_decode: bool = False):
     """A disaggregated request that arrived at 0, was reserved at 0.1, reached the router at
-    ttft - 0.01 and sent one-token deltas at `ttft` + each of `token_times`."""
+    ttft - 0.01 and sent one-token deltas at `ttft` + each of `token_times`; on_decode: its
+    decode worker prefilled it (no prefill worker's account comes)."""
     trace = RequestTrace(arrival_s=0.0, num_prompt_tokens=7, first_admitted_s=0.1, admitted_s=0.1,
-                         first_received_s=ttft - 0.01, prefill_s=prefill_s)
+                         first_received_s=ttft - 0.01, prefill_s=prefill_s, prefilled_on_decode=on_decode)
     trace.first_token_s = trace.last_token_s = ttft
     trace.num_tokens = 1 + len(token_times)
     if token_times:
@@ -83,3 +85,13 @@ def test_stages_wait_for_the_prefill_workers_answer():
 def test_no_created_series_and_process_metrics_present():
     text = generate_latest(RouterMetrics("m").registry).decode()
     assert "_created" not in text and "process_resident_memory_bytes" in text
+
+
+def test_a_request_its_decode_worker_prefilled_is_staged_without_a_prefill_workers_answer():
+    """Colocated, a prefill fallback, or a short uncached tail prefilled where the rest is cached:
+    reserved -> first token at the router is all prefill, nothing transfer."""
+    m = RouterMetrics("m")
+    _finished(m, 0.5, [], prefill_s=None, on_decode=True)
+    got = {s: _value(m, "pdserve:time_to_first_token_stage_seconds_sum", stage=s)
+           for s in ("queue", "prefill", "transfer", "delivery")}
+    assert got == pytest.approx({"queue": 0.1, "prefill": 0.49 - 0.1, "transfer": 0.0, "delivery": 0.01})
