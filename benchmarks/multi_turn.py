@@ -1,20 +1,24 @@
 """Multi-turn conversations on a disaggregated pair: what the decode worker's prefix cache saves a
 conversation's later turns. A reservation adopts the blocks the decode worker holds of the prompt
-(the earlier turns, prompt and answer), and the prefill worker pushes the K/V of the rest only.
+(the earlier turns, prompt and answer); when they leave a short tail (`local_prefill_tokens`), the
+decode worker prefills it itself, else the prefill worker pushes the K/V of the rest only.
 
     python benchmarks/multi_turn.py [--quick] [--repeats 5] [--conversations 4] [--turns 4] [--no-kv-shm]
 
-Two pairs side by side, alike but for the decode worker's prefix cache: "reuse" (the default) and
-"no reuse" (`--no-prefix-caching` on the decode worker: every push carries the whole prompt, as
-before the decode side adopted blocks). Both prefill workers keep their own prefix cache. Each
+Three pairs side by side, alike but for the decode worker: "local prefill" (the defaults: a later
+turn's tail is prefilled on the decode worker), "push" (`--local-prefill-tokens 0`: the prefill
+worker computes the whole prompt and pushes the tail's K/V) and "no reuse" (`--no-prefix-caching`:
+every push carries the whole prompt, as before the decode side adopted blocks). Every prefill
+worker keeps its own prefix cache. Each
 conversation opens with a 256-token cut of this repository's sources, and each turn adds a
-32-token greedy answer and a 64-token cut as the next question; both arms get the same history
-(the reuse arm's answers). One request at a time; per turn, the arms take turns in an order that
-alternates. Measured per turn after the first: TTFT at the client (the first streamed message),
+32-token greedy answer and a 64-token cut as the next question; every arm gets the same history
+(the first arm's answers). One request at a time; per turn, the arms take turns in an order that
+rotates. Measured per turn after the first: TTFT at the client (the first streamed message),
 the time to the second token (the transfer sits there: the router streams the first token as soon
 as the prefill worker samples it, and the second comes from the decode worker once the K/V are
-in), and the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_total`). A repeat's
-figure is the median over its later turns; the ratio reuse / no reuse is taken per repeat.
+in), the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_total`), and the
+prompt tokens the prefill worker computed (its prefix cache's queries less its hits). A repeat's figure is the median over its later turns; the
+ratios between arms are taken per repeat.
 Workers pinned (prefill core 0, decode core 1, the arms on the same cores), one torch thread each.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
 """
@@ -42,7 +46,8 @@ RESULTS = REPO / "benchmarks" / "results"
 MODEL = str(REPO / "models" / "demo")
 WORKER = ["--model", MODEL, "--num-kv-blocks", "1024", "--max-num-seqs", "8"]
 OPENING, QUESTION, ANSWER = 256, 64, 32
-ARMS = ("reuse", "no reuse")
+ARMS = ("local prefill", "push", "no reuse")
+ARM_FLAGS = {"local prefill": [], "push": ["--local-prefill-tokens", "0"], "no reuse": ["--no-prefix-caching"]}
 SECTION = "Multi-turn conversations (`benchmarks/multi_turn.py`)"
 
 
@@ -71,37 +76,42 @@ def turn(stub, prompt: list[int]) -> tuple[float, float, list[int]]:
     return first, second, ids
 
 
-def one_repeat(stubs: dict, decode_metrics: dict, r: int, conversations: int, turns: int) -> dict:
+def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: int) -> dict:
+    """metrics: each arm's {"P": ..., "D": ...} metrics addresses."""
     openings = source_cuts(conversations, OPENING, salt=r)
     questions = source_cuts(conversations * turns, QUESTION, salt=r + 1000)
-    samples = {arm: {"ttft_s": [], "second_s": [], "kv_bytes": [], "hit_tokens": []} for arm in ARMS}
+    samples = {arm: {"ttft_s": [], "second_s": [], "kv_bytes": [], "hit_tokens": [], "prefill_tokens": []}
+               for arm in ARMS}
     for c, history in enumerate(openings):
         for t in range(turns):
-            order = ARMS if (r + c + t) % 2 == 0 else ARMS[::-1]
+            k = (r + c + t) % len(ARMS)
             answer = None
-            for arm in order:
-                before = scrape(decode_metrics[arm])
+            for arm in ARMS[k:] + ARMS[:k]:
+                before = {w: scrape(a) for w, a in metrics[arm].items()}
                 ttft, second, ids = turn(stubs[arm], history)
-                after = scrape(decode_metrics[arm])
+                after = {w: scrape(a) for w, a in metrics[arm].items()}
+                d = {(w, name): after[w][name] - before[w][name] for w in after for name in after[w]}
                 if t:  # a later turn
                     s = samples[arm]
                     s["ttft_s"].append(ttft)
                     s["second_s"].append(second)
-                    s["kv_bytes"].append(after["pdserve:kv_transfer_bytes_total"] - before["pdserve:kv_transfer_bytes_total"])
-                    s["hit_tokens"].append(after["pdserve:prefix_cache_hits_total"] - before["pdserve:prefix_cache_hits_total"])
-                answer = ids if arm == "reuse" else answer
+                    s["kv_bytes"].append(d["D", "pdserve:kv_transfer_bytes_total"])
+                    s["hit_tokens"].append(d["D", "pdserve:prefix_cache_hits_total"])
+                    s["prefill_tokens"].append(d["P", "pdserve:prefix_cache_queries_total"]
+                                               - d["P", "pdserve:prefix_cache_hits_total"])
+                answer = ids if arm == ARMS[0] else answer
             history = history + answer + questions[c * turns + t]
     return {arm: {"ttft_p50_s": statistics.median(s["ttft_s"]), "second_p50_s": statistics.median(s["second_s"]),
-                  "kv_bytes_mean": statistics.mean(s["kv_bytes"]),
-                  "hit_tokens_mean": statistics.mean(s["hit_tokens"]), **s} for arm, s in samples.items()}
+                  "kv_bytes_mean": statistics.mean(s["kv_bytes"]), "hit_tokens_mean": statistics.mean(s["hit_tokens"]),
+                  "prefill_tokens_mean": statistics.mean(s["prefill_tokens"]), **s} for arm, s in samples.items()}
 
 
 def markdown(result: dict) -> str:
     runs, a = result["repeats"], result["args"]
     ms = lambda arm, key="ttft_p50_s": Spread.of(rep[arm][key] * 1e3 for rep in runs)  # noqa: E731
     kb = lambda arm: Spread.of(rep[arm]["kv_bytes_mean"] / 1024 for rep in runs)  # noqa: E731
-    hits = lambda arm: Spread.of(rep[arm]["hit_tokens_mean"] for rep in runs)  # noqa: E731
-    ratio = lambda key: Spread.of(rep["reuse"][key] / rep["no reuse"][key] for rep in runs)  # noqa: E731
+    mean = lambda arm, key: Spread.of(rep[arm][key] for rep in runs)  # noqa: E731
+    ratio = lambda a, b, key: Spread.of(rep[a][key] / rep[b][key] for rep in runs)  # noqa: E731
     lines = [f"Command: `PYTHONPATH=benchmarks .venv/bin/python {result['command']}` ({a['repeats']} repeats of "
              f"{a['conversations']} conversations of {a['turns']} turns: a {OPENING}-token opening, then per turn "
              f"a {ANSWER}-token greedy answer and a {QUESTION}-token question; demo target, workers pinned, "
@@ -110,13 +120,16 @@ def markdown(result: dict) -> str:
              + f"one request at a time). Machine: {host(result['machine'])}. Figures per later turn, min / median / "
              "max over repeats.", "",
              "| arm | TTFT p50 (ms) | second token p50 (ms) | KV received per turn (KiB) | prompt tokens found "
-             "on the decode worker |", "|---|---|---|---|---|"]
+             "on the decode worker | prompt tokens the prefill worker computed |", "|---|---|---|---|---|---|"]
     for arm in ARMS:
         lines.append(f"| {arm} | {ms(arm).fmt(1)} | {ms(arm, 'second_p50_s').fmt(1)} | {kb(arm).fmt(0)} | "
-                     f"{hits(arm).fmt(0)} |")
-    lines += ["", f"Reuse / no reuse, per repeat: TTFT {ratio('ttft_p50_s').fmt(2)}×, time to the second token "
-              f"{ratio('second_p50_s').fmt(2)}×, KV bytes received {ratio('kv_bytes_mean').fmt(3)}×.", "",
-              f"Files: `{result['out']}.json`, `.png`."]
+                     f"{mean(arm, 'hit_tokens_mean').fmt(0)} | {mean(arm, 'prefill_tokens_mean').fmt(0)} |")
+    lines += [""]
+    for a, b in (("local prefill", "push"), ("local prefill", "no reuse"), ("push", "no reuse")):
+        lines.append(f"- {a} / {b}, per repeat: TTFT {ratio(a, b, 'ttft_p50_s').fmt(2)}×, time to the second "
+                     f"token {ratio(a, b, 'second_p50_s').fmt(2)}×"
+                     + (f", KV bytes received {ratio(a, b, 'kv_bytes_mean').fmt(3)}×." if a == "push" else "."))
+    lines += ["", f"Files: `{result['out']}.json`, `.png`."]
     return "\n".join(lines) + "\n"
 
 
@@ -152,22 +165,21 @@ def main() -> None:
     stem = "multi_turn" + ("_no_kv_shm" if args.no_kv_shm else "") + ("_quick" if args.quick else "")
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
-        routers, decode_metrics = {}, {}
+        routers, workers = {}, {}
         for arm in ARMS:
-            tag = "reuse" if arm == "reuse" else "noreuse"
+            tag = arm.replace(" ", "-")
             prefill = run.worker("prefill-worker", f"P-{tag}", [*WORKER, *(["--no-kv-shm"] if args.no_kv_shm else [])], [0])
-            decode = run.worker("decode-worker", f"D-{tag}", [*WORKER, *([] if arm == "reuse" else ["--no-prefix-caching"])],
-                                [1])
+            decode = run.worker("decode-worker", f"D-{tag}", [*WORKER, *ARM_FLAGS[arm]], [1])
             routers[arm] = run.router(f"R-{tag}", MODEL, [prefill], [decode])
-            decode_metrics[arm] = decode
+            workers[arm] = {"P": prefill, "D": decode}
         run.wait_ready()
-        decode_metrics = {arm: proc.metrics_address for arm, proc in decode_metrics.items()}
+        metrics = {arm: {w: proc.metrics_address for w, proc in pair.items()} for arm, pair in workers.items()}
         channels = {arm: grpc.insecure_channel(r.address) for arm, r in routers.items()}
         stubs = {arm: generation_pb2_grpc.GenerationStub(ch) for arm, ch in channels.items()}
         for arm in ARMS:  # warm-up
             turn(stubs[arm], source_cuts(1, OPENING, salt=999)[0])
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
-            runs.append(one_repeat(stubs, decode_metrics, r, args.conversations, args.turns))
+            runs.append(one_repeat(stubs, metrics, r, args.conversations, args.turns))
         for ch in channels.values():
             ch.close()
     out = RESULTS / stem
