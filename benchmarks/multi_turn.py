@@ -4,6 +4,7 @@ conversation's later turns. A reservation adopts the blocks the decode worker ho
 decode worker prefills it itself, else the prefill worker pushes the K/V of the rest only.
 
     python benchmarks/multi_turn.py [--quick] [--repeats 5] [--conversations 4] [--turns 4] [--no-kv-shm]
+                                    [--background]
 
 Three pairs side by side, alike but for the decode worker: "local prefill" (the defaults: a later
 turn's tail is prefilled on the decode worker), "push" (`--local-prefill-tokens 0`: the prefill
@@ -20,6 +21,11 @@ in), the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_tot
 prompt tokens the prefill worker computed (its prefix cache's queries less its hits). A repeat's figure is the median over its later turns; the
 ratios between arms are taken per repeat.
 Workers pinned (prefill core 0, decode core 1, the arms on the same cores), one torch thread each.
+With `--background`, each turn runs beside another stream on the same pair, started before the
+turn and cancelled after it: the longest gap between that stream's tokens during the turn is
+what a request already decoding pays for the turn (a tail prefilled on the decode worker is one
+longer step of its batch; a push, the copy into its cache and the activation), against the
+median gap before the turn.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ import functools
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -76,20 +83,58 @@ def turn(stub, prompt: list[int]) -> tuple[float, float, list[int]]:
     return first, second, ids
 
 
-def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: int) -> dict:
+class Background:
+    """Another stream on an arm's pair while a turn runs: when each of its messages came."""
+
+    TOKENS = 1500  # outlasts any turn
+
+    def __init__(self, stub, salt: int):
+        self.times: list[float] = []
+        self.call = stub.Generate(gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=source_cuts(1, 24, salt=salt)[0]),
+            sampling_params=gen.SamplingParams(temperature=0, max_tokens=self.TOKENS, ignore_eos=True)), timeout=120)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while len(self.times) < 8:  # decoding steadily before the turn starts
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the background stream did not start"
+            time.sleep(0.002)
+
+    def _read(self) -> None:
+        try:
+            for _ in self.call:
+                self.times.append(time.perf_counter())
+        except grpc.RpcError:
+            pass  # cancelled
+
+    def gaps(self, start: float, end: float) -> tuple[float, float]:
+        """(the longest gap between its messages that overlaps [start, end], the median gap before)."""
+        self.call.cancel()
+        self.thread.join(timeout=10)
+        pairs = list(zip(self.times, self.times[1:]))
+        assert pairs and pairs[-1][1] >= end, "the background stream ended before the turn did"
+        return (max(b - a for a, b in pairs if b > start and a < end),
+                statistics.median(b - a for a, b in pairs if b <= start))
+
+
+def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: int, background: bool = False) -> dict:
     """metrics: each arm's {"P": ..., "D": ...} metrics addresses."""
     openings = source_cuts(conversations, OPENING, salt=r)
     questions = source_cuts(conversations * turns, QUESTION, salt=r + 1000)
-    samples = {arm: {"ttft_s": [], "second_s": [], "kv_bytes": [], "hit_tokens": [], "prefill_tokens": []}
-               for arm in ARMS}
+    samples = {arm: {"ttft_s": [], "second_s": [], "kv_bytes": [], "hit_tokens": [], "prefill_tokens": [],
+                     "stall_s": [], "gap_s": []} for arm in ARMS}
     for c, history in enumerate(openings):
         for t in range(turns):
             k = (r + c + t) % len(ARMS)
             answer = None
             for arm in ARMS[k:] + ARMS[:k]:
+                other = Background(stubs[arm], salt=r * 100 + c * 10 + t) if background else None
                 before = {w: scrape(a) for w, a in metrics[arm].items()}
+                start = time.perf_counter()
                 ttft, second, ids = turn(stubs[arm], history)
+                end = time.perf_counter()
                 after = {w: scrape(a) for w, a in metrics[arm].items()}
+                stall, gap = other.gaps(start, end) if other else (None, None)
                 d = {(w, name): after[w][name] - before[w][name] for w in after for name in after[w]}
                 if t:  # a later turn
                     s = samples[arm]
@@ -99,11 +144,16 @@ def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: in
                     s["hit_tokens"].append(d["D", "pdserve:prefix_cache_hits_total"])
                     s["prefill_tokens"].append(d["P", "pdserve:prefix_cache_queries_total"]
                                                - d["P", "pdserve:prefix_cache_hits_total"])
+                    s["stall_s"].append(stall)
+                    s["gap_s"].append(gap)
                 answer = ids if arm == ARMS[0] else answer
             history = history + answer + questions[c * turns + t]
     return {arm: {"ttft_p50_s": statistics.median(s["ttft_s"]), "second_p50_s": statistics.median(s["second_s"]),
                   "kv_bytes_mean": statistics.mean(s["kv_bytes"]), "hit_tokens_mean": statistics.mean(s["hit_tokens"]),
-                  "prefill_tokens_mean": statistics.mean(s["prefill_tokens"]), **s} for arm, s in samples.items()}
+                  "prefill_tokens_mean": statistics.mean(s["prefill_tokens"]),
+                  **({"stall_p50_s": statistics.median(s["stall_s"]), "stall_max_s": max(s["stall_s"]),
+                      "gap_p50_s": statistics.median(s["gap_s"])} if background else {}),
+                  **s} for arm, s in samples.items()}
 
 
 def markdown(result: dict) -> str:
@@ -117,13 +167,17 @@ def markdown(result: dict) -> str:
              f"a {ANSWER}-token greedy answer and a {QUESTION}-token question; demo target, workers pinned, "
              + ("K/V over gRPC (`--no-kv-shm`, as between nodes), " if a["no_kv_shm"] else "K/V through shared "
                 "memory (the default on one node), ")
-             + f"one request at a time). Machine: {host(result['machine'])}. Figures per later turn, min / median / "
-             "max over repeats.", "",
+             + ("each turn beside one other stream on its pair" if a["background"] else "one request at a time")
+             + f"). Machine: {host(result['machine'])}. Figures per later turn, min / median / max over repeats.", "",
              "| arm | TTFT p50 (ms) | second token p50 (ms) | KV received per turn (KiB) | prompt tokens found "
-             "on the decode worker | prompt tokens the prefill worker computed |", "|---|---|---|---|---|---|"]
+             "on the decode worker | prompt tokens the prefill worker computed |"
+             + (" other stream's longest gap in a turn, p50 / max (ms) | its median gap before (ms) |"
+                if a["background"] else ""), "|---|---|---|---|---|---|" + ("---|---|" if a["background"] else "")]
     for arm in ARMS:
         lines.append(f"| {arm} | {ms(arm).fmt(1)} | {ms(arm, 'second_p50_s').fmt(1)} | {kb(arm).fmt(0)} | "
-                     f"{mean(arm, 'hit_tokens_mean').fmt(0)} | {mean(arm, 'prefill_tokens_mean').fmt(0)} |")
+                     f"{mean(arm, 'hit_tokens_mean').fmt(0)} | {mean(arm, 'prefill_tokens_mean').fmt(0)} |"
+                     + (f" {ms(arm, 'stall_p50_s').fmt(1)} / {ms(arm, 'stall_max_s').fmt(1)} | "
+                        f"{ms(arm, 'gap_p50_s').fmt(2)} |" if a["background"] else ""))
     lines += [""]
     for a, b in (("local prefill", "push"), ("local prefill", "no reuse"), ("push", "no reuse")):
         lines.append(f"- {a} / {b}, per repeat: TTFT {ratio(a, b, 'ttft_p50_s').fmt(2)}×, time to the second "
@@ -159,10 +213,13 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--no-kv-shm", action="store_true", help="K/V over gRPC, as to a decode worker on another node")
+    p.add_argument("--background", action="store_true", help="each turn beside another stream on its pair: what "
+                   "that stream's tokens wait for the turn")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.conversations, args.turns = 1, 2, 2
-    stem = "multi_turn" + ("_no_kv_shm" if args.no_kv_shm else "") + ("_quick" if args.quick else "")
+    stem = ("multi_turn" + ("_no_kv_shm" if args.no_kv_shm else "") + ("_background" if args.background else "")
+            + ("_quick" if args.quick else ""))
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
         routers, workers = {}, {}
@@ -179,13 +236,14 @@ def main() -> None:
         for arm in ARMS:  # warm-up
             turn(stubs[arm], source_cuts(1, OPENING, salt=999)[0])
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
-            runs.append(one_repeat(stubs, metrics, r, args.conversations, args.turns))
+            runs.append(one_repeat(stubs, metrics, r, args.conversations, args.turns, args.background))
         for ch in channels.values():
             ch.close()
     out = RESULTS / stem
     command = "benchmarks/multi_turn.py" + ("" if args.quick else f" --repeats {args.repeats} --conversations "
                                             f"{args.conversations} --turns {args.turns}") \
-        + (" --quick" if args.quick else "") + (" --no-kv-shm" if args.no_kv_shm else "")
+        + (" --quick" if args.quick else "") + (" --no-kv-shm" if args.no_kv_shm else "") \
+        + (" --background" if args.background else "")
     result = {"repeats": runs, "args": vars(args), "machine": machine(), "command": command,
               "out": str(out.relative_to(REPO))}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,7 +251,7 @@ def main() -> None:
     plot(result, out.with_suffix(".png"))
     body = markdown(result)
     print(body)
-    if not args.quick and not args.no_kv_shm:
+    if not args.quick and not args.no_kv_shm and not args.background:
         update_section(REPO / "BENCHMARKS.md", SECTION, body)
 
 
