@@ -108,11 +108,15 @@ class Background:
             pass  # cancelled
 
     def gaps(self, start: float, end: float) -> tuple[float, float]:
-        """(the longest gap between its messages that overlaps [start, end], the median gap before)."""
+        """(the longest gap between its messages that overlaps [start, end], the median gap before);
+        it ends the stream once a message came after `end`."""
+        deadline = time.monotonic() + 30
+        while self.times[-1] < end:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the background stream stopped"
+            time.sleep(0.001)
         self.call.cancel()
         self.thread.join(timeout=10)
         pairs = list(zip(self.times, self.times[1:]))
-        assert pairs and pairs[-1][1] >= end, "the background stream ended before the turn did"
         return (max(b - a for a, b in pairs if b > start and a < end),
                 statistics.median(b - a for a, b in pairs if b <= start))
 
