@@ -27,8 +27,9 @@ fresh. They count as prefix cache hits (`pdserve:prefix_cache_hits`).
 When the adopted blocks leave at most `local_prefill_tokens` of the prompt (a conversation's
 next turn: the new message, and the answer's last partial block), the tail is prefilled here
 instead: `Admitted.prefills_here`, no ticket, and the router asks no prefill worker. The prefill
-worker would compute the whole prompt and push the tail's K/V; this engine computes the tail
-alone, as one chunk of a step, and the first token comes from its stream.
+worker would compute the prompt past what its own cache holds (the conversation's answers at
+least, which it never saw) and push the tail's K/V; this engine computes the tail alone, as a
+chunk of a step, and the first token comes from its stream.
 
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.
@@ -81,7 +82,8 @@ class DecodeServerConfig:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DecodeServerConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not isinstance(self.local_prefill_tokens, int) or self.local_prefill_tokens < 0:
+        tail = self.local_prefill_tokens
+        if not isinstance(tail, int) or isinstance(tail, bool) or tail < 0:
             raise ValueError(f"DecodeServerConfig.local_prefill_tokens must be an integer >= 0, "
                              f"got {self.local_prefill_tokens!r}")
 

@@ -188,3 +188,14 @@ def test_text_logs_are_key_value():
     line, progress = _records("text")
     assert "level=INFO logger=pdserve.test req_id=abc123 msg=request status=ok ttft_s=0.25 client=\"a b\"" in line
     assert progress.endswith("] loading")
+
+
+
+def test_a_bad_local_prefill_tokens_is_one_line_naming_it(text_checkpoint, capsys):
+    args = ["decode-worker", "--model", str(text_checkpoint), "--port", "0", "--local-prefill-tokens"]
+    assert main([*args, "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("pdserve: error: DecodeServerConfig.local_prefill_tokens must be an "
+                                               "integer >= 0, got -1")
+    with pytest.raises(SystemExit):
+        main([*args, "many"])
+    assert "--local-prefill-tokens: invalid int value: 'many'" in capsys.readouterr().err
