@@ -6,7 +6,8 @@
     admitted, prefilling or streaming ──a worker failed──► re_admitted (failover: the prompt and
         the tokens already sent, on other workers) ──► prefilling ──► streaming (same client stream)
 
-Colocated requests go from admitted straight to streaming (the decode worker prefills them).
+Colocated requests go from admitted straight to streaming (the decode worker prefills them), and
+so do those whose reservation answered `prefills_here` (it held all but a short tail).
 """
 from __future__ import annotations
 
