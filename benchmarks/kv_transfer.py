@@ -434,15 +434,16 @@ def main() -> None:
         finally:
             procs.stop()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "kv_transfer_quick" if args.quick else "kv_transfer"  # a smoke run leaves the measured files alone
+    # a smoke run, or one without the TTFT part, leaves the full run's files alone
+    stem = "kv_transfer" + ("_paths" if args.skip_ttft else "") + ("_quick" if args.quick else "")
+    result["stem"] = stem
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    if result["ttft"] is None:
-        result["ttft"] = dict(prompt_tokens=0, disagg_s=Spread.of([0]).as_dict(), colocated_s=Spread.of([0]).as_dict(),
-                              ratio=Goal("TTFT (skipped)", Spread.of([0]), 1.1, False).as_dict())
     plot(result, RESULTS / f"{stem}.png")
     text = markdown(result)
     print(text)
-    if args.markdown:
+    if args.markdown and args.skip_ttft:
+        print("not rewriting BENCHMARKS.md: the section needs the TTFT part too", file=sys.stderr)
+    elif args.markdown:
         update_section(REPO / "BENCHMARKS.md", "KV transfer (`benchmarks/kv_transfer.py`)", text)
 
 

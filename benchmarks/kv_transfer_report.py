@@ -28,7 +28,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     p, t = result["paths"], result["ttft"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2 if t else 1, figsize=(11 if t else 6, 4), squeeze=False)
+    axes = axes[0]
     bars = [("grpc", "gRPC push", "tab:blue"), ("tcp", "raw TCP", "tab:gray"), ("dist", "gloo push", "tab:purple"),
             ("shm", "shm push", "tab:green"), ("copy", "memory copy", "tab:gray"), ("shm_copy", "shm copy\nalone",
                                                                                    "tab:olive")]
@@ -39,9 +40,10 @@ def plot(result: dict, path: Path) -> None:
     hi = [p["gbps"][n]["max"] - m for m, n in zip(med, names)]
     axes[0].bar([label for _, label, _ in bars], med, yerr=[lo, hi], color=[c for _, _, c in bars])
     axes[0].set_title(f"{p['kv_bytes'] / 2**20:.0f} MiB of KV into a cache (GB/s, min/median/max)")
-    axes[1].bar(["disaggregated", "colocated"], [t["disagg_s"]["median"] * 1e3, t["colocated_s"]["median"] * 1e3],
-                color=["tab:blue", "tab:gray"])
-    axes[1].set_title(f"TTFT at low load (ms), {t['prompt_tokens']}-token prompt")
+    if t:
+        axes[1].bar(["disaggregated", "colocated"], [t["disagg_s"]["median"] * 1e3, t["colocated_s"]["median"] * 1e3],
+                    color=["tab:blue", "tab:gray"])
+        axes[1].set_title(f"TTFT at low load (ms), {t['prompt_tokens']}-token prompt")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -51,8 +53,9 @@ def markdown(result: dict) -> str:
     ms = lambda n: Spread(**{k: v * 1e3 if k != "values" else tuple(x * 1e3 for x in v)  # noqa: E731
                              for k, v in p["seconds"][n].items()}).fmt(1, " ms")
     gb = lambda n: _spread(p["gbps"][n]).fmt(2, " GB/s")  # noqa: E731
-    lines = [f"Command: `{result['command']}` (JSON: `benchmarks/results/kv_transfer.json`, plot: "
-             "`benchmarks/results/kv_transfer.png`). Load average at the start: "
+    stem = result.get("stem", "kv_transfer")
+    lines = [f"Command: `{result['command']}` (JSON: `benchmarks/results/{stem}.json`, plot: "
+             f"`benchmarks/results/{stem}.png`). Load average at the start: "
              f"{result['machine']['load_avg_1m']:.1f} on {host(result['machine'])}.", "",
              f"One request's K/V: a {p['prompt_tokens']}-token prompt, {p['layers']} layers, "
              f"{p['kv_bytes'] / 2**20:.0f} MiB, pushed into a real decode worker's KV cache; "
@@ -69,7 +72,8 @@ def markdown(result: dict) -> str:
              f"| plain memory copy (`torch` copy_, one thread), same bytes | {ms('copy')} | {gb('copy')} |",
              f"| the shared-memory push's copy-and-check alone (`copy_runs`, in this process) | {ms('shm_copy')} | "
              f"{gb('shm_copy')} |", "",
-             *GOAL_HEADER, _goal(p["grpc_vs_tcp"]).row(), _goal(p["shm_vs_copy"]).row(), _goal(t["ratio"]).row(), "",
+             *GOAL_HEADER, _goal(p["grpc_vs_tcp"]).row(), _goal(p["shm_vs_copy"]).row(),
+             *([_goal(t["ratio"]).row()] if t else []), "",
              f"The same shared-memory push for a {SMALL_PROMPT}-token prompt (its bytes copied in microseconds; "
              f"what is left is gRPC's messages, the header, the trailer and the ack): "
              f"{ms('shm_small')}.", "",
@@ -82,10 +86,13 @@ def markdown(result: dict) -> str:
                 "no machine here has)."] if "dist_vs_tcp" in p else []), "",
              *([f"A/A control, the plain copy against the same copy run again right after each round: "
                 f"{_spread(p['copy_a_a']).fmt(2, '×')} (what the host's noise alone does to a ratio)."] if "copy_a_a" in p
-               else []), "",
-             f"TTFT ({t['prompt_tokens']}-token prompt, through a router; each repeat the median of "
-             f"{t.get('inner', 1)} requests a side, alternating): disaggregated "
-             f"{_spread(t['disagg_s']).fmt(3, ' s')}, colocated {_spread(t['colocated_s']).fmt(3, ' s')}."
-             + (f" A/A control, the colocated request again right after each round against the round's: "
-                f"{_spread(t['a_a']).fmt(2, '×')}." if "a_a" in t else "")]
+               else []), ""]
+    if t:
+        lines.append(f"TTFT ({t['prompt_tokens']}-token prompt, through a router; each repeat the median of "
+                     f"{t.get('inner', 1)} requests a side, alternating): disaggregated "
+                     f"{_spread(t['disagg_s']).fmt(3, ' s')}, colocated {_spread(t['colocated_s']).fmt(3, ' s')}."
+                     + (f" A/A control, the colocated request again right after each round against the round's: "
+                        f"{_spread(t['a_a']).fmt(2, '×')}." if "a_a" in t else ""))
+    else:
+        lines.append("TTFT: not measured in this run (`--skip-ttft`).")
     return "\n".join(lines)
