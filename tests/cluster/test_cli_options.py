@@ -57,12 +57,14 @@ def test_serve_flags_override_the_config(tmp_path):
     from pdserve.cluster.cli import serve_config
 
     config = tmp_path / "pdserve.yaml"
-    config.write_text("kv_shm: true\ndecode:\n  workers: 3\n")
+    config.write_text("kv_shm: true\nlocal_prefill_tokens: 64\ndecode:\n  workers: 3\n")
     default = serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
-    assert default.kv_shm is True and default.decode.workers == 3
+    assert default.kv_shm is True and default.decode.workers == 3 and default.local_prefill_tokens == 64
     flagged = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--no-kv-shm",
-                                                      "--decode-workers", "2", "--no-speculation"]))
+                                                      "--decode-workers", "2", "--no-speculation",
+                                                      "--local-prefill-tokens", "0"]))
     assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
+    assert flagged.local_prefill_tokens == 0
 
 
 def test_serve_takes_the_decode_pools_verifier_beside_the_files_engine_options(tmp_path):
