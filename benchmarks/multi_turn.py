@@ -4,7 +4,7 @@ conversation's later turns. A reservation adopts the blocks the decode worker ho
 decode worker prefills it itself, else the prefill worker pushes the K/V of the rest only.
 
     python benchmarks/multi_turn.py [--quick] [--repeats 5] [--conversations 4] [--turns 4] [--no-kv-shm]
-                                    [--background]
+                                    [--background] [--draft]
 
 Three pairs side by side, alike but for the decode worker: "local prefill" (the defaults: a later
 turn's tail is prefilled on the decode worker), "push" (`--local-prefill-tokens 0`: the prefill
@@ -25,7 +25,8 @@ With `--background`, each turn runs beside another stream on the same pair, star
 turn and cancelled after it: the longest gap between that stream's tokens during the turn is
 what a request already decoding pays for the turn (a tail prefilled on the decode worker is one
 longer step of its batch; a push, the copy into its cache and the activation), against the
-median gap before the turn.
+median gap before the turn. With `--draft`, every worker has the demo draft (as `make serve`'s):
+the decode workers speculate, and a later turn's reuse needs the draft's K/V of its blocks too.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pdserve.v1 import generation_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = str(REPO / "models" / "demo")
+DRAFT = str(REPO / "models" / "demo-draft")
 WORKER = ["--model", MODEL, "--num-kv-blocks", "1024", "--max-num-seqs", "8"]
 OPENING, QUESTION, ANSWER = 256, 64, 32
 ARMS = ("local prefill", "push", "no reuse")
@@ -172,6 +174,7 @@ def markdown(result: dict) -> str:
              + ("K/V over gRPC (`--no-kv-shm`, as between nodes), " if a["no_kv_shm"] else "K/V through shared "
                 "memory (the default on one node), ")
              + ("each turn beside one other stream on its pair" if a["background"] else "one request at a time")
+             + (", every worker with the demo draft (the decode workers speculate)" if a.get("draft") else "")
              + f"). Machine: {host(result['machine'])}. Figures per later turn, min / median / max over repeats.", "",
              "| arm | TTFT p50 (ms) | second token p50 (ms) | KV received per turn (KiB) | prompt tokens found "
              "on the decode worker | prompt tokens the prefill worker computed |"
@@ -217,20 +220,23 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--no-kv-shm", action="store_true", help="K/V over gRPC, as to a decode worker on another node")
+    p.add_argument("--draft", action="store_true", help="every worker with the demo draft; the decode workers "
+                   "speculate")
     p.add_argument("--background", action="store_true", help="each turn beside another stream on its pair: what "
                    "that stream's tokens wait for the turn")
     args = p.parse_args()
     if args.quick:
         args.repeats, args.conversations, args.turns = 1, 2, 2
     stem = ("multi_turn" + ("_no_kv_shm" if args.no_kv_shm else "") + ("_background" if args.background else "")
-            + ("_quick" if args.quick else ""))
+            + ("_draft" if args.draft else "") + ("_quick" if args.quick else ""))
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
         routers, workers = {}, {}
         for arm in ARMS:
             tag = arm.replace(" ", "-")
-            prefill = run.worker("prefill-worker", f"P-{tag}", [*WORKER, *(["--no-kv-shm"] if args.no_kv_shm else [])], [0])
-            decode = run.worker("decode-worker", f"D-{tag}", [*WORKER, *ARM_FLAGS[arm]], [1])
+            worker = [*WORKER, *(["--draft-model", DRAFT] if args.draft else [])]
+            prefill = run.worker("prefill-worker", f"P-{tag}", [*worker, *(["--no-kv-shm"] if args.no_kv_shm else [])], [0])
+            decode = run.worker("decode-worker", f"D-{tag}", [*worker, *ARM_FLAGS[arm]], [1])
             routers[arm] = run.router(f"R-{tag}", MODEL, [prefill], [decode])
             workers[arm] = {"P": prefill, "D": decode}
         run.wait_ready()
@@ -247,7 +253,7 @@ def main() -> None:
     command = "benchmarks/multi_turn.py" + ("" if args.quick else f" --repeats {args.repeats} --conversations "
                                             f"{args.conversations} --turns {args.turns}") \
         + (" --quick" if args.quick else "") + (" --no-kv-shm" if args.no_kv_shm else "") \
-        + (" --background" if args.background else "")
+        + (" --background" if args.background else "") + (" --draft" if args.draft else "")
     result = {"repeats": runs, "args": vars(args), "machine": machine(), "command": command,
               "out": str(out.relative_to(REPO))}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +261,7 @@ def main() -> None:
     plot(result, out.with_suffix(".png"))
     body = markdown(result)
     print(body)
-    if not args.quick and not args.no_kv_shm and not args.background:
+    if not args.quick and not args.no_kv_shm and not args.background and not args.draft:
         update_section(REPO / "BENCHMARKS.md", SECTION, body)
 
 
