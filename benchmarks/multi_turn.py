@@ -8,18 +8,18 @@ decode worker prefills it itself, else the prefill worker pushes the K/V of the 
 
 Three pairs side by side, alike but for the decode worker: "local prefill" (the defaults: a later
 turn's tail is prefilled on the decode worker), "push" (`--local-prefill-tokens 0`: the prefill
-worker computes the whole prompt and pushes the tail's K/V) and "no reuse" (`--no-prefix-caching`:
-every push carries the whole prompt, as before the decode side adopted blocks). Every prefill
-worker keeps its own prefix cache. Each
-conversation opens with a 256-token cut of this repository's sources, and each turn adds a
-32-token greedy answer and a 64-token cut as the next question; every arm gets the same history
-(the first arm's answers). One request at a time; per turn, the arms take turns in an order that
-rotates. Measured per turn after the first: TTFT at the client (the first streamed message),
-the time to the second token (the transfer sits there: the router streams the first token as soon
-as the prefill worker samples it, and the second comes from the decode worker once the K/V are
-in), the KV bytes the decode worker received (its `pdserve:kv_transfer_bytes_total`), and the
-prompt tokens the prefill worker computed (its prefix cache's queries less its hits). A repeat's figure is the median over its later turns; the
-ratios between arms are taken per repeat.
+worker computes the prompt past what its own cache holds and pushes the tail's K/V) and "no
+reuse" (`--no-prefix-caching`: every push carries the whole prompt, as before the decode side
+adopted blocks). Every prefill worker keeps its own prefix cache. Each conversation opens with a
+256-token cut of this repository's sources, and each turn adds a 32-token greedy answer and a
+64-token cut as the next question; every arm gets the same history (the first arm's answers).
+One request at a time; per turn, the arms take turns in an order that rotates. Measured per turn
+after the first: TTFT at the client (the first streamed message), the time to the second token
+(the transfer sits there: the router streams the first token as soon as the prefill worker
+samples it, and the second comes from the decode worker once the K/V are in), the KV bytes the
+decode worker received (its `pdserve:kv_transfer_bytes_total`), and the prompt tokens the
+prefill worker computed (its prefix cache's queries less its hits). A repeat's figure is the
+median over its later turns; the ratios between arms are taken per repeat.
 Workers pinned (prefill core 0, decode core 1, the arms on the same cores), one torch thread each.
 With `--background`, each turn runs beside another stream on the same pair, started before the
 turn and cancelled after it: the longest gap between that stream's tokens during the turn is
