@@ -415,7 +415,11 @@ class DecodeWorkerServicer(WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
             raise TransferError(TransferFailure.UNKNOWN, "no live reservation here for that ticket")
         if r.state is not DecodeState.RESERVED:
             raise TransferError(TransferFailure.CORRUPT, f"transfer for {r.req_id} already {r.state.value}")
-        self.receiver.open(r.progress, r.seq, header)
+        try:
+            self.receiver.open(r.progress, r.seq, header)
+        except TransferError as e:  # a header that does not fit the reservation ends it now, not at its timeout
+            self._end(r, e)
+            raise
         r.state = DecodeState.RECEIVING
         r.spans.start("transfer")
         return r

@@ -98,8 +98,9 @@ def test_a_push_that_would_write_the_adopted_blocks_is_refused_and_frees_the_res
         assert f"holds {cached}" in e.value.details() and "older" in e.value.details()
     else:
         assert e.value.code() == grpc.StatusCode.DATA_LOSS and f"holds the first {cached}" in e.value.details()
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(grpc.RpcError) as ended:
         list(stream)
+    assert ended.value.code() == e.value.code()  # ended by the refusal, not by the transfer timeout
     cluster.wait_all_free()
     stream, admitted = _reserve(cluster, f"adopted-{fault}-again", prompt)
     assert admitted.num_cached_tokens == cached
