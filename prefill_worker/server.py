@@ -222,10 +222,11 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             if sender is None:
                 continue
             try:
-                if layers and c.num_tokens and c.seq.req_id not in runs:
+                sent = layers if c.num_tokens else ()  # none: the decode side holds every token of the chunk
+                if sent and c.seq.req_id not in runs:
                     runs[c.seq.req_id] = shm.slot_runs(c.slots.numpy())
                 slot_runs = runs.get(c.seq.req_id)
-                for group, layer in layers if c.num_tokens else ():  # none: the decode side holds them
+                for group, layer in sent:
                     if self._reads_slots:  # the transport reads the slots itself (`DistTransport`)
                         k = self._groups[group][layer][0]
                         sender.send_refs(group, layer, c.token_start, slot_runs, 2 * k[0, 0].nbytes)
