@@ -25,7 +25,10 @@ With `--background`, each turn runs beside another stream on the same pair, star
 turn and cancelled after it: the longest gap between that stream's tokens during the turn is
 what a request already decoding pays for the turn (a tail prefilled on the decode worker is one
 longer step of its batch; a push, the copy into its cache and the activation), against the
-median gap before the turn. With `--draft`, every worker has the demo draft (as `make serve`'s):
+median gap before the turn. With `--background` a fourth arm, "local prefill, one step" (`--prefill-chunk-tokens 0`), prefills
+the tail in one step, as before the decode worker capped the prompt tokens of a step that decodes
+(`prefill_chunk_tokens`, 32 on a CPU by default): the other stream's gap against the new turn's
+first tokens. With `--draft`, every worker has the demo draft (as `make serve`'s):
 the decode workers speculate, and a later turn's reuse needs the draft's K/V of its blocks too.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
 """
@@ -56,7 +59,10 @@ DRAFT = str(REPO / "models" / "demo-draft")
 WORKER = ["--model", MODEL, "--num-kv-blocks", "1024", "--max-num-seqs", "8"]
 OPENING, QUESTION, ANSWER = 256, 64, 32
 ARMS = ("local prefill", "push", "no reuse")
-ARM_FLAGS = {"local prefill": [], "push": ["--local-prefill-tokens", "0"], "no reuse": ["--no-prefix-caching"]}
+ARM_FLAGS = {"local prefill": [], "push": ["--local-prefill-tokens", "0"], "no reuse": ["--no-prefix-caching"],
+             "local prefill, one step": ["--prefill-chunk-tokens", "0"]}
+# with --background, also the tail prefilled in one step (the decode worker's prompt chunks not capped)
+BACKGROUND_ARMS = (*ARMS, "local prefill, one step")
 SECTION = "Multi-turn conversations (`benchmarks/multi_turn.py`)"
 
 
@@ -127,13 +133,14 @@ def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: in
     """metrics: each arm's {"P": ..., "D": ...} metrics addresses."""
     openings = source_cuts(conversations, OPENING, salt=r)
     questions = source_cuts(conversations * turns, QUESTION, salt=r + 1000)
+    arms = tuple(stubs)
     samples = {arm: {"ttft_s": [], "second_s": [], "kv_bytes": [], "hit_tokens": [], "prefill_tokens": [],
-                     "stall_s": [], "gap_s": []} for arm in ARMS}
+                     "stall_s": [], "gap_s": []} for arm in arms}
     for c, history in enumerate(openings):
         for t in range(turns):
-            k = (r + c + t) % len(ARMS)
+            k = (r + c + t) % len(arms)
             answer = None
-            for arm in ARMS[k:] + ARMS[:k]:
+            for arm in arms[k:] + arms[:k]:
                 other = Background(stubs[arm], salt=r * 100 + c * 10 + t) if background else None
                 before = {w: scrape(a) for w, a in metrics[arm].items()}
                 start = time.perf_counter()
@@ -152,7 +159,7 @@ def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: in
                                                - d["P", "pdserve:prefix_cache_hits_total"])
                     s["stall_s"].append(stall)
                     s["gap_s"].append(gap)
-                answer = ids if arm == ARMS[0] else answer
+                answer = ids if arm == arms[0] else answer
             history = history + answer + questions[c * turns + t]
     return {arm: {"ttft_p50_s": statistics.median(s["ttft_s"]), "second_p50_s": statistics.median(s["second_s"]),
                   "kv_bytes_mean": statistics.mean(s["kv_bytes"]), "hit_tokens_mean": statistics.mean(s["hit_tokens"]),
@@ -164,6 +171,7 @@ def one_repeat(stubs: dict, metrics: dict, r: int, conversations: int, turns: in
 
 def markdown(result: dict) -> str:
     runs, a = result["repeats"], result["args"]
+    arms = tuple(runs[0])
     ms = lambda arm, key="ttft_p50_s": Spread.of(rep[arm][key] * 1e3 for rep in runs)  # noqa: E731
     kb = lambda arm: Spread.of(rep[arm]["kv_bytes_mean"] / 1024 for rep in runs)  # noqa: E731
     mean = lambda arm, key: Spread.of(rep[arm][key] for rep in runs)  # noqa: E731
@@ -180,7 +188,7 @@ def markdown(result: dict) -> str:
              "on the decode worker | prompt tokens the prefill worker computed |"
              + (" other stream's longest gap in a turn, p50 / max (ms) | its median gap before (ms) |"
                 if a["background"] else ""), "|---|---|---|---|---|---|" + ("---|---|" if a["background"] else "")]
-    for arm in ARMS:
+    for arm in arms:
         lines.append(f"| {arm} | {ms(arm).fmt(1)} | {ms(arm, 'second_p50_s').fmt(1)} | {kb(arm).fmt(0)} | "
                      f"{mean(arm, 'hit_tokens_mean').fmt(0)} | {mean(arm, 'prefill_tokens_mean').fmt(0)} |"
                      + (f" {ms(arm, 'stall_p50_s').fmt(1)} / {ms(arm, 'stall_max_s').fmt(1)} | "
@@ -190,6 +198,11 @@ def markdown(result: dict) -> str:
         lines.append(f"- {a} / {b}, per repeat: TTFT {ratio(a, b, 'ttft_p50_s').fmt(2)}×, time to the second "
                      f"token {ratio(a, b, 'second_p50_s').fmt(2)}×"
                      + (f", KV bytes received {ratio(a, b, 'kv_bytes_mean').fmt(3)}×." if a == "push" else "."))
+    if "local prefill, one step" in arms:
+        a, b = "local prefill", "local prefill, one step"
+        lines.append(f"- {a} / {b}, per repeat: TTFT {ratio(a, b, 'ttft_p50_s').fmt(2)}×, time to the second "
+                     f"token {ratio(a, b, 'second_p50_s').fmt(2)}×, the other stream's longest gap (p50) "
+                     f"{ratio(a, b, 'stall_p50_s').fmt(2)}×.")
     lines += ["", f"Files: `{result['out']}.json`, `.png`."]
     return "\n".join(lines) + "\n"
 
@@ -201,7 +214,7 @@ def plot(result: dict, path: Path) -> None:
 
     runs = result["repeats"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for arm in ARMS:
+    for arm in runs[0]:
         ax1.plot([rep[arm]["ttft_p50_s"] * 1e3 for rep in runs], marker="o", label=f"{arm}: first token")
         ax1.plot([rep[arm]["second_p50_s"] * 1e3 for rep in runs], marker="s", label=f"{arm}: second token")
         ax2.plot([rep[arm]["kv_bytes_mean"] / 1024 for rep in runs], marker="o", label=arm)
@@ -232,8 +245,9 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as logs, Launcher(Path(logs)) as run:
         routers, workers = {}, {}
-        for arm in ARMS:
-            tag = arm.replace(" ", "-")
+        arms = BACKGROUND_ARMS if args.background else ARMS
+        for arm in arms:
+            tag = arm.replace(",", "").replace(" ", "-")
             worker = [*WORKER, *(["--draft-model", DRAFT] if args.draft else [])]
             prefill = run.worker("prefill-worker", f"P-{tag}", [*worker, *(["--no-kv-shm"] if args.no_kv_shm else [])], [0])
             decode = run.worker("decode-worker", f"D-{tag}", [*worker, *ARM_FLAGS[arm]], [1])
@@ -243,7 +257,7 @@ def main() -> None:
         metrics = {arm: {w: proc.metrics_address for w, proc in pair.items()} for arm, pair in workers.items()}
         channels = {arm: grpc.insecure_channel(r.address) for arm, r in routers.items()}
         stubs = {arm: generation_pb2_grpc.GenerationStub(ch) for arm, ch in channels.items()}
-        for arm in ARMS:  # warm-up
+        for arm in arms:  # warm-up
             turn(stubs[arm], source_cuts(1, OPENING, salt=999)[0])
         for r in tqdm(range(args.repeats), desc="repeats", unit="repeat"):
             runs.append(one_repeat(stubs, metrics, r, args.conversations, args.turns, args.background))

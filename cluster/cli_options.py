@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
+from pdserve.decode_worker import DECODE_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
 from pdserve.serving.logs import LOG_FORMATS, LOG_LEVELS
 
 ENV_PREFIX = "PDSERVE_"
@@ -122,6 +122,10 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized by memory)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (chunked prefill)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None, help="the most prompt tokens a step that also "
+                   "decodes takes, so a prompt's prefill delays the running requests' next tokens by a few short "
+                   "steps, not one long one; 0: no cap (default: %d on a decode worker on a CPU, else no cap)"
+                   % DECODE_PREFILL_CHUNK_TOKENS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")

@@ -41,14 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
 
-from pdserve.decode_worker import LOCAL_PREFILL_TOKENS
+from pdserve.decode_worker import DECODE_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
 from pdserve.decode_worker.kv_intake import KVIntake
 from pdserve.decode_worker.kv_receiver import KVReceiver, PinnedBlocks, TransferProgress
+from pdserve.engine.config import EngineConfig, resolve_device
 from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
@@ -139,6 +140,14 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     def close(self) -> None:
         if self.probe is not None:
             self.probe.close()
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        """On a CPU, unless set, a step that decodes takes at most DECODE_PREFILL_CHUNK_TOKENS prompt
+        tokens: a local prefill's tail or a fallback's prompt then spreads over a few steps, and
+        the requests decoding here see gaps of a few steps between their tokens, not a whole prefill."""
+        if config.prefill_chunk_tokens is None and resolve_device(config.device).type == "cpu":
+            return replace(config, prefill_chunk_tokens=DECODE_PREFILL_CHUNK_TOKENS)
+        return config
 
     def server_options(self) -> list[tuple]:
         return KV_TRANSFER_OPTIONS  # it receives the bulk KV pushes

@@ -37,6 +37,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 << 20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    # the most prompt tokens a step that also decodes takes (`Scheduler`): it bounds the gap a
+    # prompt's prefill puts between the running requests' tokens; None: the role's default (a
+    # decode worker on a CPU: DECODE_PREFILL_CHUNK_TOKENS, `decode_worker/__init__.py`; else no
+    # cap), 0: no cap
+    prefill_chunk_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0  # draws the seeds of requests that bring none
@@ -64,6 +69,9 @@ class EngineConfig:
         _check(self.cpu_linear in CPU_LINEARS, "cpu_linear", self.cpu_linear, f"must be one of {CPU_LINEARS}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.prefill_chunk_tokens is None or (isinstance(self.prefill_chunk_tokens, int)
+               and not isinstance(self.prefill_chunk_tokens, bool) and self.prefill_chunk_tokens >= 0),
+               "prefill_chunk_tokens", self.prefill_chunk_tokens, "must be an integer >= 0 or None")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, "must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
         _check(self.num_speculative_tokens >= 0, "num_speculative_tokens", self.num_speculative_tokens, "must be >= 0")

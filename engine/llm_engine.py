@@ -73,8 +73,8 @@ class LLMEngine:
         self.fused_step = FusedSpecStep.of(self.runner, self.draft_runner, self.sampler,
                                            self.speculator.verifier.draft_stream) if self.speculator else None
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.prefill_chunk_tokens), self.block_manager)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)

@@ -14,7 +14,10 @@ Disaggregated serving adds one more place, HELD: blocks kept outside both queues
 
 A step's token budget (`max_num_batched_tokens`) is spent on running sequences first, oldest
 first, then on admitting waiting ones in arrival order (FCFS: a head that does not fit blocks
-the queue). A long prompt spreads over steps in chunks and shares each step with decodes.
+the queue). A long prompt spreads over steps in chunks and shares each step with decodes. With
+`prefill_chunk_tokens`, a step that decodes anything gives prompt chunks at most that many
+tokens in all: a step costs about its prompt tokens on a CPU, so this bounds the gap a prompt
+puts between the tokens of the requests already decoding (a decode worker's, `DecodeService`).
 Preemption is by recompute: the victim's blocks are freed and its prompt plus the tokens it has
 generated are prefilled again when it is readmitted; seeded sampling makes it continue with
 exactly the tokens it would have produced.
@@ -33,12 +36,15 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_chunk_tokens: int | None = None  # prompt tokens a step that decodes takes at most (None, 0: no cap)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 or None, got {self.prefill_chunk_tokens}")
 
 
 @dataclass(slots=True)
@@ -95,32 +101,44 @@ class Scheduler:
 
     def schedule(self, lookahead: LookaheadFn = lambda seq: 0) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, lookahead)
+        cap = self.config.prefill_chunk_tokens
+        # prompt tokens this step may take: capped only where it decodes (a running sequence with one token to go)
+        prompt_budget = cap if cap and any(s.num_uncomputed_tokens == 1 for s in self.running) else None
+        budget, prompt_budget = self._schedule_running(out, self.config.max_num_batched_tokens, prompt_budget,
+                                                       lookahead)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, prompt_budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, lookahead: LookaheadFn) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_budget: int | None,
+                          lookahead: LookaheadFn) -> tuple[int, int | None]:
         queue = list(self.running)
-        kept: list[Sequence] = []
         while queue and budget > 0:
             seq = queue.pop(0)
-            extra = lookahead(seq) if seq.num_uncomputed_tokens == 1 else 0
-            num_new = min(seq.num_uncomputed_tokens + extra, budget)
+            decodes = seq.num_uncomputed_tokens == 1
+            if not decodes and prompt_budget == 0:
+                continue  # a prompt chunk left for a later step: this step's prompt budget is spent
+            extra = lookahead(seq) if decodes else 0
+            limit = budget if decodes or prompt_budget is None else min(budget, prompt_budget)
+            num_new = min(seq.num_uncomputed_tokens + extra, limit)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                kept.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
-        self.running = kept + queue  # unscheduled ones stay running and wait for budget
-        return budget
+                if not decodes and prompt_budget is not None:
+                    prompt_budget -= num_new
+        # unscheduled ones stay running, in their order, and wait for budget
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return budget, prompt_budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prompt_budget: int | None) -> None:
         bm = self.block_manager
+        if prompt_budget is not None:
+            budget = min(budget, prompt_budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             prefix = bm.match_prefix(seq)

@@ -249,3 +249,37 @@ def test_gather_and_place_move_what_read_and_write_move(dtype):
         place_kv(by_tensor, layer, dst, kv)
     assert all(torch.equal(a, b) for pa, pb in zip(by_bytes, by_tensor) for a, b in zip(pa, pb))
     assert torch.equal(by_tensor[1][0].view(-1, 2, 16)[9], src[1][0].view(-1, 2, 16)[3])
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_a_local_tail_is_prefilled_in_capped_chunks_beside_a_decoding_request(checkpoint, with_draft):
+    """A decode worker's local prefill with `prefill_chunk_tokens`: the tail of a reservation that
+    adopted cached blocks runs 8 prompt tokens a step while another request decodes, that request
+    gets a token every step, and both emit what the offline engine does."""
+    path = checkpoint()
+    options = {"draft_model": str(path), "num_speculative_tokens": 2} if with_draft else {}
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, prefill_chunk_tokens=8, **options))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    other_prompt = list(range(50, 60))
+    # a few tokens: a draft catches up over the prompt at its first proposal, and blocks without
+    # the draft's K/V are not adopted
+    engine.add_request("cached", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request("other", other_prompt, long := SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    while "cached" in engine._requests:
+        engine.step()
+    prompt = PROMPT + list(range(100, 120))  # 60 tokens: 32 cached (two whole blocks), a tail of 28
+    seq = engine.reserve("turn", prompt, greedy, local_tail=32)
+    assert seq is not None and seq.status is SequenceStatus.RUNNING and seq.num_cached_tokens == 32
+    computed, tokens = [], {"other": [], "turn": []}
+    while engine.has_unfinished():
+        decoding = seq.num_computed_tokens < len(prompt)
+        outputs = engine.step()
+        for out in outputs:
+            tokens[out.req_id] = out.token_ids
+        if decoding:
+            computed.append(seq.num_computed_tokens)
+            assert "other" in {out.req_id for out in outputs if out.new_token_ids}  # never a step without its token
+    assert computed[:4] == [40, 48, 56, 60]
+    offline = LLM(model=str(path), num_kv_blocks=64)
+    assert tokens["other"] == offline.generate([other_prompt], long)[0].token_ids
+    assert tokens["turn"] == offline.generate([prompt], greedy)[0].token_ids

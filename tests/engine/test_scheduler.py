@@ -116,3 +116,56 @@ def test_finish_frees_blocks_and_is_idempotent():
     sched.finish(a)
     sched.finish(a)
     assert bm.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_prefill_chunk_tokens_caps_prompt_tokens_only_in_steps_that_decode():
+    """A decode worker's cap: prompt chunks (a running prompt's and a new one's) share at most
+    `prefill_chunk_tokens` in a step that decodes; a step that decodes nothing takes the budget."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_tokens=6),
+                      BlockManager(64, 4))
+    a = seq(0, 20)
+    sched.add(a)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 20)]  # nothing decodes: no cap
+    run_step(sched, out)
+    b, c = seq(1, 10), seq(2, 5)
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 6)]  # c waits: the cap is spent
+    run_step(sched, out)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 4), (c, 2)]
+    run_step(sched, out)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 1), (c, 3)]
+    run_step(sched, out)
+    assert [s.num_output_tokens for s in (a, b, c)] == [4, 2, 1]
+    assert sched.running == [a, b, c]  # the order of arrival kept while c's chunks waited
+
+
+def test_a_prompt_chunk_over_the_cap_waits_in_its_place():
+    """Two activated prompts (a decode worker's local prefills) past the cap: the second is left
+    for a later step and keeps its place in the running queue."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_tokens=4),
+                      BlockManager(64, 4))
+    a, b, c = seq(0, 1), seq(1, 6), seq(2, 6)
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    for s in (b, c):
+        assert sched.reserve(s, s.num_tokens)
+        sched.activate(s)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 4)]
+    assert sched.running == [a, b, c]
+    run_step(sched, out)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 2), (c, 2)]
+    assert sched.running == [a, b, c]
+    SchedulerConfig(prefill_chunk_tokens=0)  # 0: no cap
+    try:
+        SchedulerConfig(prefill_chunk_tokens=-1)
+    except ValueError as e:
+        assert "prefill_chunk_tokens" in str(e)
+    else:
+        raise AssertionError("a negative cap was taken")
