@@ -191,7 +191,7 @@ def markdown(result: dict) -> str:
     for arm in arms:
         lines.append(f"| {arm} | {ms(arm).fmt(1)} | {ms(arm, 'second_p50_s').fmt(1)} | {kb(arm).fmt(0)} | "
                      f"{mean(arm, 'hit_tokens_mean').fmt(0)} | {mean(arm, 'prefill_tokens_mean').fmt(0)} |"
-                     + (f" {ms(arm, 'stall_p50_s').fmt(1)} / {ms(arm, 'stall_max_s').fmt(1)} | "
+                     + (f" {ms(arm, 'stall_p50_s').fmt(1)}, {ms(arm, 'stall_max_s').fmt(1)} | "
                         f"{ms(arm, 'gap_p50_s').fmt(2)} |" if a["background"] else ""))
     lines += [""]
     for a, b in (("local prefill", "push"), ("local prefill", "no reuse"), ("push", "no reuse")):

@@ -110,6 +110,8 @@ def _connections(p: psutil.Process):
     ({"model": "/nonexistent"}, "model must be a checkpoint directory"),
     ({"local_prefill_tokens": -1}, "local_prefill_tokens must be an integer >= 0, got -1"),
     ({"local_prefill_tokens": True}, "local_prefill_tokens must be an integer >= 0, got True"),
+    ({"decode.engine": {"prefill_chunk_tokens": -8}},
+     "decode.engine.prefill_chunk_tokens must be an integer >= 0 or None, got -8"),
     ({"colour": "blue"}, "unknown field colour"),
     ({"router.port": 1}, "unknown field router.port"),
 ])
