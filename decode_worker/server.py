@@ -28,8 +28,11 @@ When the adopted blocks leave at most `local_prefill_tokens` of the prompt (a co
 next turn: the new message, and the answer's last partial block), the tail is prefilled here
 instead: `Admitted.prefills_here`, no ticket, and the router asks no prefill worker. The prefill
 worker would compute the prompt past what its own cache holds (the conversation's answers at
-least, which it never saw) and push the tail's K/V; this engine computes the tail alone, as a
-chunk of a step, and the first token comes from its stream.
+least, which it never saw) and push the tail's K/V; this engine computes the tail alone, in
+chunks of at most `prefill_chunk_tokens` a step while others decode (`engine_config`), and the
+first token comes from its stream. A tail prefilled here may also adopt blocks without the
+draft's K/V (an answer decoded while the gate held plain decoding): the draft catches up over
+them before its first proposal, as it does for a colocated request.
 
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.

@@ -1,8 +1,9 @@
 """The engine's side of prefill/decode disaggregation: the life cycle of a request on each kind
 of worker, what a worker runs (for pairing), where a prompt's K/V live, copying them between
 the cache and a transfer, and the prefill worker's forward pass that hands them over layer by
-layer (`run_handing_off`). The life-cycle methods themselves are `LLMEngine`'s
-(`add_prefill`, `release`, `reserve`, `activate`, `abort`); this module holds no gRPC.
+layer (`run_handing_off`). The life-cycle methods themselves are `LLMEngine`'s (`add_prefill`,
+`release`, `reserve`, `activate` in its mixin `disagg_requests.DisaggRequests`, and `abort`); this
+module holds no gRPC.
 
 On a prefill worker (`PrefillState`):
 

@@ -283,3 +283,30 @@ def test_a_local_tail_is_prefilled_in_capped_chunks_beside_a_decoding_request(ch
     offline = LLM(model=str(path), num_kv_blocks=64)
     assert tokens["other"] == offline.generate([other_prompt], long)[0].token_ids
     assert tokens["turn"] == offline.generate([prompt], greedy)[0].token_ids
+
+
+def test_a_local_tail_adopts_blocks_without_the_drafts_kv_and_the_draft_catches_up(checkpoint):
+    """A request that ended before its draft ran (here: one token) leaves blocks holding the
+    target's K/V only. A push would need the draft's too, so a reservation for one does not adopt
+    them; a tail prefilled here does, and its draft catches up over them before proposing: the
+    tokens are the offline engine's and the step after the prefill speculates."""
+    path = checkpoint()
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, draft_model=str(path),
+                                    num_speculative_tokens=2, spec_adaptive=False))
+    engine.add_request("cached", PROMPT, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    prompt = PROMPT + list(range(100, 110))  # 50 tokens: 32 in two cached blocks, without the draft's K/V
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    pushed = engine.reserve("push", prompt, greedy)
+    assert pushed.status is SequenceStatus.HELD and pushed.num_cached_tokens == 0  # the push would carry it all
+    engine.abort("push")
+    seq = engine.reserve("turn", prompt, greedy, local_tail=32)
+    assert seq.status is SequenceStatus.RUNNING and seq.num_cached_tokens == 32 and seq.num_draft_computed_tokens == 0
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == LLM(model=str(path), num_kv_blocks=64).generate([prompt], greedy)[0].token_ids
+    assert engine.speculator.stats.num_drafts > 0  # it speculated, its draft caught up
+    again = engine.reserve("next", prompt + tokens[:-1] + [7], greedy)  # its blocks now hold the draft's K/V
+    assert again.num_cached_tokens >= 48
