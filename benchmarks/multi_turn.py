@@ -25,10 +25,10 @@ With `--background`, each turn runs beside another stream on the same pair, star
 turn and cancelled after it: the longest gap between that stream's tokens during the turn is
 what a request already decoding pays for the turn (a tail prefilled on the decode worker is one
 longer step of its batch; a push, the copy into its cache and the activation), against the
-median gap before the turn. With `--background` a fourth arm, "local prefill, one step" (`--prefill-chunk-tokens 0`), prefills
-the tail in one step, as before the decode worker capped the prompt tokens of a step that decodes
-(`prefill_chunk_tokens`, 32 on a CPU by default): the other stream's gap against the new turn's
-first tokens. With `--draft`, every worker has the demo draft (as `make serve`'s):
+median gap before the turn. With `--background` a fourth arm, "local prefill, one step" (`--local-prefill-chunk-tokens 0`),
+prefills the tail in one step, as before the decode worker capped a local tail's tokens in a step
+that also decodes (`local_prefill_chunk_tokens`, 32 on a CPU by default): the other stream's gap
+against the new turn's first tokens. With `--draft`, every worker has the demo draft (as `make serve`'s):
 the decode workers speculate, and a later turn's reuse needs the draft's K/V of its blocks too.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
 """
@@ -60,7 +60,7 @@ WORKER = ["--model", MODEL, "--num-kv-blocks", "1024", "--max-num-seqs", "8"]
 OPENING, QUESTION, ANSWER = 256, 64, 32
 ARMS = ("local prefill", "push", "no reuse")
 ARM_FLAGS = {"local prefill": [], "push": ["--local-prefill-tokens", "0"], "no reuse": ["--no-prefix-caching"],
-             "local prefill, one step": ["--prefill-chunk-tokens", "0"]}
+             "local prefill, one step": ["--local-prefill-chunk-tokens", "0"]}
 # with --background, also the tail prefilled in one step (the decode worker's prompt chunks not capped)
 BACKGROUND_ARMS = (*ARMS, "local prefill, one step")
 SECTION = "Multi-turn conversations (`benchmarks/multi_turn.py`)"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdserve.decode_worker import DECODE_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
+from pdserve.decode_worker import LOCAL_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
 from pdserve.serving.logs import LOG_FORMATS, LOG_LEVELS
 
 ENV_PREFIX = "PDSERVE_"
@@ -124,8 +124,8 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (chunked prefill)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None, help="the most prompt tokens a step that also "
                    "decodes takes, so a prompt's prefill delays the running requests' next tokens by a few short "
-                   "steps, not one long one; 0: no cap (default: %d on a decode worker on a CPU, else no cap)"
-                   % DECODE_PREFILL_CHUNK_TOKENS)
+                   "steps, not one long one, at its own TTFT (a colocated worker's prompts, a decode worker's "
+                   "prefill fallback); default: no cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
@@ -142,6 +142,9 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    "prefill a disaggregated request itself when its prefix cache holds all but at most this many "
                    "of the prompt's tokens (a conversation's next turn), instead of the prefill worker; 0: never "
                    "(default: %(default)s)")
+    p.add_argument("--local-prefill-chunk-tokens", type=int, default=None, help="decode worker: such a tail runs at "
+                   "most this many tokens in a step that also decodes (0: no cap; default: %d on a CPU, no cap on a "
+                   "GPU)" % LOCAL_PREFILL_CHUNK_TOKENS)
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds live requests get to finish before the worker stops")
@@ -202,6 +205,8 @@ def add_serve_args(sv) -> None:
             ("--decode-cpus", float, "CPUs per decode worker"),
             ("--local-prefill-tokens", int, "a decode worker prefills a request itself when its prefix cache "
              "holds all but at most this many prompt tokens (0: never)"),
+            ("--local-prefill-chunk-tokens", int, "such a tail runs at most this many tokens in a step that also "
+             "decodes (0: no cap; default: %d on a CPU, no cap on a GPU)" % LOCAL_PREFILL_CHUNK_TOKENS),
             ("--gpus-per-worker", float, "GPUs per worker of both pools"),
             ("--host", str, "the router's address"),
             ("--grpc-port", int, "the public gRPC API (0: a free port)"),

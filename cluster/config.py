@@ -87,6 +87,9 @@ class ServeConfig:
     # a decode worker prefills a request itself when its prefix cache holds all but at most this
     # many of the prompt's tokens (a conversation's next turn); 0: never
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
+    # such a tail runs at most this many tokens in a step that also decodes; None: 32 on a CPU
+    # (decode_worker.LOCAL_PREFILL_CHUNK_TOKENS), no cap on a GPU; 0: no cap
+    local_prefill_chunk_tokens: int | None = None
     placement_timeout: float = 60.0  # for the cluster to find the resources of every worker
     start_timeout: float = 300.0  # for every placed worker to load its model and serve
     metrics_targets_file: str | None = None  # Prometheus file-SD list of every process (default: beside the Ray logs)
@@ -108,6 +111,9 @@ class ServeConfig:
         _check(isinstance(self.local_prefill_tokens, int) and not isinstance(self.local_prefill_tokens, bool)
                and self.local_prefill_tokens >= 0, "local_prefill_tokens", self.local_prefill_tokens,
                "must be an integer >= 0")
+        chunk = self.local_prefill_chunk_tokens
+        _check(chunk is None or isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0,
+               "local_prefill_chunk_tokens", chunk, "must be an integer >= 0 or null")
         _check_pool("prefill", self.prefill, minimum=0)
         _check_pool("decode", self.decode, minimum=1)
         _check_router(self.router)

@@ -42,6 +42,7 @@ class WorkerSpec:
     model_name: str | None = None  # in metrics: the served model name, as the router's
     kv_dist: bool = False  # prefill: K/V bytes over a torch.distributed group to decode workers that take it
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # decode: prefill a prompt's short uncached tail here
+    local_prefill_chunk_tokens: int | None = None  # decode: such a tail's tokens a step (None: the device's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +136,8 @@ class WorkerActor:
 
         return DecodeWorkerServicer(DecodeServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
                                                        stream_timeout_s=s.stream_timeout_s, kv_shm=s.kv_shm,
-                                                       local_prefill_tokens=s.local_prefill_tokens),
+                                                       local_prefill_tokens=s.local_prefill_tokens,
+                                                       local_prefill_chunk_tokens=s.local_prefill_chunk_tokens),
                                     security=s.security)
 
     def _on_ready(self, addresses) -> None:

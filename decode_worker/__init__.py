@@ -5,12 +5,11 @@
 # prefilled here. Measured: BENCHMARKS.md, Multi-turn conversations.
 LOCAL_PREFILL_TOKENS = 128
 
-# The default of `EngineConfig.prefill_chunk_tokens` on a decode worker on a CPU
-# (`DecodeWorkerServicer.engine_config`): a step that decodes takes at most this many prompt
-# tokens (a local prefill's tail, a fallback's prompt), so one prompt puts a gap of a few short
-# steps, not of its whole prefill, between the running requests' tokens. On the demo pair, beside
-# a conversation's next turn (a 96-token tail prefilled here), another stream's longest gap was
+# The default of `local_prefill_chunk_tokens` on a CPU (decode_worker/server.py): a tail prefilled
+# here runs at most this many tokens in a step that also decodes, so it puts a gap of a few short
+# steps, not of its whole prefill, between the tokens of the requests decoding here. On the demo
+# pair, beside a conversation's next turn (a 96-token tail), another stream's longest gap was
 # 9.0 ms at the median against 18.4 with the tail in one step, and the turn's first token came
 # 1.18x as late (BENCHMARKS.md, Multi-turn conversations). On a GPU a chunk of a short tail rides
 # a decode step at little cost: no cap there unless set (not measured on a GPU).
-DECODE_PREFILL_CHUNK_TOKENS = 32
+LOCAL_PREFILL_CHUNK_TOKENS = 32

@@ -28,9 +28,10 @@ When the adopted blocks leave at most `local_prefill_tokens` of the prompt (a co
 next turn: the new message, and the answer's last partial block), the tail is prefilled here
 instead: `Admitted.prefills_here`, no ticket, and the router asks no prefill worker. The prefill
 worker would compute the prompt past what its own cache holds (the conversation's answers at
-least, which it never saw) and push the tail's K/V; this engine computes the tail alone, in
-chunks of at most `prefill_chunk_tokens` a step while others decode (`engine_config`), and the
-first token comes from its stream. A tail prefilled here may also adopt blocks without the
+least, which it never saw) and push the tail's K/V; this engine computes the tail alone, at most
+`local_prefill_chunk_tokens` a step while others decode here (32 on a CPU by default: the
+requests decoding here then wait a few short steps, not one long one), and the first token comes
+from its stream. A tail prefilled here may also adopt blocks without the
 draft's K/V (an answer decoded while the gate held plain decoding): the draft catches up over
 them before its first proposal, as it does for a colocated request.
 
@@ -44,15 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 
-from pdserve.decode_worker import DECODE_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
+from pdserve.decode_worker import LOCAL_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
 from pdserve.decode_worker.kv_intake import KVIntake
 from pdserve.decode_worker.kv_receiver import KVReceiver, PinnedBlocks, TransferProgress
-from pdserve.engine.config import EngineConfig, resolve_device
 from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
@@ -83,6 +83,9 @@ class DecodeServerConfig:
     # a disaggregated request whose prompt this worker's prefix cache holds all of but at most this
     # many tokens is prefilled here (the tail only), not sent to a prefill worker; 0: never
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
+    # such a tail runs at most this many tokens in a step that also decodes; None: LOCAL_PREFILL_CHUNK_TOKENS
+    # on a CPU, no cap on a GPU (where a short chunk rides a decode step at little cost); 0: no cap
+    local_prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
@@ -92,6 +95,10 @@ class DecodeServerConfig:
         if not isinstance(tail, int) or isinstance(tail, bool) or tail < 0:
             raise ValueError(f"DecodeServerConfig.local_prefill_tokens must be an integer >= 0, "
                              f"got {self.local_prefill_tokens!r}")
+        chunk = self.local_prefill_chunk_tokens
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+            raise ValueError(f"DecodeServerConfig.local_prefill_chunk_tokens must be an integer >= 0 or None, "
+                             f"got {chunk!r}")
 
 
 @dataclass(slots=True, eq=False)
@@ -143,14 +150,6 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     def close(self) -> None:
         if self.probe is not None:
             self.probe.close()
-
-    def engine_config(self, config: EngineConfig) -> EngineConfig:
-        """On a CPU, unless set, a step that decodes takes at most DECODE_PREFILL_CHUNK_TOKENS prompt
-        tokens: a local prefill's tail or a fallback's prompt then spreads over a few steps, and
-        the requests decoding here see gaps of a few steps between their tokens, not a whole prefill."""
-        if config.prefill_chunk_tokens is None and resolve_device(config.device).type == "cpu":
-            return replace(config, prefill_chunk_tokens=DECODE_PREFILL_CHUNK_TOKENS)
-        return config
 
     def server_options(self) -> list[tuple]:
         return KV_TRANSFER_OPTIONS  # it receives the bulk KV pushes
@@ -213,10 +212,11 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         (`LLMEngine.reserve`'s local_tail); the call ends INVALID_ARGUMENT or RESOURCE_EXHAUSTED
         when it cannot reserve. r's sink is in place first: a tail prefilled here may stream its
         first token before this coroutine resumes."""
-        tail = self.config.local_prefill_tokens
+        tail, chunk = self.config.local_prefill_tokens, self.config.local_prefill_chunk_tokens
 
         def reserve(e: LLMEngine) -> tuple[Sequence | None, bool]:
-            seq = e.reserve(r.req_id, ids, params, tail)
+            cap = chunk if chunk is not None else LOCAL_PREFILL_CHUNK_TOKENS if e.device.type == "cpu" else None
+            seq = e.reserve(r.req_id, ids, params, tail, cap or None)
             return seq, seq is not None and seq.status is SequenceStatus.RUNNING
 
         r.spans.start("reservation")

@@ -38,9 +38,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     # the most prompt tokens a step that also decodes takes (`Scheduler`): it bounds the gap a
-    # prompt's prefill puts between the running requests' tokens; None: the role's default (a
-    # decode worker on a CPU: DECODE_PREFILL_CHUNK_TOKENS, `decode_worker/__init__.py`; else no
-    # cap), 0: no cap
+    # prompt's prefill puts between the running requests' tokens, at the prompt's TTFT (colocated
+    # serving, a decode worker's prefill fallback); None or 0: no cap beyond the step's budget.
+    # A decode worker caps the tails it prefills itself on its own (`local_prefill_chunk_tokens`)
     prefill_chunk_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -33,7 +33,7 @@ class DisaggRequests:
             self.scheduler.finish(req.seq)
 
     def reserve(self, req_id: str, prompt_ids: list[int], params: SamplingParams,
-                local_tail: int = 0) -> Sequence | None:
+                local_tail: int = 0, chunk_tokens: int | None = None) -> Sequence | None:
         """Decode worker, when the router asks it to admit a request: validate it (ValueError),
         take blocks for its prompt and first token, whole or nothing, and hold it while its K/V
         arrive (written into `seq.block_table`'s slots, which no step reads). None when the pool
@@ -43,7 +43,8 @@ class DisaggRequests:
         When they leave at most `local_tail` tokens, no transfer comes: the sequence runs at once
         (RUNNING, not HELD) and this engine prefills the tail, as it would a colocated request;
         then blocks without the draft's K/V count too (an answer decoded while speculation was
-        off), and the draft catches up over them before its first proposal."""
+        off), and the draft catches up over them before its first proposal; and the tail runs at
+        most `chunk_tokens` a step while others decode (`Sequence.chunk_tokens`)."""
         seq = self.make_sequence(req_id, prompt_ids, params)
         prefix = self.block_manager.match_prefix(seq, with_draft=self.draft_runner is not None)
         if self.draft_runner is not None and local_tail:  # prefilled here, the draft catches up as a colocated one's
@@ -54,6 +55,7 @@ class DisaggRequests:
             return None
         self._register(seq)
         if prefix and seq.num_prompt_tokens - seq.num_cached_tokens <= local_tail:
+            seq.chunk_tokens = chunk_tokens
             self.scheduler.activate(seq)
         return seq
 

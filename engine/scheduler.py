@@ -16,8 +16,9 @@ A step's token budget (`max_num_batched_tokens`) is spent on running sequences f
 first, then on admitting waiting ones in arrival order (FCFS: a head that does not fit blocks
 the queue). A long prompt spreads over steps in chunks and shares each step with decodes. With
 `prefill_chunk_tokens`, a step that decodes anything gives prompt chunks at most that many
-tokens in all: a step costs about its prompt tokens on a CPU, so this bounds the gap a prompt
-puts between the tokens of the requests already decoding (a decode worker's, `DecodeService`).
+tokens in all, and a sequence with its own `chunk_tokens` (a decode worker's local tail) takes
+at most that many in such a step: a step costs about its prompt tokens on a CPU, so this bounds
+the gap a prompt puts between the tokens of the requests already decoding.
 Preemption is by recompute: the victim's blocks are freed and its prompt plus the tokens it has
 generated are prefilled again when it is readmitted; seeded sampling makes it continue with
 exactly the tokens it would have produced.
@@ -102,15 +103,16 @@ class Scheduler:
     def schedule(self, lookahead: LookaheadFn = lambda seq: 0) -> SchedulerOutput:
         out = SchedulerOutput()
         cap = self.config.prefill_chunk_tokens
-        # prompt tokens this step may take: capped only where it decodes (a running sequence with one token to go)
-        prompt_budget = cap if cap and any(s.num_uncomputed_tokens == 1 for s in self.running) else None
+        # prompt chunks are capped only in a step that decodes (a running sequence with one token to go)
+        decodes = any(s.num_uncomputed_tokens == 1 for s in self.running)
+        prompt_budget = cap if cap and decodes else None  # the step's prompt tokens, in all
         budget, prompt_budget = self._schedule_running(out, self.config.max_num_batched_tokens, prompt_budget,
-                                                       lookahead)
+                                                       decodes, lookahead)
         if not out.preempted:
             self._admit_waiting(out, budget, prompt_budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_budget: int | None,
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_budget: int | None, step_decodes: bool,
                           lookahead: LookaheadFn) -> tuple[int, int | None]:
         queue = list(self.running)
         while queue and budget > 0:
@@ -120,6 +122,8 @@ class Scheduler:
                 continue  # a prompt chunk left for a later step: this step's prompt budget is spent
             extra = lookahead(seq) if decodes else 0
             limit = budget if decodes or prompt_budget is None else min(budget, prompt_budget)
+            if not decodes and seq.chunk_tokens and step_decodes:
+                limit = min(limit, seq.chunk_tokens)
             num_new = min(seq.num_uncomputed_tokens + extra, limit)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = queue.pop() if queue else seq

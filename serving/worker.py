@@ -55,10 +55,6 @@ class WorkerService:
         self.is_draining = False  # stopping: new requests are refused, live ones finish
         self.kv_allocator = None  # where the engine puts its KV cache, when not in ordinary memory
 
-    def engine_config(self, config: EngineConfig) -> EngineConfig:
-        """The engine options this role runs with: `config` with the role's defaults filled in."""
-        return config
-
     def close(self) -> None:
         """Give back what outlives the process unless given back (shared-memory segments);
         called once the server stopped, whatever ended it."""
@@ -200,7 +196,6 @@ async def serve_worker(service: WorkerService, engine_config: EngineConfig, host
 
     keep_freed_memory()  # the KV path's large message buffers reused, not page-faulted in again each time
     until = asyncio.ensure_future(until)
-    engine_config = service.engine_config(engine_config)
     sec = service.security
     server = AioServer(host, port, extra_options=service.server_options(), interceptors=sec.interceptors(),
                        credentials=sec.tls.server_credentials() if sec.tls.enabled else None)

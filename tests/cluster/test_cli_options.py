@@ -203,25 +203,11 @@ def test_a_bad_local_prefill_tokens_is_one_line_naming_it(text_checkpoint, capsy
     assert "--local-prefill-tokens: invalid int value: 'many'" in capsys.readouterr().err
 
 
-def test_a_bad_prefill_chunk_tokens_is_one_line_naming_it(text_checkpoint, capsys):
-    args = ["decode-worker", "--model", str(text_checkpoint), "--port", "0", "--prefill-chunk-tokens", "-1"]
-    assert main(args) == 2
+def test_bad_prefill_chunk_tokens_are_one_line_naming_them(text_checkpoint, capsys):
+    args = ["decode-worker", "--model", str(text_checkpoint), "--port", "0"]
+    assert main([*args, "--prefill-chunk-tokens", "-1"]) == 2
     assert capsys.readouterr().err.strip().endswith("pdserve: error: EngineConfig.prefill_chunk_tokens must be an "
                                                     "integer >= 0 or None, got -1")
-
-
-def test_a_decode_worker_on_a_cpu_caps_prompt_chunks_unless_told(text_checkpoint):
-    """The decode role's default (`DecodeWorkerServicer.engine_config`); a prefill worker's engine
-    and a set value (0: no cap) are left as they are."""
-    from pdserve.decode_worker import DECODE_PREFILL_CHUNK_TOKENS
-    from pdserve.decode_worker.server import DecodeServerConfig, DecodeWorkerServicer
-    from pdserve.engine.config import EngineConfig
-    from pdserve.prefill_worker.server import PrefillServerConfig, PrefillWorkerServicer
-
-    decode = DecodeWorkerServicer(DecodeServerConfig())
-    unset = EngineConfig(model=str(text_checkpoint), device="cpu")
-    assert decode.engine_config(unset).prefill_chunk_tokens == DECODE_PREFILL_CHUNK_TOKENS
-    for value in (0, 7):
-        assert decode.engine_config(EngineConfig(model=str(text_checkpoint), prefill_chunk_tokens=value)) \
-            .prefill_chunk_tokens == value
-    assert PrefillWorkerServicer(PrefillServerConfig()).engine_config(unset).prefill_chunk_tokens is None
+    assert main([*args, "--local-prefill-chunk-tokens", "-2"]) == 2
+    assert capsys.readouterr().err.strip() == ("pdserve: error: DecodeServerConfig.local_prefill_chunk_tokens must "
+                                               "be an integer >= 0 or None, got -2")

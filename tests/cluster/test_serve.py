@@ -112,6 +112,7 @@ def _connections(p: psutil.Process):
     ({"local_prefill_tokens": True}, "local_prefill_tokens must be an integer >= 0, got True"),
     ({"decode.engine": {"prefill_chunk_tokens": -8}},
      "decode.engine.prefill_chunk_tokens must be an integer >= 0 or None, got -8"),
+    ({"local_prefill_chunk_tokens": -1}, "local_prefill_chunk_tokens must be an integer >= 0 or null, got -1"),
     ({"colour": "blue"}, "unknown field colour"),
     ({"router.port": 1}, "unknown field router.port"),
 ])

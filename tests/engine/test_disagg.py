@@ -252,13 +252,16 @@ def test_gather_and_place_move_what_read_and_write_move(dtype):
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
-def test_a_local_tail_is_prefilled_in_capped_chunks_beside_a_decoding_request(checkpoint, with_draft):
-    """A decode worker's local prefill with `prefill_chunk_tokens`: the tail of a reservation that
-    adopted cached blocks runs 8 prompt tokens a step while another request decodes, that request
-    gets a token every step, and both emit what the offline engine does."""
+@pytest.mark.parametrize("cap", ["reservation", "engine"])
+def test_a_local_tail_is_prefilled_in_capped_chunks_beside_a_decoding_request(checkpoint, with_draft, cap):
+    """A decode worker's local prefill, capped by the reservation (`chunk_tokens`, the decode
+    worker's `local_prefill_chunk_tokens`) or by the engine (`prefill_chunk_tokens`, every prompt):
+    the tail of a reservation that adopted cached blocks runs 8 prompt tokens a step while another
+    request decodes, that request gets a token every step, and both emit what the offline engine does."""
     path = checkpoint()
     options = {"draft_model": str(path), "num_speculative_tokens": 2} if with_draft else {}
-    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, prefill_chunk_tokens=8, **options))
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, **options,
+                                    **({"prefill_chunk_tokens": 8} if cap == "engine" else {})))
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     other_prompt = list(range(50, 60))
     # a few tokens: a draft catches up over the prompt at its first proposal, and blocks without
@@ -268,7 +271,7 @@ def test_a_local_tail_is_prefilled_in_capped_chunks_beside_a_decoding_request(ch
     while "cached" in engine._requests:
         engine.step()
     prompt = PROMPT + list(range(100, 120))  # 60 tokens: 32 cached (two whole blocks), a tail of 28
-    seq = engine.reserve("turn", prompt, greedy, local_tail=32)
+    seq = engine.reserve("turn", prompt, greedy, local_tail=32, chunk_tokens=8 if cap == "reservation" else None)
     assert seq is not None and seq.status is SequenceStatus.RUNNING and seq.num_cached_tokens == 32
     computed, tokens = [], {"other": [], "turn": []}
     while engine.has_unfinished():

@@ -169,3 +169,27 @@ def test_a_prompt_chunk_over_the_cap_waits_in_its_place():
         assert "prefill_chunk_tokens" in str(e)
     else:
         raise AssertionError("a negative cap was taken")
+
+
+def test_a_sequences_own_chunk_cap_holds_only_in_steps_that_decode():
+    """`Sequence.chunk_tokens` (a decode worker's local tail): at most that many prompt tokens in a
+    step that decodes; alone, the step's budget."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(64, 4))
+    a, b = seq(0, 2), seq(1, 20)
+    b.chunk_tokens = 5
+    assert sched.reserve(b, b.num_tokens)
+    sched.activate(b)
+    out = sched.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(b, 20)]  # nothing decodes: no cap
+    sched.finish(b)
+    c = seq(2, 20)
+    c.chunk_tokens = 5
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    assert sched.reserve(c, c.num_tokens)
+    sched.activate(c)
+    for want in (5, 5, 5, 5):
+        out = sched.schedule()
+        assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (c, want)]
+        run_step(sched, out)
+    assert c.num_output_tokens == 1

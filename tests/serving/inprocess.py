@@ -67,7 +67,7 @@ class InProcessSystem:
         service.add_to(server)
         await server.start()
         service.advertised_address = server.address
-        engine = await asyncio.to_thread(LLMEngine, service.engine_config(engine_config))
+        engine = await asyncio.to_thread(LLMEngine, engine_config)
         loop = EngineLoop(engine, asyncio.get_running_loop(), f"{service.role}-engine")
         service.attach(loop, "test")
         loop.start()
