@@ -9,7 +9,7 @@ LOCAL_PREFILL_TOKENS = 128
 # here runs at most this many tokens in a step that also decodes, so it puts a gap of a few short
 # steps, not of its whole prefill, between the tokens of the requests decoding here. On the demo
 # pair, beside a conversation's next turn (a 96-token tail), another stream's longest gap was
-# 9.0 ms at the median against 18.4 with the tail in one step, and the turn's first token came
-# 1.18x as late (BENCHMARKS.md, Multi-turn conversations). On a GPU a chunk of a short tail rides
+# 9.0 ms at the median against 18.2 with the tail in one step, and the turn's first token came
+# 1.15x as late (BENCHMARKS.md, Multi-turn conversations). On a GPU a chunk of a short tail rides
 # a decode step at little cost: no cap there unless set (not measured on a GPU).
 LOCAL_PREFILL_CHUNK_TOKENS = 32
