@@ -57,14 +57,17 @@ def test_serve_flags_override_the_config(tmp_path):
     from pdserve.cluster.cli import serve_config
 
     config = tmp_path / "pdserve.yaml"
-    config.write_text("kv_shm: true\nlocal_prefill_tokens: 64\ndecode:\n  workers: 3\n")
+    config.write_text("kv_shm: true\nlocal_prefill_tokens: 64\nlocal_prefill_chunk_tokens: 16\n"
+                      "decode:\n  workers: 3\n")
     default = serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
     assert default.kv_shm is True and default.decode.workers == 3 and default.local_prefill_tokens == 64
+    assert default.local_prefill_chunk_tokens == 16
     flagged = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--no-kv-shm",
                                                       "--decode-workers", "2", "--no-speculation",
-                                                      "--local-prefill-tokens", "0"]))
+                                                      "--local-prefill-tokens", "0", "--local-prefill-chunk-tokens",
+                                                      "0"]))
     assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
-    assert flagged.local_prefill_tokens == 0
+    assert flagged.local_prefill_tokens == 0 and flagged.local_prefill_chunk_tokens == 0
 
 
 def test_serve_takes_the_decode_pools_verifier_beside_the_files_engine_options(tmp_path):

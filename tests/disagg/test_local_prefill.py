@@ -1,10 +1,12 @@
 """A decode worker that holds all but a short tail of a prompt prefills the tail itself: its
 reservation answers `prefills_here` with no ticket, the router asks no prefill worker, nothing is
 pushed, and the tokens are the offline engine's. Real processes: the shared prefill worker P, a
-decode worker of its own with the default `local_prefill_tokens` lowered to a test-sized 40 (and
-a draft, as the shared D: adopting blocks needs their draft K/V too), and a router over the pair."""
+decode worker of its own with the default `local_prefill_tokens` lowered to a test-sized 40 and
+`local_prefill_chunk_tokens` to 8 (and a draft, as the shared D: adopting blocks for a push needs
+their draft K/V too), and a router over the pair."""
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -16,6 +18,7 @@ from pdserve.v1 import worker_pb2 as wk
 from procs import MAX_NUM_SEQS, MAX_PROMPT_CHARS, NUM_KV_BLOCKS, greedy_tokens, wait_ready
 
 TAIL = 40  # this decode worker's local_prefill_tokens
+CHUNK = 8  # its local_prefill_chunk_tokens
 NAMES = ("P", "D-local")
 
 
@@ -24,7 +27,8 @@ def local(cluster, serving_model):
     worker = ["--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", str(NUM_KV_BLOCKS),
               "--kv-transfer-timeout", "20", "--metrics-port", "0"]
     wait_ready(cluster.start("D-local", "decode-worker", *worker, "--draft-model", str(serving_model),
-                             "--num-speculative-tokens", "3", "--no-spec-adaptive", "--local-prefill-tokens", str(TAIL)))
+                             "--num-speculative-tokens", "3", "--no-spec-adaptive", "--local-prefill-tokens", str(TAIL),
+                             "--local-prefill-chunk-tokens", str(CHUNK)))
     wait_ready(cluster.start_router("R-local", "--prefill", cluster.address("P"), "--decode", cluster.address("D-local"),
                                     "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5",
                                     "--metrics-port", "0"))
@@ -137,4 +141,38 @@ def test_a_reservation_that_prefills_here_streams_without_a_push_and_frees_its_b
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already being served" in e.value.details()
     assert local.stats("D-local").num_reserved == 1  # still held, untouched
     held.cancel()
+    local.wait_all_free(NAMES)
+
+
+def test_a_tail_prefilled_beside_a_decoding_request_runs_in_chunks_and_both_keep_their_tokens(local, offline):
+    """Another request decodes on the worker while a turn's tail is prefilled there, CHUNK tokens
+    a step (the worker passes its cap to the reservation; tests/engine/test_disagg.py checks the
+    chunks themselves): both streams' tokens are the offline engine's."""
+    first = [7 + (i * 37) % 280 for i in range(40)]
+    answer = greedy_tokens(local, "R-local", first, max_tokens=12)
+    local.wait_all_free(NAMES)
+    turn = first + answer + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 62 tokens; D holds 48 with draft K/V
+    other = [12 + (i * 59) % 270 for i in range(20)]
+    got: dict[str, list[int]] = {}
+    started = threading.Event()
+
+    def background() -> None:
+        call = local.generation("R-local").Generate(gen.GenerateRequest(
+            token_ids=gen.TokenIds(ids=other), sampling_params=gen.SamplingParams(
+                temperature=0, max_tokens=200, ignore_eos=True)), timeout=60)
+        tokens = []
+        for msg in call:
+            tokens += msg.token_ids
+            started.set()
+        got["other"] = tokens
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    assert started.wait(30), "the other request never streamed"
+    c0 = _counts(local)
+    got["turn"] = greedy_tokens(local, "R-local", turn, max_tokens=8)
+    thread.join(60)
+    assert _delta(c0, _counts(local))["local"] == 1
+    assert got["turn"] == offline_tokens(offline, turn, 8)
+    assert got["other"] == offline_tokens(offline, other, 200)
     local.wait_all_free(NAMES)
