@@ -51,7 +51,8 @@ def _worker_engine_config(args: argparse.Namespace, speculates: bool):
         torch.set_num_threads(args.num_threads)
     return EngineConfig(model=args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_chunk_tokens=args.prefill_chunk_tokens, seed=args.seed, enable_prefix_caching=not args.no_prefix_caching,
+                        prefill_chunk_tokens=args.prefill_chunk_tokens, seed=args.seed,
+                        enable_prefix_caching=not args.no_prefix_caching,
                         **engine_options(args, speculates))
 
 

@@ -31,9 +31,9 @@ worker would compute the prompt past what its own cache holds (the conversation'
 least, which it never saw) and push the tail's K/V; this engine computes the tail alone, at most
 `local_prefill_chunk_tokens` a step while others decode here (32 on a CPU by default: the
 requests decoding here then wait a few short steps, not one long one), and the first token comes
-from its stream. A tail prefilled here may also adopt blocks without the
-draft's K/V (an answer decoded while the gate held plain decoding): the draft catches up over
-them before its first proposal, as it does for a colocated request.
+from its stream. Such a tail may also adopt blocks without the draft's K/V (an answer decoded
+while the gate held plain decoding): the draft catches up over them before its first proposal,
+as it does for a colocated request's prompt.
 
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.
