@@ -313,3 +313,23 @@ def test_a_local_tail_adopts_blocks_without_the_drafts_kv_and_the_draft_catches_
     assert engine.speculator.stats.num_drafts > 0  # it speculated, its draft caught up
     again = engine.reserve("next", prompt + tokens[:-1] + [7], greedy)  # its blocks now hold the draft's K/V
     assert again.num_cached_tokens >= 48
+
+
+def test_a_local_tail_aborted_between_its_chunks_frees_its_blocks(checkpoint):
+    """Cancelled after its first chunk (no token yet): every block it took is free again, and the
+    cached blocks it adopted stay cached for the next turn."""
+    path = checkpoint()
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64))
+    engine.add_request("cached", PROMPT, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request("other", list(range(50, 60)), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    while "cached" in engine._requests:
+        engine.step()
+    free = engine.block_manager.num_free_blocks
+    seq = engine.reserve("turn", PROMPT + list(range(100, 130)), SamplingParams(temperature=0, max_tokens=4),
+                         local_tail=64, chunk_tokens=8)
+    assert seq.status is SequenceStatus.RUNNING and seq.num_cached_tokens == 32
+    engine.step()
+    assert seq.num_computed_tokens == 40 and not seq.output_token_ids
+    engine.abort("turn")
+    assert engine.block_manager.num_free_blocks == free
+    assert len(engine.block_manager.match_prefix(seq)) == 2  # the two adopted blocks, still cached
