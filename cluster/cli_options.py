@@ -142,9 +142,9 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    "prefill a disaggregated request itself when its prefix cache holds all but at most this many "
                    "of the prompt's tokens (a conversation's next turn), instead of the prefill worker; 0: never "
                    "(default: %(default)s)")
-    p.add_argument("--local-prefill-chunk-tokens", type=int, default=None, help="decode worker: such a tail runs at "
-                   "most this many tokens in a step that also decodes (0: no cap; default: %d on a CPU, no cap on a "
-                   "GPU)" % LOCAL_PREFILL_CHUNK_TOKENS)
+    p.add_argument("--local-prefill-chunk-tokens", type=int, default=None, help="decode worker: such tails take at "
+                   "most this many tokens in all of a step that also decodes (0: no cap; default: %d on a CPU, no cap "
+                   "on a GPU)" % LOCAL_PREFILL_CHUNK_TOKENS)
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds live requests get to finish before the worker stops")
@@ -205,8 +205,8 @@ def add_serve_args(sv) -> None:
             ("--decode-cpus", float, "CPUs per decode worker"),
             ("--local-prefill-tokens", int, "a decode worker prefills a request itself when its prefix cache "
              "holds all but at most this many prompt tokens (0: never)"),
-            ("--local-prefill-chunk-tokens", int, "such a tail runs at most this many tokens in a step that also "
-             "decodes (0: no cap; default: %d on a CPU, no cap on a GPU)" % LOCAL_PREFILL_CHUNK_TOKENS),
+            ("--local-prefill-chunk-tokens", int, "such tails take at most this many tokens in all of a step that "
+             "also decodes (0: no cap; default: %d on a CPU, no cap on a GPU)" % LOCAL_PREFILL_CHUNK_TOKENS),
             ("--gpus-per-worker", float, "GPUs per worker of both pools"),
             ("--host", str, "the router's address"),
             ("--grpc-port", int, "the public gRPC API (0: a free port)"),

@@ -87,7 +87,7 @@ class ServeConfig:
     # a decode worker prefills a request itself when its prefix cache holds all but at most this
     # many of the prompt's tokens (a conversation's next turn); 0: never
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
-    # such a tail runs at most this many tokens in a step that also decodes; None: 32 on a CPU
+    # such tails take at most this many tokens in all of a step that also decodes; None: 32 on a CPU
     # (decode_worker.LOCAL_PREFILL_CHUNK_TOKENS), no cap on a GPU; 0: no cap
     local_prefill_chunk_tokens: int | None = None
     placement_timeout: float = 60.0  # for the cluster to find the resources of every worker

@@ -42,7 +42,7 @@ class WorkerSpec:
     model_name: str | None = None  # in metrics: the served model name, as the router's
     kv_dist: bool = False  # prefill: K/V bytes over a torch.distributed group to decode workers that take it
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # decode: prefill a prompt's short uncached tail here
-    local_prefill_chunk_tokens: int | None = None  # decode: such a tail's tokens a step (None: the device's default)
+    local_prefill_chunk_tokens: int | None = None  # decode: such tails' tokens a step (None: the device's default)
 
 
 @dataclass(frozen=True, slots=True)

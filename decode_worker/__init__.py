@@ -5,8 +5,8 @@
 # prefilled here. Measured: BENCHMARKS.md, Multi-turn conversations.
 LOCAL_PREFILL_TOKENS = 128
 
-# The default of `local_prefill_chunk_tokens` on a CPU (decode_worker/server.py): a tail prefilled
-# here runs at most this many tokens in a step that also decodes, so it puts a gap of a few short
+# The default of `local_prefill_chunk_tokens` on a CPU (decode_worker/server.py): the tails prefilled
+# here take at most this many tokens in all of a step that also decodes, so one puts a gap of a few short
 # steps, not of its whole prefill, between the tokens of the requests decoding here. On the demo
 # pair, beside a conversation's next turn (a 96-token tail), another stream's longest gap was
 # 9.0 ms at the median against 18.2 with the tail in one step, and the turn's first token came

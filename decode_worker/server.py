@@ -83,7 +83,7 @@ class DecodeServerConfig:
     # a disaggregated request whose prompt this worker's prefix cache holds all of but at most this
     # many tokens is prefilled here (the tail only), not sent to a prefill worker; 0: never
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
-    # such a tail runs at most this many tokens in a step that also decodes; None: LOCAL_PREFILL_CHUNK_TOKENS
+    # such tails take at most this many tokens in all of a step that also decodes; None: LOCAL_PREFILL_CHUNK_TOKENS
     # on a CPU, no cap on a GPU (where a short chunk rides a decode step at little cost); 0: no cap
     local_prefill_chunk_tokens: int | None = None
 

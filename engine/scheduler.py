@@ -16,9 +16,10 @@ A step's token budget (`max_num_batched_tokens`) is spent on running sequences f
 first, then on admitting waiting ones in arrival order (FCFS: a head that does not fit blocks
 the queue). A long prompt spreads over steps in chunks and shares each step with decodes. With
 `prefill_chunk_tokens`, a step that decodes anything gives prompt chunks at most that many
-tokens in all, and a sequence with its own `chunk_tokens` (a decode worker's local tail) takes
-at most that many in such a step: a step costs about its prompt tokens on a CPU, so this bounds
-the gap a prompt puts between the tokens of the requests already decoding.
+tokens in all, and the sequences with a cap of their own (`chunk_tokens`: a decode worker's local
+tails) take at most that many in all in such a step, the oldest first: a step costs about its
+prompt tokens on a CPU, so this bounds the gap prompts put between the tokens of the requests
+already decoding, however many arrive at once.
 Preemption is by recompute: the victim's blocks are freed and its prompt plus the tokens it has
 generated are prefilled again when it is readmitted; seeded sampling makes it continue with
 exactly the tokens it would have produced.
@@ -115,15 +116,19 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_budget: int | None, step_decodes: bool,
                           lookahead: LookaheadFn) -> tuple[int, int | None]:
         queue = list(self.running)
+        own_budget = None  # tokens left this step to the sequences with a cap of their own (`chunk_tokens`)
         while queue and budget > 0:
             seq = queue.pop(0)
             decodes = seq.num_uncomputed_tokens == 1
-            if not decodes and prompt_budget == 0:
-                continue  # a prompt chunk left for a later step: this step's prompt budget is spent
+            capped = not decodes and bool(seq.chunk_tokens) and step_decodes
+            if capped and own_budget is None:  # the first such sequence's cap is the step's, for all of them
+                own_budget = seq.chunk_tokens
+            if not decodes and (prompt_budget == 0 or capped and own_budget == 0):
+                continue  # a prompt chunk left for a later step: this step's budget for it is spent
             extra = lookahead(seq) if decodes else 0
             limit = budget if decodes or prompt_budget is None else min(budget, prompt_budget)
-            if not decodes and seq.chunk_tokens and step_decodes:
-                limit = min(limit, seq.chunk_tokens)
+            if capped:
+                limit = min(limit, own_budget)
             num_new = min(seq.num_uncomputed_tokens + extra, limit)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = queue.pop() if queue else seq
@@ -135,6 +140,8 @@ class Scheduler:
                 budget -= num_new
                 if not decodes and prompt_budget is not None:
                     prompt_budget -= num_new
+                if capped:
+                    own_budget -= num_new
         # unscheduled ones stay running, in their order, and wait for budget
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return budget, prompt_budget

@@ -55,8 +55,9 @@ class Sequence:
     # prefill worker: once the prompt is computed and the first token sampled, hand the
     # sequence off (HELD, blocks kept while its K/V are sent) instead of decoding it
     is_prefill_only: bool = False
-    # decode worker: a tail it prefills itself runs at most this many prompt tokens in a step that
-    # also decodes (`LLMEngine.reserve`'s chunk_tokens; None: no cap of its own)
+    # decode worker: a tail it prefills itself takes at most this many prompt tokens in a step that
+    # also decodes, shared with the step's other such tails, the oldest first (`LLMEngine.reserve`'s
+    # chunk_tokens; None: no cap of its own)
     chunk_tokens: int | None = None
     # prefill worker: the decode worker holds the prompt's first kv_send_from tokens already (its
     # prefix cache): the K/V handed over start after them

@@ -193,3 +193,22 @@ def test_a_sequences_own_chunk_cap_holds_only_in_steps_that_decode():
         assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (c, want)]
         run_step(sched, out)
     assert c.num_output_tokens == 1
+
+
+def test_tails_with_their_own_cap_share_it_in_a_step():
+    """Several local tails at once (a decode worker's turns arriving together) take the cap in all,
+    the oldest first, so the step's prompt tokens stay bounded however many arrive."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockManager(64, 4))
+    a, b, c = seq(0, 2), seq(1, 7), seq(2, 7)
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    for s in (b, c):
+        s.chunk_tokens = 5
+        assert sched.reserve(s, s.num_tokens)
+        sched.activate(s)
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        steps.append([(s.seq.req_id, s.num_new_tokens) for s in out.scheduled])
+        run_step(sched, out)
+    assert steps == [[("r0", 1), ("r1", 5)], [("r0", 1), ("r1", 2), ("r2", 3)], [("r0", 1), ("r1", 1), ("r2", 4)]]
