@@ -28,10 +28,10 @@ When the adopted blocks leave at most `local_prefill_tokens` of the prompt (a co
 next turn: the new message, and the answer's last partial block), the tail is prefilled here
 instead: `Admitted.prefills_here`, no ticket, and the router asks no prefill worker. The prefill
 worker would compute the prompt past what its own cache holds (the conversation's answers at
-least, which it never saw) and push the tail's K/V; this engine computes the tail alone, at most
-`local_prefill_chunk_tokens` a step while others decode here (32 on a CPU by default: the
-requests decoding here then wait a few short steps, not one long one), and the first token comes
-from its stream. Such a tail may also adopt blocks without the draft's K/V (an answer decoded
+least, which it never saw) and push the tail's K/V; this engine computes the tail alone (the
+tails of a step that also decodes take `local_prefill_chunk_tokens` in all, 32 on a CPU by
+default: the requests decoding here then wait a few short steps, not one long one), and the
+first token comes from its stream. Such a tail may also adopt blocks without the draft's K/V (an answer decoded
 while the gate held plain decoding): the draft catches up over them before its first proposal,
 as it does for a colocated request's prompt.
 
