@@ -284,7 +284,7 @@ inline void axpy_rows(const float* w, int64_t w_stride, const float* values, int
 // blocks[b], `block_size` of them, `last_n` in the last; w: the rows' weights from the first
 // block's key on), the accumulators held in registers throughout: called per block, each call
 // loaded and stored them again, and a prefill chunk's value pass ran at 64 GFLOP/s against 112
-// with them held (a scratch C++ loop on the AMD EPYC, 6 rows of head_dim 32 against 464 keys).
+// with them held across all 464 keys (a scratch C++ loop on the AMD EPYC, 6 rows of head_dim 32).
 // Each accumulator sums its keys in the same order either way: the results are the same.
 template <int R, int HD>
 inline void axpy_rows_blocks(const float* w, int64_t w_stride, const float* const* blocks, int64_t num_blocks,
