@@ -258,34 +258,15 @@ inline void dot16_transposed(const float* const* q, float* const* out, int64_t c
 }
 
 // R rows' accumulators (HD floats each; row m's at acc + m * HD) += their weights (row m's at
-// w + m * w_stride) times the n value rows: each value row is loaded once for all R rows (query
-// rows of one KV head), and the R * HD / 16 accumulators stay in registers as independent chains
-// of multiply-adds (eight at R = 4, HD = 32: enough to keep both FMA pipes busy, where two rows'
-// four chains waited on each other's latency).
-template <int R, int HD>
-inline void axpy_rows(const float* w, int64_t w_stride, const float* values, int64_t stride, int64_t n, float* acc) {
-  constexpr int V = HD / 16;
-  __m512 a[R][V];
-  for (int m = 0; m < R; ++m)
-    for (int d = 0; d < V; ++d) a[m][d] = _mm512_loadu_ps(acc + m * HD + 16 * d);
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 v[V];
-    for (int d = 0; d < V; ++d) v[d] = _mm512_loadu_ps(values + j * stride + 16 * d);
-    for (int m = 0; m < R; ++m) {
-      const __m512 x = _mm512_set1_ps(w[m * w_stride + j]);
-      for (int d = 0; d < V; ++d) a[m][d] = _mm512_fmadd_ps(x, v[d], a[m][d]);
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int d = 0; d < V; ++d) _mm512_storeu_ps(acc + m * HD + 16 * d, a[m][d]);
-}
-
-// `axpy_rows` over the first `num_blocks` blocks of a sequence's values at once (block b's rows at
-// blocks[b], `block_size` of them, `last_n` in the last; w: the rows' weights from the first
-// block's key on), the accumulators held in registers throughout: called per block, each call
-// loaded and stored them again, and a prefill chunk's value pass ran at 64 GFLOP/s against 112
-// with them held across all 464 keys (a scratch C++ loop on the AMD EPYC, 6 rows of head_dim 32).
-// Each accumulator sums its keys in the same order either way: the results are the same.
+// w + m * w_stride, from the first block's first key on) times the value rows of `num_blocks`
+// blocks (block b's at blocks[b], rows `stride` apart: `block_size` rows, `last_n` in the last).
+// Each value row is loaded once for all R rows (query rows of one KV head), and the R * HD / 16
+// accumulators stay in registers as independent chains of multiply-adds (eight at R = 4, HD =
+// 32: enough to keep both FMA pipes busy, where two rows' four chains waited on each other's
+// latency), across every block: called per block, each call loaded and stored them again, and a
+// prefill chunk's value pass ran at 64 GFLOP/s against 112 with them held across all 464 keys (a
+// scratch C++ loop on the AMD EPYC, 6 rows of head_dim 32). Each accumulator sums its keys in the
+// same order either way: the results are the same.
 template <int R, int HD>
 inline void axpy_rows_blocks(const float* w, int64_t w_stride, const float* const* blocks, int64_t num_blocks,
                              int64_t block_size, int64_t last_n, int64_t stride, float* acc) {
@@ -307,6 +288,12 @@ inline void axpy_rows_blocks(const float* w, int64_t w_stride, const float* cons
   }
   for (int m = 0; m < R; ++m)
     for (int d = 0; d < V; ++d) _mm512_storeu_ps(acc + m * HD + 16 * d, a[m][d]);
+}
+
+// `axpy_rows_blocks` over n value rows of one block.
+template <int R, int HD>
+inline void axpy_rows(const float* w, int64_t w_stride, const float* values, int64_t stride, int64_t n, float* acc) {
+  axpy_rows_blocks<R, HD>(w, w_stride, &values, 1, n, n, stride, acc);
 }
 
 // `count` consecutive rows as `axpy_rows` takes them, in even passes of as many rows as keep the
