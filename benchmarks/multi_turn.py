@@ -23,13 +23,14 @@ median over its later turns; the ratios between arms are taken per repeat.
 Workers pinned (prefill core 0, decode core 1, the arms on the same cores), one torch thread each.
 With `--background`, each turn runs beside another stream on the same pair, started before the
 turn and cancelled after it: the longest gap between that stream's tokens during the turn is
-what a request already decoding pays for the turn (a tail prefilled on the decode worker is one
-longer step of its batch; a push, the copy into its cache and the activation), against the
-median gap before the turn. With `--background` a fourth arm, "local prefill, one step" (`--local-prefill-chunk-tokens 0`),
-prefills the tail in one step, as before the decode worker capped a local tail's tokens in a step
-that also decodes (`local_prefill_chunk_tokens`, 32 on a CPU by default): the other stream's gap
-against the new turn's first tokens. With `--draft`, every worker has the demo draft (as `make serve`'s):
-the decode workers speculate, and a later turn's reuse needs the draft's K/V of its blocks too.
+what a request already decoding pays for the turn (a tail prefilled on the decode worker is a few
+steps of its batch that carry the tail's chunks; a push, the copy into its cache and the
+activation), against the median gap before the turn. With `--background` a fourth arm, "local
+prefill, one step" (`--local-prefill-chunk-tokens 0`), prefills the tail in one step, as before
+the decode worker capped a local tail's tokens in a step that also decodes
+(`local_prefill_chunk_tokens`, 32 on a CPU by default): the other stream's gap against the new
+turn's first tokens. With `--draft`, every worker has the demo draft (as `make serve`'s): the
+decode workers speculate, and a later turn's reuse needs the draft's K/V of its blocks too.
 Writes JSON and PNG under benchmarks/results/ and, for the default run, its BENCHMARKS.md section.
 """
 from __future__ import annotations

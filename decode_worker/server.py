@@ -31,9 +31,9 @@ worker would compute the prompt past what its own cache holds (the conversation'
 least, which it never saw) and push the tail's K/V; this engine computes the tail alone (the
 tails of a step that also decodes take `local_prefill_chunk_tokens` in all, 32 on a CPU by
 default: the requests decoding here then wait a few short steps, not one long one), and the
-first token comes from its stream. Such a tail may also adopt blocks without the draft's K/V (an answer decoded
-while the gate held plain decoding): the draft catches up over them before its first proposal,
-as it does for a colocated request's prompt.
+first token comes from its stream. Such a tail may also adopt blocks without the draft's K/V (an
+answer decoded while the gate held plain decoding): the draft catches up over them before its
+first proposal, as it does for a colocated request's prompt.
 
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.
@@ -143,6 +143,7 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         self.num_reservations_expired = 0  # reserved, then no verified transfer within the timeout
         self.live: set[DecodeRequest] = set()  # every request with an open stream; asyncio loop only
         self.probe: shm.Probe | None = None  # made once the cache is known to be in host memory
+        self.local_chunk: int | None = None  # the local tails' cap a step (`local_prefill_chunk_tokens`), once loaded
 
     def add_to(self, server: AioServer) -> None:
         server.add(add_decode_worker_servicer, self, worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
@@ -157,6 +158,9 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     def attach(self, loop: EngineLoop, model_name: str) -> None:
         super().attach(loop, model_name)
         e = loop.engine
+        chunk = self.config.local_prefill_chunk_tokens
+        self.local_chunk = (chunk if chunk is not None else LOCAL_PREFILL_CHUNK_TOKENS if e.device.type == "cpu"
+                            else None) or None
         groups = list(zip(kv_group_layouts(e), (kv for _, kv in kv_cache_groups(e))))
         dist_groups = DistGroups(self.config.kv_transfer_timeout_s) if self.config.kv_dist and dist.is_available() else None
         self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size, dist_groups)
@@ -212,11 +216,10 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         (`LLMEngine.reserve`'s local_tail); the call ends INVALID_ARGUMENT or RESOURCE_EXHAUSTED
         when it cannot reserve. r's sink is in place first: a tail prefilled here may stream its
         first token before this coroutine resumes."""
-        tail, chunk = self.config.local_prefill_tokens, self.config.local_prefill_chunk_tokens
+        tail, chunk = self.config.local_prefill_tokens, self.local_chunk
 
         def reserve(e: LLMEngine) -> tuple[Sequence | None, bool]:
-            cap = chunk if chunk is not None else LOCAL_PREFILL_CHUNK_TOKENS if e.device.type == "cpu" else None
-            seq = e.reserve(r.req_id, ids, params, tail, cap or None)
+            seq = e.reserve(r.req_id, ids, params, tail, chunk)
             return seq, seq is not None and seq.status is SequenceStatus.RUNNING
 
         r.spans.start("reservation")
