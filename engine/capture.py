@@ -17,10 +17,10 @@ what is left goes. Two captures, one interface (`covers`, `__call__`, `warm_up`)
 
 Beside them, with the native CPU ops (projections packed, float32), two natives that need no
 capture (`native_forward.py`): a step with a native attention plan (decode, verification, prefill
-chunks up to `MAX_NATIVE_SCORES`) is one call of `pdserve::decoder_forward` (`NativeForward`),
-and a draft's passes one call of `pdserve::draft_passes` (`NativePasses`), whatever
-`graph_capture` says (a step that streams K/V layer by layer, a prefill worker's, one call per
-layer); the capture then takes only chunks too long for a native plan.
+chunks of any length) is one call of `pdserve::decoder_forward` (`NativeForward`), and a draft's
+passes one call of `pdserve::draft_passes` (`NativePasses`), whatever `graph_capture` says (a
+step that streams K/V layer by layer, a prefill worker's, one call per layer); the capture then
+takes the steps of a model the natives cannot run (projections not packed, not float32).
 
 A draft's passes have captures of their own, in `draft_passes.py` (`DraftPasses`).
 

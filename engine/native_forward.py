@@ -103,7 +103,7 @@ def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: 
 class NativeForward(_NativeModel):
     """A step's forward as one call of `pdserve::decoder_forward` (`kernels/cpu/decoder.cpp`), for
     every step with a native attention plan (decode, a speculative verification, a draft's
-    catch-up, prefill chunks whose scores fit `step_inputs.MAX_NATIVE_SCORES`): every layer in
+    catch-up, prefill chunks of any length: `step_inputs.MAX_NATIVE_SCORES`): every layer in
     C++, the projections through `linear_packed` and the attention through `paged_attention_cpu`
     called straight, the norms, rotary and SwiGLU as loops over the rows.
     The same result as the model's forward up to float rounding (the norms sum in another order):

@@ -14,8 +14,7 @@ the other sequences' chunks, each kind by context length; `logits_index` lists, 
 order, the rows to score.
 On the CPU, when every chunk is short (decode, speculative verification, a draft catching up),
 the whole batch's attention runs as one dense call per layer by a `GatherPlan` made here once;
-with the native attention, so do prefill chunks up to MAX_NATIVE_SCORES (the heads of one KV head x
-queries x context).
+with the native attention, so do prefill chunks of any length (MAX_NATIVE_SCORES).
 """
 from __future__ import annotations
 
@@ -28,16 +27,16 @@ from pdserve.engine.model.llama import AttentionMetadata
 from pdserve.kernels.gathered_attention import GatherPlan, plan_gather
 
 MAX_GATHERED_QUERY_LEN = 16  # longer chunks (prefill) run per sequence, in `extend_attention`
-# A native plan (`paged_attention_cpu`) also takes longer chunks while the scores of each of its
-# work items stay within this many floats: 8 MB. The op splits a chunk of more than 16 queries by
-# KV head, so an item's scores are (heads per KV head) x queries x context. Skipping what the
-# causal mask hides, the native op then beat the per-sequence SDPA path at every prompt length
-# tried on the demo target (8 heads, 4 KV heads; AMD EPYC, write included in both; scratch
-# timing): one thread 3.5x at a 100-token prompt, 2.5x at 256, 2.8x at 512, 1.7x at 1024, the
-# limit; two threads (SDPA splits heads, the native op KV heads) 3.1x at 256, 2.2x at 512, 1.5x
-# at 1024. At 1536 tokens (19 MB an item) it still won by 1.4x on one thread and tied on two; at
-# 2048 (34 MB, out of cache) it took 1.3-1.9x as long.
-MAX_NATIVE_SCORES = 1 << 21
+# A native plan (`paged_attention_cpu`) takes longer chunks too, of any length: the op splits a
+# chunk of more than 16 queries by KV head and into tiles of queries whose scores stay near the
+# core's cache. Skipping what the causal mask hides, it beat the per-sequence SDPA path at every
+# prompt length tried (demo target's heads, 8 on 4 KV heads of 32, and 16 on 4 of 128; AMD EPYC,
+# one thread, write included in both; scratch timing): 2.3x at a 512-token prompt, 1.5x at 2048,
+# 2.5x at a 2048-token chunk after 2048 cached (1.9x, 1.2x, 1.4x at head_dim 128). Before the
+# tiles (an item's scores whole: heads per KV head x queries x context), it lost from about 1536
+# tokens on (0.55x at 2048), and this module sent chunks past 2^21 scores to SDPA. None: no bound
+# (0 while a compiled forward warms its prefill graph up).
+MAX_NATIVE_SCORES: int | None = None
 SHORT_CHUNK = 16  # chunks up to this many tokens are written into the step's buffers token by token
 
 _INT64 = ("input_ids", "positions", "slot_mapping", "logits_index")  # per token
@@ -69,8 +68,8 @@ class InputBuffers:
         self.uniform_plans = uniform_plans  # every plan tensor present, for a compiled forward
         self.native_plans = native_plans  # plans for `paged_attention_cpu` (kernels/native.py)
         # chunks past MAX_GATHERED_QUERY_LEN take a native plan while group_size (heads per KV head)
-        # x queries x context is within this (0 while a compiled forward warms its prefill graph
-        # up on a short chunk)
+        # x queries x context is within this (None: any chunk; 0 while a compiled forward warms
+        # its prefill graph up on a short chunk)
         self.max_native_scores, self.group_size = MAX_NATIVE_SCORES, group_size
         self._num_tokens = self._num_seqs = 0
         self.generation = 0  # bumped whenever the buffers are reallocated (CUDA graphs hold their addresses)
@@ -215,12 +214,13 @@ class InputBuffers:
 
     def _plannable(self, entries: list) -> bool:
         """Whether the step's attention runs by one plan: every chunk short, or with native plans,
-        every chunk's scores per KV head (group_size x queries x context) within `max_native_scores`."""
+        any chunk (`max_native_scores` None), else every chunk's scores per KV head (group_size x
+        queries x context) within it."""
         if max(e.num_new_tokens for e in entries) <= MAX_GATHERED_QUERY_LEN:
             return True
-        return self.native_plans and all(
+        return self.native_plans and (self.max_native_scores is None or all(
             self.group_size * e.num_new_tokens * (e.start + e.num_new_tokens) <= self.max_native_scores
-            for e in entries)
+            for e in entries))
 
     def _out(self, name: str, n: int) -> torch.Tensor:
         """The first n rows of a buffer, on the device (one copy from the pinned host buffer on CUDA,

@@ -16,8 +16,8 @@ from pdserve.engine.capture import CompiledForward
 from pdserve.engine.config import EngineConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [11, 12, 13] * 10]
-# prompts whose one chunk is past a native plan's limit as `_short_native_plans` lowers it:
-# prefill steps (the tiny model's 2 heads per KV head and 512 positions never reach MAX_NATIVE_SCORES)
+# prompts whose one chunk is past a native plan's limit as `_short_native_plans` sets it (by
+# default a native plan takes any chunk): prefill steps that run the per-sequence path
 LONG = [list(range(3, 40)) * 8, [11, 12, 13, 14] * 70]
 
 
@@ -215,11 +215,13 @@ def test_cuda_graph_bucket_padding_computes_the_same_rows(target):
         assert changed == sorted(slots)
 
 
-def test_native_plans_take_chunks_up_to_their_scores_limit():
-    """A native plan (`paged_attention_cpu`) takes a prefill chunk while its scores per KV head
-    (heads per KV head x queries x context) stay within MAX_NATIVE_SCORES; past that, or with torch
-    plans past 16 tokens, the step has no plan and runs the per-sequence path
-    (`write_and_split_attend` when compiled)."""
+def test_native_plans_take_chunks_of_any_length_unless_bounded():
+    """A native plan (`paged_attention_cpu`) takes a prefill chunk of any length (the op tiles a
+    long chunk's queries, MAX_NATIVE_SCORES is None); bounded (`max_native_scores`, 0 while the
+    compiled forward warms its prefill graph up), it takes one while its scores per KV head (heads
+    per KV head x queries x context) stay within the bound; past that, or with torch plans past 16
+    tokens, the step has no plan and runs the per-sequence path (`write_and_split_attend` when
+    compiled)."""
     from pdserve.engine.model_runner import BatchEntry
     from pdserve.engine.sequence import Sequence
     from pdserve.engine.step_inputs import MAX_GATHERED_QUERY_LEN, MAX_NATIVE_SCORES, InputBuffers
@@ -235,7 +237,12 @@ def test_native_plans_take_chunks_up_to_their_scores_limit():
     group = 2  # heads per KV head
     native = InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, native_plans=True, group_size=group)
     torch_plans = InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, group_size=group)
-    per_head = MAX_NATIVE_SCORES // group
+    assert MAX_NATIVE_SCORES is None and native.max_native_scores is None
+    assert step(native, (0, 8192)).plan is not None and step(native, (8192, 8192), (500, 1)).plan is not None
+    assert step(InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, native_plans=True,
+                             group_size=8 * group), (0, 8192)).plan is not None
+    native.max_native_scores = limit = 1 << 21
+    per_head = limit // group
     side = int(per_head ** 0.5)
     assert step(native, (0, 100)).plan is not None
     assert step(native, (0, side)).plan is not None and step(native, (0, side + 1)).plan is None
@@ -243,9 +250,11 @@ def test_native_plans_take_chunks_up_to_their_scores_limit():
     assert step(native, (500, 1), (0, 100)).plan is not None
     assert step(native, (per_head // 64 - 64, 64)).plan is not None
     assert step(native, (per_head // 64 - 63, 64)).plan is None
-    # a model with more heads per KV head takes shorter chunks
-    assert step(InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, native_plans=True,
-                             group_size=4 * group), (0, side)).plan is None
+    # a model with more heads per KV head takes shorter chunks under the same bound
+    more_heads = InputBuffers(16, 1100, torch.device("cpu"), plan_on_host=True, native_plans=True,
+                              group_size=4 * group)
+    more_heads.max_native_scores = limit
+    assert step(more_heads, (0, side)).plan is None
     assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN)).plan is not None
     assert step(torch_plans, (0, MAX_GATHERED_QUERY_LEN + 1)).plan is None
     native.max_native_scores = 0  # as while the compiled forward warms its prefill graph up

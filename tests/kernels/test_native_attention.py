@@ -20,6 +20,9 @@ CASES = {  # (context_lens, query_lens)
     # prefill chunks (step_inputs.MAX_NATIVE_SCORES): a fresh prompt, whose rows skip the keys the
     # causal mask hides, beside a later chunk of another prompt and a decode token
     "prefill": ([100, 83, 40], [100, 37, 1]),
+    # chunks whose scores per KV head pass the op's tile (2^18 floats at 2 or more heads per KV
+    # head): their queries run in tiles, a fresh prompt's and a later chunk's
+    "tiled": ([420, 900, 7], [420, 300, 1]),
 }
 
 
@@ -65,13 +68,13 @@ def test_native_matches_dense_attention(case, num_heads, num_kv_heads, head_dim)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_gives_the_same_bits_on_any_number_of_threads(dtype):
-    """A prefill chunk is split into one work item per KV head and the items spread over torch's
-    threads (the library is built with OpenMP: without it at::parallel_for ran everything on the
-    calling thread); each output is computed by one item in one order, so the bits do not depend
-    on the thread count."""
+    """A prefill chunk is split into work items by KV head (a long one by tiles of queries too)
+    and the items spread over torch's threads (the library is built with OpenMP: without it
+    at::parallel_for ran everything on the calling thread); each output is computed by one item
+    in one order, so the bits do not depend on the thread count."""
     assert native.load(), native.error()
     assert b"GOMP_parallel" in native.library_path().read_bytes()  # built with OpenMP
-    context_lens, query_lens = [300, 83, 40, 17], [300, 37, 1, 17]
+    context_lens, query_lens = [600, 83, 40, 17], [600, 37, 1, 17]  # the 600-token prompt in tiles too
     q, k, v, k_dense, v_dense, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, 8, 4, 32, dtype,
                                                                         seed=5)
     outs = []

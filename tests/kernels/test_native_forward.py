@@ -2,8 +2,8 @@
 through `native_forward.NativeForward`) against the model's own forward: for steps of short chunks
 (decode tokens beside verification chunks, sequences at different positions, crossing a block)
 the same logits to float rounding and the same greedy picks, and the same K/V in the cache; the
-same for a step of two fresh prompts, on one thread and two; a chunk too long for a native
-attention plan is left to the model. Three architectures, as the draft's
+same for a step of two fresh prompts, on one thread and two, and for a prompt long enough that its
+attention runs in tiles; a chunk past a bound set on native plans is left to the model. Three architectures, as the draft's
 native passes are tested. Malformed calls are refused with the reason. (Greedy decoding through
 the whole engine, which now runs its decode steps this way with default options, is checked token
 for token against transformers in tests/engine.)"""
@@ -144,6 +144,27 @@ def test_a_prefill_step_gives_the_models_logits_and_cache(runner, threads):
     _assert_the_models(runner, mine, mine_cache, theirs)
 
 
+def test_a_long_prompt_whose_attention_runs_in_tiles_gives_the_models_logits_and_cache(checkpoint):
+    """A fresh 500-token prompt on the tiny model (2 heads per KV head): its scores per KV head,
+    2 x 500 x 500 floats, pass `paged_attention_cpu`'s tile (2^18), so its queries run in tiles,
+    spread over two threads. Every row's logits (each tile's rows) and the K/V are the model's."""
+    runner = native_runner(checkpoint, "llama", seed=7, num_blocks=32, block_size=BLOCK_SIZE)
+    heads_per_kv = runner.cfg.num_heads // runner.cfg.num_kv_heads
+    assert heads_per_kv * 500 * 500 > 1 << 18  # more than one tile of queries
+    gen = torch.Generator().manual_seed(13)
+    seq = Sequence("long", torch.randint(0, runner.cfg.vocab_size, (500,), generator=gen).tolist(), SamplingParams(),
+                   seed=0, block_table=list(range(32)))
+    empty = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner.kv_caches]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        mine, mine_cache, theirs = _native_against_model(runner, [BatchEntry(seq, 500, 500, start=0)], empty)
+    finally:
+        torch.set_num_threads(before)
+    assert mine.shape == (500, runner.cfg.vocab_size)
+    _assert_the_models(runner, mine, mine_cache, theirs)
+
+
 def test_a_prefill_streamed_layer_by_layer_gives_each_layers_cache_before_the_next_starts(runner):
     """With a layer callback (a prefill worker's KV streaming) the native forward runs layer by
     layer (`pdserve::decoder_layer`): callback i finds layer i's K/V of every new token in the
@@ -168,8 +189,9 @@ def test_a_prefill_streamed_layer_by_layer_gives_each_layers_cache_before_the_ne
 
 
 def test_a_chunk_past_the_native_attentions_scores_is_left_to_the_model(runner):
-    """A prefill chunk whose scores exceed what one native attention item holds gets no native
-    plan, and the step goes to the model (its own chunked attention); a short one is native."""
+    """Where native plans are bounded (`max_native_scores`; by default they are not), a prefill
+    chunk whose scores per KV head exceed the bound gets no native plan, and the step goes to the
+    model (its own chunked attention); a short one is native."""
     seq = Sequence("long", list(range(3, 3 + 40)), SamplingParams(), seed=0, block_table=[0, 1, 2])
     short = Sequence("short", [5, 6, 7], SamplingParams(), seed=1, block_table=[3])
     limit = runner.inputs.max_native_scores
