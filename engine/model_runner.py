@@ -93,7 +93,11 @@ class ModelRunner:
         # steps with a native attention plan in one native call where the ops allow (projections packed)
         self.native_forward = (NativeForward.of(self.model, self.kv_caches)
                                if native_attention and native_linear and device.type == "cpu" else None)
-        self.capture = self._build_capture(capture, max_batch, ops)
+        # where the native forward takes every step (its plans take chunks of any length), a
+        # compiled forward would never run: it is not built (3-6 s of start-up on the demo target)
+        natives_take_all = (self.native_forward is not None and self.inputs.plan_on_host
+                            and self.inputs.max_native_scores is None)
+        self.capture = None if capture == "compile" and natives_take_all else self._build_capture(capture, max_batch, ops)
         self.last_pass: tuple[int, float] = (0, 0.0)  # (tokens, seconds) of the latest `execute`
         # a draft's passes run at once (`draft_passes`): the native attention's plans only; one
         # native call with the projections packed too (`native_forward.NativePasses`), else as graphs

@@ -82,7 +82,9 @@ def test_engines_of_one_model_class_keep_their_own_graphs(target, checkpoint):
     each give their eager tokens (sharing graphs, the second would run the first's shapes)."""
     other = checkpoint("llama", seed=1, intermediate_size=96)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engines = {path: (LLM(path), LLM(path, graph_capture="compile")) for path in (target, other)}
+    # cpu_linear="torch": with packed projections every step runs natively and nothing is compiled
+    engines = {path: (LLM(path, cpu_linear="torch"), LLM(path, graph_capture="compile", cpu_linear="torch"))
+               for path in (target, other)}
     for _ in range(2):
         for eager, compiled in engines.values():
             assert [o.token_ids for o in compiled.generate(PROMPTS, params)] == \
@@ -99,7 +101,7 @@ def test_compiled_prefill_steps_mix_chunks_and_decode_tokens(target):
     eager tokens. The engine starts with compiling's garbage already collected."""
     # chunks of a few hundred tokens, past a native plan (`_short_native_plans`), beside decode
     # tokens; no prefix caching, so the repeated prompts are chunked again
-    options = dict(max_num_batched_tokens=400, enable_prefix_caching=False)
+    options = dict(max_num_batched_tokens=400, enable_prefix_caching=False, cpu_linear="torch")
     eager = LLM(target, **options)
     gc.collect()
     compiled = LLM(target, graph_capture="compile", **options)
@@ -113,6 +115,20 @@ def test_compiled_prefill_steps_mix_chunks_and_decode_tokens(target):
     assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     steps = compiled.engine.runner.capture.num_steps
     assert steps["mixed"] > 0 and steps["prefill"] > 0, steps
+
+
+def test_with_the_native_forward_taking_every_step_nothing_is_compiled(target):
+    """Packed projections and native attention (the CPU's defaults): every step, prefill chunks of
+    any length included, runs as one native call, so `graph_capture="compile"` builds no compiled
+    forward for it (its start-up seconds saved) and gives the eager tokens."""
+    compiled = LLM(target, graph_capture="compile")
+    if compiled.engine.runner.native_forward is None:
+        pytest.skip("no native forward on this CPU (the projections are not packed)")
+    assert compiled.engine.runner.capture is None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS + LONG
+    want = [o.token_ids for o in LLM(target).generate(prompts, params)]
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == want
 
 
 def test_graph_capture_option_is_validated():
