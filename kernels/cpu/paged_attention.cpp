@@ -62,8 +62,11 @@ constexpr int64_t kGroupBytes = 16384;
 // (the demo target's 2 heads per KV head): at 2048 tokens the op took 78 ms a layer, 1.9x the
 // per-sequence SDPA path; in tiles, 28 ms, and 82 against 192 ms for 2048 queries after 2048
 // cached keys (one thread, AMD EPYC, scratch timing). Tiles of 2^16 to 2^20 floats timed alike.
+// Past some 8k keys the floor decides, and a tile's scores outgrow the L2: there, with 4 heads per
+// KV head of 128, the op ran at SDPA's speed (0.98-0.99x, 2048 and 512 queries after 8k keys) with
+// a floor of 32 rows, 0.92x with 64; at head_dim 32, 16 rows lost a quarter of 32's speed.
 constexpr int64_t kTileFloats = int64_t{1} << 18;
-constexpr int64_t kMinTileRows = 64;
+constexpr int64_t kMinTileRows = 32;
 
 // Queries a tile of a prefill chunk takes, its item's heads `group` and its context `ctx`.
 inline int64_t tile_rows(int64_t group, int64_t ctx) {
