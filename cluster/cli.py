@@ -10,7 +10,8 @@ from pdserve.cluster.cli_options import (HelpFormatter, add, add_cluster_securit
 
 
 def engine_options(args: argparse.Namespace, speculates: bool = True) -> dict:
-    return dict(dtype=args.dtype, device=args.device, kernel_backend=args.kernel_backend,
+    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+                kernel_backend=args.kernel_backend,
                 cpu_attention=args.cpu_attention, cpu_linear=args.cpu_linear, graph_capture=args.graph_capture,
                 max_model_len=args.max_model_len,
                 draft_model=args.draft_model,
@@ -161,6 +162,7 @@ def router_config(args: argparse.Namespace):
 SERVE_OVERRIDES = {
     "model": "model", "draft_model": "draft_model", "num_speculative_tokens": "num_speculative_tokens",
     "speculative_method": "speculative_method", "served_model_name": "served_model_name", "dtype": "dtype",
+    "kv_cache_dtype": "kv_cache_dtype",
     "prefill_workers": "prefill.workers", "decode_workers": "decode.workers", "prefill_cpus": "prefill.cpus",
     "decode_cpus": "decode.cpus", "gpus_per_worker": None, "host": "router.host", "grpc_port": "router.grpc_port",
     "http_port": "router.http_port", "drain_timeout": "router.drain_timeout", "max_failovers": "router.max_failovers",

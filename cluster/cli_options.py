@@ -70,6 +70,9 @@ def add_logging_args(p: argparse.ArgumentParser, otlp: bool = False) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add(p, "--model", required=True, help="checkpoint directory (Hugging Face layout)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype: the model's (auto), or bfloat16 or float16 under a float32 model on "
+                   "the CPU (half the bytes read and moved, twice the blocks; K and V rounded when written)")
     p.add_argument("--device", default="auto")
     p.add_argument("--kernel-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--cpu-attention", default="auto", choices=["auto", "native", "torch"],
@@ -199,6 +202,8 @@ def add_serve_args(sv) -> None:
              "(README, speculative decoding)"),
             ("--served-model-name", str, "model name in the API and metrics"),
             ("--dtype", str, "auto, float32, bfloat16 or float16"),
+            ("--kv-cache-dtype", str, "the KV cache's: auto (the model's), or bfloat16 or float16 under a float32 "
+             "model on the CPU"),
             ("--prefill-workers", int, "prefill workers (0: colocated)"),
             ("--decode-workers", int, "decode workers"),
             ("--prefill-cpus", float, "CPUs per prefill worker (fractions allowed)"),

@@ -74,6 +74,9 @@ class ServeConfig:
     num_speculative_tokens: int = 4  # the decode pool's k; 0: no speculation
     speculative_method: str | None = None  # "draft" | "ngram"; default: draft when draft_model is set
     dtype: str = "auto"
+    # both pools' KV caches (a pair must agree): "auto" (the model's), or "bfloat16" / "float16"
+    # under a float32 model on the CPU: half the bytes a transfer moves
+    kv_cache_dtype: str = "auto"
     router: RouterSection = RouterSection()
     security: SecuritySection = SecuritySection()
     prefill: PoolConfig = PoolConfig()
@@ -155,7 +158,7 @@ class ServeConfig:
         if role == "decode":  # the prefill pool ships the draft's K/V but never speculates
             spec["num_speculative_tokens"] = self.num_speculative_tokens if self.draft_model or \
                 self.speculative_method == "ngram" else 0
-        return {"model": self.model, "dtype": self.dtype, **spec, **pool.engine}
+        return {"model": self.model, "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype, **spec, **pool.engine}
 
 
 def _check(ok: bool, name: str, value: Any, why: str) -> None:

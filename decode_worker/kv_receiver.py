@@ -62,7 +62,8 @@ class PinnedBlocks:
 class KVReceiver:
     def __init__(self, groups: list[tuple[KVGroupLayout, KVCache]], dtype: torch.dtype, block_size: int,
                  vocab_size: int, dist_groups: DistGroups | None = None):
-        """dist_groups: set to take K/V over torch.distributed (the backend its cache's device has)."""
+        """dtype: the KV caches' (`engine.kv_dtype`); dist_groups: set to take K/V over torch.distributed
+        (the backend its cache's device has)."""
         self.groups = groups
         self.dtype = dtype
         self.block_size = block_size

@@ -163,7 +163,7 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
                             else None) or None
         groups = list(zip(kv_group_layouts(e), (kv for _, kv in kv_cache_groups(e))))
         dist_groups = DistGroups(self.config.kv_transfer_timeout_s) if self.config.kv_dist and dist.is_available() else None
-        self.receiver = KVReceiver(groups, e.dtype, e.config.block_size, e.model_config.vocab_size, dist_groups)
+        self.receiver = KVReceiver(groups, e.kv_dtype, e.config.block_size, e.model_config.vocab_size, dist_groups)
         if self.receiver.dist_backend is not None:
             self.info.kv_dist_backends.append(self.receiver.dist_backend)
         self.info.kv_target_ready = len(groups) > 1  # a draft: decode on the target's K/V, take the draft's after

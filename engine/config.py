@@ -32,6 +32,11 @@ class EngineConfig:
     # the CPU's float32 projections: "auto" (weights packed for the native `linear_packed` where
     # the native ops build with AVX-512 or AVX2), "native" (an error where they cannot), "torch" (nn.Linear)
     cpu_linear: str = "auto"
+    # the KV cache's dtype: "auto" (the model's), or a 16-bit one under a float32 model on the CPU
+    # ("bfloat16", "float16"): half the bytes a step's attention reads and a transfer moves, twice
+    # the blocks in kv_cache_memory_bytes; K and V rounded once, when written (not token-identical
+    # to float32 caches). On CUDA the caches take the model's dtype.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else sized by kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 << 20
@@ -59,6 +64,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype, f"must be one of {('auto', *DTYPES)}")
+        _check(self.kv_cache_dtype in ("auto", *DTYPES), "kv_cache_dtype", self.kv_cache_dtype,
+               f"must be one of {('auto', *DTYPES)}")
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device,
                "must be 'auto', 'cpu' or 'cuda'")
         _check(self.kernel_backend in BACKENDS, "kernel_backend", self.kernel_backend, f"must be one of {BACKENDS}")
@@ -111,3 +118,19 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     if device.type == "cpu":
         return torch.float32  # half types are slow and inexact on CPU
     return DTYPES.get(cfg.config_dtype, torch.float16)
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, ops_name: str) -> torch.dtype:
+    """The KV cache's dtype: the model's for "auto"; another only where every path of the step
+    reads and writes it (the CPU's torch ops and its native attention): a 16-bit cache under a
+    float32 model. ValueError names what cannot be."""
+    if name == "auto" or DTYPES[name] == dtype:
+        return dtype
+    if device.type != "cpu" or ops_name != "torch":
+        raise ValueError(f"EngineConfig.kv_cache_dtype {name!r} differs from the model's dtype "
+                         f"({str(dtype).removeprefix('torch.')}): only the CPU's torch kernels take that, "
+                         f"not {device.type} with kernel_backend {ops_name!r}")
+    if dtype != torch.float32 or DTYPES[name] == torch.float32:
+        raise ValueError(f"EngineConfig.kv_cache_dtype {name!r} under a {str(dtype).removeprefix('torch.')} "
+                         "model: a cache narrower than the model is 16-bit under float32, or the model's own dtype")
+    return DTYPES[name]

@@ -107,7 +107,8 @@ class WorkerDescription:
     """What a worker runs. A prefill and a decode worker pair only if `pairing_fields` agree."""
 
     model_identity: str
-    dtype: str
+    dtype: str  # the model's
+    kv_dtype: str  # the KV cache's (what a transfer carries)
     block_size: int
     kv_layout: str
     kv_groups: tuple[KVGroupLayout, ...]
@@ -128,7 +129,8 @@ def describe(engine: LLMEngine) -> WorkerDescription:
 
         draft_identity = load_model_config(cfg.draft_model).identity_hash()
     return WorkerDescription(
-        model_identity=engine_identity(engine), dtype=DTYPE_NAMES[engine.dtype], block_size=cfg.block_size,
+        model_identity=engine_identity(engine), dtype=DTYPE_NAMES[engine.dtype],
+        kv_dtype=DTYPE_NAMES[engine.kv_dtype], block_size=cfg.block_size,
         kv_layout=KV_LAYOUT, kv_groups=tuple(kv_group_layouts(engine)), spec_method=cfg.spec_method or "",
         num_speculative_tokens=cfg.num_speculative_tokens, draft_identity=draft_identity,
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,

@@ -21,7 +21,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.capture import resolve_capture
 from pdserve.engine.disagg import KVHook, run_handing_off
 from pdserve.engine.disagg_requests import DisaggRequests
-from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype
+from pdserve.engine.config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_dtype
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model.config import check_draft_matches, load_model_config
 from pdserve.engine.model_runner import BatchEntry, KVAllocator, ModelRunner, num_kv_blocks
@@ -53,6 +53,7 @@ class LLMEngine(DisaggRequests):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.ops = select_ops(config.kernel_backend, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device, self.ops.name)
         self.capture = resolve_capture(config.graph_capture, self.device, self.ops.name)
         self.native_attention = native.resolve(config.cpu_attention, self.device, self.ops.name)
         self.native_linear = native.resolve_linear(config.cpu_linear, self.device, self.dtype)
@@ -65,7 +66,8 @@ class LLMEngine(DisaggRequests):
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator,
-                                  self.native_attention, self.native_linear, config.max_num_batched_tokens)
+                                  self.native_attention, self.native_linear, config.max_num_batched_tokens,
+                                  kv_dtype=self.kv_dtype)
         self.draft_runner = self._build_draft_runner(num_blocks)
         self.sampler = Sampler(self.ops, self.device, compile_noise=self.capture == "compile")
         self.speculator = build_speculator(config, self.sampler, self.draft_runner,
@@ -107,7 +109,7 @@ class LLMEngine(DisaggRequests):
         c = self.config
         models = [self.model_config] + ([self.draft_config] if self.draft_config else [])
         return c.num_kv_blocks or num_kv_blocks(c.kv_cache_memory_bytes, c.max_num_seqs, self.max_model_len,
-                                                c.block_size, models, self.dtype)
+                                                c.block_size, models, self.kv_dtype)
 
     def _build_draft_runner(self, num_blocks: int) -> ModelRunner | None:
         if self.draft_config is None:
@@ -117,7 +119,7 @@ class LLMEngine(DisaggRequests):
         return ModelRunner(self.draft_config, Path(self.config.draft_model), self.ops, self.dtype,
                            self.device, num_blocks, self.config.block_size, self.capture, self.config.max_num_seqs,
                            self._kv_allocator, self.native_attention, self.native_linear,
-                           self.config.max_num_batched_tokens)
+                           self.config.max_num_batched_tokens, kv_dtype=self.kv_dtype)
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

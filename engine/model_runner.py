@@ -66,24 +66,26 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, model_dir: Path, ops: KernelOps, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, block_size: int, capture: str = "off", max_batch: int = 64,
                  kv_allocator: KVAllocator | None = None, native_attention: bool = False,
-                 native_linear: bool = False, max_tokens: int = 2048):
+                 native_linear: bool = False, max_tokens: int = 2048, kv_dtype: torch.dtype | None = None):
         """capture: "off", "compile" or "cuda_graphs" (`capture.py`), resolved by the caller;
         max_batch: the most sequences a step holds (CUDA graphs capture up to it);
         max_tokens: the most tokens a step holds (the scheduler's budget): the input buffers are
         sized for it at once, since growing them later moves the addresses CUDA graphs replay from;
         kv_allocator: where the KV cache lives when not in ordinary memory (see `KVAllocator`);
         native_attention: planned steps attend through `paged_attention_cpu` (`kernels/native.py`,
-        loaded by the caller); native_linear: the projections run `linear_packed` (the same library)."""
+        loaded by the caller); native_linear: the projections run `linear_packed` (the same library);
+        kv_dtype: the KV cache's dtype (None: `dtype`; `config.resolve_kv_dtype`)."""
         self.cfg, self.device, self.block_size = cfg, device, block_size
         self.model = build_model(cfg, model_dir, ops, dtype, device, packed_linears=native_linear)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        cache_dtype = kv_dtype or dtype
         # zeros, not empty: padded attention rows read stale slots, which must be finite
-        self.kv_caches = kv_allocator and kv_allocator(cfg.num_layers, shape, dtype, device)
+        self.kv_caches = kv_allocator and kv_allocator(cfg.num_layers, shape, cache_dtype, device)
         if not self.kv_caches:
             # on the host, on 2 MiB pages where Linux gives them (`huge_pages.py`: the step reads
             # blocks all over the pool)
-            zeros = ((lambda: zeros_on_huge_pages(shape, dtype)) if device.type == "cpu"
-                     else (lambda: torch.zeros(shape, dtype=dtype, device=device)))
+            zeros = ((lambda: zeros_on_huge_pages(shape, cache_dtype)) if device.type == "cpu"
+                     else (lambda: torch.zeros(shape, dtype=cache_dtype, device=device)))
             self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
         max_blocks = -(-cfg.max_model_len // block_size)
         self.inputs = InputBuffers(block_size, max_blocks, device, plan_on_host=ops.name == "torch",

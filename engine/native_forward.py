@@ -31,7 +31,7 @@ class _NativeModel:
     @classmethod
     def of(cls, model: torch.nn.Module, kv_caches: list):
         """The model's native op, or None where it cannot run the model: the native library not
-        loaded, a projection not packed (`cpu_linear`), or anything not float32."""
+        loaded, a projection not packed (`cpu_linear`), or anything not float32 (but a 16-bit KV cache)."""
         weights = native_weights(model, kv_caches, cls.OP, with_head=cls.WITH_HEAD)
         return None if weights is None else cls(model, kv_caches, weights)
 
@@ -73,14 +73,15 @@ def native_weights(model: torch.nn.Module, kv_caches: list, op: str, with_head: 
     packed: a draft's is small) and its bias, then per layer the input norm, qkv, o, the
     post-attention norm, gate_up and down (each projection packed and its bias, an empty tensor for
     none). None where `op` cannot run the model: the native library not loaded, a projection not
-    packed (`cpu_linear`), or anything not float32."""
+    packed (`cpu_linear`), or anything not float32 (but a 16-bit KV cache)."""
     from pdserve.engine.model.llama import PackedLinear
     from pdserve.kernels import native
 
     if not native.loaded() or not hasattr(torch.ops.pdserve, op):
         return None
     inner = model.model
-    if kv_caches[0][0].dtype != torch.float32 or inner.embed_tokens.weight.dtype != torch.float32:
+    if (kv_caches[0][0].dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or inner.embed_tokens.weight.dtype != torch.float32):
         return None
 
     def linear(module) -> list[torch.Tensor]:

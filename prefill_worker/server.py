@@ -284,7 +284,7 @@ class PrefillWorkerServicer(WorkerService, worker_pb2_grpc.PrefillWorkerServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ticket = await self._check_ticket(request.ticket, req_id, context)
         engine = self.engine
-        header = KVHeader(request.ticket, len(ids), DTYPE_NAMES[engine.dtype], tuple(kv_group_layouts(engine)),
+        header = KVHeader(request.ticket, len(ids), DTYPE_NAMES[engine.kv_dtype], tuple(kv_group_layouts(engine)),
                           num_cached_tokens=ticket.cached_tokens)
         if req_id in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"req_id {req_id!r} is already being prefilled")

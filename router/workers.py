@@ -39,7 +39,7 @@ MAX_SLOW_CHECKS = 3
 # not take a worker that says SERVING out of selection.
 STATS_BUGS = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 # What must agree between a prefill and a decode worker for the KV of one to serve the other.
-PAIRING_FIELDS = ("model_identity", "dtype", "block_size", "kv_layout", "kv_groups", "draft_identity")
+PAIRING_FIELDS = ("model_identity", "dtype", "kv_dtype", "block_size", "kv_layout", "kv_groups", "draft_identity")
 # Router -> worker channels: notice a silent peer within ~15 s, and retry a lost connection at
 # least every second (gRPC's default backoff grows to two minutes, which kept a returning
 # worker idle long after it was back).

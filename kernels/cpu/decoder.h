@@ -136,8 +136,9 @@ struct Decoder {
                 op, ": the embedding must be a contiguous float32 [vocab, hidden]");
     vocab = embed.size(0), hidden = embed.size(1);
     const at::Tensor& k0 = kv_caches[0];
-    TORCH_CHECK(k0.dim() == 4 && k0.scalar_type() == at::kFloat,
-                op, ": the caches must be float32 [blocks, block_size, heads, head_dim]");
+    const auto cache_type = k0.scalar_type();
+    TORCH_CHECK(k0.dim() == 4 && (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf),
+                op, ": the caches must be float32, bfloat16 or float16 [blocks, block_size, heads, head_dim]");
     block_size = k0.size(1), head_dim = k0.size(3);
     const auto check_norm = [&](int64_t i) {  // the norms' weights; the projections check their own
       TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == hidden,
@@ -147,8 +148,8 @@ struct Decoder {
     for (int64_t first = head; first < int64_t(weights.size()); first += kWeightsPerLayer)
       check_norm(first), check_norm(first + 5);
     for (const at::Tensor& c : kv_caches)
-      TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == at::kFloat && c.is_contiguous(),
-                  op, ": every cache must be a contiguous float32 tensor shaped like the first");
+      TORCH_CHECK(c.sizes() == k0.sizes() && c.scalar_type() == cache_type && c.is_contiguous(),
+                  op, ": every cache must be a contiguous tensor shaped like the first, of its dtype");
     TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && k0.size(2) == num_kv_heads && num_heads % num_kv_heads == 0 &&
                     head_dim % 2 == 0,
                 op, ": head counts do not match the cache");

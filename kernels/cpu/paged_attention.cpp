@@ -9,7 +9,9 @@
 // Layout: the flat batch holds each sequence's queries contiguously, sequence s at rows
 // [query_starts[s], query_starts[s + 1]); its last query sits at position context_lens[s] - 1,
 // and query i of n at position context_lens[s] - n + i sees keys 0 ..= that position.
-// Math in float32 whatever the tensors' dtype; the output has q's dtype.
+// Math in float32 whatever the tensors' dtype; the output has q's dtype. The caches hold q's
+// dtype or, under float32 rows, a 16-bit one (`EngineConfig.kv_cache_dtype`): rows are rounded
+// as they are written and widened as they are read (`widen`).
 //
 // Vector loops (`attention_vectors.h`): AVX-512 where the compiler targets it (sixteen keys per dot-product batch, the two
 // query rows of a KV head sharing each value row's loads, and the softmax in registers), else
@@ -73,22 +75,47 @@ inline int64_t tile_rows(int64_t group, int64_t ctx) {
   return std::max(kMinTileRows, kTileFloats / std::max<int64_t>(1, group * ctx));
 }
 
-template <typename T>
+// The step's K or V rows into their cache slots, rounded to the cache's dtype C where it is
+// narrower than the rows' T (a 16-bit cache under a float32 model: round to nearest even, as
+// torch's `.to()` rounds, so the torch path's caches hold the same bits).
+template <typename T, typename C>
 void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
   // src [T, Hkv, D] with (Hkv, D) contiguous; cache [num_blocks, block_size, Hkv, D] contiguous
   const int64_t row = cache.size(2) * cache.size(3);
   const int64_t num_slots = cache.size(0) * cache.size(1);
   const T* s = src.data_ptr<T>();
-  T* c = cache.data_ptr<T>();
+  C* c = cache.data_ptr<C>();
   const int64_t stride = src.stride(0);
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "paged_attention_cpu: slot ", slots[t], " out of range");
-    std::copy(s + t * stride, s + t * stride + row, c + slots[t] * row);
+    if constexpr (std::is_same_v<T, C>)
+      std::copy(s + t * stride, s + t * stride + row, c + slots[t] * row);
+    else
+      for (int64_t x = 0; x < row; ++x) c[slots[t] * row + x] = static_cast<C>(static_cast<float>(s[t * stride + x]));
   }
 }
 
+// n cache values as float32: in vector registers for a 16-bit cache where the CPU has AVX-512
+// (bfloat16: the top half of a float's bits; float16: the F16C conversion), else one by one.
+template <typename C>
+inline void widen(const C* src, float* dst, int64_t n) {
+  int64_t x = 0;
+#ifdef PDSERVE_AVX512
+  if constexpr (std::is_same_v<C, c10::BFloat16>)
+    for (; x + 16 <= n; x += 16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x));
+      _mm512_storeu_ps(dst + x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+  if constexpr (std::is_same_v<C, c10::Half>)
+    for (; x + 16 <= n; x += 16)
+      _mm512_storeu_ps(dst + x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x))));
+#endif
+  for (; x < n; ++x) dst[x] = static_cast<float>(src[x]);
+}
+
 // HD: head_dim known at compile time (0: read from `head_dim`), so the per-key loops unroll.
-template <typename T, int HD>
+// T: q's and the output's dtype; C: the caches'.
+template <typename T, typename C, int HD>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_ids, const int64_t* context_lens, const int64_t* query_starts,
             int64_t num_seqs, double scale, at::Tensor& out) {
@@ -99,8 +126,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t ids_stride = block_ids.stride(0), max_blocks = block_ids.size(1);
   const int64_t num_cache_blocks = k_cache.size(0);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int64_t* ids = block_ids.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float sc = static_cast<float>(scale);
@@ -175,21 +202,26 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
       // float32 caches are read in place; others are converted once into `kv`, laid out as a
       // cache block would be: [keys, then values][ctx][num_kv_heads][head_dim]
-      if constexpr (!std::is_same_v<T, float>) {
-        // (only the item's KV heads: the rest of each row is never read)
+      if constexpr (!std::is_same_v<C, float>) {
+        // (only the item's KV heads: the rest of each row is never read; every head's, a block
+        // at a time, where the item has them all: decode and verification)
         kv.resize(2 * ctx * kv_row);
         const int64_t c0 = kh0 * head_dim, c1 = kh1 * head_dim;
         for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
           const int64_t n = std::min(block_size, ctx - j0), offset = table[j0 / block_size] * block_stride;
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t x = c0; x < c1; ++x) {
-              kv[(j0 + j) * kv_row + x] = static_cast<float>(kp[offset + j * kv_row + x]);
-              kv[(ctx + j0 + j) * kv_row + x] = static_cast<float>(vp[offset + j * kv_row + x]);
-            }
+          if (c1 - c0 == kv_row) {
+            widen(kp + offset, kv.data() + j0 * kv_row, n * kv_row);
+            widen(vp + offset, kv.data() + (ctx + j0) * kv_row, n * kv_row);
+            continue;
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            widen(kp + offset + j * kv_row + c0, kv.data() + (j0 + j) * kv_row + c0, c1 - c0);
+            widen(vp + offset + j * kv_row + c0, kv.data() + (ctx + j0 + j) * kv_row + c0, c1 - c0);
+          }
         }
       }
       auto rows_at = [&](bool values, int64_t j0) -> const float* {  // key/value row j0 (a block's first)
-        if constexpr (std::is_same_v<T, float>)
+        if constexpr (std::is_same_v<C, float>)
           return (values ? vp : kp) + table[j0 / block_size] * block_stride;
         else
           return kv.data() + ((values ? ctx : 0) + j0) * kv_row;
@@ -398,14 +430,17 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-template <typename T>
-void attend_any(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_ids,
-                const int64_t* context_lens, const int64_t* query_starts, int64_t num_seqs, double scale, at::Tensor& out) {
+template <typename T, typename C>
+void write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const int64_t* slots, const at::Tensor& block_ids, const int64_t* context_lens,
+                      const int64_t* query_starts, int64_t num_seqs, double scale, at::Tensor& out) {
+  write_rows<T, C>(k, k_cache, slots, q.size(0));
+  write_rows<T, C>(v, v_cache, slots, q.size(0));
   switch (q.size(2)) {
-    case 32: return attend<T, 32>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
-    case 64: return attend<T, 64>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
-    case 128: return attend<T, 128>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
-    default: return attend<T, 0>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    case 32: return attend<T, C, 32>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    case 64: return attend<T, C, 64>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    case 128: return attend<T, C, 128>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
+    default: return attend<T, C, 0>(q, k_cache, v_cache, block_ids, context_lens, query_starts, num_seqs, scale, out);
   }
 }
 
@@ -415,9 +450,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "paged_attention_cpu: q/k/v are [tokens, heads, head_dim], the caches [blocks, block_size, heads, head_dim]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_cpu: the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type(),
-              "paged_attention_cpu: q, k, v and the caches must share a dtype");
+  // q, k and v share a dtype, the caches theirs or (under float32 rows) a 16-bit one
+  const auto rows_type = q.scalar_type(), cache_type = k_cache.scalar_type();
+  TORCH_CHECK(k.scalar_type() == rows_type && v.scalar_type() == rows_type && v_cache.scalar_type() == cache_type &&
+                  (cache_type == rows_type ||
+                   (rows_type == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf))),
+              "paged_attention_cpu: q, k and v must share a dtype, and the caches theirs or, under float32, "
+              "bfloat16 or float16; got ", rows_type, " rows and ", cache_type, " caches");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention_cpu: the K and V caches differ in shape");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0 && k.size(1) == k_cache.size(2) &&
                   k.size(2) == k_cache.size(3) && v.size(1) == k_cache.size(2) && v.size(2) == k_cache.size(3),
@@ -441,12 +480,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(starts.data_ptr<int64_t>()[0] == 0 && starts.data_ptr<int64_t>()[num_seqs] == num_tokens,
               "paged_attention_cpu: query_starts must run from 0 to the token count");
   at::Tensor out = at::empty({num_tokens, q.size(1), q.size(2)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_cpu", [&] {
-    write_rows<scalar_t>(kc, k_cache, slots.data_ptr<int64_t>(), num_tokens);
-    write_rows<scalar_t>(vc, v_cache, slots.data_ptr<int64_t>(), num_tokens);
-    attend_any<scalar_t>(qc, k_cache, v_cache, ids, lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), num_seqs,
-                     scale, out);
-  });
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t *lp = lens.data_ptr<int64_t>(), *qsp = starts.data_ptr<int64_t>();
+  if (rows_type == at::kFloat && cache_type == at::kBFloat16)
+    write_and_attend<float, c10::BFloat16>(qc, kc, vc, k_cache, v_cache, sp, ids, lp, qsp, num_seqs, scale, out);
+  else if (rows_type == at::kFloat && cache_type == at::kHalf)
+    write_and_attend<float, c10::Half>(qc, kc, vc, k_cache, v_cache, sp, ids, lp, qsp, num_seqs, scale, out);
+  else
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows_type, "paged_attention_cpu", [&] {
+      write_and_attend<scalar_t, scalar_t>(qc, kc, vc, k_cache, v_cache, sp, ids, lp, qsp, num_seqs, scale, out);
+    });
   return out;
 }
 

@@ -54,9 +54,16 @@ def pair(serving_model, tmp_path_factory, dirs):
                    # no shared memory at all: its chunks are copied out of its own cache into their messages
                    _start(c, "PN", "prefill-worker", a, *worker, "--max-chunk-bytes", "1024",
                           "--max-num-batched-tokens", "16", "--no-kv-shm"))
+        # the same over bfloat16 caches under the float32 model (`--kv-cache-dtype`)
+        narrow = [*worker, "--kv-cache-dtype", "bfloat16"]
+        wait_ready(_start(c, "PB", "prefill-worker", a, *narrow, "--max-chunk-bytes", "1024"),
+                   _start(c, "DB", "decode-worker", a, *narrow, "--local-prefill-tokens", "0"),
+                   _start(c, "DBX", "decode-worker", b, *narrow, "--local-prefill-tokens", "0"))
         wait_ready(_start(c, "R", "router", a, "--prefill", c.address("P"), "--decode", c.address("D")),
                    _start(c, "RX", "router", a, "--prefill", c.address("P"), "--decode", c.address("DX")),
-                   _start(c, "RN", "router", a, "--prefill", c.address("PN"), "--decode", c.address("D")))
+                   _start(c, "RN", "router", a, "--prefill", c.address("PN"), "--decode", c.address("D")),
+                   _start(c, "RB", "router", a, "--prefill", c.address("PB"), "--decode", c.address("DB")),
+                   _start(c, "RBX", "router", a, "--prefill", c.address("PB"), "--decode", c.address("DBX")))
         yield c
     finally:
         c.stop()
@@ -79,10 +86,35 @@ def test_same_node_pair_uses_shm_and_the_other_falls_back_to_grpc(pair, dirs):
     assert any(n.startswith("pdserve-kv-") for n in names) and any(n.startswith("pdserve-probe-") for n in names)
 
 
+def test_a_bfloat16_cache_pair_moves_half_the_bytes_and_decodes_like_the_offline_engine(pair, serving_model):
+    """Workers started with `--kv-cache-dtype bfloat16` under the float32 model: their K/V cross
+    as bfloat16 (through shared memory, and as bytes over gRPC at half a float32 pair's count for
+    the same prompt) and decode what the offline engine with that cache decodes."""
+    from pdserve.engine import LLM, SamplingParams
+
+    info = pair.decode_stub("DB").GetInfo(wk.InfoRequest(), timeout=5)
+    assert (info.dtype, info.kv_dtype) == ("float32", "bfloat16")
+    prompt = list(range(140, 190))  # not in any decode worker's prefix cache yet
+    want = LLM(str(serving_model), kv_cache_dtype="bfloat16").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    shm_before = pair.stats("PB").kv_transfer_shm_total
+    assert greedy_tokens(pair, "RB", prompt) == want
+    pair.wait_all_free(("PB",))
+    assert pair.stats("PB").kv_transfer_shm_total == shm_before + 1
+    narrow_before, wide_before = pair.stats("DBX").kv_transfer_bytes_total, pair.stats("DX").kv_transfer_bytes_total
+    assert greedy_tokens(pair, "RBX", prompt) == want
+    greedy_tokens(pair, "RX", prompt)  # the float32 pair, the same prompt over gRPC
+    narrow = pair.stats("DBX").kv_transfer_bytes_total - narrow_before
+    wide = pair.stats("DX").kv_transfer_bytes_total - wide_before
+    assert narrow > 0 and wide == 2 * narrow
+    pair.wait_all_free(("PB", "DB", "DBX"))
+
+
 def _shm_push(c: Cluster, ticket: str, segments: list[Segment], arrays, num_slots: int, corrupt: bool):
     """A push naming slots [100, 100 + len(PROMPT)) of our own segments, as a prefill worker would."""
     info = c.decode_stub("D").GetInfo(wk.InfoRequest(), timeout=5)
-    yield wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=len(PROMPT), dtype=info.dtype, groups=info.kv_groups,
+    yield wk.KVChunk(header=wk.KVHeader(ticket=ticket, num_tokens=len(PROMPT), dtype=info.kv_dtype,
+                                        groups=info.kv_groups,
                                         shm=wk.KVShm(segments=[s.name for s in segments], num_slots=num_slots)))
     runs = slot_runs(np.arange(100, 100 + len(PROMPT)))
     seq = 0

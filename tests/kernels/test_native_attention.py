@@ -92,6 +92,38 @@ def test_native_gives_the_same_bits_on_any_number_of_threads(dtype):
                          query_lens, 0.2, tol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def _rounded_cache_step(case, num_heads, num_kv_heads, head_dim, cache_dtype, seed=0):
+    """A float32 step over a 16-bit cache (`EngineConfig.kv_cache_dtype`), and its float32 twin:
+    the same step over float32 caches that hold the 16-bit values, the new K/V rounded as the
+    16-bit cache will hold them."""
+    context_lens, query_lens = CASES[case]
+    q, k, v, _, _, k_cache, v_cache, tables, slots = _step(context_lens, query_lens, num_heads, num_kv_heads,
+                                                           head_dim, torch.float32, seed=seed)
+    narrow = (k_cache.to(cache_dtype), v_cache.to(cache_dtype))
+    twin = (narrow[0].float(), narrow[1].float())
+    rounded = (k.to(cache_dtype).float(), v.to(cache_dtype).float())
+    return context_lens, query_lens, q, (k, v), rounded, narrow, twin, tables, slots
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 32), (4, 1, 64), (6, 3, 24)])
+def test_a_16_bit_cache_under_float32_rows_is_the_float32_op_on_rounded_values(cache_dtype, num_heads, num_kv_heads,
+                                                                                 head_dim):
+    """K and V are rounded once, when written (to nearest even, as torch's `.to()`: the torch
+    path's caches hold the same bits), and read back widened: the output is the float32 op's on
+    a float32 cache holding those values, bit for bit, decode, verification, prefill and tiles
+    alike (the vector loops widen whole blocks for decode items, one head's rows for a prefill's)."""
+    for case in CASES:
+        context_lens, query_lens, q, (k, v), rounded, narrow, twin, tables, slots = _rounded_cache_step(
+            case, num_heads, num_kv_heads, head_dim, cache_dtype)
+        expected_k, expected_v = narrow[0].clone(), narrow[1].clone()
+        write_kv_ref(k, v, expected_k, expected_v, slots)
+        out = _native(q, k, v, *narrow, tables, slots, context_lens, query_lens)
+        assert out.dtype == torch.float32
+        assert torch.equal(narrow[0], expected_k) and torch.equal(narrow[1], expected_v), case
+        assert torch.equal(out, _native(q, *rounded, *twin, tables, slots, context_lens, query_lens)), case
+
+
 @pytest.mark.parametrize("block_size", [8, 32, 48])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 32), (4, 1, 64)])
 def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads, num_kv_heads, head_dim):
@@ -119,6 +151,13 @@ def test_narrower_instruction_sets_match_dense_attention(isa, native_variant):
             plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
             out = op(q, k, v, k_cache, v_cache, slots, plan.block_ids, plan.context_lens, plan.query_starts, 0.2)
             assert_matches_dense(out, q, k_dense, v_dense, query_lens, 0.2)
+    for case in CASES:  # a bfloat16 cache, widened by the plain loop
+        context_lens, query_lens, q, (k, v), rounded, narrow, twin, tables, slots = _rounded_cache_step(
+            case, 8, 4, 32, torch.bfloat16)
+        plan = plan_gather(tables, context_lens, query_lens, BLOCK_SIZE, native=True)
+        expected = _native(q, *rounded, *twin, tables, slots, context_lens, query_lens)
+        out = op(q, k, v, *narrow, slots, plan.block_ids, plan.context_lens, plan.query_starts, 0.2)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -182,6 +221,10 @@ def test_native_refuses_malformed_steps():
         call(4, v_cache[:-1])
     with pytest.raises(RuntimeError, match="dtype"):
         call(0, q.double())
+    with pytest.raises(RuntimeError, match="dtype"):  # a cache wider than the rows
+        op(q.bfloat16(), k.bfloat16(), v.bfloat16(), *base[3:])
+    with pytest.raises(RuntimeError, match="dtype"):  # K and V caches of two dtypes
+        call(3, k_cache.bfloat16())
     with pytest.raises(RuntimeError, match="int64"):
         call(5, slots.int())
 
