@@ -178,7 +178,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     // step's few kilobytes were a malloc and fresh pages every layer (the old build took 1.00-1.05x
     // this one's time at 5 queries against 200 keys, 1.05-1.10x against 400; with the softmax's
     // max in four chains, scratch A/B in one process, fifteen interleaved repeats)
-    thread_local std::vector<float> qf, scores, acc, kv;
+    thread_local std::vector<float> qf, scores, acc, kv, block;
     [[maybe_unused]] thread_local std::vector<const float*> value_blocks;  // each block's values of one KV head
     // the transposed-key scores' buffers: sixteen keys [head_dim][16], and a KV head's rows
     [[maybe_unused]] thread_local std::vector<float> kt;
@@ -200,36 +200,47 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float* dst = qf.data() + row(h, i) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * sc;
         }
-      // float32 caches are read in place; others are converted once into `kv`, laid out as a
-      // cache block would be: [keys, then values][ctx][num_kv_heads][head_dim]
-      if constexpr (!std::is_same_v<C, float>) {
-        // (only the item's KV heads: the rest of each row is never read; every head's, a block
-        // at a time, where the item has them all: decode and verification)
-        kv.resize(2 * ctx * kv_row);
-        const int64_t c0 = kh0 * head_dim, c1 = kh1 * head_dim;
-        for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
-          const int64_t n = std::min(block_size, ctx - j0), offset = table[j0 / block_size] * block_stride;
-          if (c1 - c0 == kv_row) {
-            widen(kp + offset, kv.data() + j0 * kv_row, n * kv_row);
-            widen(vp + offset, kv.data() + (ctx + j0) * kv_row, n * kv_row);
-            continue;
+      // float32 caches are read in place. A 16-bit cache's rows are widened to float32: a
+      // prefill item's (one KV head's) once into `kv`, laid out as a cache block would be: [keys,
+      // then values][ctx][num_kv_heads][head_dim], only its head's columns; a decode or
+      // verification item's block by block as the loops reach them (`rows_at`), into `block`,
+      // which stays in L1. Widened whole first (1 MB at 1024 keys of 4 heads of 32, past the L2
+      // before the loops read it), a bfloat16 cache's batch-32 decode step at 1024 keys ran 1.30x
+      // the float32 cache's at the median, 0.92x in the worst of 5 repeats; block by block, 1.43x
+      // and 1.33x (`benchmarks/kv_cache_dtype.py`, demo target, one thread, AMD EPYC)
+      [[maybe_unused]] constexpr bool kNarrow = !std::is_same_v<C, float>;
+      [[maybe_unused]] const bool whole = nq > kWholeQueries;
+      if constexpr (kNarrow) {
+        if (whole) {
+          kv.resize(2 * ctx * kv_row);
+          const int64_t c0 = kh0 * head_dim, c1 = kh1 * head_dim;
+          for (int64_t j0 = 0; j0 < ctx; j0 += block_size) {
+            const int64_t n = std::min(block_size, ctx - j0), offset = table[j0 / block_size] * block_stride;
+            for (int64_t j = 0; j < n; ++j) {
+              widen(kp + offset + j * kv_row + c0, kv.data() + (j0 + j) * kv_row + c0, c1 - c0);
+              widen(vp + offset + j * kv_row + c0, kv.data() + (ctx + j0 + j) * kv_row + c0, c1 - c0);
+            }
           }
-          for (int64_t j = 0; j < n; ++j) {
-            widen(kp + offset + j * kv_row + c0, kv.data() + (j0 + j) * kv_row + c0, c1 - c0);
-            widen(vp + offset + j * kv_row + c0, kv.data() + (ctx + j0 + j) * kv_row + c0, c1 - c0);
-          }
+        } else {
+          block.resize(block_size * kv_row);
         }
       }
-      auto rows_at = [&](bool values, int64_t j0) -> const float* {  // key/value row j0 (a block's first)
-        if constexpr (std::is_same_v<C, float>)
-          return (values ? vp : kp) + table[j0 / block_size] * block_stride;
-        else
-          return kv.data() + ((values ? ctx : 0) + j0) * kv_row;
+      auto raw_at = [&](bool values, int64_t j0) -> const C* {  // the cache's key/value row j0 (a block's first)
+        return (values ? vp : kp) + table[j0 / block_size] * block_stride;
+      };
+      auto rows_at = [&](bool values, int64_t j0) -> const float* {  // the same as float32
+        if constexpr (!kNarrow) {
+          return raw_at(values, j0);
+        } else {
+          if (whole) return kv.data() + ((values ? ctx : 0) + j0) * kv_row;
+          widen(raw_at(values, j0), block.data(), std::min(block_size, ctx - j0) * kv_row);  // every head's
+          return block.data();
+        }
       };
       // asks for row jj of the block at `next` (n rows) while the current block's row jj is used
-      auto prefetch_row = [&](const float* next, int64_t n, int64_t jj) {
+      auto prefetch_row = [&](const C* next, int64_t n, int64_t jj) {
         if (jj < n)
-          for (int64_t x = kh0 * head_dim; x < kh1 * head_dim; x += 64 / sizeof(float))
+          for (int64_t x = kh0 * head_dim; x < kh1 * head_dim; x += 64 / sizeof(C))
             __builtin_prefetch(next + jj * kv_row + x);
       };
       scores.resize(rows * ctx);
@@ -242,7 +253,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const float* blk = rows_at(false, j0);
         const int64_t n = std::min(block_size, ctx - j0);
         // the next block (keys, or the first values) starts coming in while this one is used
-        const float* next = j0 + block_size < ctx ? rows_at(false, j0 + block_size) : rows_at(true, 0);
+        const C* next = j0 + block_size < ctx ? raw_at(false, j0 + block_size) : raw_at(true, 0);
         const int64_t next_n = j0 + block_size < ctx ? std::min(block_size, ctx - j0 - block_size) : std::min(block_size, ctx);
         int64_t jj = 0;
         // W keys at a time while W remain, every row of every head, through dot(q row, keys, stride, out)
@@ -373,7 +384,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       for (int64_t j0 = 0; j0 < ctx && !values_done; j0 += block_size) {  // out: every row's weights times the values
         const float* blk = rows_at(true, j0);
         const int64_t n = std::min(block_size, ctx - j0);
-        const float* next = j0 + block_size < ctx ? rows_at(true, j0 + block_size) : nullptr;
+        const C* next = j0 + block_size < ctx ? raw_at(true, j0 + block_size) : nullptr;
         const int64_t next_n = next ? std::min(block_size, ctx - j0 - block_size) : 0;
         const int64_t i0 = first_row(j0);  // rows before it see none of this block
 #ifdef PDSERVE_AVX512
