@@ -241,6 +241,8 @@ def add_profile_args(p) -> None:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="k, for speculative steps at fixed depth")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the workers' KV cache (auto: the model's): a transfer's bytes per token follow it")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads (as the workers will run)")
     p.add_argument("--cpus", default=None, help="pin to these cores first, taskset's form: 0 or 0,2 or 0-3")

@@ -48,6 +48,7 @@ class ProfileConfig:
     request_overhead_s: float = 0.0
     is_quick: bool = False
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # the workers' (`EngineConfig.kv_cache_dtype`): a transfer's bytes per token
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens and not self.draft_model:
@@ -58,8 +59,8 @@ class ProfileConfig:
             raise ValueError(f"--cpus {list(self.cpus)}: this process may only run on {sorted(os.sched_getaffinity(0))}")
 
     def engine_options(self, **overrides) -> dict:
-        opts = dict(dtype=self.dtype, device=self.device, block_size=self.block_size,
-                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+        opts = dict(dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
+                    block_size=self.block_size, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                     enable_prefix_caching=False, seed=self.seed)
         return {**opts, **overrides}
 
@@ -219,13 +220,16 @@ def measure_transfer(total_bytes: int, chunk_bytes: int = 1 << 20, reps: int = 3
 def kv_bytes_per_token(config: ProfileConfig) -> int:
     from pdserve.engine.config import resolve_device, resolve_dtype
     from pdserve.engine.model.config import load_model_config
+    from pdserve.engine.model.loader import DTYPES
     from pdserve.engine.model_runner import kv_bytes_per_block
 
     total = 0
     for path in (config.model, config.draft_model):
         if path:
             cfg = load_model_config(path)
-            total += kv_bytes_per_block(cfg, 1, resolve_dtype(config.dtype, cfg, resolve_device(config.device)))
+            dtype = (DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype != "auto"
+                     else resolve_dtype(config.dtype, cfg, resolve_device(config.device)))
+            total += kv_bytes_per_block(cfg, 1, dtype)
     return total
 
 
@@ -264,7 +268,8 @@ def build_profile(config: ProfileConfig, log=print) -> CostProfile:
     limits = WorkerLimits(config.max_num_seqs, config.max_num_batched_tokens)
     notes["limits"] = "given: the worker flags --max-num-seqs and --max-num-batched-tokens profiled with"
     notes["request_overhead_s"] = f"given: --request-overhead {config.request_overhead_s:g}"
-    hardware = f"{os.uname().machine} {where}, device {config.device}, dtype {config.dtype}"
+    hardware = (f"{os.uname().machine} {where}, device {config.device}, dtype {config.dtype}, "
+                f"KV cache {config.kv_cache_dtype}")
     name = config.model + (f" + draft {config.draft_model} k={config.num_speculative_tokens}" if speculation else "")
     return CostProfile(name, hardware, prefill.cost, decode.cost, transfer, limits, speculation,
                        config.request_overhead_s, notes, measurements)
@@ -304,7 +309,7 @@ def profile_main(args) -> int:
     config = ProfileConfig(args.model, args.draft_model, args.num_speculative_tokens, args.dtype, args.device,
                            args.num_threads, cpus, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                            args.temperature, args.transfer_bandwidth, args.transfer_overlap, args.request_overhead,
-                           args.quick, args.seed)
+                           args.quick, args.seed, args.kv_cache_dtype)
     profile = build_profile(config, log=lambda m: print(m, file=sys.stderr, flush=True))
     path = profile.save(args.output)
     print(f"prefill {profile.prefill}\ndecode {profile.decode}\nspeculation {profile.speculation}\n"

@@ -68,6 +68,12 @@ def test_serve_flags_override_the_config(tmp_path):
                                                       "0"]))
     assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
     assert flagged.local_prefill_tokens == 0 and flagged.local_prefill_chunk_tokens == 0
+    assert default.kv_cache_dtype == "auto"
+    narrow = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--kv-cache-dtype",
+                                                     "bfloat16"]))
+    assert {narrow.engine_config(role).kv_cache_dtype for role in ("prefill", "decode")} == {"bfloat16"}
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        serve_config(build_parser().parse_args(["serve", "--config", str(config), "--kv-cache-dtype", "int8"]))
 
 
 def test_serve_takes_the_decode_pools_verifier_beside_the_files_engine_options(tmp_path):

@@ -35,3 +35,14 @@ def test_profile_refuses_cores_it_may_not_use(checkpoint, tmp_path):
     out = subprocess.run([PDSERVE, "profile", "--model", str(checkpoint("llama", seed=3)), "--cpus", "4096",
                           "--output", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--cpus [4096]" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_16_bit_kv_cache_halves_the_profiles_transfer_bytes(checkpoint):
+    """`pdserve profile --kv-cache-dtype bfloat16`: the workers' caches, so what a transfer moves."""
+    from pdserve.cluster.profile import ProfileConfig, kv_bytes_per_token
+
+    model = str(checkpoint("llama", seed=3))
+    wide = kv_bytes_per_token(ProfileConfig(model, model, device="cpu"))
+    assert wide == 2 * 2 * (2 * 2 * 16 * 4)
+    assert kv_bytes_per_token(ProfileConfig(model, model, device="cpu", kv_cache_dtype="bfloat16")) == wide // 2
+    assert ProfileConfig(model, kv_cache_dtype="bfloat16").engine_options()["kv_cache_dtype"] == "bfloat16"
