@@ -8,8 +8,8 @@ Two engines in this process, default options but the cache's dtype (what a user 
 engines back to back, in alternating order:
 
 - decode at batch B and context L: B requests whose prompts hold L fresh token ids (nothing is
-  cached from an earlier run), prefilled, then --steps decode steps of all B timed one by one;
-  the case's figure is the median step;
+  cached from an earlier run), prefilled, then --steps decode steps of all B timed one by one
+  (then the requests are aborted); the case's figure is the median step;
 - prefill: one request for one token on a fresh prompt of L tokens, timed whole.
 
 Per case: milliseconds on each cache (min / median / max over repeats) and the speedup, the
@@ -56,18 +56,26 @@ class Prompts:
 
 
 def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], list[list[int]]]:
-    """Each of `steps` decode steps' seconds once every prompt is prefilled, and the greedy tokens."""
+    """Each of `steps` decode steps' seconds once every prompt is prefilled (every request still
+    decoding: the first prompts of a batch are done steps before the last, and decode meanwhile),
+    then the requests aborted; and the greedy tokens of each up to there."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    seqs = [engine.add_request(f"r{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
+    params = SamplingParams(temperature=0, max_tokens=llm.engine.max_model_len - len(prompts[0]), ignore_eos=True)
+    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    seqs = [engine.add_request(req_id, p, params) for req_id, p in zip(ids, prompts)]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
     times = []
-    while engine.has_unfinished():
+    for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    return times, [list(s.output_token_ids) for s in seqs]
+    if any(s.is_finished for s in seqs):
+        raise RuntimeError("a request finished inside the timed steps: prompts too long for the model")
+    tokens = [list(s.output_token_ids) for s in seqs]
+    for req_id in ids:
+        engine.abort(req_id)
+    return times, tokens
 
 
 def prefill_seconds(llm: LLM, prompt: list[int]) -> float:
@@ -100,9 +108,9 @@ def run(model: str, repeats: int, steps: int, cases, threads: int) -> dict:
                         seconds.setdefault((i, c), []).append(prefill_seconds(llms[c], batch_prompts[0]))
                     bar.update(1)
                 if kind == "decode":
-                    for a, b in zip(tokens["float32"], tokens["bfloat16"]):
+                    for a, b in zip(tokens["float32"], tokens["bfloat16"]):  # as far as both went
                         same += sum(x == y for x, y in zip(a, b))
-                        total += len(a)
+                        total += min(len(a), len(b))
     rows = []
     for i, (kind, batch, context) in enumerate(cases):
         wide, narrow = seconds[(i, "float32")], seconds[(i, "bfloat16")]
