@@ -151,7 +151,7 @@ class WorkerCollector(Collector):
         """vLLM's info-style gauge (always 1; the values are its labels), with vLLM's label names:
         `num_gpu_blocks` is the KV pool's size in blocks on whatever device it lives."""
         config = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
-                  "cache_dtype": info.dtype,
+                  "cache_dtype": info.kv_dtype,
                   "enable_prefix_caching": str(bool(self.source.engine.config.enable_prefix_caching))}
         g = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the engine's KV cache configuration",
                               labels=["model_name", "worker", *config])

@@ -205,9 +205,10 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       // then values][ctx][num_kv_heads][head_dim], only its head's columns; a decode or
       // verification item's block by block as the loops reach them (`rows_at`), into `block`,
       // which stays in L1. Widened whole first (1 MB at 1024 keys of 4 heads of 32, past the L2
-      // before the loops read it), a bfloat16 cache's batch-32 decode step at 1024 keys ran 1.30x
-      // the float32 cache's at the median, 0.92x in the worst of 5 repeats; block by block, 1.43x
-      // and 1.33x (`benchmarks/kv_cache_dtype.py`, demo target, one thread, AMD EPYC)
+      // before the loops read it), a bfloat16 cache's "batch-32" decode step at 1024 keys ran
+      // 1.30x the float32 cache's at the median, 0.92x in the worst of 5 repeats; block by block,
+      // 1.43x and 1.33x (`benchmarks/kv_cache_dtype.py` before bf7af34, whose timed steps held
+      // fewer sequences than that; demo target, one thread, AMD EPYC; BENCHMARKS.md, KV cache dtype)
       [[maybe_unused]] constexpr bool kNarrow = !std::is_same_v<C, float>;
       [[maybe_unused]] const bool whole = nq > kWholeQueries;
       if constexpr (kNarrow) {
