@@ -69,7 +69,7 @@ _CPU = Path(__file__).with_name("cpu")
 SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp", "draft_passes.cpp",
                                     "noise.cpp", "rejection.cpp")]
 HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h", "decoder.h", "linear_loops.h", "linear_amx.h",
-                                    "crc32c.h", "pick.h", "noise.h")]  # included by the sources: in the build name
+                                    "crc32c.h", "pick.h", "noise.h", "kv_rows.h")]  # included by the sources: in the build name
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "attention_vectors.h"  // PDSERVE_AVX2 / PDSERVE_AVX512, and the vector loops
+#include "kv_rows.h"            // write_rows, widen: rows between the step's dtype and the cache's
 #include "native_ops.h"         // this op as a C++ function, for decoder.h
 
 namespace {
@@ -73,44 +74,6 @@ constexpr int64_t kMinTileRows = 32;
 // Queries a tile of a prefill chunk takes, its item's heads `group` and its context `ctx`.
 inline int64_t tile_rows(int64_t group, int64_t ctx) {
   return std::max(kMinTileRows, kTileFloats / std::max<int64_t>(1, group * ctx));
-}
-
-// The step's K or V rows into their cache slots, rounded to the cache's dtype C where it is
-// narrower than the rows' T (a 16-bit cache under a float32 model: round to nearest even, as
-// torch's `.to()` rounds, so the torch path's caches hold the same bits).
-template <typename T, typename C>
-void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
-  // src [T, Hkv, D] with (Hkv, D) contiguous; cache [num_blocks, block_size, Hkv, D] contiguous
-  const int64_t row = cache.size(2) * cache.size(3);
-  const int64_t num_slots = cache.size(0) * cache.size(1);
-  const T* s = src.data_ptr<T>();
-  C* c = cache.data_ptr<C>();
-  const int64_t stride = src.stride(0);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "paged_attention_cpu: slot ", slots[t], " out of range");
-    if constexpr (std::is_same_v<T, C>)
-      std::copy(s + t * stride, s + t * stride + row, c + slots[t] * row);
-    else
-      for (int64_t x = 0; x < row; ++x) c[slots[t] * row + x] = static_cast<C>(static_cast<float>(s[t * stride + x]));
-  }
-}
-
-// n cache values as float32: in vector registers for a 16-bit cache where the CPU has AVX-512
-// (bfloat16: the top half of a float's bits; float16: the F16C conversion), else one by one.
-template <typename C>
-inline void widen(const C* src, float* dst, int64_t n) {
-  int64_t x = 0;
-#ifdef PDSERVE_AVX512
-  if constexpr (std::is_same_v<C, c10::BFloat16>)
-    for (; x + 16 <= n; x += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x));
-      _mm512_storeu_ps(dst + x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
-  if constexpr (std::is_same_v<C, c10::Half>)
-    for (; x + 16 <= n; x += 16)
-      _mm512_storeu_ps(dst + x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x))));
-#endif
-  for (; x < n; ++x) dst[x] = static_cast<float>(src[x]);
 }
 
 // HD: head_dim known at compile time (0: read from `head_dim`), so the per-key loops unroll.
