@@ -333,6 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=None, help="transformers' static batch (default: all prompts)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both systems")
     p.add_argument("--graph-capture", default="compile", help="pdserve's graph_capture option")
+    p.add_argument("--kv-cache-dtype", default="auto", help="pdserve's kv_cache_dtype option (auto: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-markdown", action="store_true", help="do not update BENCHMARKS.md")
@@ -349,7 +350,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         b1_prompt_len=args.b1_prompt_len, b1_new_tokens=args.b1_new_tokens, num_prompts=args.num_prompts,
         min_prompt_len=lo_p, max_prompt_len=hi_p, min_max_tokens=lo_t, max_max_tokens=hi_t,
         hf_batch_size=args.hf_batch_size or args.num_prompts, seed=args.seed, threads=args.threads,
-        engine_options={"graph_capture": args.graph_capture})
+        engine_options={"graph_capture": args.graph_capture,
+                        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {})})
     if args.quick:
         cfg = replace(cfg, models=(MODELS["llama-10m"],), repeats=1, b1_prompt_len=16, b1_new_tokens=8,
                       num_prompts=8, min_prompt_len=8, max_prompt_len=48, min_max_tokens=2, max_max_tokens=16,
