@@ -60,8 +60,8 @@ class ProfileConfig:
 
     def engine_options(self, **overrides) -> dict:
         opts = dict(dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
-                    block_size=self.block_size, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                    enable_prefix_caching=False, seed=self.seed)
+                    block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens, enable_prefix_caching=False, seed=self.seed)
         return {**opts, **overrides}
 
 

@@ -68,8 +68,9 @@ log = logging.getLogger(__name__)
 _CPU = Path(__file__).with_name("cpu")
 SOURCES = [_CPU / name for name in ("paged_attention.cpp", "linear.cpp", "kv_copy.cpp", "decoder.cpp", "draft_passes.cpp",
                                     "noise.cpp", "rejection.cpp")]
+# included by the sources: in the build name
 HEADERS = [_CPU / name for name in ("attention_vectors.h", "native_ops.h", "decoder.h", "linear_loops.h", "linear_amx.h",
-                                    "crc32c.h", "pick.h", "noise.h", "kv_rows.h")]  # included by the sources: in the build name
+                                    "crc32c.h", "pick.h", "noise.h", "kv_rows.h")]
 # -fopenmp: the ops split their work with at::parallel_for, a header template that runs the whole
 # range on the calling thread unless the file is compiled with OpenMP (torch's own backend here).
 # Built with -fopenmp-simd alone until the fix, both ops ran on one thread whatever

@@ -86,6 +86,8 @@ def pairing_differences(prefill: worker_pb2.WorkerInfo, decode: worker_pb2.Worke
     diffs = []
     for name in PAIRING_FIELDS:
         a, b = getattr(prefill, name), getattr(decode, name)
+        if name == "kv_dtype":  # a worker from before the field: its cache has its model's dtype
+            a, b = a or prefill.dtype, b or decode.dtype
         if name == "kv_groups":
             a, b = [_group(g) for g in a], [_group(g) for g in b]
         if a != b:

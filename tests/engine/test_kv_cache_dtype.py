@@ -91,3 +91,8 @@ def test_workers_with_different_cache_dtypes_do_not_pair(target):
     diffs = pairing_differences(worker_info("prefill", wide), worker_info("decode", narrow))
     assert diffs == ["kv_dtype: prefill has 'float32', decode has 'bfloat16'"]
     assert pairing_differences(worker_info("prefill", narrow), worker_info("decode", narrow)) == []
+    older = worker_info("prefill", wide)
+    older.kv_dtype = ""  # a worker from before the field: its cache has its model's dtype
+    assert pairing_differences(older, worker_info("decode", wide)) == []
+    assert pairing_differences(older, worker_info("decode", narrow)) == [
+        "kv_dtype: prefill has 'float32', decode has 'bfloat16'"]
