@@ -123,6 +123,12 @@ class ServeConfig:
         _check_security(self.security)
         for role in ("prefill", "decode"):
             self.engine_config(role)  # every engine option's value, checked before anything starts
+        if self.is_disaggregated:  # what the router's pairing compares (router/workers.py), said before any start
+            a, b = self.kv_description("prefill"), self.kv_description("decode")
+            for i, name in enumerate(("dtype", "kv_cache_dtype", "block_size")):
+                _check(a[i] == b[i], f"prefill.engine.{name} and decode.engine.{name}", (a[i], b[i]),
+                       "must agree (as the workers resolve them): a prefill and a decode worker pair only when "
+                       "their KV caches do")
 
     def cluster_security(self):
         """The internal RPCs' credentials: the file's secret, or a new one for this run."""
@@ -150,6 +156,21 @@ class ServeConfig:
     @property
     def name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+    def kv_description(self, role: str) -> tuple[str, str, int]:
+        """The model's dtype, the KV cache's and the block size a worker of `role` will resolve
+        (on a GPU where its pool has one, unless its engine names a device)."""
+        import torch
+
+        from pdserve.engine.config import resolve_dtype
+        from pdserve.engine.model.config import load_model_config
+
+        engine = self.engine_config(role)
+        pool = self.prefill if role == "prefill" else self.decode
+        device = torch.device(("cuda" if pool.gpus > 0 else "cpu") if engine.device == "auto" else engine.device)
+        dtype = str(resolve_dtype(engine.dtype, load_model_config(self.model), device)).removeprefix("torch.")
+        kv = dtype if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype
+        return dtype, kv, engine.block_size
 
     def engine_options(self, role: str) -> dict:
         """EngineConfig keyword arguments for a worker of `role`."""

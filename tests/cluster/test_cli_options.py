@@ -74,6 +74,18 @@ def test_serve_flags_override_the_config(tmp_path):
     assert {narrow.engine_config(role).kv_cache_dtype for role in ("prefill", "decode")} == {"bfloat16"}
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         serve_config(build_parser().parse_args(["serve", "--config", str(config), "--kv-cache-dtype", "int8"]))
+    # one pool's cache set apart from the other's: workers that would never pair, refused at once
+    config.write_text("prefill:\n  engine: {kv_cache_dtype: bfloat16}\n")
+    with pytest.raises(ValueError, match=r"prefill.engine.kv_cache_dtype and decode.engine.kv_cache_dtype must "
+                                         r"agree.*\('bfloat16', 'float32'\)"):
+        serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+    config.write_text("prefill:\n  engine: {kv_cache_dtype: float32}\n")  # what "auto" resolves to on a CPU
+    assert serve_config(build_parser().parse_args(["serve", "--config", str(config)])).is_disaggregated
+    config.write_text("decode:\n  engine: {block_size: 8}\n")
+    with pytest.raises(ValueError, match="block_size must agree"):
+        serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+    config.write_text("prefill:\n  workers: 0\ndecode:\n  engine: {block_size: 8}\n")  # colocated: no pairs
+    assert serve_config(build_parser().parse_args(["serve", "--config", str(config)])).engine_config("decode").block_size == 8
 
 
 def test_serve_takes_the_decode_pools_verifier_beside_the_files_engine_options(tmp_path):
