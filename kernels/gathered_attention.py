@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.kv_write import as_cache_dtype
+
 
 @dataclass(slots=True)
 class GatherPlan:
@@ -212,8 +214,8 @@ def write_and_attend(
     indices dropped where they change nothing (an unpadded batch needs no reordering).
     `torch.ops.pdserve.write_and_attend`. Every slot is a real one (no -1 padding: that is CUDA
     graphs' business)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, as_cache_dtype(k, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, as_cache_dtype(v, v_cache.dtype))
     num_seqs, _, max_q, length = mask.shape
     is_padded = pad_index.shape[0] != q.shape[0]
     plan = GatherPlan(block_ids, num_seqs, max_q, length, mask, pad_index if is_padded else None,

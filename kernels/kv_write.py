@@ -12,6 +12,21 @@ import torch
 from pdserve.kernels._triton import tl, triton
 
 
+FLOAT16_MAX = 65504.0
+
+
+def as_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows as a cache of `cache_dtype` holds them: rounded to nearest even, and into a
+    float16 cache under wider rows saturated at float16's largest finite value (as the native op
+    writes them, `cpu/kv_rows.h`): an infinity left in a block would outlive its request, and
+    padded attention rows of later ones read stale slots (0 × inf is NaN)."""
+    if x.dtype == cache_dtype:
+        return x
+    if cache_dtype == torch.float16:
+        x = x.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    return x.to(cache_dtype)
+
+
 def write_kv_ref(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -22,8 +37,8 @@ def write_kv_ref(
     if bool((slot_mapping < 0).any()):  # drop padding rows first (the engine sends none)
         valid = slot_mapping >= 0
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, as_cache_dtype(k, k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, as_cache_dtype(v, v_cache.dtype))
 
 
 @triton.jit

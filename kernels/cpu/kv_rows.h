@@ -18,7 +18,10 @@ namespace {
 
 // The step's K or V rows into their cache slots, rounded to the cache's dtype C where it is
 // narrower than the rows' T (a 16-bit cache under a float32 model: round to nearest even, as
-// torch's `.to()` rounds, so the torch path's caches hold the same bits).
+// torch's `.to()` rounds, so the torch path's caches hold the same bits), and into a float16
+// cache saturated at its largest finite value (as `kernels/kv_write.as_cache_dtype`): an infinity
+// left in a block would outlive its request, and padded attention rows of later ones read stale
+// slots.
 template <typename T, typename C>
 void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, int64_t num_tokens) {
   // src [T, Hkv, D] with (Hkv, D) contiguous; cache [num_blocks, block_size, Hkv, D] contiguous
@@ -31,6 +34,9 @@ void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots, 
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "paged_attention_cpu: slot ", slots[t], " out of range");
     if constexpr (std::is_same_v<T, C>)
       std::copy(s + t * stride, s + t * stride + row, c + slots[t] * row);
+    else if constexpr (std::is_same_v<C, c10::Half>)
+      for (int64_t x = 0; x < row; ++x)
+        c[slots[t] * row + x] = static_cast<C>(std::clamp(static_cast<float>(s[t * stride + x]), -65504.f, 65504.f));
     else
       for (int64_t x = 0; x < row; ++x) c[slots[t] * row + x] = static_cast<C>(static_cast<float>(s[t * stride + x]));
   }

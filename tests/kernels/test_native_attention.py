@@ -124,6 +124,26 @@ def test_a_16_bit_cache_under_float32_rows_is_the_float32_op_on_rounded_values(c
         assert torch.equal(out, _native(q, *rounded, *twin, tables, slots, context_lens, query_lens)), case
 
 
+def test_a_float16_cache_saturates_what_it_cannot_hold_on_both_paths():
+    """K or V beyond float16's range are written as its largest finite value, by the native op
+    and the torch write alike: an infinity would outlive its request in the block, and padded
+    rows of later requests read stale slots (0 x inf is NaN)."""
+    context_lens, query_lens, q, (k, v), _, narrow, _, tables, slots = _rounded_cache_step(
+        "verify", 8, 4, 32, torch.float16)
+    k, v = k.clone(), v.clone()
+    k[0, 0, :4] = torch.tensor([1e6, -1e6, 70000.0, float("inf")])
+    v[1, 1, :2] = torch.tensor([-3e5, 65520.0])  # 65520 rounds to infinity in a plain cast
+    expected_k, expected_v = narrow[0].clone(), narrow[1].clone()
+    write_kv_ref(k, v, expected_k, expected_v, slots)
+    out = _native(q, k, v, *narrow, tables, slots, context_lens, query_lens)
+    assert torch.equal(narrow[0], expected_k) and torch.equal(narrow[1], expected_v)
+    assert torch.isfinite(narrow[0]).all() and torch.isfinite(narrow[1]).all()
+    row = narrow[0].view(-1, 4, 32)[slots[0], 0, :4].tolist()
+    assert row == [65504.0, -65504.0, 65504.0, 65504.0]
+    assert narrow[1].view(-1, 4, 32)[slots[1], 1, :2].tolist() == [-65504.0, 65504.0]
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("block_size", [8, 32, 48])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 4, 32), (4, 1, 64)])
 def test_native_matches_dense_attention_other_block_sizes(block_size, num_heads, num_kv_heads, head_dim):
