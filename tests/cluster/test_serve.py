@@ -127,10 +127,10 @@ def test_config_file_then_flags(serving_model, tmp_path):
     from pdserve.cluster.config import load
 
     path = tmp_path / "c.yaml"
-    path.write_text(f"model: {serving_model}\ndraft_model: null\ndecode:\n  workers: 3\n  engine:\n    block_size: 8\n")
+    path.write_text(f"model: {serving_model}\ndraft_model: null\ndecode:\n  workers: 3\n  engine:\n    max_num_seqs: 8\n")
     config = load(str(path), {"decode.workers": 2, "router.http_port": 0})
-    assert (config.decode.workers, config.decode.engine, config.router.http_port) == (2, {"block_size": 8}, 0)
-    assert config.engine_config("decode").block_size == 8 and config.is_disaggregated
+    assert (config.decode.workers, config.decode.engine, config.router.http_port) == (2, {"max_num_seqs": 8}, 0)
+    assert config.engine_config("decode").max_num_seqs == 8 and config.is_disaggregated
     path.write_text("- not a mapping\n")
     with pytest.raises(ValueError, match="must hold a mapping"):
         load(str(path), {})
