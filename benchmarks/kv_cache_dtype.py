@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from report import Spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -62,7 +63,7 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[f
     decoding: the first prompts of a batch are done steps before the last, and decode meanwhile),
     then the requests aborted; and the greedy tokens of each up to there."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=llm.engine.max_model_len - len(prompts[0]), ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - len(prompts[0]), ignore_eos=True)
     ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     seqs = [engine.add_request(req_id, p, params) for req_id, p in zip(ids, prompts)]
     while any(s.num_output_tokens == 0 for s in seqs):
@@ -94,7 +95,7 @@ def run(model: str, repeats: int, steps: int, cases, threads: int, narrow: str =
     prompts = Prompts(llms["float32"].engine.model_config.vocab_size)
     seconds: dict[tuple[int, str], list[float]] = {}
     same = total = 0
-    for i, (kind, batch, context) in enumerate(cases):  # a warm-up of each case, not timed
+    for kind, batch, context in cases:  # a warm-up of each decode case, not timed
         for c in caches:
             if kind == "decode":
                 decode_steps(llms[c], prompts.take(batch, context), 2)
@@ -121,8 +122,8 @@ def run(model: str, repeats: int, steps: int, cases, threads: int, narrow: str =
                          ms={c: Spread.of(s * 1e3 for s in seconds[(i, c)]).as_dict() for c in caches},
                          speedup=Spread.of(w / n for w, n in zip(wide, short)).as_dict()))
     return dict(model=model, repeats=repeats, steps=steps, threads=threads, narrow=narrow, blocks=blocks,
-                kv_bytes_per_token={c: llms[c].engine.runner.kv_caches[0][0][0, 0].nbytes * 2
-                                    * len(llms[c].engine.runner.kv_caches) for c in caches},
+                kv_bytes_per_token={c: kv_bytes_per_block(llms[c].engine.model_config, 1, llms[c].engine.kv_dtype)
+                                    for c in caches},
                 same_tokens=same, compared_tokens=total, rows=rows, machine=machine())
 
 

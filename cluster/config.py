@@ -162,15 +162,15 @@ class ServeConfig:
         (on a GPU where its pool has one, unless its engine names a device)."""
         import torch
 
-        from pdserve.engine.config import resolve_dtype
+        from pdserve.engine.config import kv_dtype_named, resolve_dtype
+        from pdserve.engine.disagg import DTYPE_NAMES
         from pdserve.engine.model.config import load_model_config
 
         engine = self.engine_config(role)
         pool = self.prefill if role == "prefill" else self.decode
         device = torch.device(("cuda" if pool.gpus > 0 else "cpu") if engine.device == "auto" else engine.device)
-        dtype = str(resolve_dtype(engine.dtype, load_model_config(self.model), device)).removeprefix("torch.")
-        kv = dtype if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype
-        return dtype, kv, engine.block_size
+        dtype = resolve_dtype(engine.dtype, load_model_config(self.model), device)
+        return DTYPE_NAMES[dtype], DTYPE_NAMES[kv_dtype_named(engine.kv_cache_dtype, dtype)], engine.block_size
 
     def engine_options(self, role: str) -> dict:
         """EngineConfig keyword arguments for a worker of `role`."""

@@ -218,18 +218,16 @@ def measure_transfer(total_bytes: int, chunk_bytes: int = 1 << 20, reps: int = 3
 
 
 def kv_bytes_per_token(config: ProfileConfig) -> int:
-    from pdserve.engine.config import resolve_device, resolve_dtype
+    from pdserve.engine.config import kv_dtype_named, resolve_device, resolve_dtype
     from pdserve.engine.model.config import load_model_config
-    from pdserve.engine.model.loader import DTYPES
     from pdserve.engine.model_runner import kv_bytes_per_block
 
     total = 0
     for path in (config.model, config.draft_model):
         if path:
             cfg = load_model_config(path)
-            dtype = (DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype != "auto"
-                     else resolve_dtype(config.dtype, cfg, resolve_device(config.device)))
-            total += kv_bytes_per_block(cfg, 1, dtype)
+            dtype = resolve_dtype(config.dtype, cfg, resolve_device(config.device))
+            total += kv_bytes_per_block(cfg, 1, kv_dtype_named(config.kv_cache_dtype, dtype))
     return total
 
 

@@ -120,11 +120,17 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return DTYPES.get(cfg.config_dtype, torch.float16)
 
 
+def kv_dtype_named(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype that `kv_cache_dtype` names over a model computing in `dtype`
+    ("auto": the model's), unchecked: `resolve_kv_dtype` checks it for an engine."""
+    return dtype if name == "auto" else DTYPES[name]
+
+
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device, ops_name: str) -> torch.dtype:
     """The KV cache's dtype: the model's for "auto"; another only where every path of the step
     reads and writes it (the CPU's torch ops and its native attention): a 16-bit cache under a
     float32 model. ValueError names what cannot be."""
-    if name == "auto" or DTYPES[name] == dtype:
+    if kv_dtype_named(name, dtype) == dtype:
         return dtype
     if device.type != "cpu" or ops_name != "torch":
         raise ValueError(f"EngineConfig.kv_cache_dtype {name!r} differs from the model's dtype "

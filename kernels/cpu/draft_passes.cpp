@@ -27,8 +27,8 @@
 // lm_head (packed, bias), then per layer the input norm's weight, qkv (packed, bias), o (packed,
 // bias), the post-attention norm's weight, gate_up (packed, bias), down (packed, bias); a bias is
 // an empty tensor where the model has none. kv_caches: each layer's K then V, float32 (or
-// all bfloat16, or all float16) [blocks, block_size, kv_heads, head_dim]. temperature [S] float32 and noise [passes, S, vocab]
-// float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
+// all bfloat16, or all float16) [blocks, block_size, kv_heads, head_dim]. temperature [S]
+// float32 and noise [passes, S, vocab] float32, or none: a row with temperature <= 0 takes the argmax (the first largest), another the
 // exponential race over its softmax at its temperature (`kernels/sampling.race_ref`). Returns the
 // picks [passes, S]. pdserve::draft_passes_logits: the same passes, and the logits each pass picked
 // from [passes, S, vocab] float32: the rejection sampler needs the distribution every draft token
