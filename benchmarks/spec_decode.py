@@ -5,7 +5,8 @@ shared and noisy: compare the ratios, not the absolute rates).
 
 Every configuration (plain decoding; the draft-model proposer at fixed k = 4, fixed k = 2 and
 adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temperature 1 also the
-rejection sampler beside the default coupled verifier) generates --max-tokens tokens per prompt
+rejection sampler beside the default coupled verifier; with --extra-methods "draft k=1", a fixed depth
+of one too) generates --max-tokens tokens per prompt
 (ignore_eos, so every run emits the same number) for batches of 1, 8 and 32 prompts, greedy and at
 temperature 1. The prompts are 64–128-token cuts of this repository's own engine/ and kernels/
 sources, which the demo models never saw. Each configuration's engine lives in a process of its own,
@@ -109,6 +110,11 @@ METHODS = (
     Method("draft adaptive rejection", dict(draft="draft", num_speculative_tokens=4, spec_adaptive=True,
                                             spec_verifier="rejection"), temperatures=(1.0,)),
     Method("plain, another process", is_control=True),
+)
+# measured only when named (--extra-methods): a fixed depth of one, the shallowest speculation, to
+# tell whether any depth pays where the adaptive engine sits at parity (batch 32, temperature 1)
+OPTIONAL = (
+    Method("draft k=1", dict(draft="draft", num_speculative_tokens=1, spec_adaptive=False)),
 )
 NEWCOMER = (
     Method("newcomer plain", dict(), is_newcomer=True),
@@ -338,7 +344,7 @@ def serve(spec: str) -> None:
     """`start_engine`'s child: build the method's engine, then answer runs until stdin closes."""
     out = replies()
     cfg = json.loads(spec)
-    method = {m.name: m for m in METHODS + NEWCOMER}[cfg["method"]]
+    method = {m.name: m for m in METHODS + OPTIONAL + NEWCOMER}[cfg["method"]]
     setup = Setup(**cfg["setup"])
     torch.set_num_threads(setup.default_threads if method.is_newcomer else setup.threads)
     llm, startup = build(method, setup)
@@ -454,6 +460,8 @@ def main() -> None:
                     help="rounds of each repeat's paired runs, back to back; a repeat keeps each run's median round")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the tuned configurations")
     ap.add_argument("--graph-capture", default="compile", help="graph_capture of the tuned configurations")
+    ap.add_argument("--extra-methods", nargs="+", default=[], choices=[m.name for m in OPTIONAL],
+                    help="methods measured beside the usual ones (after draft k=2)")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 32 tokens, 2 runs, no capture")
     ap.add_argument("--no-markdown", action="store_true",
                     help="do not update BENCHMARKS.md; results go to benchmarks/results/spec_decode_partial.*")
@@ -472,8 +480,12 @@ def main() -> None:
     if args.quick:
         args.batch_sizes, args.max_tokens, args.runs, args.graph_capture = [1, 8], 32, 2, "off"
     load_start = os.getloadavg()[0]
+    extra = tuple(m for m in OPTIONAL if m.name in args.extra_methods)
+    at = [m.name for m in METHODS].index("draft k=2") + 1
+    methods = METHODS[:at] + extra + METHODS[at:] + NEWCOMER
     result = run_benchmark(args.model, args.draft, args.batch_sizes, args.temperatures, args.max_tokens, args.runs,
-                           tuned={"graph_capture": args.graph_capture}, threads=args.threads, rounds=args.rounds)
+                           methods, tuned={"graph_capture": args.graph_capture}, threads=args.threads,
+                           rounds=args.rounds)
     result = dict(command=" ".join(["python", "benchmarks/spec_decode.py", *sys.argv[1:]]), args=vars(args),
                   runs=args.runs, rounds=args.rounds, machine=machine() | {"load_avg_1m_start": load_start,
                                                        "load_avg_1m_end": os.getloadavg()[0]}, **result)
