@@ -29,8 +29,8 @@ def test_demo_models_are_committed():
 
 
 def test_core_runs_and_outputs_match(bench):
-    methods = tuple(m for m in bench.METHODS + bench.NEWCOMER
-                    if m.name in ("plain", "draft k=2", "draft adaptive", "ngram adaptive", "draft k=4 rejection", "newcomer plain",
+    methods = tuple(m for m in bench.METHODS + bench.OPTIONAL + bench.NEWCOMER  # k=1: an engine named only on request
+                    if m.name in ("plain", "draft k=1", "draft adaptive", "ngram adaptive", "draft k=4 rejection", "newcomer plain",
                                   "newcomer draft k=4", "plain, another process"))
     result = bench.run_benchmark(str(DEMO), str(DEMO_DRAFT), batch_sizes=[1, 2], temperatures=[0.0, 1.0],
                                  max_tokens=8, runs=2, methods=methods, tuned={"graph_capture": "off"}, progress=False,
@@ -64,8 +64,8 @@ def test_core_runs_and_outputs_match(bench):
     control = [r for r in rows if r["method"] == "plain, another process"]
     assert len(control) == 4 and all("alpha" not in r and r["same_tokens_as_plain"] for r in control)
     assert result["startup_seconds"].keys() == {m.name for m in methods}
-    drafts = [r for r in rows if r["method"] == "draft k=2"]
-    assert all(r["c"] is not None and r["c"] > 0 for r in drafts)
+    drafts = [r for r in rows if r["method"] == "draft k=1"]
+    assert drafts and all(r["c"] is not None and r["c"] > 0 and 0 < r["mean_k"] <= 1 for r in drafts)
     # an adaptive method's every repeat keeps its drafts and its cost lines before and after the run
     # (the newcomer's README options adapt the depth: the default)
     for r in rows:
