@@ -16,8 +16,9 @@ a horizontal sum of sixteen vectors per sixteen keys: what `paged_attention_cpu`
 do), `transposed` (the row-major block's sixteen keys transposed, then vertical multiply-adds:
 what its prefill items do with many rows) and `dims-major` (the vertical multiply-adds straight
 from a dims-major block). Cases: the demo target's attention (8 layers, 4 KV heads of 32, 2
-query heads each), a Llama-3-8B-like layer (8 KV heads of 128, 4 query heads each), batch 32 at a
-1024-token context and batch 1 at 16384, a sequence's blocks in order in memory and scattered.
+query heads each), two layers of a Llama-3.2-1B-like model (8 KV heads of 64, 4 query heads each),
+a Llama-3-8B-like layer (8 KV heads of 128, 4 query heads each), batch 32 at a 1024-token context
+and batch 1 at 16384, a sequence's blocks in order in memory and scattered.
 Each case holds 64-128 MiB of keys, and a 64 MiB sweep evicts the caches before every timed pass.
 The variants run in a rotating order within each of --repeats repeats; each figure is min /
 median / max over them, the speedup a ratio within a repeat, and each variant's scores are
@@ -49,6 +50,7 @@ BLOCK = 16
 CASES = (
     ("demo, batch 32, context 1024", 32, 4, 2, 32, 1024, 8),
     ("demo, batch 1, context 16384", 32, 4, 2, 1, 16384, 8),
+    ("Llama-1B-like, batch 32, context 1024", 64, 8, 4, 32, 1024, 2),
     ("Llama-8B-like layer, batch 32, context 1024", 128, 8, 4, 32, 1024, 1),
 )
 QUICK_CASES = (("demo, batch 2, context 256", 32, 4, 2, 2, 256, 2), ("Llama-like, batch 2, context 64", 128, 2, 4, 2, 64, 1))

@@ -51,8 +51,13 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 20;
 // rows (a 5-token verification) 0.99x, 18 rows 1.14x, a 64- and a 128-token prefill chunk 1.23x
 // and 1.21x, the value side's four rows at a time (`axpy_row_run`; since fea8141, even passes of
 // up to six) included. At 4 rows the transposition lost (0.92x), hence 8; decode (2 rows, dot16
-// as before) 0.98x.
+// as before) 0.98x. That is at head_dim 32. At 64 and 128 it wins from 4 rows on (a decode step of
+// the common 4 query heads per KV head): the key pass alone 1.1-1.2x at 4 rows, 0.8-0.9x at 2
+// (`benchmarks/decode_k_layout.py`, BENCHMARKS.md; the same vector functions), hence
+// `transposed_rows`.
 constexpr int64_t kTransposedRows = 8;
+constexpr int64_t kTransposedRowsWide = 4;  // head_dim 64 and more
+constexpr int64_t transposed_rows(int64_t head_dim) { return head_dim >= 64 ? kTransposedRowsWide : kTransposedRows; }
 // The most floats a thread's attention buffer keeps between calls (1 MB): a decode or verification
 // step's scores, or a prefill tile's (kTileFloats).
 constexpr size_t kKeptFloats = size_t{1} << 18;
@@ -156,7 +161,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const auto row = [&](int64_t h, int64_t i) { return (h - h0) * nq + i; };
       const int64_t* table = ids + s * ids_stride;
       qf.resize(rows * head_dim);
-      if (group * nq >= kTransposedRows) kt.resize(HD * 16), q_rows.resize(group * nq), out_rows.resize(group * nq);
+      if (group * nq >= transposed_rows(HD)) kt.resize(HD * 16), q_rows.resize(group * nq), out_rows.resize(group * nq);
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t i = 0; i < nq; ++i) {
           const T* src = qp + (first + i) * q_stride + h * head_dim;
@@ -235,12 +240,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #ifdef PDSERVE_AVX512
         if constexpr (kWide) {
           // a KV head's sixteen keys are transposed once and scored against all its rows that see
-          // them, where there are at least kTransposedRows (a prefill chunk; a verification of 4 or
-          // more tokens at two query heads per KV head); fewer rows (decode, a draft's catch-up)
-          // take dot16 each, whose horizontal sums cost less than the transposition there
+          // them, where there are at least transposed_rows(HD) (a prefill chunk; a verification of
+          // 4 or more tokens at two query heads per KV head; from head_dim 64, a decode step at 4);
+          // fewer rows take dot16 each, whose horizontal sums cost less than the transposition there
           for (; jj + 16 <= n; jj += 16) {
             const int64_t i0 = first_row(j0 + jj);
-            if (group * (nq - i0) < kTransposedRows) break;
+            if (group * (nq - i0) < transposed_rows(HD)) break;
             for (int64_t x = 0; x < 16; ++x) prefetch_row(next, next_n, jj + x);
             for (int64_t kh = kh0; kh < kh1; ++kh) {
               transpose16<HD>(blk + jj * kv_row + kh * HD, kv_row, kt.data());
