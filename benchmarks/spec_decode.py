@@ -5,11 +5,11 @@ shared and noisy: compare the ratios, not the absolute rates).
 
 Every configuration (plain decoding; the draft-model proposer at fixed k = 4, fixed k = 2 and
 adaptive depth up to 4; the n-gram proposer at fixed k = 4 and adaptive; at temperature 1 also the
-rejection sampler beside the default coupled verifier; with --extra-methods "draft k=1", a fixed depth
-of one too) generates --max-tokens tokens per prompt
-(ignore_eos, so every run emits the same number) for batches of 1, 8 and 32 prompts, greedy and at
-temperature 1. The prompts are 64–128-token cuts of this repository's own engine/ and kernels/
-sources, which the demo models never saw. Each configuration's engine lives in a process of its own,
+rejection sampler beside the default coupled verifier; with --extra-methods "draft k=1", a fixed
+depth of one too) generates --max-tokens tokens per prompt (ignore_eos, so every run emits the same
+number) for batches of 1, 8 and 32 prompts, greedy and at temperature 1. The prompts are
+64–128-token cuts of this repository's own engine/ and kernels/ sources, which the demo models never
+saw. Each configuration's engine lives in a process of its own,
 as a served engine does (with every engine in one process, the same plain configuration built first,
 second and third ran its steps 1-6% faster the earlier it was built, so the methods built after
 plain were measured slower than they are); a second plain engine in a process of its own is measured
@@ -111,11 +111,8 @@ METHODS = (
                                             spec_verifier="rejection"), temperatures=(1.0,)),
     Method("plain, another process", is_control=True),
 )
-# measured only when named (--extra-methods): a fixed depth of one, the shallowest speculation, to
-# tell whether any depth pays where the adaptive engine sits at parity (batch 32, temperature 1)
-OPTIONAL = (
-    Method("draft k=1", dict(draft="draft", num_speculative_tokens=1, spec_adaptive=False)),
-)
+# measured only when named (--extra-methods): does any depth pay where adaptive sits at parity?
+OPTIONAL = (Method("draft k=1", dict(draft="draft", num_speculative_tokens=1, spec_adaptive=False)),)
 NEWCOMER = (
     Method("newcomer plain", dict(), is_newcomer=True),
     Method("newcomer draft k=4", dict(draft="draft", num_speculative_tokens=4), is_newcomer=True),
@@ -480,12 +477,10 @@ def main() -> None:
     if args.quick:
         args.batch_sizes, args.max_tokens, args.runs, args.graph_capture = [1, 8], 32, 2, "off"
     load_start = os.getloadavg()[0]
-    extra = tuple(m for m in OPTIONAL if m.name in args.extra_methods)
-    at = [m.name for m in METHODS].index("draft k=2") + 1
-    methods = METHODS[:at] + extra + METHODS[at:] + NEWCOMER
+    at = [m.name for m in METHODS].index("draft k=2") + 1  # the extra methods run after it
+    methods = METHODS[:at] + tuple(m for m in OPTIONAL if m.name in args.extra_methods) + METHODS[at:] + NEWCOMER
     result = run_benchmark(args.model, args.draft, args.batch_sizes, args.temperatures, args.max_tokens, args.runs,
-                           methods, tuned={"graph_capture": args.graph_capture}, threads=args.threads,
-                           rounds=args.rounds)
+                           methods, {"graph_capture": args.graph_capture}, threads=args.threads, rounds=args.rounds)
     result = dict(command=" ".join(["python", "benchmarks/spec_decode.py", *sys.argv[1:]]), args=vars(args),
                   runs=args.runs, rounds=args.rounds, machine=machine() | {"load_avg_1m_start": load_start,
                                                        "load_avg_1m_end": os.getloadavg()[0]}, **result)
