@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, export_revision, grouped_bars, host, machine, publish  # noqa: E402
+from report import Spread, export_revision, fmt_spread, grouped_bars, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Decode attention by change (`benchmarks/attention_by_change.py`)"
@@ -101,10 +101,6 @@ def run(variants: list[tuple[str, str]], cases, repeats: int) -> dict:
                 rows=rows, machine=machine())
 
 
-def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
-    return Spread.from_dict(d).fmt(digits, unit)
-
-
 def markdown(result: dict, command: str) -> str:
     names = [v["name"] for v in result["variants"]]
     first = names[0]
@@ -119,8 +115,8 @@ def markdown(result: dict, command: str) -> str:
              "|---|---|---|" + "---|" * (2 * len(names) - 1)]
     for r in result["rows"]:
         lines.append(f"| {r['case']} | {r['heads']} / {r['kv_heads']} × {r['head_dim']} | {r['seqs']} × {r['context']} | "
-                     + " | ".join(_fmt(r["ms"][n]) for n in names) + " | "
-                     + " | ".join(_fmt(r["speedup"][n], 2, "×") for n in names[1:]) + " |")
+                     + " | ".join(fmt_spread(r["ms"][n]) for n in names) + " | "
+                     + " | ".join(fmt_spread(r["speedup"][n], 2, "×") for n in names[1:]) + " |")
     stem = result.get("stem", "attention_by_change")
     lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
     return "\n".join(lines) + "\n"

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine.model.config import load_model_config  # noqa: E402
 from pdserve.kernels import native  # noqa: E402
-from report import Spread, host, machine, publish  # noqa: E402
+from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "CPU projections by instruction set (`benchmarks/cpu_linear.py`)"
@@ -161,10 +161,6 @@ def run(model: str, repeats: int, iters: int, progress: bool = True) -> dict:
                 variants=list(variants), rows=rows, machine=machine())
 
 
-def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
-    return Spread.from_dict(d).fmt(digits, unit)
-
-
 def markdown(result: dict, command: str) -> str:
     shapes = ", ".join(f"{name} {n}×{k}" for name, n, k in result["shapes"])
     model = Path(result["model"]).resolve()
@@ -180,8 +176,8 @@ def markdown(result: dict, command: str) -> str:
              "the same with the tile path off. GB/s counts each variant's own weight bytes.", "",
              "| rows (M) | variant | ms a pass | weights GB/s | speedup over torch |", "|---|---|---|---|---|"]
     for r in result["rows"]:
-        speed = "–" if r["variant"] == "torch" else _fmt(r["speedup"], 2, "×")
-        lines.append(f"| {r['rows']} | {r['variant']} | {_fmt(r['ms'], 3)} | {_fmt(r['gbps'], 1)} | {speed} |")
+        speed = "–" if r["variant"] == "torch" else fmt_spread(r["speedup"], 2, "×")
+        lines.append(f"| {r['rows']} | {r['variant']} | {fmt_spread(r['ms'], 3)} | {fmt_spread(r['gbps'], 1)} | {speed} |")
     lines += ["", "Files: `benchmarks/results/cpu_linear.json`, `benchmarks/results/cpu_linear.png`."]
     return "\n".join(lines) + "\n"
 

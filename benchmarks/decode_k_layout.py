@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, host, machine, measure_read_bandwidth, publish  # noqa: E402
+from report import Spread, fmt_spread, host, machine, measure_read_bandwidth, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SOURCE = REPO / "benchmarks" / "decode_k_layout.cpp"
@@ -95,10 +95,6 @@ def run(cases, repeats: int) -> dict:
     return dict(repeats=repeats, rows=rows, read_gbps=measure_read_bandwidth(), machine=machine())
 
 
-def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
-    return Spread.from_dict(d).fmt(digits, unit)
-
-
 def markdown(result: dict, command: str) -> str:
     lines = [f"Command: `{command}`. One thread on {host(result['machine'])}; min / median / max over "
              f"{result['repeats']} repeats, the variants in a rotating order within each, the caches evicted "
@@ -115,9 +111,9 @@ def markdown(result: dict, command: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ms, gb, sp = r["ms"], r["gbps"], r["speedup"]
-        lines.append(f"| {r['case']} | {r['order']} | {r['key_mib']:g} | {_fmt(ms['row-major'])} | "
-                     f"{_fmt(ms['transposed'])} | {_fmt(ms['dims-major'])} | {_fmt(gb['row-major'], 1)} | "
-                     f"{_fmt(gb['dims-major'], 1)} | {_fmt(sp['transposed'], 2, '×')} | {_fmt(sp['dims-major'], 2, '×')} |")
+        lines.append(f"| {r['case']} | {r['order']} | {r['key_mib']:g} | {fmt_spread(ms['row-major'])} | "
+                     f"{fmt_spread(ms['transposed'])} | {fmt_spread(ms['dims-major'])} | {fmt_spread(gb['row-major'], 1)} | "
+                     f"{fmt_spread(gb['dims-major'], 1)} | {fmt_spread(sp['transposed'], 2, '×')} | {fmt_spread(sp['dims-major'], 2, '×')} |")
     stem = result.get("stem", "decode_k_layout")
     lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
     return "\n".join(lines) + "\n"

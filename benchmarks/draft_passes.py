@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.draft_passes import DraftPasses  # noqa: E402
-from report import Spread, host, machine, publish  # noqa: E402
+from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
 from prompts import code_prompts  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -111,10 +111,6 @@ def _key(engine: str) -> str:
     return engine.replace(" ", "_").replace("-", "_")
 
 
-def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
-    return Spread.from_dict(d).fmt(digits, unit)
-
-
 def markdown(result: dict, command: str) -> str:
     depth = "adaptive depth up to 4" if result.get("adaptive") else "k = 4 fixed"
     lines = [f"Command: `{command}`. Demo pair, draft {depth}, `graph_capture=\"{result['capture']}\"`, "
@@ -128,8 +124,8 @@ def markdown(result: dict, command: str) -> str:
              + " | ".join(f"{a} / {b}" for a, b in RATIOS) + " |", "|---|---|" + "---|" * (len(ENGINES) + len(RATIOS))]
     for r in result["rows"]:
         t = r["tokens_per_s"]
-        lines.append(f"| {r['batch']} | {r['temperature']:g} | " + " | ".join(_fmt(t[e], 0) for e in ENGINES) + " | "
-                     + " | ".join(_fmt(r[f"{_key(a)}_vs_{_key(b)}"], 3, "×") for a, b in RATIOS) + " |")
+        lines.append(f"| {r['batch']} | {r['temperature']:g} | " + " | ".join(fmt_spread(t[e], 0) for e in ENGINES) + " | "
+                     + " | ".join(fmt_spread(r[f"{_key(a)}_vs_{_key(b)}"], 3, "×") for a, b in RATIOS) + " |")
     stem = "draft_passes_adaptive" if result.get("adaptive") else "draft_passes"
     lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
     return "\n".join(lines) + "\n"

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.model_runner import kv_bytes_per_block  # noqa: E402
-from report import Spread, host, machine, publish  # noqa: E402
+from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "KV cache dtype (`benchmarks/kv_cache_dtype.py`)"
@@ -127,10 +127,6 @@ def run(model: str, repeats: int, steps: int, cases, threads: int, narrow: str =
                 same_tokens=same, compared_tokens=total, rows=rows, machine=machine())
 
 
-def _fmt(d: dict, digits: int = 2, unit: str = "") -> str:
-    return Spread.from_dict(d).fmt(digits, unit)
-
-
 def markdown(result: dict, command: str) -> str:
     model = Path(result["model"]).resolve()
     model = model.relative_to(REPO) if model.is_relative_to(REPO) else model
@@ -145,8 +141,8 @@ def markdown(result: dict, command: str) -> str:
     for r in result["rows"]:
         name = (f"decode step, batch {r['batch']}, context {r['context']}" if r["kind"] == "decode"
                 else f"prefill, {r['context']}-token prompt")
-        lines.append(f"| {name} | {_fmt(r['ms']['float32'], 2)} | {_fmt(r['ms'][n], 2)} | "
-                     f"{_fmt(r['speedup'], 2, '×')} |")
+        lines.append(f"| {name} | {fmt_spread(r['ms']['float32'], 2)} | {fmt_spread(r['ms'][n], 2)} | "
+                     f"{fmt_spread(r['speedup'], 2, '×')} |")
     stem = "kv_cache_dtype" if n == "bfloat16" else f"kv_cache_dtype_{n}"
     lines += ["", f"K/V bytes per token of the model: {per_token['float32']} float32, {per_token[n]} "
               f"{n}; blocks in the default 512 MiB (sized by the engine, not timed): {b['float32']} and "

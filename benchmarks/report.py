@@ -47,6 +47,11 @@ class Spread:
         return asdict(self)
 
 
+def fmt_spread(d: dict, digits: int = 2, unit: str = "") -> str:
+    """A result JSON's spread (`Spread.as_dict()`) as "min / median / max" with `unit`."""
+    return Spread.from_dict(d).fmt(digits, unit)
+
+
 @dataclass(frozen=True, slots=True)
 class Goal:
     name: str
