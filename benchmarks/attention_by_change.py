@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, export_revision, fmt_spread, grouped_bars, host, machine, publish  # noqa: E402
+from report import (Spread, export_revision, fmt_spread, grouped_bars, host, machine, publish,  # noqa: E402
+                    revision_subject)
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Decode attention by change (`benchmarks/attention_by_change.py`)"
@@ -79,8 +80,7 @@ def run(variants: list[tuple[str, str]], cases, repeats: int) -> dict:
         paths = {}
         for name, rev in variants:
             paths[name] = export_revision(rev, Path(tmp) / name)
-            subjects[name] = subprocess.run(["git", "log", "-1", "--format=%h %s", rev], cwd=REPO, check=True,
-                                            capture_output=True, text=True).stdout.strip()
+            subjects[name] = revision_subject(rev)
         for rep in range(repeats):
             for name, _ in (variants if rep % 2 == 0 else variants[::-1]):
                 env = dict(os.environ, PYTHONPATH=str(paths[name]), OMP_NUM_THREADS="1")
@@ -114,7 +114,8 @@ def markdown(result: dict, command: str) -> str:
              + " | ".join(f"{n}, ms" for n in names) + " | " + " | ".join(f"speedup, {n}" for n in names[1:]) + " |",
              "|---|---|---|" + "---|" * (2 * len(names) - 1)]
     for r in result["rows"]:
-        lines.append(f"| {r['case']} | {r['heads']} / {r['kv_heads']} × {r['head_dim']} | {r['seqs']} × {r['context']} | "
+        lines.append(f"| {r['case']} | {r['heads']} / {r['kv_heads']} × {r['head_dim']} | "
+                     f"{r['seqs']} × {r['context']} | "
                      + " | ".join(fmt_spread(r["ms"][n]) for n in names) + " | "
                      + " | ".join(fmt_spread(r["speedup"][n], 2, "×") for n in names[1:]) + " |")
     stem = result.get("stem", "attention_by_change")

@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, export_revision, grouped_bars, machine, update_section  # noqa: E402
+from report import Spread, export_revision, grouped_bars, machine, revision_subject, update_section  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Step cost by change (issue 14)"
@@ -158,9 +158,7 @@ def worker(model: str, options: dict, new_tokens: int, prompt_lens: list[int], t
 
 def unpack(revision: str, into: Path) -> tuple[Path, str]:
     """The revision's sources laid out as the `pdserve` package (`report.export_revision`); its subject line."""
-    subject = subprocess.run(["git", "log", "-1", "--format=%h %s", revision], cwd=REPO, check=True,
-                             capture_output=True, text=True).stdout.strip()
-    return export_revision(revision, into), subject
+    return export_revision(revision, into), revision_subject(revision)
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:

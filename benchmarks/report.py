@@ -126,6 +126,12 @@ def measure_read_bandwidth(num_mb: int = 256, repeats: int = 5) -> float:
 NOTES_MARK = "<!-- notes below are written by hand: kept when the script rewrites this section -->"
 
 
+def revision_subject(rev: str) -> str:
+    """`rev`'s short hash and subject line, as a variant's table names it."""
+    return subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "log", "-1", "--format=%h %s", rev],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
 def export_revision(rev: str, into: Path) -> Path:
     """`rev`'s sources laid out as the installed package is: the repository root as `pdserve`,
     with proto/pdserve (`__init__`, `v1`) inside it. Returns the directory to put first on
