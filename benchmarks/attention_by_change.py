@@ -2,12 +2,13 @@
 side in one run.
 
     python benchmarks/attention_by_change.py --variant before=REV --variant after=HEAD [--repeats 6]
-        [--quick] [--no-markdown]
+        [--queries 1] [--quick] [--no-markdown]
 
 Each variant is a revision's sources (unpacked with `git archive`, `report.export_revision`),
 imported in a process of its own, which builds or loads that revision's native ops and times
-`paged_attention_cpu` (the new token's K/V written, then every query head's attention over its
-sequence's keys) for one decode step of 32 sequences at a 1024-token context, float32, one thread:
+`paged_attention_cpu` (the new tokens' K/V written, then every query head's attention over its
+sequence's keys) for one decode step of 32 sequences at a 1024-token context (with --queries N, a
+step of N new tokens a sequence, as a speculative verification of N - 1 drafts), float32, one thread:
 the demo target's heads (8 query heads on 4 KV heads of 32), and Llama-3.2-1B- and Llama-3-8B-like
 ones (32 on 8 of 64 and of 128). A sequence's blocks lie in order. A case's figure in a process is
 the median of 12 calls after 3 warm-up calls. The variants take turns, one fresh process each per
@@ -36,6 +37,7 @@ from report import (Spread, export_revision, fmt_spread, grouped_bars, host, mac
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Decode attention by change (`benchmarks/attention_by_change.py`)"
+VERIFY_SECTION = "Verification attention by change (`benchmarks/attention_by_change.py --queries`)"
 BLOCK = 16
 # name, query heads, KV heads, head_dim, sequences, context
 CASES = (("demo", 8, 4, 32, 32, 1024), ("Llama-1B-like", 32, 8, 64, 32, 1024), ("Llama-8B-like", 32, 8, 128, 32, 1024))
@@ -43,7 +45,7 @@ QUICK_CASES = (("demo", 8, 4, 32, 2, 64), ("Llama-8B-like", 32, 8, 128, 2, 64))
 WARMUP, CALLS = 3, 12
 
 
-def worker(cases: list) -> None:
+def worker(cases: list, queries: int = 1) -> None:
     """In a variant's process: each case's median seconds, one JSON object on stdout."""
     import torch
 
@@ -60,10 +62,12 @@ def worker(cases: list) -> None:
         k_cache = torch.randn(seqs * blocks + 1, BLOCK, kv, head_dim, generator=g)
         v_cache = torch.randn(seqs * blocks + 1, BLOCK, kv, head_dim, generator=g)
         ids = torch.arange(seqs * blocks).view(seqs, blocks)
-        q = torch.randn(seqs, heads, head_dim, generator=g)
-        k, v = torch.randn(seqs, kv, head_dim, generator=g), torch.randn(seqs, kv, head_dim, generator=g)
-        lens, starts = torch.full((seqs,), context), torch.arange(seqs + 1)
-        slots = ids[:, -1] * BLOCK + (context - 1) % BLOCK
+        rows = seqs * queries  # each sequence's last `queries` tokens are the step's
+        q = torch.randn(rows, heads, head_dim, generator=g)
+        k, v = torch.randn(rows, kv, head_dim, generator=g), torch.randn(rows, kv, head_dim, generator=g)
+        lens, starts = torch.full((seqs,), context), torch.arange(seqs + 1) * queries
+        positions = torch.arange(context - queries, context)
+        slots = (ids.gather(1, (positions // BLOCK).expand(seqs, -1)) * BLOCK + positions % BLOCK).reshape(-1)
         seconds = []
         for _ in range(WARMUP + CALLS):
             t = time.perf_counter()
@@ -73,7 +77,7 @@ def worker(cases: list) -> None:
     print(json.dumps(out))
 
 
-def run(variants: list[tuple[str, str]], cases, repeats: int) -> dict:
+def run(variants: list[tuple[str, str]], cases, repeats: int, queries: int = 1) -> dict:
     times: dict[str, list[dict]] = {name: [] for name, _ in variants}
     subjects = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +88,8 @@ def run(variants: list[tuple[str, str]], cases, repeats: int) -> dict:
         for rep in range(repeats):
             for name, _ in (variants if rep % 2 == 0 else variants[::-1]):
                 env = dict(os.environ, PYTHONPATH=str(paths[name]), OMP_NUM_THREADS="1")
-                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cases)],
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cases),
+                                       str(queries)],
                                       env=env, cwd=tmp, capture_output=True, text=True, timeout=1800)
                 if proc.returncode != 0:
                     raise SystemExit(f"attention_by_change: variant {name} failed: {proc.stderr.strip()[-2000:]}")
@@ -98,13 +103,16 @@ def run(variants: list[tuple[str, str]], cases, repeats: int) -> dict:
                          speedup={n: Spread.of(a[c] / b[c] for a, b in zip(times[first], times[n])).as_dict()
                                   for n, _ in variants[1:]}))
     return dict(variants=[dict(name=n, revision=r, subject=subjects[n]) for n, r in variants], repeats=repeats,
-                rows=rows, machine=machine())
+                queries=queries, rows=rows, machine=machine())
 
 
 def markdown(result: dict, command: str) -> str:
     names = [v["name"] for v in result["variants"]]
     first = names[0]
-    lines = [f"Command: `{command}`. `paged_attention_cpu`, one decode step (the new token's K/V written, then "
+    queries = result.get("queries", 1)
+    step = ("one decode step (the new token's K/V written" if queries == 1 else
+            f"one step of {queries} new tokens a sequence, as a verification of {queries - 1} drafts (their K/V written")
+    lines = [f"Command: `{command}`. `paged_attention_cpu`, {step}, then "
              f"attention over the context), float32, one thread, on {host(result['machine'])}; each variant a "
              f"revision in a fresh process per repeat, the order reversed every repeat; min / median / max over "
              f"{result['repeats']} repeats of each case's median call. Speedup: {first}'s time over the variant's, "
@@ -131,7 +139,8 @@ def plot(result: dict, path: Path) -> None:
     rows, names = result["rows"], [v["name"] for v in result["variants"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     grouped_bars(ax, [f"{r['case']}\nd{r['head_dim']}" for r in rows], [(n, [r["ms"][n] for r in rows]) for n in names])
-    ax.set_ylabel("ms per decode step's attention")
+    queries = result.get("queries", 1)
+    ax.set_ylabel("ms per decode step's attention" if queries == 1 else f"ms per {queries}-token step's attention")
     ax.set_title("paged_attention_cpu by revision, one thread")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -140,10 +149,12 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return worker(json.loads(argv[1]))
+        return worker(json.loads(argv[1]), int(argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", action="append", default=[], help="NAME=REV (repeatable; the first is the base)")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--queries", type=int, default=1,
+                        help="new tokens a sequence in the timed step: 1, a decode step; k + 1, a verification of k drafts")
     parser.add_argument("--quick", action="store_true", help="small cases, 2 repeats (a smoke run)")
     parser.add_argument("--no-markdown", action="store_true", help="do not rewrite BENCHMARKS.md")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -158,10 +169,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give at least two --variant NAME=REV, with different names")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    result = run(variants, QUICK_CASES if args.quick else CASES, 2 if args.quick else args.repeats)
-    result["stem"] = "attention_by_change_quick" if args.quick else "attention_by_change"
+    if not 1 <= args.queries <= 16:
+        parser.error("--queries must be 1 to 16 (a decode step, or a verification of up to 15 drafts)")
+    result = run(variants, QUICK_CASES if args.quick else CASES, 2 if args.quick else args.repeats, args.queries)
+    suffix = "" if args.queries == 1 else f"_q{args.queries}"
+    result["stem"] = ("attention_by_change_quick" if args.quick else "attention_by_change") + suffix
     publish(result, "attention_by_change", argv, args.out, markdown, plot,
-            None if args.no_markdown or args.quick else SECTION, stem=result["stem"])
+            None if args.no_markdown or args.quick else SECTION if args.queries == 1 else VERIFY_SECTION,
+            stem=result["stem"])
 
 
 if __name__ == "__main__":

@@ -29,3 +29,19 @@ def test_malformed_variants_are_refused(load_benchmark, variants, capsys):
     with pytest.raises(SystemExit):
         bench.main([arg for v in variants for arg in ("--variant", v)])
     assert "--variant" in capsys.readouterr().err
+
+
+def test_a_verification_step_is_timed_with_its_queries(tmp_path, load_benchmark):
+    bench = load_benchmark("attention_by_change")
+    bench.main(["--variant", "base=HEAD", "--variant", "again=HEAD", "--quick", "--queries", "3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "attention_by_change_quick_q3.json").read_text())
+    assert result["queries"] == 3 and (tmp_path / "attention_by_change_quick_q3.png").stat().st_size > 0
+    assert all(r["ms"][n]["min"] > 0 for r in result["rows"] for n in ("base", "again"))
+
+
+@pytest.mark.parametrize("queries", ["0", "17"])
+def test_queries_out_of_range_are_refused(load_benchmark, queries, capsys):
+    bench = load_benchmark("attention_by_change")
+    with pytest.raises(SystemExit):
+        bench.main(["--variant", "a=HEAD", "--variant", "b=HEAD", "--queries", queries])
+    assert "--queries" in capsys.readouterr().err
