@@ -54,8 +54,11 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 20;
 // as before) 0.98x. That is at head_dim 32. At 64 and 128 it wins from 4 rows on (a decode step of
 // the common 4 query heads per KV head): the key pass alone 1.1-1.2x at 4 rows, 0.8-0.9x at 2
 // (`benchmarks/decode_k_layout.py`, BENCHMARKS.md; the same vector functions), hence
-// `transposed_rows`.
-constexpr int64_t kTransposedRows = 8;
+// `transposed_rows`. At head_dim 32 the key pass alone crosses over near 16 rows (scratch, the same
+// script's vector functions: 0.83x at 8 rows, 0.93x at 10, 0.94x at 12, 1.09x at 16), so a
+// verification of 3 to 7 drafts at two query heads per KV head takes dot16 (BENCHMARKS.md,
+// Verification attention by change).
+constexpr int64_t kTransposedRows = 16;
 constexpr int64_t kTransposedRowsWide = 4;  // head_dim 64 and more
 constexpr int64_t transposed_rows(int64_t head_dim) { return head_dim >= 64 ? kTransposedRowsWide : kTransposedRows; }
 // The most floats a thread's attention buffer keeps between calls (1 MB): a decode or verification
@@ -240,8 +243,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 #ifdef PDSERVE_AVX512
         if constexpr (kWide) {
           // a KV head's sixteen keys are transposed once and scored against all its rows that see
-          // them, where there are at least transposed_rows(HD) (a prefill chunk; a verification of
-          // 4 or more tokens at two query heads per KV head; from head_dim 64, a decode step at 4);
+          // them, where there are at least transposed_rows(HD) (a prefill chunk; at head_dim 32 a
+          // verification of 8 or more tokens at two query heads per KV head; from head_dim 64, a
+          // decode step at 4);
           // fewer rows take dot16 each, whose horizontal sums cost less than the transposition there
           for (; jj + 16 <= n; jj += 16) {
             const int64_t i0 = first_row(j0 + jj);
