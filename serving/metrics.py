@@ -4,7 +4,9 @@ and the workers' metrics, which both pools describe through the same `WorkerStat
 Names follow vLLM's (`vllm:` becomes `pdserve:`) so dashboards carry over. Each process keeps
 its own `CollectorRegistry` (`new_registry`), never the global one, so tests can build
 components twice; every registry carries the process metrics (`process_resident_memory_bytes`,
-`process_cpu_seconds_total`, `process_open_fds`, `process_start_time_seconds`, …). No series
+`process_cpu_seconds_total`, `process_open_fds`, `process_start_time_seconds`, …) and its
+threads' CPU seconds by role (`thread_cpu.ThreadCpuCollector`: the engine thread's, the serving
+loop's). No series
 has a `_created` twin: it doubles the series count and no dashboard of ours reads it.
 
 A worker's gauges and counters mirror state the servicer and engine already keep; they are
@@ -22,6 +24,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.serving.thread_cpu import ThreadCpuCollector
 from pdserve.v1 import worker_pb2
 
 PREFIX = "pdserve:"
@@ -40,9 +43,11 @@ BANDWIDTH_BUCKETS = tuple(m * 10.0 ** e for e in range(6, 11) for m in (1, 2.5, 
 
 
 def new_registry() -> CollectorRegistry:
-    """A process's registry, with the process metrics (memory, CPU seconds, fds, start time)."""
+    """A process's registry, with the process metrics (memory, CPU seconds, fds, start time) and
+    its long-lived threads' CPU seconds."""
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
+    registry.register(ThreadCpuCollector())
     return registry
 
 

@@ -282,7 +282,7 @@ def test_prometheus_scrapes_the_file_sd_targets_and_every_dashboard_query_return
             assert time.monotonic() < deadline, f"no data for {len(missing)} panel queries: {missing}"
             time.sleep(1)
         rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
-        assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+        assert len(rules) == 8 and all(r["health"] == "ok" for r in rules), rules
     finally:
         stop.set()
         for t in senders:

@@ -200,3 +200,15 @@ def test_the_readme_metric_table_is_exactly_what_is_exported(traffic, cluster):
     exported = set().union(*(_exported_names(cluster, n) for n in ("R", "P", "D")))
     assert exported == documented_metrics(), (sorted(exported - documented_metrics()),
                                               sorted(documented_metrics() - exported))
+
+
+def test_each_process_counts_its_threads_cpu_by_role(traffic):
+    """The workers' engine threads stepped the traffic and their serving loops streamed it; the
+    router relayed it on its loop. Every process reads its threads' clocks at each scrape."""
+    before, after, _ = traffic
+    for name, roles in (("P", ("engine", "server")), ("D", ("engine", "server")), ("R", ("server",))):
+        for role in roles:
+            assert _delta(before[name], after[name], "pdserve:thread_cpu_seconds_total", thread=role) > 0, (name, role)
+        threads = sum(v for (s, labels), v in after[name].items() if s == "pdserve:thread_cpu_seconds_total")
+        assert threads <= after[name][("process_cpu_seconds_total", EMPTY)] + 0.05, name
+    assert ("pdserve:thread_cpu_seconds_total", frozenset({("thread", "engine")})) not in after["R"]
