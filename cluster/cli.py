@@ -112,7 +112,8 @@ def _decode_worker(args: argparse.Namespace) -> int:
     config = DecodeServerConfig(kv_transfer_timeout_s=args.kv_transfer_timeout, stream_timeout_s=args.stream_timeout,
                                 kv_shm=not args.no_kv_shm, kv_dist=not args.no_kv_dist,
                                 local_prefill_tokens=args.local_prefill_tokens,
-                                local_prefill_chunk_tokens=args.local_prefill_chunk_tokens)
+                                local_prefill_chunk_tokens=args.local_prefill_chunk_tokens,
+                                stream_interval=args.stream_interval)
     return _worker(args, lambda: DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
 
 
@@ -170,6 +171,7 @@ SERVE_OVERRIDES = {
     "cluster_token_file": "security.cluster_token_file", "tls_cert": "security.tls_cert",
     "tls_key": "security.tls_key", "api_key": "security.api_keys", "spec_verifier": "decode.engine.spec_verifier",
     "local_prefill_tokens": "local_prefill_tokens", "local_prefill_chunk_tokens": "local_prefill_chunk_tokens",
+    "stream_interval": "stream_interval",
 }
 
 

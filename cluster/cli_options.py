@@ -148,6 +148,9 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--local-prefill-chunk-tokens", type=int, default=None, help="decode worker: such tails take at "
                    "most this many tokens in all of a step that also decodes (0: no cap; default: %d on a CPU, no cap "
                    "on a GPU)" % LOCAL_PREFILL_CHUNK_TOKENS)
+    p.add_argument("--stream-interval", type=int, default=1, help="decode worker: send a request's tokens once "
+                   "this many are new (its first and last at once): N writes N times fewer stream messages here and "
+                   "at the router, and clients get tokens N at a time (default: %(default)s, every token)")
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds live requests get to finish before the worker stops")
@@ -212,6 +215,8 @@ def add_serve_args(sv) -> None:
              "holds all but at most this many prompt tokens (0: never)"),
             ("--local-prefill-chunk-tokens", int, "such tails take at most this many tokens in all of a step that "
              "also decodes (0: no cap; default: %d on a CPU, no cap on a GPU)" % LOCAL_PREFILL_CHUNK_TOKENS),
+            ("--stream-interval", int, "a decode worker sends a request's tokens once this many are new (its "
+             "first and last at once): fewer stream messages, tokens N at a time (default: 1)"),
             ("--gpus-per-worker", float, "GPUs per worker of both pools"),
             ("--host", str, "the router's address"),
             ("--grpc-port", int, "the public gRPC API (0: a free port)"),

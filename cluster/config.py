@@ -93,6 +93,8 @@ class ServeConfig:
     # such tails take at most this many tokens in all of a step that also decodes; None: 32 on a CPU
     # (decode_worker.LOCAL_PREFILL_CHUNK_TOKENS), no cap on a GPU; 0: no cap
     local_prefill_chunk_tokens: int | None = None
+    # a decode worker sends a request's tokens once this many are new (its first and last at once)
+    stream_interval: int = 1
     placement_timeout: float = 60.0  # for the cluster to find the resources of every worker
     start_timeout: float = 300.0  # for every placed worker to load its model and serve
     metrics_targets_file: str | None = None  # Prometheus file-SD list of every process (default: beside the Ray logs)
@@ -117,6 +119,8 @@ class ServeConfig:
         chunk = self.local_prefill_chunk_tokens
         _check(chunk is None or isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0,
                "local_prefill_chunk_tokens", chunk, "must be an integer >= 0 or null")
+        _check(isinstance(self.stream_interval, int) and not isinstance(self.stream_interval, bool)
+               and self.stream_interval >= 1, "stream_interval", self.stream_interval, "must be an integer >= 1")
         _check_pool("prefill", self.prefill, minimum=0)
         _check_pool("decode", self.decode, minimum=1)
         _check_router(self.router)

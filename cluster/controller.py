@@ -161,7 +161,7 @@ class Controller:
         c = self.config
         spec = WorkerSpec(worker_id, role, c.engine_options(role), num_threads, c.kv_transfer_timeout,
                           c.stream_timeout, c.router.drain_timeout, self.security, self.telemetry, c.kv_shm, c.name,
-                          c.kv_dist, c.local_prefill_tokens, c.local_prefill_chunk_tokens)
+                          c.kv_dist, c.local_prefill_tokens, c.local_prefill_chunk_tokens, c.stream_interval)
         pool = self._pool(role)
         actor = ray.remote(WorkerActor).options(
             name=f"pdserve-{worker_id}", namespace=NAMESPACE, num_cpus=pool.cpus, num_gpus=pool.gpus,

@@ -43,6 +43,7 @@ class WorkerSpec:
     kv_dist: bool = False  # prefill: K/V bytes over a torch.distributed group to decode workers that take it
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # decode: prefill a prompt's short uncached tail here
     local_prefill_chunk_tokens: int | None = None  # decode: such tails' tokens a step (None: the device's default)
+    stream_interval: int = 1  # decode: a request's tokens go out once this many are new
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,8 @@ class WorkerActor:
         return DecodeWorkerServicer(DecodeServerConfig(kv_transfer_timeout_s=s.kv_transfer_timeout_s,
                                                        stream_timeout_s=s.stream_timeout_s, kv_shm=s.kv_shm,
                                                        local_prefill_tokens=s.local_prefill_tokens,
-                                                       local_prefill_chunk_tokens=s.local_prefill_chunk_tokens),
+                                                       local_prefill_chunk_tokens=s.local_prefill_chunk_tokens,
+                                                       stream_interval=s.stream_interval),
                                     security=s.security)
 
     def _on_ready(self, addresses) -> None:

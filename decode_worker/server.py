@@ -86,6 +86,11 @@ class DecodeServerConfig:
     # such tails take at most this many tokens in all of a step that also decodes; None: LOCAL_PREFILL_CHUNK_TOKENS
     # on a CPU, no cap on a GPU (where a short chunk rides a decode step at little cost); 0: no cap
     local_prefill_chunk_tokens: int | None = None
+    # a request's stream sends a delta once it holds this many new tokens (its first and its last
+    # at once): 1 streams each token as the engine emits it; N writes N times fewer messages on
+    # this worker's loop and the router's, which is where a served token's CPU goes past the
+    # engine's (BENCHMARKS.md, Streaming cost per token), and the tokens reach clients N at a time
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
@@ -99,6 +104,9 @@ class DecodeServerConfig:
         if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
             raise ValueError(f"DecodeServerConfig.local_prefill_chunk_tokens must be an integer >= 0 or None, "
                              f"got {chunk!r}")
+        interval = self.stream_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"DecodeServerConfig.stream_interval must be an integer >= 1, got {interval!r}")
 
 
 @dataclass(slots=True, eq=False)
@@ -112,6 +120,19 @@ class DecodeRequest:
     pinned: PinnedBlocks | None = None  # after KVTargetReady: the reservation's blocks, as reserved
     spans: RequestSpans | None = None  # reservation, transfer, decode
     num_tokens: int = 0  # generated and sent
+    interval: int = 1  # its stream's `stream_interval`
+    num_queued: int | None = None  # tokens handed to its stream so far (None: none yet)
+
+    def deliver(self, item) -> None:
+        """The engine loop's sink for this request. An output goes to the stream when it completes
+        a group (its first tokens, `interval` more, the last), a failure at once; an output short
+        of a group is dropped, as the next one carries its tokens too (`RequestOutput.token_ids`
+        is all of them so far). So the stream's coroutine wakes once a group, not once a step."""
+        if isinstance(item, RequestOutput):
+            if not item.finished and self.num_queued is not None and len(item.token_ids) - self.num_queued < self.interval:
+                return
+            self.num_queued = len(item.token_ids)
+        self.events.put_nowait(item)
 
     @property
     def kv_blocks(self) -> Sequence | PinnedBlocks:
@@ -123,11 +144,12 @@ class DecodeRequest:
         return self.state in (DecodeState.RESERVED, DecodeState.RECEIVING, DecodeState.RUNNING)
 
 
-def token_delta(out: RequestOutput) -> worker_pb2.DecodeEvent:
+def token_delta(out: RequestOutput, num_sent: int | None = None) -> worker_pb2.DecodeEvent:
+    """The tokens of `out` after the first `num_sent` it generated (default: its new ones)."""
+    num_before = len(out.token_ids) - len(out.new_token_ids) if num_sent is None else num_sent
     reason = FINISH_REASONS[out.finish_reason.value] if out.finish_reason else 0
-    delta = worker_pb2.TokenDelta(token_ids=out.new_token_ids, finish_reason=reason)
+    delta = worker_pb2.TokenDelta(token_ids=out.token_ids[num_before:], finish_reason=reason)
     if out.logprobs is not None:
-        num_before = len(out.token_ids) - len(out.new_token_ids)
         delta.logprobs.extend(logprobs_message(row) for row in out.logprobs[num_before:])
     return worker_pb2.DecodeEvent(tokens=delta)
 
@@ -187,7 +209,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     async def Decode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
         await self._check_new(req_id, context)
-        r = DecodeRequest(req_id, DecodeState.RESERVED, spans=self._spans(req_id, context, len(ids)))
+        r = DecodeRequest(req_id, DecodeState.RESERVED, spans=self._spans(req_id, context, len(ids)),
+                          interval=self.config.stream_interval)
         r.seq, here = await self._reserve(r, ids, params, context)
         text = ""
         if here:  # the cache holds all but a short tail, which the engine is prefilling already
@@ -259,7 +282,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     async def PrefillAndDecode(self, request, context):
         req_id, ids, params = await self._parse(request, context)
         await self._check_new(req_id, context)
-        r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)))
+        r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)),
+                          interval=self.config.stream_interval)
         r.spans.start("decode")
         self._track(r)
         try:
@@ -293,18 +317,20 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
 
     def _track(self, r: DecodeRequest) -> None:
         self.live.add(r)
-        self.loop.sinks[r.req_id] = r.events.put_nowait
+        self.loop.sinks[r.req_id] = r.deliver
 
     def _untrack(self, r: DecodeRequest) -> None:
         self.live.discard(r)
-        if self.loop.sinks.get(r.req_id) == r.events.put_nowait:  # only its own
+        if self.loop.sinks.get(r.req_id) == r.deliver:  # only its own
             del self.loop.sinks[r.req_id]
 
     # ---- the token stream both modes share -----------------------------------------------
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
         """Token deltas until the request finishes; a failure ends the call with its status. The
-        first wait covers the transfer (reserved requests), later ones one delta each."""
+        first wait covers the transfer (reserved requests), later ones a group of tokens each
+        (`DecodeRequest.deliver`: every token, or `stream_interval` of them)."""
         timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
+        num_sent = None  # tokens sent so far (None: no delta yet)
         while True:
             try:  # a timer, not wait_for's task a delta: 12 against 8 µs a delta (scratch timing, one loop)
                 async with asyncio.timeout(timeout):
@@ -323,7 +349,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
             if item.finished:
                 r.state = DecodeState.FINISHED
             r.num_tokens = len(item.token_ids)
-            yield token_delta(item)
+            yield token_delta(item, num_sent)
+            num_sent = r.num_tokens
             if item.finished:
                 return
 
@@ -338,7 +365,7 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
             self.kv_transfer_failures_total += bool(was_transferring)
             log.warning("request %s failed: %s", r.req_id, err)
         r.events.put_nowait(err)
-        if self.loop.sinks.get(r.req_id) == r.events.put_nowait:
+        if self.loop.sinks.get(r.req_id) == r.deliver:
             del self.loop.sinks[r.req_id]
         self.loop.call(lambda e: e.abort(r.req_id))
 

@@ -57,17 +57,18 @@ def test_serve_flags_override_the_config(tmp_path):
     from pdserve.cluster.cli import serve_config
 
     config = tmp_path / "pdserve.yaml"
-    config.write_text("kv_shm: true\nlocal_prefill_tokens: 64\nlocal_prefill_chunk_tokens: 16\n"
+    config.write_text("kv_shm: true\nlocal_prefill_tokens: 64\nlocal_prefill_chunk_tokens: 16\nstream_interval: 4\n"
                       "decode:\n  workers: 3\n")
     default = serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
     assert default.kv_shm is True and default.decode.workers == 3 and default.local_prefill_tokens == 64
-    assert default.local_prefill_chunk_tokens == 16
+    assert default.local_prefill_chunk_tokens == 16 and default.stream_interval == 4
     flagged = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--no-kv-shm",
                                                       "--decode-workers", "2", "--no-speculation",
                                                       "--local-prefill-tokens", "0", "--local-prefill-chunk-tokens",
-                                                      "0"]))
+                                                      "0", "--stream-interval", "2"]))
     assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
     assert flagged.local_prefill_tokens == 0 and flagged.local_prefill_chunk_tokens == 0
+    assert flagged.stream_interval == 2
     assert default.kv_cache_dtype == "auto"
     narrow = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--kv-cache-dtype",
                                                      "bfloat16"]))
@@ -232,3 +233,6 @@ def test_bad_prefill_chunk_tokens_are_one_line_naming_them(text_checkpoint, caps
     assert main([*args, "--local-prefill-chunk-tokens", "-2"]) == 2
     assert capsys.readouterr().err.strip() == ("pdserve: error: DecodeServerConfig.local_prefill_chunk_tokens must "
                                                "be an integer >= 0 or None, got -2")
+    assert main([*args, "--stream-interval", "0"]) == 2
+    assert capsys.readouterr().err.strip() == ("pdserve: error: DecodeServerConfig.stream_interval must be an integer "
+                                               ">= 1, got 0")

@@ -113,6 +113,7 @@ def _connections(p: psutil.Process):
     ({"decode.engine": {"prefill_chunk_tokens": -8}},
      "decode.engine.prefill_chunk_tokens must be an integer >= 0 or None, got -8"),
     ({"local_prefill_chunk_tokens": -1}, "local_prefill_chunk_tokens must be an integer >= 0 or null, got -1"),
+    ({"stream_interval": 0}, "stream_interval must be an integer >= 1, got 0"),
     ({"colour": "blue"}, "unknown field colour"),
     ({"router.port": 1}, "unknown field router.port"),
 ])
