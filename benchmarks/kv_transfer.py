@@ -1,6 +1,6 @@
 """The KV transfer paths, measured side by side in one run (this machine is shared and noisy).
 
-    python benchmarks/kv_transfer.py [--quick]
+    python benchmarks/kv_transfer.py [--quick] [--kv-cache-dtype bfloat16]
 
 1. gRPC: a long prompt's K/V pushed the production way (`GrpcTransport`, chunks with CRC-32C
    copied out of a KV cache into their gRPC messages by `host_chunks`, as the prefill worker's
@@ -34,7 +34,9 @@ both sides of every ratio). After each round the plain copy runs once more: that
 round's copy is an A/A control, the ratio the host's noise alone gives. Each figure is min /
 median / max over --runs repeats and a goal is met only when the worst repeat meets it.
 "Per request" is the time to move one prompt's K/V once, end to end (reservation excluded).
-JSON and a PNG under benchmarks/results/.
+JSON and a PNG under benchmarks/results/. With --kv-cache-dtype bfloat16 (or float16) every worker
+keeps a 16-bit KV cache under the float32 model, and every path moves half the bytes; such a
+run writes files of its own (`kv_transfer_bfloat16*`) and never the section of BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -117,6 +119,11 @@ def tcp_seconds(port: int, cache, slots: torch.Tensor) -> float:
         return time.perf_counter() - t
 
 
+def kv_dtype_name(info: worker_pb2.WorkerInfo) -> str:
+    """The worker's KV cache dtype ("float32", "bfloat16", ...), which a push's header names."""
+    return info.kv_dtype or info.dtype
+
+
 class Pusher:
     """Reservations on a real decode worker, and pushes into them."""
 
@@ -141,7 +148,7 @@ class Pusher:
         return stream, event.admitted.ticket
 
     def header(self, ticket: str) -> KVHeader:
-        return KVHeader(ticket, len(self.prompt), self.info.dtype, tuple(
+        return KVHeader(ticket, len(self.prompt), kv_dtype_name(self.info), tuple(
             KVGroupLayout(g.name, g.num_layers, g.num_kv_heads, g.head_dim) for g in self.info.kv_groups))
 
     def push_seconds(self, transport, messages) -> float:
@@ -209,7 +216,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
     prompt = [(7 * i) % 500 + 3 for i in range(args.prompt_tokens)]
     num_blocks = -(-args.prompt_tokens // BLOCK_SIZE) * 2 + 8
     worker = ["--num-threads", "1", "--num-kv-blocks", str(num_blocks), "--no-prefix-caching", "--no-warmup",
-              "--max-num-batched-tokens", str(max(2048, args.prompt_tokens))]
+              "--max-num-batched-tokens", str(max(2048, args.prompt_tokens)), "--kv-cache-dtype", args.kv_cache_dtype]
     d_grpc = procs.start("decode-worker", *worker, "--no-kv-shm")
     d_shm = procs.start("decode-worker", *worker)
     procs.wait([d_grpc, d_shm])
@@ -218,7 +225,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
     g = grpc_push.info.kv_groups[0]
     assert len(grpc_push.info.kv_groups) == 1, "the benchmark model has no draft"
     shape = (num_blocks, BLOCK_SIZE, g.num_kv_heads, g.head_dim)
-    dtype = getattr(torch, grpc_push.info.dtype)
+    dtype = getattr(torch, kv_dtype_name(grpc_push.info))
     kv_copy.prepare(torch.device("cpu"))  # the native copies, as the workers load them
     arena = KVArena()
     src = arena(g.num_layers, shape, dtype, torch.device("cpu"))  # the prefill side's cache, in /dev/shm
@@ -227,7 +234,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
     slots = torch.arange(BLOCK_SIZE * 4, BLOCK_SIZE * 4 + args.prompt_tokens)  # a sequence's blocks
     nbytes = 2 * g.num_layers * args.prompt_tokens * src[0][0][0, 0].nbytes
     q = mp.Queue()
-    tcp = mp.Process(target=_tcp_server, args=(q, shape, g.num_layers, grpc_push.info.dtype), daemon=True)
+    tcp = mp.Process(target=_tcp_server, args=(q, shape, g.num_layers, kv_dtype_name(grpc_push.info)), daemon=True)
     tcp.start()
     tcp_port = q.get(timeout=30)
     flat_src = torch.empty(nbytes, dtype=torch.uint8)
@@ -370,7 +377,7 @@ def ttft(router: str, prompt: list[int], i: int) -> float:
 def bench_ttft(args, model: Path, procs, bar) -> dict:
     # like with like: every worker gets the same threads and the same step token budget
     worker = ["--num-threads", str(args.threads), "--num-kv-blocks", "512", "--no-prefix-caching",
-              "--max-num-batched-tokens", str(max(2048, args.prompt_tokens))]
+              "--max-num-batched-tokens", str(max(2048, args.prompt_tokens)), "--kv-cache-dtype", args.kv_cache_dtype]
     p = procs.start("prefill-worker", *worker)
     d = procs.start("decode-worker", *worker)
     d2 = procs.start("decode-worker", *worker)
@@ -415,6 +422,9 @@ def main() -> None:
     ap.add_argument("--skip-ttft", action="store_true", help="parts 1 and 2 only")
     ap.add_argument("--quick", action="store_true", help="small sizes, 5 runs (a smoke run)")
     ap.add_argument("--markdown", action="store_true", help="rewrite the KV transfer section of BENCHMARKS.md")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float16"),
+                    help="every worker's KV cache (auto: the model's, float32)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
     args = ap.parse_args()
     if args.quick:
         args.runs, args.layers, args.prompt_tokens = 5, 4, 512
@@ -433,16 +443,19 @@ def main() -> None:
             result["ttft"] = None if args.skip_ttft else bench_ttft(args, model, procs, bar)
         finally:
             procs.stop()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     # a smoke run, or one without the TTFT part, leaves the full run's files alone
-    stem = "kv_transfer" + ("_paths" if args.skip_ttft else "") + ("_quick" if args.quick else "")
+    narrow = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    stem = "kv_transfer" + narrow + ("_paths" if args.skip_ttft else "") + ("_quick" if args.quick else "")
     result["stem"] = stem
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / f"{stem}.png")
+    out = args.out.resolve()
+    result["out_dir"] = str(out.relative_to(REPO)) if out.is_relative_to(REPO) else str(out)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, default=str, indent=2))
+    plot(result, args.out / f"{stem}.png")
     text = markdown(result)
     print(text)
-    if args.markdown and args.skip_ttft:
-        print("not rewriting BENCHMARKS.md: the section needs the TTFT part too", file=sys.stderr)
+    if args.markdown and (args.skip_ttft or narrow):
+        print("not rewriting BENCHMARKS.md: the section is the float32 cache's, with the TTFT part", file=sys.stderr)
     elif args.markdown:
         update_section(REPO / "BENCHMARKS.md", "KV transfer (`benchmarks/kv_transfer.py`)", text)
 

@@ -54,8 +54,9 @@ def markdown(result: dict) -> str:
                              for k, v in p["seconds"][n].items()}).fmt(1, " ms")
     gb = lambda n: _spread(p["gbps"][n]).fmt(2, " GB/s")  # noqa: E731
     stem = result.get("stem", "kv_transfer")
-    lines = [f"Command: `{result['command']}` (JSON: `benchmarks/results/{stem}.json`, plot: "
-             f"`benchmarks/results/{stem}.png`). Load average at the start: "
+    out = result.get("out_dir", "benchmarks/results")
+    lines = [f"Command: `{result['command']}` (JSON: `{out}/{stem}.json`, plot: "
+             f"`{out}/{stem}.png`). Load average at the start: "
              f"{result['machine']['load_avg_1m']:.1f} on {host(result['machine'])}.", "",
              f"One request's K/V: a {p['prompt_tokens']}-token prompt, {p['layers']} layers, "
              f"{p['kv_bytes'] / 2**20:.0f} MiB, pushed into a real decode worker's KV cache; "

@@ -26,3 +26,20 @@ def test_the_paths_run_and_a_run_without_ttft_says_so():
     assert result["ttft"] is None
     assert "TTFT: not measured in this run" in proc.stdout and "| TTFT" not in proc.stdout
     assert (RESULTS / "kv_transfer.json").read_bytes() == full
+
+
+def test_a_16_bit_cache_moves_half_the_bytes_on_every_path(tmp_path):
+    """--kv-cache-dtype bfloat16: every worker's cache is 16-bit under the float32 model; the run
+    writes its own files where --out says, and each path moved the prompt's (half as many) bytes."""
+    results = {}
+    for dtype in ("auto", "bfloat16"):
+        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kv_transfer.py"), "--quick", "--skip-ttft",
+                               "--kv-cache-dtype", dtype, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        stem = "kv_transfer_paths_quick" if dtype == "auto" else "kv_transfer_bfloat16_paths_quick"
+        results[dtype] = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert (tmp_path / f"{stem}.png").stat().st_size > 0 and str(tmp_path) in proc.stdout
+    assert results["auto"]["paths"]["kv_bytes"] == 2 * results["bfloat16"]["paths"]["kv_bytes"]
+    for name in ("grpc", "tcp", "shm", "copy", "dist"):
+        assert min(results["bfloat16"]["paths"]["seconds"][name]["values"]) > 0, name
