@@ -23,7 +23,7 @@ engine's (the same for the engine thread): where a loop's is the lower, the loop
 caps what the process can serve, whatever the accelerator does.
 
 Writes benchmarks/results/stream_cost.json and .png and the "Streaming cost per token" section of
-BENCHMARKS.md (not with --quick).
+BENCHMARKS.md (not with --quick, --no-markdown or another --out).
 """
 from __future__ import annotations
 
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream-interval", type=int, default=4, help="the second pair's decode worker's")
     ap.add_argument("--quick", action="store_true", help="one repeat, concurrency 1 and 4, few requests (a smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--no-markdown", action="store_true", help="do not rewrite BENCHMARKS.md (a run elsewhere than "
+                    "benchmarks/results never does)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or min(args.concurrency) < 1 or args.stream_interval < 2:
         ap.error("--repeats and every --concurrency must be at least 1, --stream-interval at least 2")
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                   machine=machine())
     stem = result["stem"] = "stream_cost_quick" if args.quick else "stream_cost"
     publish(result, "stream_cost", sys.argv[1:] if argv is None else argv, args.out, markdown, plot,
-            None if args.quick else SECTION, stem=stem)
+            None if args.quick or args.no_markdown or args.out.resolve() != RESULTS else SECTION, stem=stem)
 
 
 def markdown(result: dict, command: str) -> str:
