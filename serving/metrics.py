@@ -6,8 +6,8 @@ its own `CollectorRegistry` (`new_registry`), never the global one, so tests can
 components twice; every registry carries the process metrics (`process_resident_memory_bytes`,
 `process_cpu_seconds_total`, `process_open_fds`, `process_start_time_seconds`, …) and its
 threads' CPU seconds by role (`thread_cpu.ThreadCpuCollector`: the engine thread's, the serving
-loop's). No series
-has a `_created` twin: it doubles the series count and no dashboard of ours reads it.
+loop's). No series has a `_created` twin: it doubles the series count and no dashboard of ours
+reads it.
 
 A worker's gauges and counters mirror state the servicer and engine already keep; they are
 read when Prometheus scrapes (`WorkerCollector`), so no hot loop is touched. The scrape runs on
