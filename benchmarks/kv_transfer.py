@@ -299,6 +299,7 @@ def bench_paths(args, model: Path, procs, bar) -> dict:
         arena.close()
     ratio = lambda a, b: Spread.of(runs[b][i] / runs[a][i] for i in range(args.runs))  # noqa: E731
     return dict(kv_bytes=nbytes, prompt_tokens=args.prompt_tokens, layers=g.num_layers,
+                kv_dtype=kv_dtype_name(grpc_push.info), kv_row_elements=g.num_kv_heads * g.head_dim,
                 seconds={k: Spread.of(v).as_dict() for k, v in runs.items()},
                 gbps={k: Spread.of(nbytes / x / 1e9 for x in v).as_dict() for k, v in runs.items()},
                 grpc_vs_tcp=Goal("production gRPC push / raw TCP (speed)", ratio("grpc", "tcp"), 0.5, True).as_dict(),
