@@ -59,26 +59,28 @@ def test_a_next_turn_with_a_short_tail_is_prefilled_on_the_decode_worker(local, 
     c0 = _counts(local)
     answer = greedy_tokens(local, "R-local", first, max_tokens=30)
     assert answer == offline_tokens(offline, first, 30)
+    # each turn's counts once its blocks are free: a pushed request can finish decoding before its
+    # push ends (the draft's K/V land after `KVTargetReady`), and only then are its bytes counted
+    local.wait_all_free(NAMES)
     c1 = _counts(local)
     d = _delta(c0, c1)
     assert d["prefilled"] == 1 and d["bytes"] > 0 and d["local"] == 0 and d["hits"] == 0  # a new prompt: pushed
-    local.wait_all_free(NAMES)
 
     second = first + answer + [9, 8, 7, 6, 5]  # 85 tokens, of which D holds 64 (79 computed, 4 full blocks)
     got = greedy_tokens(local, "R-local", second, max_tokens=20)
     assert got == offline_tokens(offline, second, 20)
+    local.wait_all_free(NAMES)
     d = _delta(c1, c2 := _counts(local))
     assert d["local"] == 1 and d["prefilled"] == 0 and d["bytes"] == 0, d
     assert len(second) - d["hits"] <= TAIL and d["hits"] % 16 == 0
-    local.wait_all_free(NAMES)
 
     third = second + got + [4 + i % 50 for i in range(TAIL + 10)]  # a tail longer than TAIL: pushed
     got3 = greedy_tokens(local, "R-local", third, max_tokens=8)
     assert got3 == offline_tokens(offline, third, 8)
+    local.wait_all_free(NAMES)
     d = _delta(c2, _counts(local))
     assert d["local"] == 0 and d["prefilled"] == 1 and d["hits"] > 0, d
     assert d["bytes"] > 0
-    local.wait_all_free(NAMES)
 
 
 def test_its_ttft_stages_say_the_decode_worker_prefilled_it(local):
