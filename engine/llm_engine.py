@@ -63,6 +63,9 @@ class LLMEngine(DisaggRequests):
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len,
                                  self.draft_config.max_model_len if self.draft_config else cfg.max_model_len)
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model)
+        # whether outputs carry text: a serving worker sets it False, as the router detokenizes for
+        # its clients; the engine then detokenizes only requests with stop strings, to stop at them
+        self.text_outputs = True
         num_blocks = self._num_blocks()
         self.runner = ModelRunner(cfg, Path(config.model), self.ops, self.dtype, self.device,
                                   num_blocks, config.block_size, self.capture, config.max_num_seqs, kv_allocator,
@@ -163,7 +166,7 @@ class LLMEngine(DisaggRequests):
 
     def _register(self, seq: Sequence) -> None:
         detok = None
-        if self.tokenizer is not None and not seq.is_prefill_only:
+        if self.tokenizer is not None and not seq.is_prefill_only and (self.text_outputs or seq.params.stop):
             decode = lambda ids, skip=seq.params.skip_special_tokens: self.tokenizer.decode(ids, skip)  # noqa: E731
             detok = IncrementalDetokenizer(decode, seq.prompt_token_ids, seq.params.stop)
         self._requests[seq.req_id] = _Request(seq, detok)

@@ -157,6 +157,9 @@ def load_engine(config: EngineConfig, role: str, warmup: bool, kv_allocator=None
     progress(f"{role} worker: loading {config.model}{draft} and allocating the KV cache")
     started = time.perf_counter()
     engine = LLMEngine(config, kv_allocator)
+    # the router detokenizes for its clients and the workers send token ids: the engine thread
+    # detokenizes only requests with stop strings (5 µs a token on the demo, scratch timing)
+    engine.text_outputs = False
     bm = engine.block_manager
     kv_bytes = sum(t.numel() * t.element_size() for t in _kv_tensors(engine))
     progress(f"{role} worker: loaded in {time.perf_counter() - started:.1f} s on {engine.device}: KV cache "

@@ -107,3 +107,19 @@ def test_engine_applies_stop_strings_and_reports_stop(text_checkpoint):
     assert out.text == free_run.text[:free_run.text.find(stop)]
     deltas = [o.new_text for o in llm.stream("def ", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     assert "".join(deltas) == free_run.text
+
+
+def test_an_engine_without_text_outputs_still_stops_at_stop_strings(text_checkpoint):
+    """A serving worker's engine (`text_outputs` False: the router detokenizes) leaves the text out
+    of requests without stop strings, with the same tokens, and still ends a request at its stop
+    string, on the same token as an engine that keeps text."""
+    llm = LLM(text_checkpoint)
+    free_run = llm.generate(["def "], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    stop = free_run.text[2:4]
+    with_text = llm.generate(["def "], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0]
+    llm.engine.text_outputs = False
+    plain = llm.generate(["def "], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert plain.token_ids == free_run.token_ids and plain.text == ""
+    stopped = llm.generate(["def "], SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0]
+    assert stopped.finish_reason_str == "stop" and stopped.token_ids == with_text.token_ids
+    assert len(stopped.token_ids) < len(free_run.token_ids)
