@@ -245,8 +245,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           // a KV head's sixteen keys are transposed once and scored against all its rows that see
           // them, where there are at least transposed_rows(HD) (a prefill chunk; at head_dim 32 a
           // verification of 8 or more tokens at two query heads per KV head; from head_dim 64, a
-          // decode step at 4);
-          // fewer rows take dot16 each, whose horizontal sums cost less than the transposition there
+          // decode step at 4); fewer rows take dot16 each, whose horizontal sums cost less than the
+          // transposition there
           for (; jj + 16 <= n; jj += 16) {
             const int64_t i0 = first_row(j0 + jj);
             if (group * (nq - i0) < transposed_rows(HD)) break;
