@@ -74,17 +74,21 @@ class Launcher:
         self.procs.clear()
 
 
-def scrape(metrics_address: str) -> dict[str, float]:
-    """A process's /metrics, unlabelled samples by name (labels dropped; sums over label sets)."""
+def samples(metrics_address: str) -> list:
+    """A process's /metrics, every sample (name, labels, value) as prometheus_client parses them."""
     from urllib.request import urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
         text = resp.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def scrape(metrics_address: str) -> dict[str, float]:
+    """A process's /metrics, unlabelled samples by name (labels dropped; sums over label sets)."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if "le" not in s.labels and "position" not in s.labels:
-                out[s.name] = out.get(s.name, 0.0) + s.value
+    for s in samples(metrics_address):
+        if "le" not in s.labels and "position" not in s.labels:
+            out[s.name] = out.get(s.name, 0.0) + s.value
     return out

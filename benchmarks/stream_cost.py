@@ -32,7 +32,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from urllib.request import urlopen
 
 from tqdm import tqdm
 
@@ -43,7 +42,7 @@ from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from launcher import Launcher  # noqa: E402
+from launcher import Launcher, samples  # noqa: E402
 from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Streaming cost per token (`benchmarks/stream_cost.py`)"
@@ -58,19 +57,14 @@ COLUMNS = {"decode engine": ("D", "engine"), "decode loop": ("D", "server"), "de
 def cpu_seconds(metrics_address: str) -> dict:
     """{role: seconds} of the process's threads, with None for the whole process, and the router's
     generated tokens under "tokens"."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
     out: dict = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "pdserve:thread_cpu_seconds_total":
-                out[s.labels["thread"]] = s.value
-            elif s.name == "process_cpu_seconds_total":
-                out[None] = s.value
-            elif s.name == "pdserve:generation_tokens_total":
-                out["tokens"] = s.value
+    for s in samples(metrics_address):
+        if s.name == "pdserve:thread_cpu_seconds_total":
+            out[s.labels["thread"]] = s.value
+        elif s.name == "process_cpu_seconds_total":
+            out[None] = s.value
+        elif s.name == "pdserve:generation_tokens_total":
+            out["tokens"] = s.value
     return out
 
 

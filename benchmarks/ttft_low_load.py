@@ -29,7 +29,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from launcher import Launcher
+from launcher import Launcher, samples
 from report import GOAL_HEADER, Goal, Spread, host, machine, update_section
 from tqdm import tqdm
 
@@ -67,19 +67,12 @@ STAGES = ("queue", "prefill", "transfer", "delivery")
 def stage_means(metrics_address: str) -> dict[str, float]:
     """The router's TTFT by stage (`time_to_first_token_stage_seconds`), mean seconds per request
     over every request it served (warm-ups included)."""
-    from urllib.request import urlopen
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
     sums, counts = {}, {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.endswith("time_to_first_token_stage_seconds_sum"):
-                sums[s.labels["stage"]] = s.value
-            elif s.name.endswith("time_to_first_token_stage_seconds_count"):
-                counts[s.labels["stage"]] = s.value
+    for s in samples(metrics_address):
+        if s.name.endswith("time_to_first_token_stage_seconds_sum"):
+            sums[s.labels["stage"]] = s.value
+        elif s.name.endswith("time_to_first_token_stage_seconds_count"):
+            counts[s.labels["stage"]] = s.value
     return {stage: sums[stage] / counts[stage] if counts.get(stage) else 0.0 for stage in STAGES}
 
 
