@@ -113,7 +113,7 @@ def _decode_worker(args: argparse.Namespace) -> int:
                                 kv_shm=not args.no_kv_shm, kv_dist=not args.no_kv_dist,
                                 local_prefill_tokens=args.local_prefill_tokens,
                                 local_prefill_chunk_tokens=args.local_prefill_chunk_tokens,
-                                stream_interval=args.stream_interval)
+                                stream_interval=args.stream_interval, merge_backlog=not args.no_merge_backlog)
     return _worker(args, lambda: DecodeWorkerServicer(config, security=cluster_security(args, "decode worker")))
 
 

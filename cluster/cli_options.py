@@ -151,6 +151,9 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--stream-interval", type=int, default=1, help="decode worker: send a request's tokens once "
                    "this many are new (its first and last at once): N writes N times fewer stream messages here and "
                    "at the router, and clients get tokens N at a time (default: %(default)s, every token)")
+    p.add_argument("--no-merge-backlog", action="store_true", help="decode worker: send each engine output as a "
+                   "message of its own even when a stream fell behind its engine (by default what waits goes as one "
+                   "message; off only to measure what that saves)")
     p.add_argument("--no-warmup", action="store_true", help="serve without running one request through first")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds live requests get to finish before the worker stops")

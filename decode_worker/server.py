@@ -91,6 +91,11 @@ class DecodeServerConfig:
     # this worker's loop and the router's, which is where a served token's CPU goes past the
     # engine's (BENCHMARKS.md, Streaming cost per token), and the tokens reach clients N at a time
     stream_interval: int = 1
+    # a stream that fell behind its engine (outputs of several steps waiting when it wakes) sends
+    # what waits as one delta: the newest output holds every token of the others. So when the
+    # loops are the bottleneck, as with an engine fast beside them, messages grow instead of
+    # queueing, and no token waits for it. False: one message per output, to measure the gain
+    merge_backlog: bool = True
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_s", "stream_timeout_s"):
@@ -142,6 +147,17 @@ class DecodeRequest:
     @property
     def is_live(self) -> bool:
         return self.state in (DecodeState.RESERVED, DecodeState.RECEIVING, DecodeState.RUNNING)
+
+
+def merge_backlog(out: RequestOutput, events: asyncio.Queue) -> tuple[RequestOutput, object]:
+    """The newest of `out` and the outputs queued behind it (its tokens and log-probs are all of
+    theirs: `RequestOutput` is cumulative), and the failure that stopped the merge, if one did."""
+    while not out.finished and not events.empty():
+        item = events.get_nowait()
+        if not isinstance(item, RequestOutput):
+            return out, item
+        out = item
+    return out, None
 
 
 def token_delta(out: RequestOutput, num_sent: int) -> worker_pb2.DecodeEvent:
@@ -329,15 +345,22 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         first wait covers the transfer (reserved requests), later ones a group of tokens each
         (`DecodeRequest.deliver`: every token, or `stream_interval` of them)."""
         timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
+        held = None  # a failure found behind the outputs merged into the last delta: the next item
         while True:
-            try:  # a timer, not wait_for's task a delta: 12 against 8 µs a delta (scratch timing, one loop)
-                async with asyncio.timeout(timeout):
-                    item = await r.events.get()
-            except TimeoutError:
-                what = "verified KV transfer" if r.state in (DecodeState.RESERVED, DecodeState.RECEIVING) else "token"
-                self.num_reservations_expired += r.state is DecodeState.RESERVED
-                item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
-                self._end(r, item)
+            if held is not None:
+                item, held = held, None
+            else:
+                try:  # a timer, not wait_for's task a delta: 12 against 8 µs a delta (scratch timing, one loop)
+                    async with asyncio.timeout(timeout):
+                        item = await r.events.get()
+                except TimeoutError:
+                    transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING)
+                    what = "verified KV transfer" if transferring else "token"
+                    self.num_reservations_expired += r.state is DecodeState.RESERVED
+                    item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
+                    self._end(r, item)
+            if self.config.merge_backlog and isinstance(item, RequestOutput):
+                item, held = merge_backlog(item, r.events)
             if isinstance(item, TransferError):
                 await context.abort(STATUS_OF[item.failure], str(item))
             if isinstance(item, EngineStepFailed):

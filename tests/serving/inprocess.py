@@ -35,6 +35,7 @@ class InProcessSystem:
     kv_transfer_timeout_s: float = 10.0
     max_failovers: int = 0
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # the decode workers' (0: every request to a prefill worker)
+    merge_backlog: bool = True  # the decode workers'
     engine_options: dict = field(default_factory=dict)  # more EngineConfig fields, for every worker
     transport: KVTransport | None = None  # default: a plain InProcessTransport
     inproc: InProcessTransport = field(default_factory=InProcessTransport)
@@ -46,7 +47,8 @@ class InProcessSystem:
         self.prefills = [PrefillWorkerServicer(PrefillServerConfig(self.kv_transfer_timeout_s),
                                                self.transport or self.inproc) for _ in range(self.num_prefill)]
         self.decodes = [DecodeWorkerServicer(DecodeServerConfig(self.kv_transfer_timeout_s, stream_timeout_s=30,
-                                                                    local_prefill_tokens=self.local_prefill_tokens))
+                                                                    local_prefill_tokens=self.local_prefill_tokens,
+                                                                    merge_backlog=self.merge_backlog))
                         for _ in range(self.num_decode)]
         prefill_addresses = [await self._start(s, engine_config) for s in self.prefills]
         decode_addresses = [await self._start(s, engine_config) for s in self.decodes]

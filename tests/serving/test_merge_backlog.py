@@ -1,0 +1,117 @@
+"""A decode worker's stream that falls behind its engine sends what waits as one delta (the
+newest output carries every token of those before it), and a failure queued behind such outputs
+still ends the stream after their tokens went out. The whole path in this process
+(`inprocess.InProcessSystem`): blocking the event loop, as a busy serving loop does, while the
+decode worker's engine thread keeps stepping makes the backlog."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from inprocess import PROMPTS, InProcessSystem, joined, run
+from pdserve.decode_worker.server import merge_backlog
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sequence import FinishReason
+from pdserve.router.request import RequestFailed
+from pdserve.serving.engine_thread import EngineStepFailed
+from pdserve.v1 import generation_pb2 as gen
+
+NUM_TOKENS = 24
+STALL_S = 0.3  # the loop blocked: the engine thread steps many times meanwhile
+
+
+def request(system: InProcessSystem, prompt: str):
+    return system.router.validator.parse(gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(
+        temperature=0, ignore_eos=True, max_tokens=NUM_TOKENS)))
+
+
+async def stalled_stream(system: InProcessSystem, prompt: str) -> list:
+    """The request's responses, the event loop blocked for STALL_S once the first came."""
+    msgs = []
+    async for resp in system.router.generate(request(system, prompt)):
+        if not msgs:
+            time.sleep(STALL_S)  # blocking on purpose: the loop, not the engine, falls behind
+        msgs.append(resp)
+    return msgs
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoint, merge):
+    want = LLM(text_checkpoint).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
+                                                                      ignore_eos=True))[0]
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint, merge_backlog=merge) as system:
+            msgs = await stalled_stream(system, PROMPTS[0])
+            await system.wait_all_free()
+            return msgs
+
+    msgs = run(scenario())
+    sizes = [len(m.token_ids) for m in msgs if m.token_ids]
+    assert joined(msgs) == want.token_ids
+    if merge:  # what piled up during the stall went as one message
+        assert max(sizes) > 1 and len(sizes) < NUM_TOKENS, sizes
+    else:  # one message per engine output: a token each, however far behind
+        assert sizes == [1] * NUM_TOKENS, sizes
+
+
+def test_a_failure_behind_merged_outputs_ends_the_stream_after_their_tokens(text_checkpoint):
+    want = LLM(text_checkpoint).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
+                                                                      ignore_eos=True))[0]
+
+    async def scenario():
+        async with InProcessSystem(text_checkpoint) as system:
+            engine = system.decode.engine
+            real_step = engine.step
+
+            def fails_while_the_loop_is_blocked():
+                outputs = real_step()
+                if any(not o.finished and len(o.token_ids) >= 8 for o in outputs):  # 7 or more tokens queued
+                    raise RuntimeError("injected failure")
+                return outputs
+
+            msgs = []
+            with pytest.raises(RequestFailed) as err:
+                async for resp in system.router.generate(request(system, PROMPTS[0])):
+                    if not msgs:
+                        engine.step = fails_while_the_loop_is_blocked
+                        time.sleep(STALL_S)
+                    msgs.append(resp)
+            engine.step = real_step
+            await system.wait_all_free()
+            return msgs, err.value
+
+    msgs, err = run(scenario())
+    assert err.code == grpc.StatusCode.INTERNAL and "injected failure" in str(err)
+    got = joined(msgs)
+    # the outputs before the failure went out, merged, before it: a prefix of the greedy tokens
+    assert len(got) >= 7 and got == want.token_ids[:len(got)], got
+    assert max(len(m.token_ids) for m in msgs) > 1
+
+
+def _out(n: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", [1], list(range(n)), "", finished=finished,
+                         finish_reason=FinishReason.LENGTH if finished else None)
+
+
+def test_merge_stops_at_a_failure_and_at_the_last_output():
+    async def scenario():
+        q: asyncio.Queue = asyncio.Queue()
+        failure = EngineStepFailed("boom")
+        for item in (_out(2), _out(3), failure, _out(4)):
+            q.put_nowait(item)
+        first = merge_backlog(_out(1), q)
+        q2: asyncio.Queue = asyncio.Queue()
+        for item in (_out(2), _out(3, finished=True), _out(9)):
+            q2.put_nowait(item)
+        merged = merge_backlog(_out(1), q2)
+        return first, q.qsize(), merged, q2.qsize(), merge_backlog(_out(5, finished=True), q2)
+
+    (out, held), left, (last, none), left2, (done, _) = asyncio.run(scenario())
+    assert len(out.token_ids) == 3 and held is not None and left == 1  # the output after the failure waits
+    assert last.finished and len(last.token_ids) == 3 and none is None and left2 == 1  # nothing after the end
+    assert done.finished and len(done.token_ids) == 5  # a finished output takes nothing more
