@@ -7,7 +7,9 @@ Three disaggregated pairs over one prefill worker, each with its own decode work
 as a decode worker starts by default (every token streamed as the engine emits it, and a stream
 that fell behind its engine sends what waits as one message), one with `--stream-interval N` (a
 request's tokens once N are new, its first and last at once), and one with `--no-merge-backlog`
-(a message per engine output however far behind: what the default saves). The prefill worker and
+(a message per engine output however far behind: what the default saves); the default pair is
+measured a second time with its clients on the router's OpenAI HTTP API ("1, HTTP": each delta a
+server-sent event) instead of its gRPC stream. The prefill worker and
 the routers on core 0, the decode workers on core 1 (a worker's engine thread and its serving
 loop share that core, as in any one-process worker), single-threaded; the load generator (this
 process) on core 0. Only one pair has requests at a time. Per concurrency C, `pdserve bench` keeps
@@ -58,7 +60,8 @@ RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Streaming cost per token (`benchmarks/stream_cost.py`)"
 FAST_SECTION = "Streaming cost per token, an engine fast beside its loops (`benchmarks/stream_cost.py --engine fast`)"
 MODEL = str(REPO / "models" / "demo")
-DEFAULT, UNMERGED = "1", "1, unmerged"  # the variants' labels beside "N" (--stream-interval N)
+# the variants' labels beside "N" (--stream-interval N); HTTP: the default pair, its clients on the OpenAI API
+DEFAULT, UNMERGED, HTTP = "1", "1, unmerged", "1, HTTP"
 PROMPT_LEN, OUTPUT_LEN = "fixed:64", "fixed:128"
 # what each column reads: (process, thread role or None for the whole process)
 COLUMNS = {"decode engine": ("D", "engine"), "decode loop": ("D", "server"), "decode poller": ("D", "grpc_poller"),
@@ -98,14 +101,17 @@ def fast_checkpoint(path: Path) -> str:
     return str(path)
 
 
-def one_run(procs: dict, concurrency: int, num_requests: int, seed: int, model: str = MODEL) -> dict:
+def one_run(procs: dict, concurrency: int, num_requests: int, seed: int, model: str = MODEL,
+            http: bool = False) -> dict:
     """µs a token per column, the run's tokens/s and the tokens a message carried to the client,
-    for one closed-loop run at `concurrency`."""
+    for one closed-loop run at `concurrency` (http: the requests on the router's OpenAI API, each
+    token delta a server-sent event, instead of its gRPC stream)."""
     before = {name: cpu_seconds(p.metrics_address) for name, p in procs.items()}
     workload = WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse(PROMPT_LEN),
                               LengthDistribution.parse(OUTPUT_LEN), tokenizer=model)
-    cfg = BenchConfig(target=procs["R"].address, workload=workload, rates=(float("inf"),),
-                      num_requests=num_requests, max_concurrency=concurrency, seed=seed, num_warmup=0)
+    api = dict(http_url=f"http://{procs['R'].http_address}") if http else dict(target=procs["R"].address)
+    cfg = BenchConfig(workload=workload, rates=(float("inf"),), num_requests=num_requests,
+                      max_concurrency=concurrency, seed=seed, num_warmup=0, **api)
     (run,) = run_bench(cfg, progress=False).runs
     failed = [r.error for r in run.records if not r.is_ok]
     if failed:
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--repeats and every --concurrency must be at least 1, --stream-interval at least 2")
     repeats, concurrencies = (1, [1, 4]) if args.quick else (args.repeats, args.concurrency)
     variants = {DEFAULT: [], str(args.stream_interval): ["--stream-interval", str(args.stream_interval)],
-                UNMERGED: ["--no-merge-backlog"]}
+                UNMERGED: ["--no-merge-backlog"], HTTP: None}  # None: the default pair's processes
     before_cpus = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0} & before_cpus or before_cpus)  # beside the prefill worker and the router
     runs: dict[tuple[str, int], list[dict]] = {(v, c): [] for v in variants for c in concurrencies}
@@ -147,17 +153,20 @@ def main(argv: list[str] | None = None) -> None:
             p = launch.worker("prefill-worker", "P", worker, [0])
             pairs = {}
             for n, (v, extra) in enumerate(variants.items()):
-                d = launch.worker("decode-worker", f"D{n}", [*worker, *extra], [1])
-                pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0])}
+                if extra is not None:
+                    d = launch.worker("decode-worker", f"D{n}", [*worker, *extra], [1])
+                    pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0])}
+            pairs[HTTP] = pairs[DEFAULT]
             launch.wait_ready()
             for procs in pairs.values():
                 one_run(procs, 1, 2, seed=999, model=model)  # warm-up: first steps, first connections
+            one_run(pairs[HTTP], 1, 2, seed=999, model=model, http=True)
             steps = [(rep, c, v) for rep in range(repeats)
                      for c in (concurrencies if rep % 2 == 0 else concurrencies[::-1])
                      for v in (list(variants) if rep % 2 == 0 else list(variants)[::-1])]
             for rep, c, v in tqdm(steps, desc="stream cost", unit="run"):
                 n = 2 if args.quick else max(8, 2 * c)
-                runs[v, c].append(one_run(pairs[v], c, n, seed=100 * rep + c, model=model))
+                runs[v, c].append(one_run(pairs[v], c, n, seed=100 * rep + c, model=model, http=v == HTTP))
     finally:
         os.sched_setaffinity(0, before_cpus)
     rows = []
@@ -165,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         cols = {col: Spread.of(x["us_per_token"][col] for x in xs).as_dict()
                 for col in COLUMNS if all(col in x["us_per_token"] for x in xs)}
         base = runs[DEFAULT, c]  # the same repeat's run of the pair as a decode worker starts
-        rows.append(dict(variant=v, stream_interval=1 if v in (DEFAULT, UNMERGED) else args.stream_interval,
-                         merge_backlog=v != UNMERGED, concurrency=c, us_per_token=cols,
+        rows.append(dict(variant=v, stream_interval=1 if v in (DEFAULT, UNMERGED, HTTP) else args.stream_interval,
+                         merge_backlog=v != UNMERGED, api="http" if v == HTTP else "grpc", concurrency=c,
+                         us_per_token=cols,
                          tokens_per_s=Spread.of(x["tokens_per_s"] for x in xs).as_dict(),
                          tokens_per_message=Spread.of(x["tokens_per_message"] for x in xs).as_dict(),
                          speedup=Spread.of(x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(xs, base)).as_dict()))
@@ -187,7 +197,8 @@ def markdown(result: dict, command: str) -> str:
              "routers and load generator on core 0, the decode workers on core 1, single-threaded; closed loop of C "
              f"requests ({result['prompt_len']} prompt tokens, {result['output_len']} greedy tokens each). The decode "
              "workers: as started by default (\"1\": every token streamed, a backlog merged), with --stream-interval N "
-             "(\"N\"), and with --no-merge-backlog (\"1, unmerged\": a message per engine output). CPU microseconds "
+             "(\"N\"), and with --no-merge-backlog (\"1, unmerged\": a message per engine output); \"1, HTTP\": the default "
+             "pair with the load on the OpenAI HTTP API (server-sent events) instead of gRPC. CPU microseconds "
              f"per generated token by process and thread, min / median / max over {result['repeats']} repeats. The "
              "ceilings are derived (10^6 / µs a token: the tokens/s at which that thread takes a whole core), not "
              "measured. Over the default: a run's tokens/s over the same repeat's run of the default pair (engines "
@@ -213,7 +224,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = dict(zip(result["variants"], ("-", "--", ":")))
+    styles = dict(zip(result["variants"], ("-", "--", ":", "-.")))
     for v in result["variants"]:
         rows = [r for r in result["rows"] if r["variant"] == v]
         xs = [r["concurrency"] for r in rows]
