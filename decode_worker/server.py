@@ -149,15 +149,17 @@ class DecodeRequest:
         return self.state in (DecodeState.RESERVED, DecodeState.RECEIVING, DecodeState.RUNNING)
 
 
-def merge_backlog(out: RequestOutput, events: asyncio.Queue) -> tuple[RequestOutput, object]:
+def merge_backlog(out: RequestOutput, events: asyncio.Queue) -> tuple[RequestOutput, object, int]:
     """The newest of `out` and the outputs queued behind it (its tokens and log-probs are all of
-    theirs: `RequestOutput` is cumulative), and the failure that stopped the merge, if one did."""
+    theirs: `RequestOutput` is cumulative), the failure that stopped the merge if one did, and how
+    many outputs it took past `out`."""
+    merged = 0
     while not out.finished and not events.empty():
         item = events.get_nowait()
         if not isinstance(item, RequestOutput):
-            return out, item
-        out = item
-    return out, None
+            return out, item, merged
+        out, merged = item, merged + 1
+    return out, None, merged
 
 
 def token_delta(out: RequestOutput, num_sent: int) -> worker_pb2.DecodeEvent:
@@ -178,6 +180,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         self.receiver: KVReceiver | None = None
         self.transfers: dict[str, DecodeRequest] = {}  # ticket nonce -> reserved request; asyncio loop only
         self.num_reservations_expired = 0  # reserved, then no verified transfer within the timeout
+        # the token streams: deltas sent, their tokens, outputs merged into a later delta (`merge_backlog`)
+        self.num_stream_messages = self.num_stream_tokens = self.num_merged_outputs = 0
         self.live: set[DecodeRequest] = set()  # every request with an open stream; asyncio loop only
         self.probe: shm.Probe | None = None  # made once the cache is known to be in host memory
         self.local_chunk: int | None = None  # the local tails' cap a step (`local_prefill_chunk_tokens`), once loaded
@@ -360,7 +364,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
                     item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
                     self._end(r, item)
             if self.config.merge_backlog and isinstance(item, RequestOutput):
-                item, held = merge_backlog(item, r.events)
+                item, held, merged = merge_backlog(item, r.events)
+                self.num_merged_outputs += merged
             if isinstance(item, TransferError):
                 await context.abort(STATUS_OF[item.failure], str(item))
             if isinstance(item, EngineStepFailed):
@@ -370,6 +375,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
             if item.finished:
                 r.state = DecodeState.FINISHED
             delta = token_delta(item, r.num_tokens)  # the tokens after those sent before
+            self.num_stream_messages += 1
+            self.num_stream_tokens += len(item.token_ids) - r.num_tokens
             r.num_tokens = len(item.token_ids)
             yield delta
             if item.finished:
@@ -396,7 +403,9 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         return await serve_push_kv(self, request_iterator, context)
 
     def extra_stats(self) -> dict:
-        stats = dict(num_reservations_expired=self.num_reservations_expired)
+        stats = dict(num_reservations_expired=self.num_reservations_expired,
+                     stream_messages_total=self.num_stream_messages, stream_tokens_total=self.num_stream_tokens,
+                     stream_merged_outputs_total=self.num_merged_outputs)
         spec = self.engine.speculator
         if spec is not None:
             st = spec.stats

@@ -149,6 +149,13 @@ class WorkerCollector(Collector):
                             st.kv_transfer_bytes_total)
         yield self._counter("kv_transfer_failures", "KV transfers that failed", st.kv_transfer_failures_total)
         yield self._cache_config(info)
+        if info.role == "decode":
+            yield self._counter("stream_messages", "Token deltas the requests' streams sent, a gRPC message each",
+                                st.stream_messages_total)
+            yield self._counter("stream_tokens", "Tokens in those deltas", st.stream_tokens_total)
+            yield self._counter("stream_merged_outputs", "Engine outputs a stream sent merged into a later delta "
+                                "because it had fallen behind its engine (the serving loop busy)",
+                                st.stream_merged_outputs_total)
         if info.role == "decode" and info.num_speculative_tokens > 0:
             yield from self._spec(st)
 

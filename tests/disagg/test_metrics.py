@@ -139,6 +139,17 @@ def test_spec_decode_counters_are_consistent(traffic, cluster):
         assert not any(name.startswith("pdserve:spec_decode") for name, _ in cluster.metrics(w)), w
 
 
+def test_decode_worker_counts_its_streams_messages_tokens_and_merges(traffic, cluster):
+    before, after, responses = traffic
+    d = lambda name: _delta(before["D"], after["D"], "pdserve:" + name)  # noqa: E731
+    # D streams every token the client got (the router strips the prefill worker's first token
+    # from D's first delta, having sent it already), in at most one message per token
+    assert d("stream_tokens_total") == len(PROMPTS) * NUM_TOKENS
+    assert len(PROMPTS) <= d("stream_messages_total") <= d("stream_tokens_total")
+    assert d("stream_merged_outputs_total") >= 0
+    assert not any(name.startswith("pdserve:stream_") for name, _ in cluster.metrics("P"))  # decode workers only
+
+
 def test_router_http_app_serves_metrics_too(traffic, cluster):
     with urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as resp:
         assert resp.headers["Content-Type"].startswith("text/plain")

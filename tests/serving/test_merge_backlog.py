@@ -48,15 +48,19 @@ def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoi
         async with InProcessSystem(text_checkpoint, merge_backlog=merge) as system:
             msgs = await stalled_stream(system, PROMPTS[0])
             await system.wait_all_free()
-            return msgs
+            return msgs, system.decode.extra_stats()
 
-    msgs = run(scenario())
+    msgs, stats = run(scenario())
     sizes = [len(m.token_ids) for m in msgs if m.token_ids]
     assert joined(msgs) == want.token_ids
+    assert stats["stream_tokens_total"] == NUM_TOKENS  # what the worker counts (its metrics)
     if merge:  # what piled up during the stall went as one message
         assert max(sizes) > 1 and len(sizes) < NUM_TOKENS, sizes
+        assert stats["stream_messages_total"] < NUM_TOKENS and stats["stream_merged_outputs_total"] > 0, stats
+        assert stats["stream_messages_total"] + stats["stream_merged_outputs_total"] == NUM_TOKENS, stats
     else:  # one message per engine output: a token each, however far behind
         assert sizes == [1] * NUM_TOKENS, sizes
+        assert stats["stream_messages_total"] == NUM_TOKENS and stats["stream_merged_outputs_total"] == 0, stats
 
 
 def test_a_failure_behind_merged_outputs_ends_the_stream_after_their_tokens(text_checkpoint):
@@ -111,7 +115,7 @@ def test_merge_stops_at_a_failure_and_at_the_last_output():
         merged = merge_backlog(_out(1), q2)
         return first, q.qsize(), merged, q2.qsize(), merge_backlog(_out(5, finished=True), q2)
 
-    (out, held), left, (last, none), left2, (done, _) = asyncio.run(scenario())
-    assert len(out.token_ids) == 3 and held is not None and left == 1  # the output after the failure waits
-    assert last.finished and len(last.token_ids) == 3 and none is None and left2 == 1  # nothing after the end
-    assert done.finished and len(done.token_ids) == 5  # a finished output takes nothing more
+    (out, held, n), left, (last, none, n2), left2, (done, _, n3) = asyncio.run(scenario())
+    assert len(out.token_ids) == 3 and held is not None and n == 2 and left == 1  # the output after the failure waits
+    assert last.finished and len(last.token_ids) == 3 and none is None and n2 == 2 and left2 == 1  # nothing after the end
+    assert done.finished and len(done.token_ids) == 5 and n3 == 0  # a finished output takes nothing more
