@@ -68,7 +68,7 @@ def test_stream_first_message_before_decoding_ends(cluster):
     msgs = list(stream)
     # the first token travels alone (in the KV trailer), ahead of every decode step's delta
     assert len(msgs[0].token_ids) == 1 and msgs[0].finish_reason == gen.FINISH_REASON_UNSPECIFIED
-    assert len(msgs) > 2
+    assert len(msgs) >= 2  # the rest in one message or more (a stream behind its engine merges them)
     ids, _ = joined(msgs)
     assert len(ids) == 40 and msgs[-1].finish_reason == gen.LENGTH
     assert msgs[-1].usage.completion_tokens == 40 and msgs[-1].usage.prompt_tokens == 3

@@ -2,7 +2,9 @@
 and last at once, through a router disaggregated (the prefill worker's first token ahead) and
 colocated: the client gets the offline engine's tokens, with their logprobs, in those groups.
 Real processes: the shared prefill worker P, a decode worker of its own (with P's draft, which
-pairing asks for, at a fixed depth: a step emits 1 to DEPTH + 1 tokens), and two routers over it."""
+pairing asks for, at a fixed depth: a step emits 1 to DEPTH + 1 tokens), and two routers over it.
+The decode worker runs with --no-merge-backlog: a stream that fell behind its engine would merge
+groups (tests/serving/test_merge_backlog.py), and the groups' exact sizes are what is checked here."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +23,7 @@ def grouped(cluster, serving_model):
     worker = ["--num-threads", "1", "--max-num-seqs", str(MAX_NUM_SEQS), "--num-kv-blocks", str(NUM_KV_BLOCKS),
               "--metrics-port", "0"]
     wait_ready(cluster.start("D-grouped", "decode-worker", *worker, "--stream-interval", str(INTERVAL),
+                             "--no-merge-backlog",
                              "--draft-model", str(serving_model), "--num-speculative-tokens", str(DEPTH),
                              "--no-spec-adaptive"))
     common = ["--max-prompt-chars", str(MAX_PROMPT_CHARS), "--health-interval", "0.5", "--metrics-port", "0"]
