@@ -9,14 +9,14 @@ that fell behind its engine sends what waits as one message), one with `--stream
 request's tokens once N are new, its first and last at once), and one with `--no-merge-backlog`
 (a message per engine output however far behind: what the default saves); the default pair is
 measured a second time with its clients on the router's OpenAI HTTP API ("1, HTTP": each delta a
-server-sent event) instead of its gRPC stream. The prefill worker and
-the routers on core 0, the decode workers on core 1 (a worker's engine thread and its serving
-loop share that core, as in any one-process worker), single-threaded; the load generator (this
-process) on core 0. Only one pair has requests at a time. Per concurrency C, `pdserve bench` keeps
-C requests of 64-token prompts and 128 greedy tokens in flight (closed loop), and the workers' and
-router's `/metrics` are scraped around it: the CPU seconds of each process
-(`process_cpu_seconds_total`) and of its long-lived threads (`pdserve:thread_cpu_seconds_total`:
-the engine thread, the serving loop, grpc.aio's poller), over the tokens the router sent
+server-sent event) instead of its gRPC stream. The prefill worker and the routers on core 0, the
+decode workers on core 1 (a worker's engine thread and its serving loop share that core, as in
+any one-process worker), single-threaded; the load generator (this process) on core 0. Only one
+pair has requests at a time. Per concurrency C, `pdserve bench` keeps C requests of 64-token
+prompts and 128 greedy tokens in flight (closed loop), and the workers' and router's `/metrics`
+are scraped around it: the CPU seconds of each process (`process_cpu_seconds_total`) and of its
+long-lived threads (`pdserve:thread_cpu_seconds_total`: the engine thread, the serving loop,
+grpc.aio's poller), over the tokens the router sent
 (`pdserve:generation_tokens_total`). Microseconds per token, and the tokens a message carried to
 the client, min / median / max over --repeats repeats, the concurrencies and the pairs interleaved
 (the order reversed every repeat).
@@ -158,9 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                     pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0])}
             pairs[HTTP] = pairs[DEFAULT]
             launch.wait_ready()
-            for procs in pairs.values():
-                one_run(procs, 1, 2, seed=999, model=model)  # warm-up: first steps, first connections
-            one_run(pairs[HTTP], 1, 2, seed=999, model=model, http=True)
+            for v, procs in pairs.items():  # warm-up: first steps, first connections
+                one_run(procs, 1, 2, seed=999, model=model, http=v == HTTP)
             steps = [(rep, c, v) for rep in range(repeats)
                      for c in (concurrencies if rep % 2 == 0 else concurrencies[::-1])
                      for v in (list(variants) if rep % 2 == 0 else list(variants)[::-1])]
@@ -183,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(repeats=repeats, concurrency=concurrencies, variants=list(variants), engine=args.engine,
                   prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN, rows=rows,
                   runs={f"{v}x{c}": x for (v, c), x in runs.items()}, machine=machine())
-    stem = result["stem"] = "stream_cost" + ("_fast" if args.engine == "fast" else "") + ("_quick" if args.quick else "")
+    stem = result["stem"] = ("stream_cost" + ("_fast" if args.engine == "fast" else "")
+                             + ("_quick" if args.quick else ""))
     section = FAST_SECTION if args.engine == "fast" else SECTION
     publish(result, "stream_cost", sys.argv[1:] if argv is None else argv, args.out, markdown, plot,
             None if args.quick or args.no_markdown or args.out.resolve() != RESULTS else section, stem=stem)
@@ -197,8 +197,8 @@ def markdown(result: dict, command: str) -> str:
              "routers and load generator on core 0, the decode workers on core 1, single-threaded; closed loop of C "
              f"requests ({result['prompt_len']} prompt tokens, {result['output_len']} greedy tokens each). The decode "
              "workers: as started by default (\"1\": every token streamed, a backlog merged), with --stream-interval N "
-             "(\"N\"), and with --no-merge-backlog (\"1, unmerged\": a message per engine output); \"1, HTTP\": the default "
-             "pair with the load on the OpenAI HTTP API (server-sent events) instead of gRPC. CPU microseconds "
+             "(\"N\"), and with --no-merge-backlog (\"1, unmerged\": a message per engine output); \"1, HTTP\": the "
+             "default pair with the load on the OpenAI HTTP API (server-sent events) instead of gRPC. CPU microseconds "
              f"per generated token by process and thread, min / median / max over {result['repeats']} repeats. The "
              "ceilings are derived (10^6 / µs a token: the tokens/s at which that thread takes a whole core), not "
              "measured. Over the default: a run's tokens/s over the same repeat's run of the default pair (engines "

@@ -38,6 +38,12 @@ first proposal, as it does for a colocated request's prompt.
 `PrefillAndDecode` is colocated mode: no reservation and no transfer, the engine prefills the
 request itself, and the same token stream follows.
 
+The token stream sends a delta per engine output (or per `stream_interval` tokens). When the
+serving loop falls behind the engine thread, as it does beside an engine that steps faster than
+it writes messages, the outputs queued for a stream go out as one delta (`merge_backlog`; counted
+in `pdserve:stream_merged_outputs`): messages grow instead of queueing (BENCHMARKS.md, Streaming
+cost per token, an engine fast beside its loops).
+
 A push's stream into its reservation (header, chunks, `KVTargetReady`, trailer) is
 `kv_intake.KVIntake`'s, a mixin of the servicer here.
 """
@@ -347,7 +353,8 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
         """Token deltas until the request finishes; a failure ends the call with its status. The
         first wait covers the transfer (reserved requests), later ones a group of tokens each
-        (`DecodeRequest.deliver`: every token, or `stream_interval` of them)."""
+        (`DecodeRequest.deliver`: every token, or `stream_interval` of them), with any groups
+        queued behind it (`merge_backlog`)."""
         timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
         held = None  # a failure found behind the outputs merged into the last delta: the next item
         while True:
