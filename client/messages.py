@@ -132,6 +132,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when asked for
+    num_steps: int = 0  # the engine steps its tokens came from (0: not counted by the server)
 
     @property
     def is_last(self) -> bool:
@@ -142,7 +143,7 @@ def delta_from(msg: gen_pb2.GenerateResponse) -> Delta:
     reason = _FINISH_FROM_WIRE.get(msg.finish_reason)
     usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if reason is not None else None
     logprobs = tuple(TokenLogprobs(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs))) for lp in msg.logprobs)
-    return Delta(msg.text, tuple(msg.token_ids), msg.request_id, reason, usage, logprobs)
+    return Delta(msg.text, tuple(msg.token_ids), msg.request_id, reason, usage, logprobs, msg.num_steps)
 
 
 @dataclass(slots=True)

@@ -131,6 +131,7 @@ class DecodeRequest:
     pinned: PinnedBlocks | None = None  # after KVTargetReady: the reservation's blocks, as reserved
     spans: RequestSpans | None = None  # reservation, transfer, decode
     num_tokens: int = 0  # generated and sent
+    num_steps: int = 0  # the engine outputs whose tokens were sent (`RequestOutput.num_steps`)
     interval: int = 1  # its stream's `stream_interval`
     num_queued: int | None = None  # tokens handed to its stream so far (None: none yet)
 
@@ -168,10 +169,12 @@ def merge_backlog(out: RequestOutput, events: asyncio.Queue) -> tuple[RequestOut
     return out, None, merged
 
 
-def token_delta(out: RequestOutput, num_sent: int) -> worker_pb2.DecodeEvent:
-    """The tokens of `out` after the first `num_sent` it generated (those its stream sent)."""
+def token_delta(out: RequestOutput, num_sent: int, num_steps_sent: int) -> worker_pb2.DecodeEvent:
+    """The tokens of `out` after the first `num_sent` it generated (those its stream sent), with
+    the engine steps they came from (those after the first `num_steps_sent`)."""
     reason = FINISH_REASONS[out.finish_reason.value] if out.finish_reason else 0
-    delta = worker_pb2.TokenDelta(token_ids=out.token_ids[num_sent:], finish_reason=reason)
+    delta = worker_pb2.TokenDelta(token_ids=out.token_ids[num_sent:], finish_reason=reason,
+                                  num_steps=out.num_steps - num_steps_sent)
     if out.logprobs is not None:
         delta.logprobs.extend(logprobs_message(row) for row in out.logprobs[num_sent:])
     return worker_pb2.DecodeEvent(tokens=delta)
@@ -381,10 +384,10 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
             timeout = self.config.stream_timeout_s
             if item.finished:
                 r.state = DecodeState.FINISHED
-            delta = token_delta(item, r.num_tokens)  # the tokens after those sent before
+            delta = token_delta(item, r.num_tokens, r.num_steps)  # the tokens after those sent before
             self.num_stream_messages += 1
             self.num_stream_tokens += len(item.token_ids) - r.num_tokens
-            r.num_tokens = len(item.token_ids)
+            r.num_tokens, r.num_steps = len(item.token_ids), item.num_steps
             yield delta
             if item.finished:
                 return

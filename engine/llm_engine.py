@@ -42,6 +42,7 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     num_sent_tokens: int = 0
+    num_steps: int = 0  # outputs that carried tokens (`RequestOutput.num_steps`)
 
 
 class LLMEngine(DisaggRequests):
@@ -407,6 +408,7 @@ class LLMEngine(DisaggRequests):
         finished = seq.is_finished
         new_ids = seq.output_token_ids[req.num_sent_tokens:]
         req.num_sent_tokens = seq.num_output_tokens
+        req.num_steps += bool(new_ids)
         delta = req.detok.take_delta(final=finished) if req.detok else ""
         text = req.detok.text if req.detok else ""
         if finished:
@@ -416,5 +418,5 @@ class LLMEngine(DisaggRequests):
             text=text, new_token_ids=new_ids, new_text=delta, finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             logprobs=seq.output_logprobs[:seq.num_output_tokens] if seq.params.logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_steps=req.num_steps,
         )

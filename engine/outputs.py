@@ -18,6 +18,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
+    # the outputs that carried this request's tokens so far: its first token's, then one per
+    # decode step (a speculative step's tokens are one). Cumulative, like token_ids
+    num_steps: int = 0
 
     @property
     def finish_reason_str(self) -> str | None:

@@ -64,7 +64,7 @@ class GrpcBackend:
         try:
             async with self.client.generate(prompt, **self.sampling.kwargs(spec.max_tokens)) as stream:
                 async for delta in stream:
-                    rec.add_delta(time.perf_counter() - t0, len(delta.token_ids))
+                    rec.add_delta(time.perf_counter() - t0, len(delta.token_ids), delta.num_steps)
                     if delta.usage is not None:
                         rec.num_prompt_tokens = delta.usage.prompt_tokens
         except GenerationError as e:

@@ -427,9 +427,15 @@ def throughput(records: list[RequestRecord]) -> float:
     return len(records) / (end - start) if end > start else math.inf
 
 
-def _decode_step_tokens(records: list[RequestRecord]) -> list[int]:
+def _decode_step_tokens(records: list[RequestRecord]) -> list[float]:
     """The tokens each whole decode step streamed a request: its deltas but the first (the
-    prefill's token) and the last (a step cut short by max_tokens). Where some requests streamed
+    prefill's token) and the last (a step cut short by max_tokens). A delta whose server counted
+    the engine steps it carries (`GenerateResponse.num_steps`) counts as that many steps of its
+    mean: a decode worker merges the steps queued for a stream that fell behind its engine (as
+    beside the test cluster's tiny model, whose steps outrun the serving loop) and groups them
+    under `stream_interval`, and taken as one step each, such deltas read a plain deployment as a
+    speculating one (1.3-1.7 tokens a delta) and a self-drafting pair that accepts everything at
+    5.18 tokens a step against its 4. Where some requests streamed
     more than one token a step, only those count, from their first such step: a disaggregated
     decode worker with a draft starts on the target's K/V and decodes plainly until the draft's
     land (`KVTargetReady`). On the test cluster's tiny model, whose steps (0.1-0.6 ms) are far
@@ -437,11 +443,17 @@ def _decode_step_tokens(records: list[RequestRecord]) -> list[int]:
     messages' hops between three processes on two cores), those plain steps made a
     self-drafting pair that accepts everything read 1.06 tokens a step, and a short request
     could end before its draft's K/V landed."""
-    steps = [r.delta_tokens[1:-1] for r in records if r.is_ok]
+    steps = [_per_step(r.delta_tokens[1:-1], r.delta_steps[1:-1]) for r in records if r.is_ok]
     firsts = [next((i for i, n in enumerate(s) if n > 1), None) for s in steps]
     if any(first is not None for first in firsts):
         return [n for s, first in zip(steps, firsts) if first is not None for n in s[first:]]
     return [n for s in steps for n in s]
+
+
+def _per_step(tokens: list[int], steps: list[int]) -> list[float]:
+    """Each delta's tokens as `steps` steps of their mean (one step where not counted: 0)."""
+    steps = steps or [0] * len(tokens)  # records made before the count
+    return [n / s if s > 0 else n for n, s in zip(tokens, steps) for _ in range(max(s, 1))]
 
 
 def _check_speculation(records: list[RequestRecord], speculate: bool) -> None:

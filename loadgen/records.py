@@ -33,11 +33,14 @@ class RequestRecord:
     end_s: float | None = None  # the stream ended (finished or failed)
     status: str = OK  # a gRPC status code name (HTTP errors mapped to one), or OK
     error: str = ""
+    # the engine steps each delta's tokens came from, where the server counts them (gRPC); 0: not counted
+    delta_steps: list[int] = field(default_factory=list)
 
-    def add_delta(self, now_s: float, num_tokens: int) -> None:
+    def add_delta(self, now_s: float, num_tokens: int, num_steps: int = 0) -> None:
         if num_tokens > 0:
             self.delta_times_s.append(now_s)
             self.delta_tokens.append(num_tokens)
+            self.delta_steps.append(num_steps)
 
     @property
     def is_ok(self) -> bool:
@@ -78,10 +81,11 @@ class RequestRecord:
                 "status": self.status, "error": self.error, "max_tokens": self.max_tokens,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
                 "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "e2e_s": self.e2e_s,
-                "delta_times_s": self.delta_times_s, "delta_tokens": self.delta_tokens, "end_s": self.end_s}
+                "delta_times_s": self.delta_times_s, "delta_tokens": self.delta_tokens,
+                "delta_steps": self.delta_steps, "end_s": self.end_s}
 
     @classmethod
     def from_json(cls, obj: dict) -> "RequestRecord":
         return cls(obj["index"], obj["scheduled_s"], obj["max_tokens"], obj.get("num_prompt_tokens"),
                    obj.get("sent_s"), list(obj["delta_times_s"]), list(obj["delta_tokens"]), obj.get("end_s"),
-                   obj["status"], obj.get("error", ""))
+                   obj["status"], obj.get("error", ""), list(obj.get("delta_steps", [0] * len(obj["delta_tokens"]))))

@@ -153,7 +153,8 @@ class PairCalls:
 
     async def events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight,
                       first: asyncio.Future | None = None):
-        """(token ids, finish reason, log-probs) of each delta on the decode stream; a failed prefill ends it
+        """(token ids, finish reason, log-probs, engine steps) of each delta on the decode stream
+        (steps: `TokenDelta.num_steps`, 0 where the worker did not count them); a failed prefill ends it
         with the prefill's failure, and the router's own abort with its reason. With `first`, the
         prefill worker's first token goes out as soon as it comes, and the decode stream's copy of
         it is skipped; a first token that ends the request, with how it ends, is the whole answer
@@ -179,20 +180,21 @@ class PairCalls:
                 if not read.done() and first.done() and first.result() is not None:
                     early = first.result()
                     logprobs = [early.logprobs] if early.HasField("logprobs") else []
-                    yield [early.token_id], gen_pb2.FINISH_REASON_UNSPECIFIED, logprobs
+                    yield [early.token_id], gen_pb2.FINISH_REASON_UNSPECIFIED, logprobs, 1
             event = await read
             while event is not grpc.aio.EOF:
                 if event.WhichOneof("event") == "tokens":
                     decoding[0] = True
                     ids, logprobs = list(event.tokens.token_ids), list(event.tokens.logprobs)
+                    steps = event.tokens.num_steps
                     if early is not None and ids:  # the first token, which went out already
                         if ids[0] != early.token_id:
                             raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} "
                                                 f"began with token {ids[0]}, the prefill worker sampled "
                                                 f"{early.token_id}")
-                        ids, logprobs, early = ids[1:], logprobs[1:], None
+                        ids, logprobs, early, steps = ids[1:], logprobs[1:], None, max(steps - 1, 0)
                     if ids or event.tokens.finish_reason:
-                        yield ids, event.tokens.finish_reason, logprobs
+                        yield ids, event.tokens.finish_reason, logprobs, steps
                 event = await call.read()
         except grpc.aio.AioRpcError as e:
             # the prefill worker's first token ended the request, and its abandoned push ended the
@@ -239,7 +241,7 @@ def _final_first_token(first: asyncio.Future) -> tuple | None:
     token = first.result()
     if not token.ends_request or token.finish_reason == gen_pb2.FINISH_REASON_UNSPECIFIED:
         return None
-    return [token.token_id], token.finish_reason, [token.logprobs] if token.HasField("logprobs") else []
+    return [token.token_id], token.finish_reason, [token.logprobs] if token.HasField("logprobs") else [], 1
 
 
 def _retrieve(future: asyncio.Future) -> None:

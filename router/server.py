@@ -219,9 +219,9 @@ class Router:
                                                                       metadata, first))
                 prefill_task.add_done_callback(lambda task: self._prefilled(task, trace, attempt))
                 trace.state = RequestState.PREFILLING
-            async for ids, reason, logprobs in self.calls.events(call, decode, prefill_task, flight, first):
+            async for ids, reason, logprobs, steps in self.calls.events(call, decode, prefill_task, flight, first):
                 self.metrics.received(trace, len(ids))
-                yield stream.delta(ids, reason, logprobs)
+                yield stream.delta(ids, reason, logprobs, steps)
                 if stream.finished:  # the decode worker's cache now holds the prompt and the answer
                     decode.prefixes.insert(req.prompt_token_ids + stream.sent_ids, decode.info.block_size
                                            if decode.info else 16)

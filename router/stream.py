@@ -20,9 +20,10 @@ class ClientStream:
             decode = lambda ids: tokenizer.decode(ids, req.params.skip_special_tokens)  # noqa: E731
             self._detok = IncrementalDetokenizer(decode, req.prompt_token_ids, req.params.stop)
 
-    def delta(self, ids: list[int], reason: int, logprobs=()) -> gen_pb2.GenerateResponse:
+    def delta(self, ids: list[int], reason: int, logprobs=(), steps: int = 0) -> gen_pb2.GenerateResponse:
         """The message for a worker's token delta (`reason`: its finish reason, or unset;
-        `logprobs`: `TokenLogprobs` per token, when the request asked for them)."""
+        `logprobs`: `TokenLogprobs` per token, when the request asked for them; `steps`: the
+        engine steps its tokens came from, 0 if not counted)."""
         if self._detok is not None:
             for i, tok in enumerate(ids):
                 self._detok.add(tok)
@@ -33,7 +34,7 @@ class ClientStream:
         self.finished = reason != gen_pb2.FINISH_REASON_UNSPECIFIED
         text = self._detok.take_delta(final=self.finished) if self._detok else ""
         resp = gen_pb2.GenerateResponse(request_id=self.req.client_request_id, token_ids=ids, text=text,
-                                        logprobs=list(logprobs)[:len(ids)])
+                                        logprobs=list(logprobs)[:len(ids)], num_steps=steps)
         if self.finished:
             resp.finish_reason = reason
             resp.usage.prompt_tokens = len(self.req.prompt_token_ids)

@@ -58,6 +58,9 @@ def test_greedy_disaggregated_with_speculation_matches_offline(cluster, offline)
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     assert drafted > 0 and after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == drafted
     assert max(len(m.token_ids) for msgs in got for m in msgs) > 1
+    # every message says the engine steps its tokens came from; a verification step gives several
+    steps = [(len(m.token_ids), m.num_steps) for msgs in got for m in msgs if m.token_ids]
+    assert all(1 <= s <= n for n, s in steps) and any(n > s for n, s in steps), steps
     cluster.wait_all_free()
 
 

@@ -91,10 +91,10 @@ def test_acceptance_comes_from_the_tokens_each_decode_step_streamed():
     from pdserve.loadgen.costs import SpeculationCost
     from pdserve.loadgen.records import RequestRecord
 
-    def record(tokens: list[int]) -> RequestRecord:
+    def record(tokens: list[int], steps: list[int] | None = None) -> RequestRecord:
         r = RequestRecord(0, 0.0, sum(tokens), 10, sent_s=0.0)
         for i, n in enumerate(tokens):
-            r.add_delta(0.01 * (i + 1), n)
+            r.add_delta(0.01 * (i + 1), n, steps[i] if steps else 0)
         return r
 
     # the first delta (the prefill's token) and the last (cut short by max_tokens) aside, steps of
@@ -102,6 +102,15 @@ def test_acceptance_comes_from_the_tokens_each_decode_step_streamed():
     alpha = acceptance([record([1, 3, 4, 3, 1]), record([1, 4, 2])], k=4)
     assert SpeculationCost(4, alpha, 0.1).mean_tokens_per_step == pytest.approx(3.5)
     assert acceptance([record([1, 2])], k=4) is None  # no whole decode step seen
+    # deltas that say how many engine steps they carry (a merged backlog, a stream_interval group)
+    # count as that many steps: 7 tokens over two steps and 3 over one are 10 over 3 steps, not 2
+    alpha = acceptance([record([1, 7, 3, 1], [1, 2, 1, 1])], k=4)
+    assert SpeculationCost(4, alpha, 0.1).mean_tokens_per_step == pytest.approx(10 / 3)
+    assert acceptance([record([1, 7, 3, 1])], k=4) == acceptance([record([1, 4, 6, 1])], k=4)  # uncounted: one each
+    from pdserve.loadgen.calibrate import _check_speculation
+    _check_speculation([record([1, 3, 2, 1, 1], [1, 3, 2, 1, 1])], speculate=False)  # plain, merged: 1 a step
+    with pytest.raises(ValueError, match="streamed 2.00 tokens each"):
+        _check_speculation([record([1, 3, 2, 1, 1], [1, 1, 1, 1, 1])], speculate=False)
     profile, cal = calibrated(BASE, Shape(1, 1, True), *_measured(BASE, Shape(1, 1, True))[:1], UNLOADED,
                               acceptance_rate=0.5)
     assert profile.speculation.acceptance_rate == 0.5 and cal.acceptance_rate == 0.5

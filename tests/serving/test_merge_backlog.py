@@ -53,6 +53,8 @@ def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoi
     msgs, stats = run(scenario())
     sizes = [len(m.token_ids) for m in msgs if m.token_ids]
     assert joined(msgs) == want.token_ids
+    # each message says the engine steps its tokens came from: one token a step, no speculation here
+    assert [m.num_steps for m in msgs if m.token_ids] == sizes
     assert stats["stream_tokens_total"] == NUM_TOKENS  # what the worker counts (its metrics)
     if merge:  # what piled up during the stall went as one message
         assert max(sizes) > 1 and len(sizes) < NUM_TOKENS, sizes

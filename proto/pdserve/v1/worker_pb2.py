@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\x91\x01\n\x0bWorkRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12#\n\x1bnum_output_tokens_in_prompt\x18\x04 \x01(\r\"j\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x07\n\x05\x65vent\"e\n\x08\x41\x64mitted\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x15\n\rprefills_here\x18\x04 \x01(\x08\"}\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"f\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.WorkRequest\x12\x0e\n\x06ticket\x18\x03 \x01(\t\x12\x14\n\x0ctarget_ready\x18\x04 \x01(\x08J\x04\x08\x02\x10\x03\"\x7f\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x05 \x01(\x01\"\x92\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x14\n\x0c\x65nds_request\x18\x03 \x01(\x08\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"s\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x42\x07\n\x05\x65vent\"Y\n\rKVGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\"\xc5\x01\n\x08KVHeader\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\x12\x1e\n\x03shm\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.KVShm\x12 \n\x04\x64ist\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.KVDist\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"C\n\x06KVDist\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\",\n\x05KVShm\x12\x10\n\x08segments\x18\x01 \x03(\t\x12\x11\n\tnum_slots\x18\x02 \x01(\x04\"\x9b\x01\n\x06KVData\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x07 \x01(\r\x12\x10\n\x08src_runs\x18\x08 \x03(\r\x12\r\n\x05sum64\x18\t \x01(\x04\"\x83\x01\n\tKVTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x11\n\tabandoned\x18\x04 \x01(\x08\"t\n\rKVTargetReady\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xe0\x01\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.KVDataH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVTrailerH\x00\x12$\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.KVBatchH\x00\x12\x31\n\x0ctarget_ready\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVTargetReadyH\x00\x42\x06\n\x04part\"-\n\x07KVBatch\x12\"\n\x05parts\x18\x01 \x03(\x0b\x32\x13.pdserve.v1.KVChunk\"7\n\x0ePushKVResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\r\n\x0bInfoRequest\"\xaa\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12,\n\tkv_groups\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\x12\x13\n\x0bspec_method\x18\x07 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x64raft_identity\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x11\n\tshm_probe\x18\x0e \x01(\t\x12\x17\n\x0fshm_probe_nonce\x18\x0f \x01(\t\x12\x18\n\x10kv_dist_backends\x18\x10 \x03(\t\x12\x17\n\x0fkv_target_ready\x18\x11 \x01(\x08\x12\x10\n\x08kv_dtype\x18\x12 \x01(\t\"\x0e\n\x0cStatsRequest\"\xa4\x05\n\x0bWorkerStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x05 \x01(\r\x12 \n\x18num_queued_prompt_tokens\x18\x06 \x01(\x04\x12\x1f\n\x17kv_transfer_bytes_total\x18\x07 \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x08 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x17\n\x0fspec_num_drafts\x18\n \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0b \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0c \x01(\x04\x12\x1d\n\x15spec_accepted_per_pos\x18\r \x03(\x04\x12\x1a\n\x12num_requests_total\x18\x0e \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x0f \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x10 \x01(\x04\x12 \n\x18num_reservations_expired\x18\x11 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x12 \x01(\t\x12\x1d\n\x15kv_transfer_shm_total\x18\x13 \x01(\x04\x12\x1e\n\x16kv_transfer_dist_total\x18\x14 \x01(\x04\x12\x1d\n\x15stream_messages_total\x18\x15 \x01(\x04\x12\x1b\n\x13stream_tokens_total\x18\x16 \x01(\x04\x12#\n\x1bstream_merged_outputs_total\x18\x17 \x01(\x04\x32\xcc\x02\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12\x46\n\x10PrefillAndDecode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x97\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12G\n\rPrefillStream\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\x91\x01\n\x0bWorkRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12#\n\x1bnum_output_tokens_in_prompt\x18\x04 \x01(\r\"j\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDeltaH\x00\x42\x07\n\x05\x65vent\"e\n\x08\x41\x64mitted\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x15\n\rprefills_here\x18\x04 \x01(\x08\"\x90\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x11\n\tnum_steps\x18\x04 \x01(\r\"f\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.WorkRequest\x12\x0e\n\x06ticket\x18\x03 \x01(\t\x12\x14\n\x0ctarget_ready\x18\x04 \x01(\x08J\x04\x08\x02\x10\x03\"\x7f\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x04 \x01(\x01\x12\x14\n\x0ctail_seconds\x18\x05 \x01(\x01\"\x92\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x14\n\x0c\x65nds_request\x18\x03 \x01(\x08\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"s\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x42\x07\n\x05\x65vent\"Y\n\rKVGroupLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\"\xc5\x01\n\x08KVHeader\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\x12\x1e\n\x03shm\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.KVShm\x12 \n\x04\x64ist\x18\x06 \x01(\x0b\x32\x12.pdserve.v1.KVDist\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"C\n\x06KVDist\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\",\n\x05KVShm\x12\x10\n\x08segments\x18\x01 \x03(\t\x12\x11\n\tnum_slots\x18\x02 \x01(\x04\"\x9b\x01\n\x06KVData\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\r\n\x05group\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x07 \x01(\r\x12\x10\n\x08src_runs\x18\x08 \x03(\r\x12\r\n\x05sum64\x18\t \x01(\x04\"\x83\x01\n\tKVTrailer\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x11\n\tabandoned\x18\x04 \x01(\x08\"t\n\rKVTargetReady\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xe0\x01\n\x07KVChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12\"\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.KVDataH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KVTrailerH\x00\x12$\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.KVBatchH\x00\x12\x31\n\x0ctarget_ready\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVTargetReadyH\x00\x42\x06\n\x04part\"-\n\x07KVBatch\x12\"\n\x05parts\x18\x01 \x03(\x0b\x32\x13.pdserve.v1.KVChunk\"7\n\x0ePushKVResponse\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\r\n\x0bInfoRequest\"\xaa\x03\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\x12,\n\tkv_groups\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.KVGroupLayout\x12\x13\n\x0bspec_method\x18\x07 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\r\x12\x16\n\x0e\x64raft_identity\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12\x15\n\reos_token_ids\x18\r \x03(\r\x12\x11\n\tshm_probe\x18\x0e \x01(\t\x12\x17\n\x0fshm_probe_nonce\x18\x0f \x01(\t\x12\x18\n\x10kv_dist_backends\x18\x10 \x03(\t\x12\x17\n\x0fkv_target_ready\x18\x11 \x01(\x08\x12\x10\n\x08kv_dtype\x18\x12 \x01(\t\"\x0e\n\x0cStatsRequest\"\xa4\x05\n\x0bWorkerStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x14\n\x0cnum_reserved\x18\x05 \x01(\r\x12 \n\x18num_queued_prompt_tokens\x18\x06 \x01(\x04\x12\x1f\n\x17kv_transfer_bytes_total\x18\x07 \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x08 \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x17\n\x0fspec_num_drafts\x18\n \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0b \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0c \x01(\x04\x12\x1d\n\x15spec_accepted_per_pos\x18\r \x03(\x04\x12\x1a\n\x12num_requests_total\x18\x0e \x01(\x04\x12\"\n\x1aprefix_cache_queries_total\x18\x0f \x01(\x04\x12\x1f\n\x17prefix_cache_hits_total\x18\x10 \x01(\x04\x12 \n\x18num_reservations_expired\x18\x11 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x12 \x01(\t\x12\x1d\n\x15kv_transfer_shm_total\x18\x13 \x01(\x04\x12\x1e\n\x16kv_transfer_dist_total\x18\x14 \x01(\x04\x12\x1d\n\x15stream_messages_total\x18\x15 \x01(\x04\x12\x1b\n\x13stream_tokens_total\x18\x16 \x01(\x04\x12#\n\x1bstream_merged_outputs_total\x18\x17 \x01(\x04\x32\xcc\x02\n\x0c\x44\x65\x63odeWorker\x12<\n\x06\x44\x65\x63ode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12\x46\n\x10PrefillAndDecode\x12\x17.pdserve.v1.WorkRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12;\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x1a.pdserve.v1.PushKVResponse(\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x97\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12G\n\rPrefillStream\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12:\n\x07GetInfo\x12\x17.pdserve.v1.InfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,46 +38,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEEVENT']._serialized_end=322
   _globals['_ADMITTED']._serialized_start=324
   _globals['_ADMITTED']._serialized_end=425
-  _globals['_TOKENDELTA']._serialized_start=427
-  _globals['_TOKENDELTA']._serialized_end=552
-  _globals['_PREFILLREQUEST']._serialized_start=554
-  _globals['_PREFILLREQUEST']._serialized_end=656
-  _globals['_PREFILLRESPONSE']._serialized_start=658
-  _globals['_PREFILLRESPONSE']._serialized_end=785
-  _globals['_FIRSTTOKEN']._serialized_start=788
-  _globals['_FIRSTTOKEN']._serialized_end=934
-  _globals['_PREFILLEVENT']._serialized_start=936
-  _globals['_PREFILLEVENT']._serialized_end=1051
-  _globals['_KVGROUPLAYOUT']._serialized_start=1053
-  _globals['_KVGROUPLAYOUT']._serialized_end=1142
-  _globals['_KVHEADER']._serialized_start=1145
-  _globals['_KVHEADER']._serialized_end=1342
-  _globals['_KVDIST']._serialized_start=1344
-  _globals['_KVDIST']._serialized_end=1411
-  _globals['_KVSHM']._serialized_start=1413
-  _globals['_KVSHM']._serialized_end=1457
-  _globals['_KVDATA']._serialized_start=1460
-  _globals['_KVDATA']._serialized_end=1615
-  _globals['_KVTRAILER']._serialized_start=1618
-  _globals['_KVTRAILER']._serialized_end=1749
-  _globals['_KVTARGETREADY']._serialized_start=1751
-  _globals['_KVTARGETREADY']._serialized_end=1867
-  _globals['_KVCHUNK']._serialized_start=1870
-  _globals['_KVCHUNK']._serialized_end=2094
-  _globals['_KVBATCH']._serialized_start=2096
-  _globals['_KVBATCH']._serialized_end=2141
-  _globals['_PUSHKVRESPONSE']._serialized_start=2143
-  _globals['_PUSHKVRESPONSE']._serialized_end=2198
-  _globals['_INFOREQUEST']._serialized_start=2200
-  _globals['_INFOREQUEST']._serialized_end=2213
-  _globals['_WORKERINFO']._serialized_start=2216
-  _globals['_WORKERINFO']._serialized_end=2642
-  _globals['_STATSREQUEST']._serialized_start=2644
-  _globals['_STATSREQUEST']._serialized_end=2658
-  _globals['_WORKERSTATS']._serialized_start=2661
-  _globals['_WORKERSTATS']._serialized_end=3337
-  _globals['_DECODEWORKER']._serialized_start=3340
-  _globals['_DECODEWORKER']._serialized_end=3672
-  _globals['_PREFILLWORKER']._serialized_start=3675
-  _globals['_PREFILLWORKER']._serialized_end=3954
+  _globals['_TOKENDELTA']._serialized_start=428
+  _globals['_TOKENDELTA']._serialized_end=572
+  _globals['_PREFILLREQUEST']._serialized_start=574
+  _globals['_PREFILLREQUEST']._serialized_end=676
+  _globals['_PREFILLRESPONSE']._serialized_start=678
+  _globals['_PREFILLRESPONSE']._serialized_end=805
+  _globals['_FIRSTTOKEN']._serialized_start=808
+  _globals['_FIRSTTOKEN']._serialized_end=954
+  _globals['_PREFILLEVENT']._serialized_start=956
+  _globals['_PREFILLEVENT']._serialized_end=1071
+  _globals['_KVGROUPLAYOUT']._serialized_start=1073
+  _globals['_KVGROUPLAYOUT']._serialized_end=1162
+  _globals['_KVHEADER']._serialized_start=1165
+  _globals['_KVHEADER']._serialized_end=1362
+  _globals['_KVDIST']._serialized_start=1364
+  _globals['_KVDIST']._serialized_end=1431
+  _globals['_KVSHM']._serialized_start=1433
+  _globals['_KVSHM']._serialized_end=1477
+  _globals['_KVDATA']._serialized_start=1480
+  _globals['_KVDATA']._serialized_end=1635
+  _globals['_KVTRAILER']._serialized_start=1638
+  _globals['_KVTRAILER']._serialized_end=1769
+  _globals['_KVTARGETREADY']._serialized_start=1771
+  _globals['_KVTARGETREADY']._serialized_end=1887
+  _globals['_KVCHUNK']._serialized_start=1890
+  _globals['_KVCHUNK']._serialized_end=2114
+  _globals['_KVBATCH']._serialized_start=2116
+  _globals['_KVBATCH']._serialized_end=2161
+  _globals['_PUSHKVRESPONSE']._serialized_start=2163
+  _globals['_PUSHKVRESPONSE']._serialized_end=2218
+  _globals['_INFOREQUEST']._serialized_start=2220
+  _globals['_INFOREQUEST']._serialized_end=2233
+  _globals['_WORKERINFO']._serialized_start=2236
+  _globals['_WORKERINFO']._serialized_end=2662
+  _globals['_STATSREQUEST']._serialized_start=2664
+  _globals['_STATSREQUEST']._serialized_end=2678
+  _globals['_WORKERSTATS']._serialized_start=2681
+  _globals['_WORKERSTATS']._serialized_end=3357
+  _globals['_DECODEWORKER']._serialized_start=3360
+  _globals['_DECODEWORKER']._serialized_end=3692
+  _globals['_PREFILLWORKER']._serialized_start=3695
+  _globals['_PREFILLWORKER']._serialized_end=3974
 # @@protoc_insertion_point(module_scope)
