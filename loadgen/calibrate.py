@@ -433,9 +433,10 @@ def _decode_step_tokens(records: list[RequestRecord]) -> list[float]:
     the engine steps it carries (`GenerateResponse.num_steps`) counts as that many steps of its
     mean: a decode worker merges the steps queued for a stream that fell behind its engine (as
     beside the test cluster's tiny model, whose steps outrun the serving loop) and groups them
-    under `stream_interval`, and taken as one step each, such deltas read a plain deployment as a
-    speculating one (1.3-1.7 tokens a delta) and a self-drafting pair that accepts everything at
-    5.18 tokens a step against its 4. Where some requests streamed
+    under `stream_interval`. Taken as one step each, such deltas read the test cluster's
+    self-drafting pair that accepts everything at 5.18 tokens a step against its 4, and would read
+    a plain deployment whose streams merge (1.4-1.7 tokens a message beside a fast engine:
+    BENCHMARKS.md, Streaming cost per token) as a speculating one. Where some requests streamed
     more than one token a step, only those count, from their first such step: a disaggregated
     decode worker with a draft starts on the target's K/V and decodes plainly until the draft's
     land (`KVTargetReady`). On the test cluster's tiny model, whose steps (0.1-0.6 ms) are far

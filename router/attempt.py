@@ -154,14 +154,14 @@ class PairCalls:
     async def events(self, call, decode: Worker, prefill_task: asyncio.Task | None, flight: Flight,
                       first: asyncio.Future | None = None):
         """(token ids, finish reason, log-probs, engine steps) of each delta on the decode stream
-        (steps: `TokenDelta.num_steps`, 0 where the worker did not count them); a failed prefill ends it
-        with the prefill's failure, and the router's own abort with its reason. With `first`, the
-        prefill worker's first token goes out as soon as it comes, and the decode stream's copy of
-        it is skipped; a first token that ends the request, with how it ends, is the whole answer
-        (the decode stream is left: the caller cancels it). Once the decode stream has streamed
-        tokens, the decode worker holds the request's verified K/V, and a failing prefill (one
-        killed after handing the target's K/V over, or whose draft's pass failed) no longer ends
-        it."""
+        (steps: `TokenDelta.num_steps`, 0 where the worker did not count them); a failed prefill
+        ends it with the prefill's failure, and the router's own abort with its reason. With
+        `first`, the prefill worker's first token goes out as soon as it comes, and the decode
+        stream's copy of it (and of its step) is skipped; a first token that ends the request, with
+        how it ends, is the whole answer (the decode stream is left: the caller cancels it). Once
+        the decode stream has streamed tokens, the decode worker holds the request's verified K/V,
+        and a failing prefill (one killed after handing the target's K/V over, or whose draft's
+        pass failed) no longer ends it."""
         failure: list[RequestFailed] = []
         decoding = [False]  # the decode stream has streamed tokens
         if prefill_task is not None:
