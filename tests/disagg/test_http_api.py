@@ -57,7 +57,7 @@ def test_streamed_completion_concatenates_to_the_full_text(cluster, offline_text
     conn.close()
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert len(chunks) > 2
+    assert len(chunks) >= 2  # the first token alone, the rest in one chunk or more (a stream behind its engine merges)
     assert "".join(c["choices"][0]["text"] for c in chunks) == offline_text.text
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == offline_text.token_ids
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 20
