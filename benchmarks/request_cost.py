@@ -26,29 +26,24 @@ section of BENCHMARKS.md (or its fast-engine section; not with --quick, --no-mar
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
-from pdserve.loadgen.bench import BenchConfig, run_bench
-from pdserve.loadgen.lengths import LengthDistribution
-from pdserve.loadgen.workload import WorkloadConfig, WorkloadKind
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from launcher import Launcher  # noqa: E402
-from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
-from stream_cost import MODEL, cpu_seconds, fast_checkpoint  # noqa: E402
+from report import Spread, fmt_spread, host, machine  # noqa: E402
+from stream_cost import (MODEL, PROMPT_LEN, closed_loop, common_args, fast_checkpoint, interleaved,  # noqa: E402
+                         on_core_0, publish_run)
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Serving cost per request (`benchmarks/request_cost.py`)"
 FAST_SECTION = "Serving cost per request, a fast engine (`benchmarks/request_cost.py --engine fast`)"
-PROMPT_LEN, OUTPUT_LEN = "fixed:64", "fixed:2"
+OUTPUT_LEN = "fixed:2"  # the prompts are stream_cost.py's (PROMPT_LEN)
 APIS = ("grpc", "http")
 # what each column reads: (process, thread role or None for the whole process)
 COLUMNS = {"router loop": ("R", "server"), "router process": ("R", None), "prefill engine": ("P", "engine"),
@@ -59,58 +54,30 @@ CEILINGS = ("router process", "prefill process", "decode process")
 
 def one_run(procs: dict, concurrency: int, num_requests: int, seed: int, model: str, api: str) -> dict:
     """µs a request per column, and the run's requests/s, for one closed-loop run."""
-    before = {name: cpu_seconds(p.metrics_address) for name, p in procs.items()}
-    workload = WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse(PROMPT_LEN),
-                              LengthDistribution.parse(OUTPUT_LEN), tokenizer=model)
-    target = dict(http_url=f"http://{procs['R'].http_address}") if api == "http" else dict(target=procs["R"].address)
-    cfg = BenchConfig(workload=workload, rates=(float("inf"),), num_requests=num_requests,
-                      max_concurrency=concurrency, seed=seed, num_warmup=0, **target)
-    (run,) = run_bench(cfg, progress=False).runs
-    failed = [r.error for r in run.records if not r.is_ok]
-    if failed:
-        raise SystemExit(f"request_cost: {len(failed)} requests failed: {failed[:3]}")
-    after = {name: cpu_seconds(p.metrics_address) for name, p in procs.items()}
-    seconds = max(r.end_s for r in run.records) - min(r.sent_s for r in run.records)
-    us = {col: 1e6 * (after[p][role] - before[p][role]) / num_requests for col, (p, role) in COLUMNS.items()
-          if role in after[p] and role in before[p]}
+    _, seconds, spent = closed_loop(procs, concurrency, num_requests, seed, model, OUTPUT_LEN, http=api == "http")
+    us = {col: 1e6 * spent[key] / num_requests for col, key in COLUMNS.items() if key in spent}
     return dict(us_per_request=us, requests_per_s=num_requests / seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap = common_args(__doc__)
     ap.add_argument("--requests", type=int, default=200, help="requests a run (default: %(default)s)")
-    ap.add_argument("--engine", choices=["demo", "fast"], default="demo", help="the demo target, or stream_cost.py's "
-                    "random two-layer model, whose prefill and step cost next to nothing")
-    ap.add_argument("--quick", action="store_true", help="one repeat, concurrency 1 and 4, few requests (a smoke run)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--no-markdown", action="store_true", help="do not rewrite BENCHMARKS.md (a run elsewhere than "
-                    "benchmarks/results never does)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or min(args.concurrency) < 1 or args.requests < 2:
         ap.error("--repeats and every --concurrency must be at least 1, --requests at least 2")
     repeats, concurrencies, num = (1, [1, 4], 8) if args.quick else (args.repeats, args.concurrency, args.requests)
-    before_cpus = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {0} & before_cpus or before_cpus)  # beside the prefill worker and the router
     runs: dict[tuple[str, int], list[dict]] = {(a, c): [] for a in APIS for c in concurrencies}
-    try:
-        with tempfile.TemporaryDirectory() as tmp, Launcher(Path(tmp)) as launch:
-            model = fast_checkpoint(Path(tmp) / "fast") if args.engine == "fast" else MODEL
-            worker = ["--model", model, "--num-kv-blocks", "1024", "--max-num-seqs", str(max(concurrencies))]
-            p = launch.worker("prefill-worker", "P", worker, [0])
-            d = launch.worker("decode-worker", "D", worker, [1])
-            procs = {"P": p, "D": d, "R": launch.router("R", model, [p], [d], cpus=[0])}
-            launch.wait_ready()
-            for api in APIS:  # warm-up: first steps, first connections
-                one_run(procs, 1, 2, seed=999, model=model, api=api)
-            steps = [(rep, c, a) for rep in range(repeats)
-                     for c in (concurrencies if rep % 2 == 0 else concurrencies[::-1])
-                     for a in (APIS if rep % 2 == 0 else APIS[::-1])]
-            for rep, c, a in tqdm(steps, desc="request cost", unit="run"):
-                runs[a, c].append(one_run(procs, c, num, seed=100 * rep + c, model=model, api=a))
-    finally:
-        os.sched_setaffinity(0, before_cpus)
+    with on_core_0(), tempfile.TemporaryDirectory() as tmp, Launcher(Path(tmp)) as launch:
+        model = fast_checkpoint(Path(tmp) / "fast") if args.engine == "fast" else MODEL
+        worker = ["--model", model, "--num-kv-blocks", "1024", "--max-num-seqs", str(max(concurrencies))]
+        p = launch.worker("prefill-worker", "P", worker, [0])
+        d = launch.worker("decode-worker", "D", worker, [1])
+        procs = {"P": p, "D": d, "R": launch.router("R", model, [p], [d], cpus=[0])}
+        launch.wait_ready()
+        for api in APIS:  # warm-up: first steps, first connections
+            one_run(procs, 1, 2, seed=999, model=model, api=api)
+        for rep, c, a in tqdm(interleaved(repeats, concurrencies, list(APIS)), desc="request cost", unit="run"):
+            runs[a, c].append(one_run(procs, c, num, seed=100 * rep + c, model=model, api=a))
     rows = [dict(api=a, concurrency=c, requests_per_s=Spread.of(x["requests_per_s"] for x in xs).as_dict(),
                  us_per_request={col: Spread.of(x["us_per_request"][col] for x in xs).as_dict()
                                  for col in COLUMNS if all(col in x["us_per_request"] for x in xs)})
@@ -118,11 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(repeats=repeats, concurrency=concurrencies, requests=num, engine=args.engine, prompt_len=PROMPT_LEN,
                   output_len=OUTPUT_LEN, rows=rows, runs={f"{a}x{c}": x for (a, c), x in runs.items()},
                   machine=machine())
-    stem = result["stem"] = ("request_cost" + ("_fast" if args.engine == "fast" else "")
-                             + ("_quick" if args.quick else ""))
-    section = FAST_SECTION if args.engine == "fast" else SECTION
-    publish(result, "request_cost", sys.argv[1:] if argv is None else argv, args.out, markdown, plot,
-            None if args.quick or args.no_markdown or args.out.resolve() != RESULTS else section, stem=stem)
+    publish_run("request_cost", result, args, argv, markdown, plot, (SECTION, FAST_SECTION))
 
 
 def markdown(result: dict, command: str) -> str:

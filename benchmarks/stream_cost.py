@@ -40,6 +40,7 @@ section of BENCHMARKS.md (or its fast-engine section; not with --quick, --no-mar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -101,73 +102,100 @@ def fast_checkpoint(path: Path) -> str:
     return str(path)
 
 
-def one_run(procs: dict, concurrency: int, num_requests: int, seed: int, model: str = MODEL,
-            http: bool = False) -> dict:
-    """µs a token per column, the run's tokens/s and the tokens a message carried to the client,
-    for one closed-loop run at `concurrency` (http: the requests on the router's OpenAI API, each
-    token delta a server-sent event, instead of its gRPC stream)."""
+def closed_loop(procs: dict, concurrency: int, num_requests: int, seed: int, model: str, output_len: str,
+                http: bool = False) -> tuple[list, float, dict]:
+    """One closed-loop run of `pdserve bench` at `concurrency` through the router procs["R"] (http:
+    on its OpenAI API, each delta a server-sent event, instead of its gRPC stream): the records,
+    the seconds from the first sent to the last ended, and what each process spent over the run,
+    read from its /metrics before and after (`cpu_seconds`): {(process, thread role): CPU
+    seconds}, the whole process's under role None, the router's generated tokens under ("R",
+    "tokens"). A failed request ends the benchmark."""
     before = {name: cpu_seconds(p.metrics_address) for name, p in procs.items()}
     workload = WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse(PROMPT_LEN),
-                              LengthDistribution.parse(OUTPUT_LEN), tokenizer=model)
+                              LengthDistribution.parse(output_len), tokenizer=model)
     api = dict(http_url=f"http://{procs['R'].http_address}") if http else dict(target=procs["R"].address)
     cfg = BenchConfig(workload=workload, rates=(float("inf"),), num_requests=num_requests,
                       max_concurrency=concurrency, seed=seed, num_warmup=0, **api)
     (run,) = run_bench(cfg, progress=False).runs
     failed = [r.error for r in run.records if not r.is_ok]
     if failed:
-        raise SystemExit(f"stream_cost: {len(failed)} requests failed: {failed[:3]}")
+        raise SystemExit(f"closed loop: {len(failed)} requests failed: {failed[:3]}")
     after = {name: cpu_seconds(p.metrics_address) for name, p in procs.items()}
-    tokens = after["R"]["tokens"] - before["R"]["tokens"]
     seconds = max(r.end_s for r in run.records) - min(r.sent_s for r in run.records)
-    us = {col: 1e6 * (after[p][role] - before[p][role]) / tokens for col, (p, role) in COLUMNS.items()
-          if role in after[p] and role in before[p]}
-    messages = sum(len(r.delta_tokens) for r in run.records)
+    spent = {(name, role): after[name][role] - before[name][role] for name in procs for role in after[name]
+             if role in before[name]}
+    return run.records, seconds, spent
+
+
+def one_run(procs: dict, concurrency: int, num_requests: int, seed: int, model: str = MODEL,
+            http: bool = False) -> dict:
+    """µs a token per column, the run's tokens/s and the tokens a message carried to the client,
+    for one closed-loop run at `concurrency` (`closed_loop`)."""
+    records, seconds, spent = closed_loop(procs, concurrency, num_requests, seed, model, OUTPUT_LEN, http)
+    tokens = spent["R", "tokens"]
+    us = {col: 1e6 * spent[key] / tokens for col, key in COLUMNS.items() if key in spent}
+    messages = sum(len(r.delta_tokens) for r in records)
     return dict(us_per_token=us, tokens=tokens, tokens_per_s=tokens / seconds,
-                tokens_per_message=sum(r.num_output_tokens for r in run.records) / messages)
+                tokens_per_message=sum(r.num_output_tokens for r in records) / messages)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_args(doc: str) -> argparse.ArgumentParser:
+    """The options this script and request_cost.py share."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--stream-interval", type=int, default=4, help="the second pair's decode worker's")
     ap.add_argument("--engine", choices=["demo", "fast"], default="demo", help="the demo target, or a random "
-                    "two-layer model whose step is cheap beside the loops (see above)")
+                    "two-layer model whose prefill and step are cheap beside the serving loops")
     ap.add_argument("--quick", action="store_true", help="one repeat, concurrency 1 and 4, few requests (a smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-markdown", action="store_true", help="do not rewrite BENCHMARKS.md (a run elsewhere than "
                     "benchmarks/results never does)")
+    return ap
+
+
+@contextlib.contextmanager
+def on_core_0():
+    """This process (the load generator) on core 0, beside the prefill worker and the router."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0} & before or before)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def interleaved(repeats: int, concurrencies: list[int], variants: list) -> list[tuple]:
+    """(repeat, concurrency, variant) in run order, the order reversed every other repeat."""
+    return [(rep, c, v) for rep in range(repeats) for c in (concurrencies if rep % 2 == 0 else concurrencies[::-1])
+            for v in (variants if rep % 2 == 0 else variants[::-1])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common_args(__doc__)
+    ap.add_argument("--stream-interval", type=int, default=4, help="the second pair's decode worker's")
     args = ap.parse_args(argv)
     if args.repeats < 1 or min(args.concurrency) < 1 or args.stream_interval < 2:
         ap.error("--repeats and every --concurrency must be at least 1, --stream-interval at least 2")
     repeats, concurrencies = (1, [1, 4]) if args.quick else (args.repeats, args.concurrency)
     variants = {DEFAULT: [], str(args.stream_interval): ["--stream-interval", str(args.stream_interval)],
                 UNMERGED: ["--no-merge-backlog"], HTTP: None}  # None: the default pair's processes
-    before_cpus = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {0} & before_cpus or before_cpus)  # beside the prefill worker and the router
     runs: dict[tuple[str, int], list[dict]] = {(v, c): [] for v in variants for c in concurrencies}
-    try:
-        with tempfile.TemporaryDirectory() as tmp, Launcher(Path(tmp)) as launch:
-            model = fast_checkpoint(Path(tmp) / "fast") if args.engine == "fast" else MODEL
-            worker = ["--model", model, "--num-kv-blocks", "1024", "--max-num-seqs", str(max(concurrencies))]
-            p = launch.worker("prefill-worker", "P", worker, [0])
-            pairs = {}
-            for n, (v, extra) in enumerate(variants.items()):
-                if extra is not None:
-                    d = launch.worker("decode-worker", f"D{n}", [*worker, *extra], [1])
-                    pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0])}
-            pairs[HTTP] = pairs[DEFAULT]
-            launch.wait_ready()
-            for v, procs in pairs.items():  # warm-up: first steps, first connections
-                one_run(procs, 1, 2, seed=999, model=model, http=v == HTTP)
-            steps = [(rep, c, v) for rep in range(repeats)
-                     for c in (concurrencies if rep % 2 == 0 else concurrencies[::-1])
-                     for v in (list(variants) if rep % 2 == 0 else list(variants)[::-1])]
-            for rep, c, v in tqdm(steps, desc="stream cost", unit="run"):
-                n = 2 if args.quick else max(8, 2 * c)
-                runs[v, c].append(one_run(pairs[v], c, n, seed=100 * rep + c, model=model, http=v == HTTP))
-    finally:
-        os.sched_setaffinity(0, before_cpus)
+    with on_core_0(), tempfile.TemporaryDirectory() as tmp, Launcher(Path(tmp)) as launch:
+        model = fast_checkpoint(Path(tmp) / "fast") if args.engine == "fast" else MODEL
+        worker = ["--model", model, "--num-kv-blocks", "1024", "--max-num-seqs", str(max(concurrencies))]
+        p = launch.worker("prefill-worker", "P", worker, [0])
+        pairs = {}
+        for n, (v, extra) in enumerate(variants.items()):
+            if extra is not None:
+                d = launch.worker("decode-worker", f"D{n}", [*worker, *extra], [1])
+                pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0])}
+        pairs[HTTP] = pairs[DEFAULT]
+        launch.wait_ready()
+        for v, procs in pairs.items():  # warm-up: first steps, first connections
+            one_run(procs, 1, 2, seed=999, model=model, http=v == HTTP)
+        for rep, c, v in tqdm(interleaved(repeats, concurrencies, list(variants)), desc="stream cost", unit="run"):
+            n = 2 if args.quick else max(8, 2 * c)
+            runs[v, c].append(one_run(pairs[v], c, n, seed=100 * rep + c, model=model, http=v == HTTP))
     rows = []
     for (v, c), xs in runs.items():
         cols = {col: Spread.of(x["us_per_token"][col] for x in xs).as_dict()
@@ -182,11 +210,17 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(repeats=repeats, concurrency=concurrencies, variants=list(variants), engine=args.engine,
                   prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN, rows=rows,
                   runs={f"{v}x{c}": x for (v, c), x in runs.items()}, machine=machine())
-    stem = result["stem"] = ("stream_cost" + ("_fast" if args.engine == "fast" else "")
-                             + ("_quick" if args.quick else ""))
-    section = FAST_SECTION if args.engine == "fast" else SECTION
-    publish(result, "stream_cost", sys.argv[1:] if argv is None else argv, args.out, markdown, plot,
-            None if args.quick or args.no_markdown or args.out.resolve() != RESULTS else section, stem=stem)
+    publish_run("stream_cost", result, args, argv, markdown, plot, (SECTION, FAST_SECTION))
+
+
+def publish_run(name: str, result: dict, args, argv: list[str] | None, markdown, plot, sections: tuple[str, str]):
+    """`report.publish` for a run of `common_args`: its files under a stem that says the engine and
+    a quick run, and (a full run into benchmarks/results) its section, the demo target's or the
+    fast engine's."""
+    stem = result["stem"] = name + ("_fast" if args.engine == "fast" else "") + ("_quick" if args.quick else "")
+    writes_markdown = not (args.quick or args.no_markdown or args.out.resolve() != RESULTS)
+    section = sections[args.engine == "fast"] if writes_markdown else None
+    publish(result, name, sys.argv[1:] if argv is None else argv, args.out, markdown, plot, section, stem=stem)
 
 
 def markdown(result: dict, command: str) -> str:
