@@ -40,7 +40,6 @@ from report import Spread, fmt_spread, host, machine  # noqa: E402
 from stream_cost import (MODEL, PROMPT_LEN, closed_loop, common_args, fast_checkpoint, interleaved,  # noqa: E402
                          on_core_0, publish_run)
 
-RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Serving cost per request (`benchmarks/request_cost.py`)"
 FAST_SECTION = "Serving cost per request, a fast engine (`benchmarks/request_cost.py --engine fast`)"
 OUTPUT_LEN = "fixed:2"  # the prompts are stream_cost.py's (PROMPT_LEN)
