@@ -153,8 +153,9 @@ class WorkerCollector(Collector):
             yield self._counter("stream_messages", "Token deltas the requests' streams sent, a gRPC message each",
                                 st.stream_messages_total)
             yield self._counter("stream_tokens", "Tokens in those deltas", st.stream_tokens_total)
-            yield self._counter("stream_merged_outputs", "Engine outputs a stream sent merged into a later delta "
-                                "because it had fallen behind its engine (the serving loop busy)",
+            yield self._counter("stream_merged_outputs", "Outputs queued for a stream (an engine output, or a "
+                                "stream_interval group) sent merged into a later delta because it had fallen "
+                                "behind its engine (the serving loop busy)",
                                 st.stream_merged_outputs_total)
         if info.role == "decode" and info.num_speculative_tokens > 0:
             yield from self._spec(st)
