@@ -34,6 +34,14 @@ def _measured(truth: CostProfile, shape: Shape):
     return unloaded, inputs, point(truth, shape, inputs, UNLOADED.seed)
 
 
+def _record(tokens: list[int], steps: list[int] | None = None):
+    from pdserve.loadgen.records import RequestRecord
+    r = RequestRecord(0, 0.0, sum(tokens), 10, sent_s=0.0)
+    for i, n in enumerate(tokens):
+        r.add_delta(0.01 * (i + 1), n, steps[i] if steps else 0)
+    return r
+
+
 @pytest.mark.parametrize("shape", [Shape(1, 1), Shape(1, 1, True), Shape(0, 2)], ids=lambda s: s.label)
 def test_known_overheads_come_back(shape):
     handover = 0.0 if shape.is_colocated else 0.004
@@ -89,23 +97,16 @@ def test_a_simulation_slower_than_measured_changes_nothing():
 def test_acceptance_comes_from_the_tokens_each_decode_step_streamed():
     from pdserve.loadgen.calibrate import acceptance
     from pdserve.loadgen.costs import SpeculationCost
-    from pdserve.loadgen.records import RequestRecord
-
-    def record(tokens: list[int], steps: list[int] | None = None) -> RequestRecord:
-        r = RequestRecord(0, 0.0, sum(tokens), 10, sent_s=0.0)
-        for i, n in enumerate(tokens):
-            r.add_delta(0.01 * (i + 1), n, steps[i] if steps else 0)
-        return r
-
+    record = _record
     # the first delta (the prefill's token) and the last (cut short by max_tokens) aside, steps of
     # 3 and 4 tokens: 3.5 a step at k = 4
     alpha = acceptance([record([1, 3, 4, 3, 1]), record([1, 4, 2])], k=4)
     assert SpeculationCost(4, alpha, 0.1).mean_tokens_per_step == pytest.approx(3.5)
     assert acceptance([record([1, 2])], k=4) is None  # no whole decode step seen
     # deltas that say how many engine steps they carry (a merged backlog, a stream_interval group)
-    # count as that many steps: 7 tokens over two steps and 3 over one are 10 over 3 steps, not 2
-    alpha = acceptance([record([1, 7, 3, 1], [1, 2, 1, 1])], k=4)
-    assert SpeculationCost(4, alpha, 0.1).mean_tokens_per_step == pytest.approx(10 / 3)
+    # count as that many steps: 4 tokens, 7 over two steps and 3 are 14 over 4 steps, not 3
+    alpha = acceptance([record([1, 4, 7, 3, 1], [1, 1, 2, 1, 1])], k=4)
+    assert SpeculationCost(4, alpha, 0.1).mean_tokens_per_step == pytest.approx(3.5)
     assert acceptance([record([1, 7, 3, 1])], k=4) == acceptance([record([1, 4, 6, 1])], k=4)  # uncounted: one each
     from pdserve.loadgen.calibrate import _check_speculation
     _check_speculation([record([1, 3, 2, 1, 1], [1, 3, 2, 1, 1])], speculate=False)  # plain, merged: 1 a step
@@ -247,3 +248,21 @@ def test_colocated_only_gives_colocated_workers_steps_of_their_own(decode, promp
     for wrong in (Shape(1, 1), Shape(0, 2, True)):
         with pytest.raises(ValueError, match="plain colocated deployment"):
             calibrated_colocated(disaggregated, wrong, unloaded, UNLOADED)
+
+
+
+@pytest.mark.parametrize("tokens, steps, expected", [
+    # the prefill's token, one token a step, the last step cut short: plain
+    ([1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1.0, 1.0, 1.0]),
+    # a plain deployment whose stream fell behind its engine: merged deltas are still one token a step
+    ([1, 3, 2, 1, 1], [1, 3, 2, 1, 1], [1.0] * 6),
+    # plain steps until the draft's K/V landed, then four tokens a step
+    ([1, 1, 1, 4, 4, 4, 2], [1, 1, 1, 1, 1, 1, 1], [4.0, 4.0, 4.0]),
+    # the plain steps and the first speculative one merged into one delta: skipped, not read as 2 a step
+    ([1, 1, 6, 8, 4, 2], [1, 1, 3, 2, 1, 1], [4.0, 4.0, 4.0]),
+    # servers that do not count steps (HTTP, older records): each delta one step
+    ([1, 4, 4, 1], [0, 0, 0, 0], [4.0, 4.0]),
+])
+def test_decode_steps_are_read_through_merged_deltas(tokens, steps, expected):
+    from pdserve.loadgen.calibrate import _decode_step_tokens
+    assert _decode_step_tokens([_record(tokens, steps)]) == expected
