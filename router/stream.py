@@ -24,7 +24,9 @@ class ClientStream:
         """The message for a worker's token delta (`reason`: its finish reason, or unset;
         `logprobs`: `TokenLogprobs` per token, when the request asked for them; `steps`: the
         engine steps its tokens came from, 0 if not counted)."""
-        if self._detok is not None:
+        if self._detok is not None and not self._detok.has_stop:
+            self._detok.add_many(ids)  # a merged delta's tokens decoded at once
+        elif self._detok is not None:
             for i, tok in enumerate(ids):
                 self._detok.add(tok)
                 if self._detok.stopped:  # a stop string ended inside this delta
