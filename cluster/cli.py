@@ -166,7 +166,7 @@ SERVE_OVERRIDES = {
     "kv_cache_dtype": "kv_cache_dtype",
     "prefill_workers": "prefill.workers", "decode_workers": "decode.workers", "prefill_cpus": "prefill.cpus",
     "decode_cpus": "decode.cpus", "gpus_per_worker": None, "host": "router.host", "grpc_port": "router.grpc_port",
-    "http_port": "router.http_port", "drain_timeout": "router.drain_timeout", "max_failovers": "router.max_failovers",
+    "http_port": "router.http_port", "router_processes": "router.processes", "drain_timeout": "router.drain_timeout", "max_failovers": "router.max_failovers",
     "placement_timeout": "placement_timeout", "metrics_targets_file": "metrics_targets_file",
     "cluster_token_file": "security.cluster_token_file", "tls_cert": "security.tls_cert",
     "tls_key": "security.tls_key", "api_key": "security.api_keys", "spec_verifier": "decode.engine.spec_verifier",

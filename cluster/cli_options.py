@@ -224,6 +224,8 @@ def add_serve_args(sv) -> None:
             ("--host", str, "the router's address"),
             ("--grpc-port", int, "the public gRPC API (0: a free port)"),
             ("--http-port", int, "the OpenAI HTTP API and /metrics (0: a free port)"),
+            ("--router-processes", int, "router processes sharing the public ports (the kernel spreads client "
+             "connections over them): more cores for streaming and parsing"),
             ("--drain-timeout", float, "seconds in-flight requests get on shutdown"),
             ("--max-failovers", int, "times a request may move after a worker fails"),
             ("--placement-timeout", float, "seconds to place and load every worker"),

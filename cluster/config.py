@@ -40,6 +40,9 @@ class RouterSection:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int | None = 8000  # OpenAI API and /metrics; None: off
+    # router processes sharing the public ports (SO_REUSEPORT; the kernel spreads connections
+    # over them): this one, in `pdserve serve`'s process, and the others as Ray actors on its node
+    processes: int = 1
     rpc_timeout: float = 300.0
     queue_timeout: float = 30.0
     max_queued_requests: int = 1024
@@ -220,6 +223,8 @@ def _check_router(r: RouterSection) -> None:
     for name in ("rpc_timeout", "queue_timeout", "failover_wait", "health_interval", "drain_timeout", "slo_ttft",
                  "slo_tpot"):
         _positive(f"router.{name}", getattr(r, name))
+    _check(isinstance(r.processes, int) and not isinstance(r.processes, bool) and r.processes >= 1,
+           "router.processes", r.processes, "must be an integer >= 1")
     for name in ("max_queued_requests", "max_failovers", "max_prompt_chars"):
         _check(isinstance(getattr(r, name), int) and not isinstance(getattr(r, name), bool) and getattr(r, name) >= 0, f"router.{name}", getattr(r, name),
                "must be an integer >= 0")

@@ -7,8 +7,12 @@ and the membership list the router follows. Named, so `pdserve scale` finds it i
         membership first (no new traffic), drain, then are killed──► version n + k
     a worker's process dies ──Ray restarts the actor in its bundle──► it registers again, at a
         new address (version n + 1)
+    start_routers (`router.processes` > 1, once the driver's router listens) ──the other router
+        processes, on this node, on the same ports──► each registers (role "router") once it
+        listens; the routers follow the workers, the targets file lists them all
 
-The workers are owned by this actor and it by the `pdserve serve` driver, so they all end with it.
+The workers and routers are owned by this actor and it by the `pdserve serve` driver, so they all
+end with it.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.router_actor import RouterActor, RouterSpec
 from pdserve.cluster.worker_actor import Member, StartFailed, WorkerActor, WorkerSpec
 from pdserve.serving.logs import Telemetry, setup_logging
 
@@ -39,7 +44,7 @@ class Placed:
     worker_id: str
     role: str
     actor: object
-    pg: object
+    pg: object  # None: a router (no placement group; on the controller's node)
 
 
 class Controller:
@@ -50,7 +55,7 @@ class Controller:
         self.members: dict[str, Member] = {}
         self.version = 0
         self._changed: asyncio.Condition | None = None
-        self._numbers = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._numbers = {"prefill": itertools.count(), "decode": itertools.count(), "router": itertools.count(1)}
         self._self = ray.get_runtime_context().current_actor
 
     # ---- membership ----------------------------------------------------------------------
@@ -119,8 +124,34 @@ class Controller:
         return await self.placed[worker_id].actor.pid.remote()
 
     async def stop(self) -> None:
-        """Drain and stop every worker, then free their placement groups."""
+        """Drain and stop the routers, then every worker, then free their placement groups."""
+        await self.stop_routers()
         await asyncio.gather(*(self._remove(p) for p in list(self.placed.values())))
+
+    # ---- the other routers ---------------------------------------------------------------
+    async def start_routers(self, n: int, grpc_port: int, http_port: int | None, targets_path: str) -> None:
+        """`n` more router processes on this node, sharing the driver's router's ports; returns
+        once each listens (StartFailed, saying why, if one does not)."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        new = []
+        for _ in range(n):
+            router_id = f"router-{next(self._numbers['router'])}"
+            spec = RouterSpec(router_id, self.config, self.security, self.telemetry, grpc_port, http_port,
+                              targets_path)
+            # no CPUs reserved, as the driver's router: the pools' bundles hold the cluster's CPUs
+            actor = ray.remote(RouterActor).options(
+                name=f"pdserve-{router_id}", namespace=NAMESPACE, num_cpus=0, max_restarts=-1, max_concurrency=4,
+                scheduling_strategy=here).remote(spec, self._self)
+            new.append(self.placed.setdefault(router_id, Placed(router_id, "router", actor, None)))
+        try:
+            await asyncio.gather(*(p.actor.ready.remote(self.config.start_timeout) for p in new))
+        except Exception as e:
+            cause = getattr(e, "cause", e)
+            raise StartFailed(str(cause) if isinstance(cause, StartFailed) else f"a router failed to start: {cause}")
+
+    async def stop_routers(self) -> None:
+        """Drain and stop the other routers (the driver's drains beside them)."""
+        await asyncio.gather(*(self._remove(p) for p in list(self.placed.values()) if p.role == "router"))
 
     def _pool(self, role: str):
         return self.config.prefill if role == "prefill" else self.config.decode
@@ -187,7 +218,7 @@ class Controller:
             log.warning("worker %s did not stop cleanly: %r", p.worker_id, e)
         ray.kill(p.actor, no_restart=True)
         del self.placed[p.worker_id]
-        if not any(q.pg is p.pg for q in self.placed.values()):
+        if p.pg is not None and not any(q.pg is p.pg for q in self.placed.values()):
             remove_placement_group(p.pg)
 
     @staticmethod

@@ -149,21 +149,42 @@ class Progress:
             self._last = message
 
 
-async def follow_membership(controller, pool, targets: TargetsFile, on_change=lambda members: None) -> None:
-    """Keep the router's pool (and the targets file) equal to the controller's membership."""
-    version, known = 0, {}
+async def follow_membership(controller, pool, targets: TargetsFile | None,
+                            on_change=lambda members: None) -> None:
+    """Keep a router's pool (and the targets file, given one) equal to the controller's
+    membership: its workers; the other routers are in the targets only."""
+    version, known, listed = 0, {}, []
     while True:
         version, members = await controller.watch.remote(version)
-        now = {m.worker_id: m for m in members}
+        now = {m.worker_id: m for m in members if m.role != "router"}
         for worker_id in set(known) - set(now):
             pool.remove(worker_id)
-        for m in members:
+        for m in now.values():
             if known.get(m.worker_id) != m:
                 pool.add(m.worker_id, m.role, m.address)
-        if now != known:
+        if targets is not None and members != listed:
             targets.write(members)
-            on_change(members)
-        known = now
+        if now != known:
+            on_change(list(now.values()))
+        known, listed = now, members
+
+
+def router_config(config: ServeConfig, security):
+    """What every router of the system runs with (`router.main.RouterConfig`)."""
+    from pdserve.router.api_keys import ApiKeys
+    from pdserve.router.main import RouterConfig
+    from pdserve.router.metrics import SLO
+    from pdserve.router.server import RouterPolicy
+    from pdserve.serving.auth import TLSFiles
+
+    r, sec = config.router, config.security
+    return RouterConfig(model=config.model, served_model_name=config.served_model_name, policy=RouterPolicy(
+        rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
+        failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
+        max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,
+        tls=TLSFiles(sec.tls_cert, sec.tls_key),
+        api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency),
+        slo=SLO(r.slo_ttft, r.slo_tpot))
 
 
 async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, on_ready) -> None:
@@ -174,16 +195,11 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pdserve.cluster.controller import NAME, NAMESPACE, Controller, PlacementFailed
-    from pdserve.router.main import RouterConfig, build_router, serve_router
-    from pdserve.router.metrics import SLO
-    from pdserve.router.server import RouterPolicy
+    from pdserve.router.main import build_router, serve_router
     from pdserve.router.workers import WorkerPool
 
-    from pdserve.router.api_keys import ApiKeys
-    from pdserve.serving.auth import TLSFiles
-
     progress = Progress()
-    security, sec = config.cluster_security(), config.security
+    security = config.cluster_security()
     progress(f"Ray at {ray.get_runtime_context().gcs_address}; placing {config.prefill.workers} prefill and "
              f"{config.decode.workers} decode workers")
     # the controller owns the worker actors, and an owner's death takes them with it: it lives on
@@ -191,16 +207,9 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = ray.remote(Controller).options(name=NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=1000,
                                                 scheduling_strategy=here).remote(config, security, telemetry)
-    r = config.router
-    router_config = RouterConfig(model=config.model, served_model_name=config.served_model_name, policy=RouterPolicy(
-        rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
-        failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
-        max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,
-        tls=TLSFiles(sec.tls_cert, sec.tls_key),
-        api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency),
-        slo=SLO(r.slo_ttft, r.slo_tpot))
+    r, shared = config.router, config.router.processes > 1
     pool = WorkerPool(is_disaggregated=config.is_disaggregated, security=security)
-    router = build_router(router_config, pool, config.name)
+    router = build_router(router_config(config, security), pool, config.name)
     targets = TargetsFile(Path(config.metrics_targets_file or _session_dir() / "pdserve_targets.json"), config.name)
     total = config.prefill.workers + config.decode.workers
     follower = asyncio.create_task(follow_membership(
@@ -217,33 +226,66 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
             if isinstance(cause, PlacementFailed):
                 raise ValueError(str(cause.args[0] if cause.args else cause)) from None
             raise
-        await _wait_healthy(pool, total, config.start_timeout, until)
+        await wait_healthy(pool, total, config.start_timeout, until)
         progress("all workers healthy")
 
+        listening = asyncio.get_running_loop().create_future()
+
         def ready(addresses: dict) -> None:
-            targets.router = _reachable(addresses.get("metrics") or addresses.get("http"))
+            targets.router = reachable(addresses.get("metrics") or addresses.get("http"))
             targets.write()
-            on_ready({**addresses, "ray": ray.get_runtime_context().gcs_address, "prefill": config.prefill.workers,
-                      "decode": config.decode.workers, "targets": str(targets.path)})
+            listening.set_result(addresses)
 
         router.prometheus_targets = targets.groups
-        await serve_router(router, router_config, r.host, r.grpc_port, r.http_port, None, until, ready,
-                           drain_timeout_s=r.drain_timeout)
+        # with other routers on the same ports, /metrics on the HTTP port would answer for any
+        # of them: each has a port of its own for it
+        stopping = asyncio.get_running_loop().create_future()
+        until.add_done_callback(lambda _: stopping.done() or stopping.set_result(None))
+        serving = asyncio.create_task(serve_router(
+            router, router_config(config, security), r.host, r.grpc_port, r.http_port, 0 if shared else None,
+            stopping, ready, drain_timeout_s=r.drain_timeout, reuse_port=shared))
+        await _first_of(listening, serving)
+        if not listening.done():
+            return await serving  # it could not listen: its error
+        addresses = listening.result()
+        if shared:
+            progress(f"starting {r.processes - 1} more router process{'es' * (r.processes > 2)}")
+            try:
+                await controller.start_routers.remote(r.processes - 1, _port(addresses["grpc"]),
+                                                      _port(addresses.get("http")), str(targets.path))
+            except Exception as e:  # noqa: BLE001 - Ray wraps the controller's error; its cause says why
+                stopping.done() or stopping.set_result(None)
+                await serving
+                raise ValueError(str(getattr(e, "cause", e))) from None
+        on_ready({**addresses, "ray": ray.get_runtime_context().gcs_address, "prefill": config.prefill.workers,
+                  "decode": config.decode.workers, "routers": r.processes, "targets": str(targets.path)})
+        await _first_of(serving, until)
+        if shared:  # the other routers drain beside this one
+            await _quietly(controller.stop_routers.remote(), r.drain_timeout + 15, "routers")
+        await serving
     finally:
         follower.cancel()
         progress("stopping workers")
-        try:
-            await asyncio.wait_for(asyncio.ensure_future(controller.stop.remote()), r.drain_timeout + 15)
-        except Exception as e:  # noqa: BLE001 - shutting down regardless
-            log.warning("workers did not stop cleanly: %r", e)
+        await _quietly(controller.stop.remote(), r.drain_timeout + 15, "workers")
         ray.kill(controller)
+
+
+async def _quietly(ref, timeout_s: float, what: str) -> None:
+    try:
+        await asyncio.wait_for(asyncio.ensure_future(ref), timeout_s)
+    except Exception as e:  # noqa: BLE001 - shutting down regardless
+        log.warning("%s did not stop cleanly: %r", what, e)
+
+
+def _port(address: str | None) -> int | None:
+    return None if address is None else int(address.rsplit(":", 1)[1])
 
 
 async def _first_of(task, until) -> None:
     await asyncio.wait([task, until], return_when=asyncio.FIRST_COMPLETED)
 
 
-async def _wait_healthy(pool, total: int, timeout_s: float, until) -> None:
+async def wait_healthy(pool, total: int, timeout_s: float, until) -> None:
     deadline = time.monotonic() + timeout_s
     while sum(1 for w in pool.workers.values() if w.healthy) < total and not until.done():
         await asyncio.gather(*(pool.check(w) for w in list(pool.workers.values())))
@@ -253,7 +295,7 @@ async def _wait_healthy(pool, total: int, timeout_s: float, until) -> None:
         await asyncio.sleep(0.1)
 
 
-def _reachable(address: str | None) -> str | None:
+def reachable(address: str | None) -> str | None:
     """A listening address others can scrape: a wildcard host (a pod's 0.0.0.0) becomes this node's IP."""
     if address is None:
         return None

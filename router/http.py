@@ -260,10 +260,12 @@ class OpenAIApp:
 
 
 async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve",
-                     chat_template: ChatTemplate | None = None, ssl_context=None) -> tuple[web.AppRunner, int]:
-    """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port."""
+                     chat_template: ChatTemplate | None = None, ssl_context=None,
+                     reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+    """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port.
+    `reuse_port`: the port shared with the other routers of a system (SO_REUSEPORT)."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
     runner, bound = await start_http_app(OpenAIApp(router, model_name, chat_template).app(), host, port, ssl_context,
-                                         handler_cancellation=True)
+                                         reuse_port=reuse_port, handler_cancellation=True)
     log.info("http listening address=%s:%d", host, bound)
     return runner, bound

@@ -72,15 +72,18 @@ async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addre
 
 async def serve_router(router: Router, config: RouterConfig, host: str, port: int, http_port: int | None,
                        metrics_port: int | None, until, on_ready=lambda addresses: None,
-                       drain_timeout_s: float = 30.0) -> None:
+                       drain_timeout_s: float = 30.0, reuse_port: bool = False) -> None:
     """The router's life, until `until` completes: listen, report the bound addresses, watch the
     workers' health, and say SERVING (gRPC health, HTTP /ready) exactly while it can serve; then
-    NOT_SERVING at once, and requests in flight get `drain_timeout_s` to finish."""
+    NOT_SERVING at once, and requests in flight get `drain_timeout_s` to finish. `reuse_port`:
+    the gRPC and HTTP ports are shared with other routers of the same system (SO_REUSEPORT, the
+    kernel spreads the connections); give each its own `metrics_port` then."""
     # gRPC itself refuses (uncounted) only requests past this; up to it the router reads every
     # request and answers an oversized one (wire.MAX_REQUEST_BYTES) itself, counted
     options = [("grpc.max_receive_message_length", 128 << 20)]
     server = AioServer(host, port, extra_options=options,
-                       credentials=config.tls.server_credentials() if config.tls.enabled else None)
+                       credentials=config.tls.server_credentials() if config.tls.enabled else None,
+                       reuse_port=reuse_port)
     server.add(lambda servicer, grpc_server: grpc_server.add_generic_rpc_handlers((servicer.handler(),)),
                GenerationServicer(router), generation_pb2.DESCRIPTOR.services_by_name["Generation"])
     await server.start()
@@ -93,7 +96,7 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
             from pdserve.router.http import start_http
 
             runner, bound = await start_http(router, host, http_port, config.name, ChatTemplate.from_dir(config.model),
-                                             config.tls.ssl_context() if config.tls.enabled else None)
+                                             config.tls.ssl_context() if config.tls.enabled else None, reuse_port)
             runners.append(runner)
             addresses["http"] = f"{host}:{bound}"
         if metrics_port is not None:

@@ -39,9 +39,11 @@ class AioServer:
     """A grpc.aio server with health and reflection; `add` servicers, then `start`."""
 
     def __init__(self, host: str, port: int, extra_options: list[tuple[str, int]] = (),
-                 interceptors: list[grpc.aio.ServerInterceptor] = (), credentials: grpc.ServerCredentials | None = None):
-        # the same message limits as every client channel; no port sharing between processes
-        options = dict([*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *extra_options])  # later ones win
+                 interceptors: list[grpc.aio.ServerInterceptor] = (), credentials: grpc.ServerCredentials | None = None,
+                 reuse_port: bool = False):
+        # the same message limits as every client channel; the port shared between processes only
+        # with `reuse_port` (SO_REUSEPORT: the kernel spreads the connections over them)
+        options = dict([*CHANNEL_OPTIONS, ("grpc.so_reuseport", int(reuse_port)), *extra_options])  # later ones win
         self.server = grpc.aio.server(options=list(options.items()), interceptors=list(interceptors))
         self.credentials = credentials  # TLS (mutual when it names a CA); None: plaintext
         self.health = HealthServicer()

@@ -68,12 +68,13 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
     return await start_http_app(app, host, port)
 
 
-async def start_http_app(app: web.Application, host: str, port: int, ssl_context=None,
+async def start_http_app(app: web.Application, host: str, port: int, ssl_context=None, reuse_port: bool = False,
                          **runner_options) -> tuple[web.AppRunner, int]:
-    """Serve an aiohttp app; returns its runner and the port it bound (`port` 0: a free one)."""
+    """Serve an aiohttp app; returns its runner and the port it bound (`port` 0: a free one).
+    `reuse_port`: SO_REUSEPORT, the port shared with other processes that set it too."""
     runner = web.AppRunner(app, access_log=None, **runner_options)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
     try:
         await site.start()
     except OSError as e:

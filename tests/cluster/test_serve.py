@@ -114,6 +114,8 @@ def _connections(p: psutil.Process):
      "decode.engine.prefill_chunk_tokens must be an integer >= 0 or None, got -8"),
     ({"local_prefill_chunk_tokens": -1}, "local_prefill_chunk_tokens must be an integer >= 0 or null, got -1"),
     ({"stream_interval": 0}, "stream_interval must be an integer >= 1, got 0"),
+    ({"router.processes": 0}, "router.processes must be an integer >= 1, got 0"),
+    ({"router.processes": 1.5}, "router.processes must be an integer >= 1, got 1.5"),
     ({"colour": "blue"}, "unknown field colour"),
     ({"router.port": 1}, "unknown field router.port"),
 ])

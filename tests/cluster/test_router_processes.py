@@ -1,0 +1,138 @@
+"""`pdserve serve` with two router processes (`router.processes: 2`): the serve process's router
+and one Ray actor share the public gRPC and HTTP ports (SO_REUSEPORT), the kernel spreads the
+client connections over them, both serve what the offline engine computes, each has its own
+/metrics in the Prometheus targets; a router killed with -9 costs only the connections it held,
+the other takes the new ones, and Ray restarts it on the same ports."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.v1 import generation_pb2 as gen
+from pdserve.v1 import generation_pb2_grpc
+from serve_system import serve_config, start_system
+
+PROMPTS = [f"request {i}: def f(x):" for i in range(16)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def system(serving_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("routers")
+    config = serve_config(serving_model, spec=False, cpus=0.4, metrics_targets_file=str(tmp / "targets.json"))
+    config["router"]["processes"] = 2
+    s = start_system(tmp, "routers", config, "--no-ray-dashboard")
+    s.targets_file = Path(config["metrics_targets_file"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(serving_model) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.token_ids for o in LLM(str(serving_model)).generate(PROMPTS, params)]
+
+
+def _each_on_its_own_connection(address: str) -> list[list[int] | grpc.aio.AioRpcError]:
+    """PROMPTS' tokens, each request on a connection of its own (its own subchannel pool)."""
+    async def one(prompt: str):
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            req = gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(
+                temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            try:
+                return [t async for m in generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=60)
+                        for t in m.token_ids]
+            except grpc.aio.AioRpcError as e:
+                return e
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    return asyncio.run(main())
+
+
+def _completions_over_http(address: str) -> list[list[int]]:
+    """PROMPTS over the OpenAI API, a connection each (urllib does not keep one alive)."""
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=10) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    out = []
+    for prompt in PROMPTS:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://{address}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out.append(json.loads(resp.read()))
+    return out
+
+
+def _ok_requests(metrics_address: str) -> float:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:requests_total{") and 'status="ok"' in line)
+
+
+def _listeners(address: str) -> int:
+    """The sockets listening on `address`'s port: one a router."""
+    port = int(address.rsplit(":", 1)[1])
+    return sum(1 for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+
+
+def _wait_closed(address: str, listeners: int, timeout_s: float = 30) -> None:
+    """Until `listeners` sockets listen on the port. A killed process's socket outlives its pid's
+    exit while its other threads tear down, and connections it queued then are reset."""
+    deadline = time.monotonic() + timeout_s
+    while _listeners(address) != listeners:
+        assert time.monotonic() < deadline, f"{_listeners(address)} sockets listen on {address}, not {listeners}"
+        time.sleep(0.02)
+
+
+def _routers(system) -> list[dict]:
+    return system.workers("router")
+
+
+def test_both_routers_serve_on_the_shared_ports(system, expected):
+    others = _routers(system)
+    assert [r["worker_id"] for r in others] == ["router-1"] and others[0]["pid"] != system.proc.popen.pid
+    metrics = [system.proc.addresses["metrics"], others[0]["metrics_address"]]
+    # the targets list both routers, each at its own /metrics
+    groups = json.loads(system.targets_file.read_text())
+    assert sorted(t for g in groups if g["labels"]["pdserve_role"] == "router" for t in g["targets"]) == sorted(metrics)
+    before = [_ok_requests(m) for m in metrics]
+
+    got = _each_on_its_own_connection(system.grpc_address)
+    assert got == expected
+    http = _completions_over_http(system.http_address)
+    assert all(c["choices"][0]["text"] for c in http) and len(http) == len(PROMPTS)
+
+    served = [_ok_requests(m) - b for m, b in zip(metrics, before)]
+    # 32 connections: all on one router has odds of 2 in 2^32
+    assert sum(served) == 2 * len(PROMPTS) and min(served) > 0, served
+
+
+def test_a_router_killed_with_9_costs_only_its_connections_and_comes_back(system, expected):
+    victim = _routers(system)[0]
+    assert _listeners(system.grpc_address) == 2
+    os.kill(victim["pid"], signal.SIGKILL)
+    _wait_closed(system.grpc_address, 1)
+    # the kernel gives new connections to the router still listening: none of them fails (before its
+    # socket closed, those it had queued were reset: the connections it held, in the kernel)
+    assert _each_on_its_own_connection(system.grpc_address) == expected
+    deadline = time.monotonic() + 120
+    while not (back := [r for r in _routers(system) if r["pid"] != victim["pid"]]):
+        assert time.monotonic() < deadline, _routers(system)
+        time.sleep(0.5)
+    assert back[0]["is_restart"] and back[0]["address"] == victim["address"]  # the same shared port
+    before = _ok_requests(back[0]["metrics_address"])
+    assert _each_on_its_own_connection(system.grpc_address) == expected
+    assert _ok_requests(back[0]["metrics_address"]) > before  # it takes connections again
