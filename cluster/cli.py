@@ -133,11 +133,15 @@ def _router(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise ValueError(f"--model {args.model}: no such checkpoint directory")
     split = lambda s: [a for a in (s or "").split(",") if a]  # noqa: E731
-    check_ports_free(args.host, [args.port, args.http_port, args.metrics_port])
+    if args.reuse_port and args.http_port is not None and args.metrics_port is None:
+        raise ValueError("--reuse-port with --http-port needs a --metrics-port of this router's own: /metrics on "
+                         "the shared HTTP port answers for whichever router the connection reached")
+    # shared ports are in use by the other routers: only this one's own are checked
+    check_ports_free(args.host, [args.metrics_port] if args.reuse_port else [args.port, args.http_port, args.metrics_port])
     config = router_config(args)
     return _serve("router", lambda until, ready: serve(config, split(args.prefill), split(args.decode), args.host,
                                                        args.port, args.http_port, args.metrics_port, until, ready,
-                                                       args.drain_timeout))
+                                                       args.drain_timeout, args.reuse_port))
 
 
 def router_config(args: argparse.Namespace):
@@ -326,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SLO on the time per output token after the first, seconds (default 0.1)")
     rt.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
+    rt.add_argument("--reuse-port", action="store_true", help="share --port and --http-port with the other routers "
+                    "started with it on this host (SO_REUSEPORT: the kernel spreads connections over them); each "
+                    "needs a --metrics-port of its own")
     add_cluster_security_args(rt)
     add_public_security_args(rt)
     rt.set_defaults(func=_router)

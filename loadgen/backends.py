@@ -12,6 +12,8 @@ failure is the record's `status` (a gRPC code name; HTTP statuses map to the sam
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -46,23 +48,28 @@ class BenchSampling:
 
 class GrpcBackend:
     def __init__(self, target: str, sampling: BenchSampling, timeout_s: float, api_key: str | None = None,
-                 tls: bool = False, root_certificates: str | None = None):
+                 tls: bool = False, root_certificates: str | None = None, connections: int = 1):
         # a load test measures the system as it is: no client retries hiding UNAVAILABLE
-        self.client = AsyncClient(target, api_key=api_key, tls=tls, root_certificates=root_certificates,
-                                  timeout=timeout_s, retry=RetryPolicy(max_attempts=1))
+        self.clients = [AsyncClient(target, api_key=api_key, tls=tls, root_certificates=root_certificates,
+                                    timeout=timeout_s, retry=RetryPolicy(max_attempts=1)) for _ in range(connections)]
+        if connections > 1:  # channels of one process share a connection to a target unless each has its own pool
+            for c in self.clients:
+                c.options = dataclasses.replace(c.options, channel_options=(
+                    *c.options.channel_options, ("grpc.use_local_subchannel_pool", 1)))
+        self._turn = itertools.cycle(self.clients)
         self.sampling = sampling
         self.name = f"grpc://{target}"
 
     async def check(self) -> None:
         try:
-            await self.client.wait_ready(CONNECT_TIMEOUT_S, fail_fast=True)
+            await asyncio.gather(*(c.wait_ready(CONNECT_TIMEOUT_S, fail_fast=True) for c in self.clients))
         except GenerationError as e:
             raise TargetError(f"--target: {e.details}") from None
 
     async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
         prompt = list(spec.prompt) if isinstance(spec.prompt, tuple) else spec.prompt
         try:
-            async with self.client.generate(prompt, **self.sampling.kwargs(spec.max_tokens)) as stream:
+            async with next(self._turn).generate(prompt, **self.sampling.kwargs(spec.max_tokens)) as stream:
                 async for delta in stream:
                     rec.add_delta(time.perf_counter() - t0, len(delta.token_ids), delta.num_steps)
                     if delta.usage is not None:
@@ -73,7 +80,7 @@ class GrpcBackend:
             rec.end_s = time.perf_counter() - t0
 
     async def close(self) -> None:
-        await self.client.close()
+        await asyncio.gather(*(c.close() for c in self.clients))
 
 
 class HttpBackend:

@@ -60,6 +60,9 @@ class BenchConfig:
     label: str = ""
     api_key: str | None = None
     num_warmup: int = 1  # requests sent one at a time before measuring, not recorded
+    # gRPC: requests go round-robin over this many connections, each its own (the router processes
+    # of `router.processes` share a port and the kernel spreads connections, not requests)
+    connections: int = 1
 
     def __post_init__(self) -> None:
         if (self.target is None) == (self.http_url is None):
@@ -70,6 +73,8 @@ class BenchConfig:
             ArrivalProcess(rate, self.arrival, self.burstiness)  # validates
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if not isinstance(self.connections, int) or self.connections < 1:
+            raise ValueError(f"connections must be an integer >= 1, got {self.connections!r}")
         if self.num_warmup < 0:
             raise ValueError(f"num_warmup must be >= 0, got {self.num_warmup}")
         if self.request_timeout_s <= 0:
@@ -103,6 +108,7 @@ class BenchConfig:
                 "sampling": {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
                              "ignore_eos": self.sampling.ignore_eos},
                 "request_timeout_s": self.request_timeout_s, "num_warmup": self.num_warmup,
+                "connections": self.connections,
                 "search": None if self.search is None else {"low": self.search.low, "high": self.search.high,
                                                             "steps": self.search.steps}}
 
@@ -173,7 +179,8 @@ async def run_bench_async(config: BenchConfig, progress: bool = True) -> BenchRe
 
 def make_backend(config: BenchConfig):
     if config.target is not None:
-        return GrpcBackend(config.target, config.sampling, config.request_timeout_s, config.api_key)
+        return GrpcBackend(config.target, config.sampling, config.request_timeout_s, config.api_key,
+                           connections=config.connections)
     return HttpBackend(config.http_url, config.sampling, config.request_timeout_s, config.api_key)
 
 

@@ -30,6 +30,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--warmup", type=int, default=1, help="requests sent one at a time first, not measured")
     load.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    load.add_argument("--connections", type=int, default=1, help="gRPC connections the requests take in turn "
+                      "(router processes sharing a port get connections, not requests; HTTP opens what it needs)")
     out = p.add_argument_group("objectives and output")
     out.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     out.add_argument("--slo-tpot", type=float, default=None, help="seconds")
@@ -119,7 +121,7 @@ def config_from_args(args: argparse.Namespace):
     sampling = BenchSampling(args.temperature, args.top_p, not args.no_ignore_eos)
     return BenchConfig(args.target, args.http, workload, rates, arrival, args.burstiness, num, args.duration,
                        args.max_concurrency, args.seed, SLO(args.slo_ttft, args.slo_tpot), sampling,
-                       args.request_timeout, search, args.label, args.api_key, args.warmup)
+                       args.request_timeout, search, args.label, args.api_key, args.warmup, args.connections)
 
 
 def _enum(cls, value: str, flag: str):

@@ -59,7 +59,7 @@ def build_router(config: RouterConfig, pool: WorkerPool, model_name: str | None 
 
 async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addresses: list[str], host: str,
                 port: int, http_port: int | None, metrics_port: int | None, until,
-                on_ready=lambda addresses: None, drain_timeout_s: float = 30.0) -> None:
+                on_ready=lambda addresses: None, drain_timeout_s: float = 30.0, reuse_port: bool = False) -> None:
     """The standalone router: the listed workers (ValueError if they are unreachable or
     mismatched), then `serve_router`."""
     if not decode_addresses:
@@ -67,7 +67,7 @@ async def serve(config: RouterConfig, prefill_addresses: list[str], decode_addre
     pool = WorkerPool.static(prefill_addresses, decode_addresses, config.cluster)
     await pool.connect(config.connect_timeout_s)
     await serve_router(build_router(config, pool), config, host, port, http_port, metrics_port, until, on_ready,
-                       drain_timeout_s)
+                       drain_timeout_s, reuse_port)
 
 
 async def serve_router(router: Router, config: RouterConfig, host: str, port: int, http_port: int | None,

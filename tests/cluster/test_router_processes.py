@@ -120,6 +120,22 @@ def test_both_routers_serve_on_the_shared_ports(system, expected):
     assert sum(served) == 2 * len(PROMPTS) and min(served) > 0, served
 
 
+def test_the_load_generator_spreads_its_connections_over_both(system, tmp_path):
+    metrics = [system.proc.addresses["metrics"], _routers(system)[0]["metrics_address"]]
+    before = [_ok_requests(m) for m in metrics]
+    out = system.cli("bench", "--target", system.grpc_address, "--connections", "16", "--workload", "random",
+                     "--vocab-size", "300", "--prompt-len", "fixed:16", "--output-len", "fixed:4", "--num-requests",
+                     "32", "--max-concurrency", "16", "--warmup", "0", "--output", str(tmp_path / "b.json"),
+                     "--no-plot", "--quiet")
+    assert out.returncode == 0, out.stderr
+    run = json.loads((tmp_path / "b.json").read_text())
+    assert run["config"]["connections"] == 16
+    served = [_ok_requests(m) - b for m, b in zip(metrics, before)]
+    assert sum(served) == 32 and min(served) > 0, served
+    bad = system.cli("bench", "--target", system.grpc_address, "--connections", "0", "--quiet")
+    assert bad.returncode == 2 and "connections must be an integer >= 1, got 0" in bad.stderr, bad.stderr
+
+
 def test_a_router_killed_with_9_costs_only_its_connections_and_comes_back(system, expected):
     victim = _routers(system)[0]
     assert _listeners(system.grpc_address) == 2

@@ -125,18 +125,24 @@ class Cluster:
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-async def _generate_all(address: str, requests: list[gen.GenerateRequest]) -> list[list[gen.GenerateResponse]]:
+async def _generate_all(address: str, requests: list[gen.GenerateRequest],
+                        own_connections: bool = False) -> list[list[gen.GenerateResponse]]:
+    """Each request's messages, over one connection (or a connection each: `own_connections`)."""
+    async def one(channel, req):
+        return [m async for m in generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=120)]
+
+    async def alone(req):
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            return await one(channel, req)
+
+    if own_connections:
+        return await asyncio.gather(*(alone(r) for r in requests))
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-
-        async def one(req):
-            return [m async for m in stub.Generate(req, timeout=120)]
-
-        return await asyncio.gather(*(one(r) for r in requests))
+        return await asyncio.gather(*(one(channel, r) for r in requests))
 
 
-def generate_all(cluster, router: str, requests) -> list[list[gen.GenerateResponse]]:
-    return asyncio.run(_generate_all(cluster.address(router), requests))
+def generate_all(cluster, router: str, requests, own_connections: bool = False) -> list[list[gen.GenerateResponse]]:
+    return asyncio.run(_generate_all(cluster.address(router), requests, own_connections))
 
 
 def joined(msgs: list[gen.GenerateResponse]) -> tuple[list[int], str]:
