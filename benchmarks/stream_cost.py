@@ -103,19 +103,20 @@ def fast_checkpoint(path: Path) -> str:
 
 
 def closed_loop(procs: dict, concurrency: int, num_requests: int, seed: int, model: str, output_len: str,
-                http: bool = False) -> tuple[list, float, dict]:
+                http: bool = False, connections: int = 1) -> tuple[list, float, dict]:
     """One closed-loop run of `pdserve bench` at `concurrency` through the router procs["R"] (http:
     on its OpenAI API, each delta a server-sent event, instead of its gRPC stream): the records,
     the seconds from the first sent to the last ended, and what each process spent over the run,
     read from its /metrics before and after (`cpu_seconds`): {(process, thread role): CPU
     seconds}, the whole process's under role None, the router's generated tokens under ("R",
-    "tokens"). A failed request ends the benchmark."""
+    "tokens"). gRPC requests take `connections` connections in turn. A failed request ends the
+    benchmark."""
     before = {name: cpu_seconds(p.metrics_address) for name, p in procs.items()}
     workload = WorkloadConfig(WorkloadKind.CODE, LengthDistribution.parse(PROMPT_LEN),
                               LengthDistribution.parse(output_len), tokenizer=model)
     api = dict(http_url=f"http://{procs['R'].http_address}") if http else dict(target=procs["R"].address)
     cfg = BenchConfig(workload=workload, rates=(float("inf"),), num_requests=num_requests,
-                      max_concurrency=concurrency, seed=seed, num_warmup=0, **api)
+                      max_concurrency=concurrency, seed=seed, num_warmup=0, connections=connections, **api)
     (run,) = run_bench(cfg, progress=False).runs
     failed = [r.error for r in run.records if not r.is_ok]
     if failed:
