@@ -66,6 +66,11 @@ class Controller:
         self.members[member.worker_id] = member
         await self._bump()
 
+    async def register_router(self, member: Member) -> None:
+        """The serve process's own router (not an actor of this one's), listed beside the others."""
+        self.members[member.worker_id] = member
+        await self._bump()
+
     async def watch(self, version: int, timeout_s: float = 10.0) -> tuple[int, list[Member]]:
         """The membership once its version passes `version` (or after `timeout_s`): long polling."""
         cond = self._condition()

@@ -127,7 +127,7 @@ class TargetsFile:
     def groups(self) -> list[dict]:
         """The target groups, as Prometheus' file and HTTP service discovery read them."""
         groups = []
-        if self.router:
+        if self.router and all(m.metrics_address != self.router for m in self.members):  # else it registered
             groups.append({"targets": [self.router], "labels": {"pdserve_role": "router"}})
         groups += [{"targets": [m.metrics_address], "labels": {"pdserve_role": m.role, "pdserve_worker": m.worker_id,
                                                                 "pdserve_node": m.node_id[:12]}}
@@ -248,7 +248,12 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
         if not listening.done():
             return await serving  # it could not listen: its error
         addresses = listening.result()
-        if shared:
+        if shared:  # listed with the others in `pdserve status` and the targets
+            from pdserve.cluster.worker_actor import Member
+
+            await controller.register_router.remote(Member(
+                "router-0", "router", addresses["grpc"], targets.router or "", ray.get_runtime_context().get_node_id(),
+                os.getpid(), False))
             progress(f"starting {r.processes - 1} more router process{'es' * (r.processes > 2)}")
             try:
                 await controller.start_routers.remote(r.processes - 1, _port(addresses["grpc"]),

@@ -102,9 +102,12 @@ def _routers(system) -> list[dict]:
 
 
 def test_both_routers_serve_on_the_shared_ports(system, expected):
-    others = _routers(system)
-    assert [r["worker_id"] for r in others] == ["router-1"] and others[0]["pid"] != system.proc.popen.pid
-    metrics = [system.proc.addresses["metrics"], others[0]["metrics_address"]]
+    routers = _routers(system)  # the serve process's own, and the actor
+    assert [r["worker_id"] for r in routers] == ["router-0", "router-1"]
+    assert routers[0]["pid"] == system.proc.popen.pid != routers[1]["pid"]
+    assert routers[0]["address"] == routers[1]["address"] == system.grpc_address
+    metrics = [system.proc.addresses["metrics"], routers[1]["metrics_address"]]
+    assert routers[0]["metrics_address"] == metrics[0]
     # the targets list both routers, each at its own /metrics
     groups = json.loads(system.targets_file.read_text())
     assert sorted(t for g in groups if g["labels"]["pdserve_role"] == "router" for t in g["targets"]) == sorted(metrics)
@@ -121,7 +124,7 @@ def test_both_routers_serve_on_the_shared_ports(system, expected):
 
 
 def test_the_load_generator_spreads_its_connections_over_both(system, tmp_path):
-    metrics = [system.proc.addresses["metrics"], _routers(system)[0]["metrics_address"]]
+    metrics = [r["metrics_address"] for r in _routers(system)]
     before = [_ok_requests(m) for m in metrics]
     out = system.cli("bench", "--target", system.grpc_address, "--connections", "16", "--workload", "random",
                      "--vocab-size", "300", "--prompt-len", "fixed:16", "--output-len", "fixed:4", "--num-requests",
@@ -137,7 +140,7 @@ def test_the_load_generator_spreads_its_connections_over_both(system, tmp_path):
 
 
 def test_a_router_killed_with_9_costs_only_its_connections_and_comes_back(system, expected):
-    victim = _routers(system)[0]
+    victim = _routers(system)[1]
     assert _listeners(system.grpc_address) == 2
     os.kill(victim["pid"], signal.SIGKILL)
     _wait_closed(system.grpc_address, 1)
@@ -145,7 +148,7 @@ def test_a_router_killed_with_9_costs_only_its_connections_and_comes_back(system
     # socket closed, those it had queued were reset: the connections it held, in the kernel)
     assert _each_on_its_own_connection(system.grpc_address) == expected
     deadline = time.monotonic() + 120
-    while not (back := [r for r in _routers(system) if r["pid"] != victim["pid"]]):
+    while not (back := [r for r in _routers(system)[1:] if r["pid"] != victim["pid"]]):
         assert time.monotonic() < deadline, _routers(system)
         time.sleep(0.5)
     assert back[0]["is_restart"] and back[0]["address"] == victim["address"]  # the same shared port
