@@ -27,7 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.router_actor import RouterActor, RouterSpec
-from pdserve.cluster.worker_actor import Member, StartFailed, WorkerActor, WorkerSpec
+from pdserve.cluster.serving_actor import Member, StartFailed
+from pdserve.cluster.worker_actor import WorkerActor, WorkerSpec
 from pdserve.serving.logs import Telemetry, setup_logging
 
 log = logging.getLogger("pdserve.cluster")

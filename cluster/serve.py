@@ -249,7 +249,7 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
             return await serving  # it could not listen: its error
         addresses = listening.result()
         if shared:  # listed with the others in `pdserve status` and the targets
-            from pdserve.cluster.worker_actor import Member
+            from pdserve.cluster.serving_actor import Member
 
             await controller.register_router.remote(Member(
                 "router-0", "router", addresses["grpc"], targets.router or "", ray.get_runtime_context().get_node_id(),
