@@ -234,10 +234,11 @@ def _scale(args: argparse.Namespace) -> int:
     import ray
 
     try:
-        counts = ray.get(controller.scale.remote(args.prefill, args.decode), timeout=args.timeout)
+        counts = ray.get(controller.scale.remote(args.prefill, args.decode, args.routers), timeout=args.timeout)
     except ray.exceptions.RayTaskError as e:  # the controller's own error (a bad count, no room): one line
         raise ValueError(str(e.cause.args[0] if e.cause and e.cause.args else e.cause)) from None
-    print(f"pdserve scaled: prefill={counts['prefill']} decode={counts['decode']}", flush=True)
+    print(f"pdserve scaled: prefill={counts['prefill']} decode={counts['decode']} routers={counts['routers']}",
+          flush=True)
     return 0
 
 
@@ -357,9 +358,11 @@ def _add_serve_parser(sub) -> None:
 
 
 def _add_scale_parser(sub) -> None:
-    sc = sub.add_parser("scale", help="set the worker counts of a running `pdserve serve`")
+    sc = sub.add_parser("scale", help="set the worker (and router process) counts of a running `pdserve serve`")
     sc.add_argument("--prefill", type=int, default=None, help="prefill workers wanted")
     sc.add_argument("--decode", type=int, default=None, help="decode workers wanted")
+    sc.add_argument("--routers", type=int, default=None, help="router processes wanted (a system started with "
+                    "router.processes above 1: its ports are shared)")
     sc.add_argument("--ray-address", default=None, help="the cluster it runs on (default: the one a local "
                     "`pdserve serve` started)")
     sc.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the change")

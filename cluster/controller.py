@@ -58,6 +58,7 @@ class Controller:
         self._changed: asyncio.Condition | None = None
         self._numbers = {"prefill": itertools.count(), "decode": itertools.count(), "router": itertools.count(1)}
         self._self = ray.get_runtime_context().current_actor
+        self._router_ports: tuple | None = None  # (gRPC, HTTP, targets file) once the routers share them
 
     # ---- membership ----------------------------------------------------------------------
     async def register(self, member: Member) -> None:
@@ -102,8 +103,11 @@ class Controller:
         prefill workers' models before finding there was no room for the decode pool)."""
         await self._grow(*((role, self._pool(role).workers) for role in ("prefill", "decode")))
 
-    async def scale(self, prefill: int | None, decode: int | None) -> dict[str, int]:
-        """Absolute worker counts; None leaves a pool as it is. Returns the counts now."""
+    async def scale(self, prefill: int | None, decode: int | None, routers: int | None = None) -> dict[str, int]:
+        """Absolute worker (and router process) counts; None leaves a pool as it is. Returns the
+        counts now."""
+        if routers is not None:
+            await self._scale_routers(routers)
         for role, target in (("prefill", prefill), ("decode", decode)):
             if target is None:
                 continue
@@ -117,7 +121,19 @@ class Controller:
                 await self._grow((role, target - current))
             elif target < current:
                 await self._shrink(role, current - target)
-        return {role: self.count(role) for role in ("prefill", "decode")}
+        return {**{role: self.count(role) for role in ("prefill", "decode")}, "routers": 1 + self.count("router")}
+
+    async def _scale_routers(self, target: int) -> None:
+        if not isinstance(target, int) or target < 1:
+            raise ValueError(f"--routers must be >= 1 (the serve process's own router stays), got {target}")
+        if self._router_ports is None:
+            raise ValueError("the router's ports are not shared: to scale the routers, start `pdserve serve` with "
+                             "router.processes above 1 (--router-processes)")
+        current = 1 + self.count("router")
+        if target > current:
+            await self.start_routers(target - current, *self._router_ports)
+        elif target < current:
+            await self._shrink("router", current - target)
 
     def count(self, role: str) -> int:
         return sum(1 for p in self.placed.values() if p.role == role)
@@ -138,6 +154,7 @@ class Controller:
     async def start_routers(self, n: int, grpc_port: int, http_port: int | None, targets_path: str) -> None:
         """`n` more router processes on this node, sharing the driver's router's ports; returns
         once each listens (StartFailed, saying why, if one does not)."""
+        self._router_ports = (grpc_port, http_port, targets_path)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         new = []
         for _ in range(n):

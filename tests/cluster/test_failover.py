@@ -171,6 +171,12 @@ def test_scaling_beyond_the_cluster_says_what_is_missing(system):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_routers_scale_only_where_their_ports_are_shared(system):
+    out = system.cli("scale", "--routers=2")
+    assert out.returncode == 2 and "start `pdserve serve` with router.processes above 1" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 def test_without_the_ray_dashboard_none_of_its_modules_runs(system):
     """--no-ray-dashboard: the serve system in test_serve.py, started without it, answers `ray list
     actors` through those modules."""

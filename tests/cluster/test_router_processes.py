@@ -139,6 +139,22 @@ def test_the_load_generator_spreads_its_connections_over_both(system, tmp_path):
     assert bad.returncode == 2 and "connections must be an integer >= 1, got 0" in bad.stderr, bad.stderr
 
 
+def test_routers_scale_while_serving(system, expected):
+    assert "routers=3" in system.scale(routers=3)
+    assert [r["worker_id"] for r in _routers(system)] == ["router-0", "router-1", "router-2"]
+    assert _listeners(system.grpc_address) == 3
+    new = _routers(system)[2]["metrics_address"]
+    before = _ok_requests(new)
+    for _ in range(2):
+        assert _each_on_its_own_connection(system.grpc_address) == expected
+    assert _ok_requests(new) > before  # 32 connections over three routers: it got some
+    assert "routers=2" in system.scale(routers=2)  # the newest goes, drained
+    assert [r["worker_id"] for r in _routers(system)] == ["router-0", "router-1"]
+    _wait_closed(system.grpc_address, 2)
+    out = system.cli("scale", "--routers=0")
+    assert out.returncode == 2 and "--routers must be >= 1" in out.stderr, out.stderr
+
+
 def test_a_router_killed_with_9_costs_only_its_connections_and_comes_back(system, expected):
     victim = _routers(system)[1]
     assert _listeners(system.grpc_address) == 2
