@@ -255,9 +255,14 @@ async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, 
                 "router-0", "router", addresses["grpc"], targets.router or "", ray.get_runtime_context().get_node_id(),
                 os.getpid(), False))
             progress(f"starting {r.processes - 1} more router process{'es' * (r.processes > 2)}")
+            starting = asyncio.ensure_future(controller.start_routers.remote(
+                r.processes - 1, _port(addresses["grpc"]), _port(addresses.get("http")), str(targets.path)))
+            await _first_of(starting, until)
+            if until.done():  # stopped while they start: the controller stops them with the rest
+                starting.cancel()
+                return await serving
             try:
-                await controller.start_routers.remote(r.processes - 1, _port(addresses["grpc"]),
-                                                      _port(addresses.get("http")), str(targets.path))
+                await starting
             except Exception as e:  # noqa: BLE001 - Ray wraps the controller's error; its cause says why
                 stopping.done() or stopping.set_result(None)
                 await serving

@@ -171,3 +171,15 @@ def test_a_router_killed_with_9_costs_only_its_connections_and_comes_back(system
     before = _ok_requests(back[0]["metrics_address"])
     assert _each_on_its_own_connection(system.grpc_address) == expected
     assert _ok_requests(back[0]["metrics_address"]) > before  # it takes connections again
+
+
+def test_sigterm_drains_every_router_and_leaves_no_process(system):
+    routers = [r["pid"] for r in _routers(system)[1:]]
+    tree = psutil.Process(system.proc.popen.pid).children(recursive=True)
+    assert set(routers) <= {p.pid for p in tree}
+    code, seconds = system.stop(timeout_s=90)
+    assert code == 0 and seconds < 60, system.proc.log_tail()
+    time.sleep(1)
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert _listeners(system.grpc_address) == 0

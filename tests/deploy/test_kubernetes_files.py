@@ -102,9 +102,11 @@ def test_images_ray_version_and_gpu_pools_agree(tmp_path):
 
 def test_termination_grace_outlasts_the_drain_and_prestop_signals_pdserve_serve(tmp_path):
     config = _serve_config(tmp_path)
-    stop_s = config.router.drain_timeout + 15  # the router's drain, then the workers' (serve.py)
-    assert 'asyncio.ensure_future(controller.stop.remote()), r.drain_timeout + 15)' in \
-        (REPO / "cluster" / "serve.py").read_text()
+    # the routers' drain (the other router processes' beside the first), then the workers' (serve.py)
+    stop_s = config.router.drain_timeout + 15
+    serve = (REPO / "cluster" / "serve.py").read_text()
+    assert '_quietly(controller.stop.remote(), r.drain_timeout + 15, "workers")' in serve
+    assert '_quietly(controller.stop_routers.remote(), r.drain_timeout + 15, "routers")' in serve
     for spec in (_head(), _workers()["template"]["spec"]):
         assert spec["terminationGracePeriodSeconds"] > stop_s
     head = _head()["containers"][0]
