@@ -274,6 +274,8 @@ def add_calibrate_parser(sub) -> argparse.ArgumentParser:
                    "request throughput it measured; their TTFT sets each prompt's prefill overhead (0: the loaded "
                    "point's TTFT does)")
     p.add_argument("--seed", type=int, default=100)
+    p.add_argument("--connections", type=int, default=1, help="gRPC connections the requests take in turn (a "
+                   "deployment with router.processes above 1: one each at least)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=calibrate_main, request_rate=None, request_rates=None, goodput_search=None, search_steps=4,
                    arrival="poisson", burstiness=1.0, duration=None, max_concurrency=None, warmup=1,

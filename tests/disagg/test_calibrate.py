@@ -76,7 +76,8 @@ def test_the_command_writes_a_calibrated_profile(cluster, tmp_path):
     out = subprocess.run([PDSERVE, "calibrate", "--profile", str(tmp_path / "engine.json"), "--output",
                           str(tmp_path / "calibrated.json"), "--speculation", "--target", cluster.address("R"),
                           "--workload", "random", "--vocab-size", "300", "--prompt-len", "uniform:8,64",
-                          "--output-len", OUTPUT_LEN, "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--quiet"],
+                          "--output-len", OUTPUT_LEN, "--num-requests", "4", "--concurrency", "2", "--loaded-requests", "6", "--connections", "2",
+                          "--quiet"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("1P:1D +spec: unloaded: measured TTFT") and "a sequence; per prompt prefilled" in out.stdout
