@@ -58,9 +58,11 @@ def fan_out(req: RouterRequest, n: int) -> list[RouterRequest]:
 
 
 class OpenAIApp:
-    def __init__(self, router: Router, model_name: str, chat_template: ChatTemplate | None = None):
+    def __init__(self, router: Router, model_name: str, chat_template: ChatTemplate | None = None,
+                 shared_port: bool = False):
         self.router, self.model_name, self.chat_template = router, model_name, chat_template
         self.token_text = TokenText(router.tokenizer)
+        self.shared_port = shared_port  # other router processes listen on this port too (SO_REUSEPORT)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self.authenticate])
@@ -69,9 +71,17 @@ class OpenAIApp:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", metrics_handler(self.router.metrics.registry))
+        metrics = self.not_here if self.shared_port else metrics_handler(self.router.metrics.registry)
+        app.router.add_get("/metrics", metrics)
         app.router.add_get("/prometheus/targets", self.prometheus_targets)
         return app
+
+    async def not_here(self, _request: web.Request) -> web.Response:
+        """/metrics on a shared port would answer for whichever router the connection reached: a
+        scrape there would mix their counters without a word, so it fails, saying where to look."""
+        return web.Response(status=404, text="this router shares its HTTP port with other router processes: "
+                            "/metrics here would answer for whichever one the connection reached; scrape each "
+                            "router at its own metrics port (GET /prometheus/targets lists them)\n")
 
     @web.middleware
     async def authenticate(self, request: web.Request, handler):
@@ -265,7 +275,8 @@ async def start_http(router: Router, host: str, port: int, model_name: str = "pd
     """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port.
     `reuse_port`: the port shared with the other routers of a system (SO_REUSEPORT)."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    runner, bound = await start_http_app(OpenAIApp(router, model_name, chat_template).app(), host, port, ssl_context,
-                                         reuse_port=reuse_port, handler_cancellation=True)
+    app = OpenAIApp(router, model_name, chat_template, shared_port=reuse_port).app()
+    runner, bound = await start_http_app(app, host, port, ssl_context, reuse_port=reuse_port,
+                                         handler_cancellation=True)
     log.info("http listening address=%s:%d", host, bound)
     return runner, bound

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -119,6 +120,10 @@ def test_both_routers_serve_on_the_shared_ports(system, expected):
     assert all(c["choices"][0]["text"] for c in http) and len(http) == len(PROMPTS)
 
     served = [_ok_requests(m) - b for m, b in zip(metrics, before)]
+    # /metrics on the shared HTTP port would mix the routers' counters: it says where to scrape
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://{system.http_address}/metrics", timeout=10)
+    assert e.value.code == 404 and "its own metrics port" in e.value.read().decode()
     # 32 connections: all on one router has odds of 2 in 2^32
     assert sum(served) == 2 * len(PROMPTS) and min(served) > 0, served
 

@@ -4,6 +4,7 @@ kernel spreads the connections over them and both serve what one router serves. 
 would share the HTTP port without a metrics port of its own is refused in one line."""
 from __future__ import annotations
 
+import http.client
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,11 @@ def test_two_routers_on_one_port_split_the_connections(cluster, pair):
     first, second = pair
     assert first.addresses["grpc"] == second.addresses["grpc"] and first.addresses["http"] == second.addresses["http"]
     assert first.addresses["metrics"] != second.addresses["metrics"]
+    conn = http.client.HTTPConnection(first.addresses["http"], timeout=10)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    assert resp.status == 404 and b"its own metrics port" in resp.read()  # it would mix the two routers'
+    conn.close()
     reqs = [gen.GenerateRequest(token_ids=gen.TokenIds(ids=[5 + i, 6, 7]), sampling_params=gen.SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True)) for i in range(24)]
     want = [joined(m)[0] for m in generate_all(cluster, "R", reqs)]  # one router, the same workers
