@@ -51,12 +51,16 @@ ONE, TWO = "1 router", "2 routers"
 
 def one_run(procs: dict, routers: list[str], concurrency: int, num_requests: int, seed: int, model: str,
             connections: int) -> dict:
-    """tokens/s, the routers' CPU µs a token together, and the busiest router's share of the tokens."""
-    _, seconds, spent = closed_loop(procs, concurrency, num_requests, seed, model, OUTPUT_LEN,
-                                    connections=connections)
+    """tokens/s, the routers' CPU µs a token and a message together, the tokens a message carried to
+    the client, and the busiest router's share of the tokens."""
+    records, seconds, spent = closed_loop(procs, concurrency, num_requests, seed, model, OUTPUT_LEN,
+                                          connections=connections)
     tokens = [spent[r, "tokens"] for r in routers]
+    cpu = sum(spent[r, None] for r in routers)
+    messages = sum(len(r.delta_tokens) for r in records)
     return dict(tokens_per_s=sum(tokens) / seconds, busiest_share=max(tokens) / sum(tokens),
-                router_us_per_token=1e6 * sum(spent[r, None] for r in routers) / sum(tokens))
+                router_us_per_token=1e6 * cpu / sum(tokens), router_us_per_message=1e6 * cpu / messages,
+                tokens_per_message=sum(r.num_output_tokens for r in records) / messages)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(dict(front=v, concurrency=c, tokens_per_s=Spread.of(x["tokens_per_s"] for x in xs).as_dict(),
                          speedup=Spread.of(x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(xs, base)).as_dict(),
                          router_us_per_token=Spread.of(x["router_us_per_token"] for x in xs).as_dict(),
+                         router_us_per_message=Spread.of(x["router_us_per_message"] for x in xs).as_dict(),
+                         tokens_per_message=Spread.of(x["tokens_per_message"] for x in xs).as_dict(),
                          busiest_share=Spread.of(x["busiest_share"] for x in xs).as_dict()))
     result = dict(repeats=repeats, concurrency=concurrencies, connections=args.connections, engine=args.engine,
                   prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN, rows=rows,
@@ -110,16 +116,20 @@ def markdown(result: dict, command: str) -> str:
              f"over {result['connections']} gRPC connections. \"2 routers\": two `pdserve router --reuse-port` on one "
              "port (what `router.processes: 2` runs). Min / median / max over "
              f"{result['repeats']} repeats; over one router: a run's tokens/s over the same repeat's run with one "
-             "router. Routers' µs a token: their CPU together over the tokens they sent. Busiest router's share: of "
+             "router. Routers' µs a token (a message): their CPU together over the tokens they sent (the messages the "
+             "client received). Tokens a message: as the client received them (a decode worker merges what waits for a "
+             "stream that fell behind; a router sends each message on as one). Busiest router's share: of "
              "the tokens (0.5 is an even split). The ceiling is derived, not measured: the tokens/s at which "
              "the routers would take a whole core each (n × 10^6 / their µs a token, n routers sharing the tokens; "
              "a host with a core to spare for each).", "",
-             "| front end | C | tokens/s | over one router | routers' µs a token | busiest router's share | "
-             "ceiling, a core a router |", "|---|---|---|---|---|---|---|"]
+             "| front end | C | tokens/s | over one router | tokens a message | routers' µs a token | "
+             "routers' µs a message | busiest router's share | ceiling, a core a router |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ceiling = (2 if r["front"] == TWO else 1) * 1e6 / r["router_us_per_token"]["median"]
         lines.append(f"| {r['front']} | {r['concurrency']} | {fmt_spread(r['tokens_per_s'], 0)} | "
-                     f"{fmt_spread(r['speedup'], 2, '×')} | {fmt_spread(r['router_us_per_token'], 0)} | "
+                     f"{fmt_spread(r['speedup'], 2, '×')} | {fmt_spread(r['tokens_per_message'], 2)} | "
+                     f"{fmt_spread(r['router_us_per_token'], 0)} | {fmt_spread(r['router_us_per_message'], 0)} | "
                      f"{fmt_spread(r['busiest_share'], 2)} | {ceiling:,.0f} |")
     stem = result.get("stem", "router_processes")
     lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
