@@ -1,8 +1,10 @@
 """`pdserve serve` with two router processes (`router.processes: 2`): the serve process's router
 and one Ray actor share the public gRPC and HTTP ports (SO_REUSEPORT), the kernel spreads the
 client connections over them, both serve what the offline engine computes, each has its own
-/metrics in the Prometheus targets; a router killed with -9 costs only the connections it held,
-the other takes the new ones, and Ray restarts it on the same ports."""
+/metrics in the Prometheus targets; `pdserve bench --connections` reaches both; `pdserve scale
+--routers` adds and drains routers while serving; a router killed with -9 costs only the
+connections it held, the other takes the new ones, and Ray restarts it on the same ports; SIGTERM
+drains them all and leaves nothing behind."""
 from __future__ import annotations
 
 import asyncio
@@ -62,7 +64,7 @@ def _each_on_its_own_connection(address: str) -> list[list[int] | grpc.aio.AioRp
     return asyncio.run(main())
 
 
-def _completions_over_http(address: str) -> list[list[int]]:
+def _completions_over_http(address: str) -> list[dict]:
     """PROMPTS over the OpenAI API, a connection each (urllib does not keep one alive)."""
     with urllib.request.urlopen(f"http://{address}/v1/models", timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
