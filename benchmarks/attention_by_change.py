@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import (Spread, export_revision, fmt_spread, grouped_bars, host, machine, publish,  # noqa: E402
-                    revision_subject)
+from report import (Spread, export_revision, files_line, fmt_spread, grouped_bars, host, machine,  # noqa: E402
+                    publish, revision_subject)
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Decode attention by change (`benchmarks/attention_by_change.py`)"
@@ -127,7 +127,7 @@ def markdown(result: dict, command: str) -> str:
                      + " | ".join(fmt_spread(r["ms"][n]) for n in names) + " | "
                      + " | ".join(fmt_spread(r["speedup"][n], 2, "×") for n in names[1:]) + " |")
     stem = result.get("stem", "attention_by_change")
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines) + "\n"
 
 

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine.model.config import load_model_config  # noqa: E402
 from pdserve.kernels import native  # noqa: E402
-from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
+from report import Spread, files_line, fmt_spread, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "CPU projections by instruction set (`benchmarks/cpu_linear.py`)"
@@ -178,7 +178,7 @@ def markdown(result: dict, command: str) -> str:
     for r in result["rows"]:
         speed = "–" if r["variant"] == "torch" else fmt_spread(r["speedup"], 2, "×")
         lines.append(f"| {r['rows']} | {r['variant']} | {fmt_spread(r['ms'], 3)} | {fmt_spread(r['gbps'], 1)} | {speed} |")
-    lines += ["", "Files: `benchmarks/results/cpu_linear.json`, `benchmarks/results/cpu_linear.png`."]
+    lines += files_line("cpu_linear")
     return "\n".join(lines) + "\n"
 
 

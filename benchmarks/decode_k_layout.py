@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from report import Spread, fmt_spread, host, machine, measure_read_bandwidth, publish  # noqa: E402
+from report import Spread, files_line, fmt_spread, host, machine, measure_read_bandwidth, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SOURCE = REPO / "benchmarks" / "decode_k_layout.cpp"
@@ -115,7 +115,7 @@ def markdown(result: dict, command: str) -> str:
                      f"{fmt_spread(ms['transposed'])} | {fmt_spread(ms['dims-major'])} | {fmt_spread(gb['row-major'], 1)} | "
                      f"{fmt_spread(gb['dims-major'], 1)} | {fmt_spread(sp['transposed'], 2, '×')} | {fmt_spread(sp['dims-major'], 2, '×')} |")
     stem = result.get("stem", "decode_k_layout")
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines) + "\n"
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.draft_passes import DraftPasses  # noqa: E402
-from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
+from report import Spread, files_line, fmt_spread, host, machine, publish  # noqa: E402
 from prompts import code_prompts  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -127,7 +127,7 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {r['batch']} | {r['temperature']:g} | " + " | ".join(fmt_spread(t[e], 0) for e in ENGINES) + " | "
                      + " | ".join(fmt_spread(r[f"{_key(a)}_vs_{_key(b)}"], 3, "×") for a, b in RATIOS) + " |")
     stem = "draft_passes_adaptive" if result.get("adaptive") else "draft_passes"
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines) + "\n"
 
 

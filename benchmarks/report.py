@@ -150,6 +150,11 @@ def export_revision(rev: str, into: Path) -> Path:
     return into
 
 
+def files_line(stem: str) -> list[str]:
+    """The lines a section ends with: the files its run wrote."""
+    return ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+
+
 def grouped_bars(ax, names: list[str], series: list[tuple[str, list[dict]]]) -> None:
     """Per name, one bar for each (label, spreads) series side by side: the median, with whiskers
     to the min and max (`Spread.as_dict()`s)."""

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from launcher import Launcher  # noqa: E402
-from report import Spread, fmt_spread, host, machine  # noqa: E402
+from report import Spread, files_line, fmt_spread, host, machine  # noqa: E402
 from stream_cost import (MODEL, PROMPT_LEN, closed_loop, common_args, fast_checkpoint, interleaved,  # noqa: E402
                          on_core_0, publish_run)
 
@@ -107,7 +107,7 @@ def markdown(result: dict, command: str) -> str:
         lines.append(f"| {r['api']} | {r['concurrency']} | {fmt_spread(r['requests_per_s'], 0)} | "
                      + " | ".join(fmt_spread(u[c], 0) for c in cols) + " | " + " | ".join(ceil) + " |")
     stem = result.get("stem", "request_cost")
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines) + "\n"
 
 

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from launcher import Launcher  # noqa: E402
-from report import Spread, fmt_spread, host, machine  # noqa: E402
+from report import Spread, files_line, fmt_spread, host, machine  # noqa: E402
 from stream_cost import MODEL, OUTPUT_LEN, PROMPT_LEN, closed_loop, common_args, fast_checkpoint, interleaved, \
     on_core_0, publish_run  # noqa: E402
 
@@ -132,7 +132,7 @@ def markdown(result: dict, command: str) -> str:
                      f"{fmt_spread(r['router_us_per_token'], 0)} | {fmt_spread(r['router_us_per_message'], 0)} | "
                      f"{fmt_spread(r['busiest_share'], 2)} | {ceiling:,.0f} |")
     stem = result.get("stem", "router_processes")
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines) + "\n"
 
 

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from child_process import ChildProcess, replies, reply, requests  # noqa: E402
-from report import Spread, export_revision, grouped_bars, host, machine, publish  # noqa: E402
+from report import Spread, export_revision, files_line, grouped_bars, host, machine, publish  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Speculation by revision (`benchmarks/spec_by_revision.py`)"
@@ -152,7 +152,7 @@ def markdown(result: dict, command: str) -> str:
         if key.startswith("speculation"):
             lines.append(f"| {key.split(', ', 1)[1]} | {fmt(c['this'], 2)}× | {fmt(c['baseline'], 2)}× |")
     stem = result.get("stem", "spec_by_revision")
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines)
 
 

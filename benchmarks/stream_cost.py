@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from launcher import Launcher, samples  # noqa: E402
-from report import Spread, fmt_spread, host, machine, publish  # noqa: E402
+from report import Spread, files_line, fmt_spread, host, machine, publish  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 SECTION = "Streaming cost per token (`benchmarks/stream_cost.py`)"
 FAST_SECTION = "Streaming cost per token, an engine fast beside its loops (`benchmarks/stream_cost.py --engine fast`)"
@@ -249,7 +249,7 @@ def markdown(result: dict, command: str) -> str:
                      f"{fmt_spread(r['speedup'], 2, '×')} | {fmt_spread(r['tokens_per_message'], 2)} | "
                      + " | ".join(fmt_spread(u[c], 0) for c in cols) + " | " + " | ".join(ceil) + " |")
     stem = result.get("stem", "stream_cost")
-    lines += ["", f"Files: `benchmarks/results/{stem}.json`, `benchmarks/results/{stem}.png`."]
+    lines += files_line(stem)
     return "\n".join(lines) + "\n"
 
 
