@@ -3,11 +3,13 @@
     python benchmarks/stream_cost.py [--quick] [--repeats 5] [--concurrency 1 8 32] [--stream-interval 4]
                                      [--engine demo|fast]
 
-Three disaggregated pairs over one prefill worker, each with its own decode worker and router: one
-as a decode worker starts by default (every token streamed as the engine emits it, and a stream
-that fell behind its engine sends what waits as one message), one with `--stream-interval N` (a
-request's tokens once N are new, its first and last at once), and one with `--no-merge-backlog`
-(a message per engine output however far behind: what the default saves); the default pair is
+Four disaggregated pairs over one prefill worker, each with its own decode worker and router: one
+as both start by default (every token streamed as the engine emits it, on the router's token
+stream to the decode worker, a message a step for all its requests; a stream that fell behind its
+engine sends what waits as one message), one with `--stream-interval N` (a request's tokens once N
+are new, its first and last at once), one with `--no-merge-backlog` (a message per engine output
+however far behind: what the merge saves), and one whose router runs with `--no-token-streams`
+("1, own calls": each request's tokens on its own call, a message per request and output); the default pair is
 measured a second time with its clients on the router's OpenAI HTTP API ("1, HTTP": each delta a
 server-sent event) instead of its gRPC stream. The prefill worker and the routers on core 0, the
 decode workers on core 1 (a worker's engine thread and its serving loop share that core, as in
@@ -62,7 +64,7 @@ SECTION = "Streaming cost per token (`benchmarks/stream_cost.py`)"
 FAST_SECTION = "Streaming cost per token, an engine fast beside its loops (`benchmarks/stream_cost.py --engine fast`)"
 MODEL = str(REPO / "models" / "demo")
 # the variants' labels beside "N" (--stream-interval N); HTTP: the default pair, its clients on the OpenAI API
-DEFAULT, UNMERGED, HTTP = "1", "1, unmerged", "1, HTTP"
+DEFAULT, UNMERGED, OWN_CALLS, HTTP = "1", "1, unmerged", "1, own calls", "1, HTTP"
 PROMPT_LEN, OUTPUT_LEN = "fixed:64", "fixed:128"
 # what each column reads: (process, thread role or None for the whole process)
 COLUMNS = {"decode engine": ("D", "engine"), "decode loop": ("D", "server"), "decode poller": ("D", "grpc_poller"),
@@ -178,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1 or min(args.concurrency) < 1 or args.stream_interval < 2:
         ap.error("--repeats and every --concurrency must be at least 1, --stream-interval at least 2")
     repeats, concurrencies = (1, [1, 4]) if args.quick else (args.repeats, args.concurrency)
-    variants = {DEFAULT: [], str(args.stream_interval): ["--stream-interval", str(args.stream_interval)],
-                UNMERGED: ["--no-merge-backlog"], HTTP: None}  # None: the default pair's processes
+    # (the decode worker's options, the router's); None: the default pair's processes
+    variants = {DEFAULT: ([], []), str(args.stream_interval): (["--stream-interval", str(args.stream_interval)], []),
+                UNMERGED: (["--no-merge-backlog"], []), OWN_CALLS: ([], ["--no-token-streams"]), HTTP: None}
     runs: dict[tuple[str, int], list[dict]] = {(v, c): [] for v in variants for c in concurrencies}
     with on_core_0(), tempfile.TemporaryDirectory() as tmp, Launcher(Path(tmp)) as launch:
         model = fast_checkpoint(Path(tmp) / "fast") if args.engine == "fast" else MODEL
@@ -188,8 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         pairs = {}
         for n, (v, extra) in enumerate(variants.items()):
             if extra is not None:
-                d = launch.worker("decode-worker", f"D{n}", [*worker, *extra], [1])
-                pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0])}
+                d = launch.worker("decode-worker", f"D{n}", [*worker, *extra[0]], [1])
+                pairs[v] = {"P": p, "D": d, "R": launch.router(f"R{n}", model, [p], [d], cpus=[0], extra=extra[1])}
         pairs[HTTP] = pairs[DEFAULT]
         launch.wait_ready()
         for v, procs in pairs.items():  # warm-up: first steps, first connections
@@ -202,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         cols = {col: Spread.of(x["us_per_token"][col] for x in xs).as_dict()
                 for col in COLUMNS if all(col in x["us_per_token"] for x in xs)}
         base = runs[DEFAULT, c]  # the same repeat's run of the pair as a decode worker starts
-        rows.append(dict(variant=v, stream_interval=1 if v in (DEFAULT, UNMERGED, HTTP) else args.stream_interval,
-                         merge_backlog=v != UNMERGED, api="http" if v == HTTP else "grpc", concurrency=c,
+        rows.append(dict(variant=v, stream_interval=1 if v in (DEFAULT, UNMERGED, OWN_CALLS, HTTP) else args.stream_interval,
+                         merge_backlog=v != UNMERGED, token_streams=v != OWN_CALLS, api="http" if v == HTTP else "grpc",
+                         concurrency=c,
                          us_per_token=cols,
                          tokens_per_s=Spread.of(x["tokens_per_s"] for x in xs).as_dict(),
                          tokens_per_message=Spread.of(x["tokens_per_message"] for x in xs).as_dict(),
@@ -231,8 +235,10 @@ def markdown(result: dict, command: str) -> str:
     lines = [f"Command: `{command}`. {engine[0].upper() + engine[1:]} on {host(result['machine'])}: prefill worker, "
              "routers and load generator on core 0, the decode workers on core 1, single-threaded; closed loop of C "
              f"requests ({result['prompt_len']} prompt tokens, {result['output_len']} greedy tokens each). The decode "
-             "workers: as started by default (\"1\": every token streamed, a backlog merged), with --stream-interval N "
-             "(\"N\"), and with --no-merge-backlog (\"1, unmerged\": a message per engine output); \"1, HTTP\": the "
+             "workers: as started by default (\"1\": every token streamed on the router's token stream, a message a step "
+             "for all its requests, a backlog merged), with --stream-interval N (\"N\"), and with --no-merge-backlog "
+             "(\"1, unmerged\": a message per engine output); \"1, own calls\": the default decode worker behind a router "
+             "with --no-token-streams (each request's tokens on its own call); \"1, HTTP\": the "
              "default pair with the load on the OpenAI HTTP API (server-sent events) instead of gRPC. CPU microseconds "
              f"per generated token by process and thread, min / median / max over {result['repeats']} repeats. The "
              "ceilings are derived (10^6 / µs a token: the tokens/s at which that thread takes a whole core), not "
@@ -259,7 +265,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = dict(zip(result["variants"], ("-", "--", ":", "-.")))
+    styles = dict(zip(result["variants"], ("-", "--", ":", (0, (5, 1, 1, 1)), "-.")))
     for v in result["variants"]:
         rows = [r for r in result["rows"] if r["variant"] == v]
         xs = [r["concurrency"] for r in rows]

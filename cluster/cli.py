@@ -152,7 +152,8 @@ def router_config(args: argparse.Namespace):
     from pdserve.serving.auth import TLSFiles
 
     policy = RouterPolicy(rpc_timeout_s=args.rpc_timeout, queue_timeout_s=args.queue_timeout,
-                          max_failovers=args.max_failovers, failover_wait_s=args.failover_wait)
+                          max_failovers=args.max_failovers, failover_wait_s=args.failover_wait,
+                          token_streams=not args.no_token_streams)
     slo = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot)) if v is not None}
     return RouterConfig(model=args.model, served_model_name=args.served_model_name, policy=policy,
                         connect_timeout_s=args.connect_timeout,
@@ -190,6 +191,8 @@ def serve_config(args: argparse.Namespace):
         overrides["num_speculative_tokens"] = 0
     if args.no_kv_shm:
         overrides["kv_shm"] = False
+    if args.no_token_streams:
+        overrides["router.token_streams"] = False
     if args.kv_dist:
         overrides["kv_dist"] = True
     return load(args.config, overrides)
@@ -331,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SLO on the time per output token after the first, seconds (default 0.1)")
     rt.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
+    rt.add_argument("--no-token-streams", action="store_true", help="take each request's tokens on its own call, "
+                    "not on one stream per decode worker for all of this router's requests (a message a step)")
     rt.add_argument("--reuse-port", action="store_true", help="share --port and --http-port with the other routers "
                     "started with it on this host (SO_REUSEPORT: the kernel spreads connections over them); each "
                     "needs a --metrics-port of its own")

@@ -240,6 +240,8 @@ def add_serve_args(sv) -> None:
     sv.add_argument("--no-speculation", action="store_true", help="decode without speculative decoding")
     sv.add_argument("--no-kv-shm", action="store_true", help="never move K/V through shared memory, even between "
                     "a prefill and a decode worker on one node (default: the config's kv_shm)")
+    sv.add_argument("--no-token-streams", action="store_true", help="the routers take each request's tokens on its "
+                    "own call, not on one stream per decode worker (default: the config's router.token_streams)")
     sv.add_argument("--kv-dist", action="store_true", help="move K/V bytes over torch.distributed groups (NCCL "
                     "between GPU workers, gloo between CPU ones) instead of gRPC or shared memory (default: the "
                     "config's kv_dist)")

@@ -49,6 +49,9 @@ class RouterSection:
     max_prompt_chars: int = 1 << 20
     max_failovers: int = 3
     failover_wait: float = 30.0
+    # each decode worker's tokens for all of a router's requests on one stream, a message a step;
+    # False: each request's on its own call
+    token_streams: bool = True
     health_interval: float = 1.0
     drain_timeout: float = 30.0
     slo_ttft: float = 1.0  # seconds; requests meeting both SLOs count toward goodput
@@ -225,6 +228,7 @@ def _check_router(r: RouterSection) -> None:
         _positive(f"router.{name}", getattr(r, name))
     _check(isinstance(r.processes, int) and not isinstance(r.processes, bool) and r.processes >= 1,
            "router.processes", r.processes, "must be an integer >= 1")
+    _check(isinstance(r.token_streams, bool), "router.token_streams", r.token_streams, "must be true or false")
     for name in ("max_queued_requests", "max_failovers", "max_prompt_chars"):
         _check(isinstance(getattr(r, name), int) and not isinstance(getattr(r, name), bool) and getattr(r, name) >= 0, f"router.{name}", getattr(r, name),
                "must be an integer >= 0")

@@ -180,7 +180,7 @@ def router_config(config: ServeConfig, security):
     r, sec = config.router, config.security
     return RouterConfig(model=config.model, served_model_name=config.served_model_name, policy=RouterPolicy(
         rpc_timeout_s=r.rpc_timeout, queue_timeout_s=r.queue_timeout, max_failovers=r.max_failovers,
-        failover_wait_s=r.failover_wait), health_interval_s=r.health_interval,
+        failover_wait_s=r.failover_wait, token_streams=r.token_streams), health_interval_s=r.health_interval,
         max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,
         tls=TLSFiles(sec.tls_cert, sec.tls_key),
         api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency),

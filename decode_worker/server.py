@@ -44,6 +44,10 @@ it writes messages, the outputs queued for a stream go out as one delta (`merge_
 in `pdserve:stream_merged_outputs`): messages grow instead of queueing (BENCHMARKS.md, Streaming
 cost per token, an engine fast beside its loops).
 
+A router may take every request's deltas on one stream of its own instead, a message a step for
+all of them (`TokenStream`; `token_streams.py`): then a request's call carries only its admission
+and how it ends.
+
 A push's stream into its reservation (header, chunks, `KVTargetReady`, trailer) is
 `kv_intake.KVIntake`'s, a mixin of the servicer here.
 """
@@ -59,12 +63,13 @@ import grpc
 from pdserve.decode_worker import LOCAL_PREFILL_CHUNK_TOKENS, LOCAL_PREFILL_TOKENS
 from pdserve.decode_worker.kv_intake import KVIntake
 from pdserve.decode_worker.kv_receiver import KVReceiver, PinnedBlocks, TransferProgress
+from pdserve.decode_worker.token_streams import OpenStream, TokenStreams, token_delta
 from pdserve.engine.disagg import DecodeState, kv_cache_groups, kv_group_layouts
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.convert import FINISH_REASONS, logprobs_message, parse_work_request
+from pdserve.serving.convert import parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import TransferError, TransferFailure
@@ -134,6 +139,8 @@ class DecodeRequest:
     num_steps: int = 0  # the engine outputs whose tokens were sent (`RequestOutput.num_steps`)
     interval: int = 1  # its stream's `stream_interval`
     num_queued: int | None = None  # tokens handed to its stream so far (None: none yet)
+    stream: OpenStream | None = None  # the router's token stream its tokens go on (None: its own call)
+    last_sent: float = 0.0  # when its token stream last sent it tokens (monotonic)
 
     def deliver(self, item) -> None:
         """The engine loop's sink for this request. An output goes to the stream when it completes
@@ -144,6 +151,9 @@ class DecodeRequest:
             if not item.finished and self.num_queued is not None and len(item.token_ids) - self.num_queued < self.interval:
                 return
             self.num_queued = len(item.token_ids)
+            if self.stream is not None:
+                self.stream.put(self, item)
+                return
         self.events.put_nowait(item)
 
     @property
@@ -169,18 +179,7 @@ def merge_backlog(out: RequestOutput, events: asyncio.Queue) -> tuple[RequestOut
     return out, None, merged
 
 
-def token_delta(out: RequestOutput, num_sent: int, num_steps_sent: int) -> worker_pb2.DecodeEvent:
-    """The tokens of `out` after the first `num_sent` it generated (those its stream sent), with
-    the engine steps they came from (those after the first `num_steps_sent`)."""
-    reason = FINISH_REASONS[out.finish_reason.value] if out.finish_reason else 0
-    delta = worker_pb2.TokenDelta(token_ids=out.token_ids[num_sent:], finish_reason=reason,
-                                  num_steps=out.num_steps - num_steps_sent)
-    if out.logprobs is not None:
-        delta.logprobs.extend(logprobs_message(row) for row in out.logprobs[num_sent:])
-    return worker_pb2.DecodeEvent(tokens=delta)
-
-
-class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
+class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
     role = "decode"
 
     def __init__(self, config: DecodeServerConfig, metrics=None, security: ClusterSecurity = ClusterSecurity()):
@@ -194,6 +193,7 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         self.live: set[DecodeRequest] = set()  # every request with an open stream; asyncio loop only
         self.probe: shm.Probe | None = None  # made once the cache is known to be in host memory
         self.local_chunk: int | None = None  # the local tails' cap a step (`local_prefill_chunk_tokens`), once loaded
+        self.token_streams: dict[str, OpenStream] = {}  # the routers' open TokenStreams by id; asyncio loop only
 
     def add_to(self, server: AioServer) -> None:
         server.add(add_decode_worker_servicer, self, worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"])
@@ -216,6 +216,7 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         self.receiver = KVReceiver(groups, e.kv_dtype, e.config.block_size, e.model_config.vocab_size, dist_groups)
         if self.receiver.dist_backend is not None:
             self.info.kv_dist_backends.append(self.receiver.dist_backend)
+        self.info.token_streams = True
         self.info.kv_target_ready = len(groups) > 1  # a draft: decode on the target's K/V, take the draft's after
         if self.config.kv_shm and self.receiver.accepts_shm and shm.is_available():
             shm.clean_stale_segments()
@@ -227,18 +228,26 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
         return len(self.live)
 
     async def _parse(self, request, context):
+        """(req_id, prompt ids, params, the token stream its tokens go on or None)."""
         await self.check_accepting(context)
         try:
-            return parse_work_request(request)
+            parsed = parse_work_request(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = None
+        if request.token_stream:
+            stream = self.token_streams.get(request.token_stream)
+            if stream is None or stream.closed:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"token stream {request.token_stream!r} is not open on this worker")
+        return (*parsed, stream)
 
     # ---- disaggregated: reserve, then tokens once the K/V arrived ---------------------------
     async def Decode(self, request, context):
-        req_id, ids, params = await self._parse(request, context)
+        req_id, ids, params, stream = await self._parse(request, context)
         await self._check_new(req_id, context)
         r = DecodeRequest(req_id, DecodeState.RESERVED, spans=self._spans(req_id, context, len(ids)),
-                          interval=self.config.stream_interval)
+                          interval=self.config.stream_interval, stream=stream)
         r.seq, here = await self._reserve(r, ids, params, context)
         text = ""
         if here:  # the cache holds all but a short tail, which the engine is prefilling already
@@ -254,6 +263,9 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
                 ticket=text, num_free_blocks=self.engine.block_manager.num_free_blocks,
                 num_cached_tokens=r.seq.num_cached_tokens, prefills_here=here))
+            if r.stream is not None:
+                await self._until_done(r, context)
+                return
             async for event in self._token_stream(r, context):
                 yield event
         finally:
@@ -308,10 +320,10 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
 
     # ---- colocated: the engine prefills the request itself -------------------------------
     async def PrefillAndDecode(self, request, context):
-        req_id, ids, params = await self._parse(request, context)
+        req_id, ids, params, stream = await self._parse(request, context)
         await self._check_new(req_id, context)
         r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)),
-                          interval=self.config.stream_interval)
+                          interval=self.config.stream_interval, stream=stream)
         r.spans.start("decode")
         self._track(r)
         try:
@@ -323,6 +335,9 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
             self.num_requests_total += 1
             yield worker_pb2.DecodeEvent(admitted=worker_pb2.Admitted(
                 num_free_blocks=self.engine.block_manager.num_free_blocks))
+            if r.stream is not None:
+                await self._until_done(r, context)
+                return
             async for event in self._token_stream(r, context):
                 yield event
         finally:
@@ -346,9 +361,13 @@ class DecodeWorkerServicer(KVIntake, WorkerService, worker_pb2_grpc.DecodeWorker
     def _track(self, r: DecodeRequest) -> None:
         self.live.add(r)
         self.loop.sinks[r.req_id] = r.deliver
+        if r.stream is not None:
+            r.stream.bound.add(r)
 
     def _untrack(self, r: DecodeRequest) -> None:
         self.live.discard(r)
+        if r.stream is not None:
+            r.stream.bound.discard(r)
         if self.loop.sinks.get(r.req_id) == r.deliver:  # only its own
             del self.loop.sinks[r.req_id]
 

@@ -5,7 +5,8 @@
         every one is full
     prefill: PrefillStream on the paired prefill worker, which pushes the K/V where the
         reservation's ticket says and sends the first token as soon as it is sampled
-    events: the decode stream's token deltas, the prefill worker's first token ahead of them,
+    events: the decode stream's token deltas (on the router's token stream to that worker where
+        it has one: `token_streams.py`), the prefill worker's first token ahead of them,
         and a failed prefill (until the decode stream streams: then the decode worker has what
         it needs) or the router's own abort as the attempt's failure
 
@@ -23,6 +24,7 @@ import grpc
 
 from pdserve.router.admission import AdmissionQueue, QueueFull
 from pdserve.router.request import RequestFailed
+from pdserve.router.token_streams import StreamedCall, WorkerTokenStream
 from pdserve.router.workers import Worker, WorkerPool
 from pdserve.v1 import generation_pb2 as gen_pb2
 from pdserve.v1 import worker_pb2
@@ -49,6 +51,26 @@ class PairCalls:
 
     def __init__(self, pool: WorkerPool, admission: AdmissionQueue, policy):
         self.pool, self.admission, self.policy = pool, admission, policy
+        self.token_streams: dict[Worker, WorkerTokenStream] = {}  # decode worker -> this router's stream there
+
+    def close(self) -> None:
+        """End the token streams (the router stops)."""
+        for stream in self.token_streams.values():
+            stream.close()
+        self.token_streams.clear()
+
+    async def _token_stream(self, w: Worker) -> WorkerTokenStream | None:
+        """This router's open token stream on w, or None where its requests' tokens come on
+        their own calls (the policy's `token_streams` off, a worker without them, or one whose
+        stream does not open)."""
+        if not self.policy.token_streams or w.info is None or not w.info.token_streams:
+            return None
+        stream = self.token_streams.get(w)
+        if stream is None:
+            for gone in [v for v in self.token_streams if v.is_removed]:
+                self.token_streams.pop(gone).close()
+            stream = self.token_streams[w] = WorkerTokenStream(w.stub, self.pool.security.metadata)
+        return stream if await stream.open() else None
 
     async def admit(self, work: worker_pb2.WorkRequest, is_failover: bool, deadline: float, metadata=()):
         """A decode worker's reservation: (call, worker, its `Admitted`, whether the request was
@@ -92,9 +114,14 @@ class PairCalls:
 
     async def _reserve(self, w: Worker, work: worker_pb2.WorkRequest, deadline: float, metadata=(),
                        colocated: bool = False):
-        """(call, worker, its `Admitted`), or None when this worker cannot take it."""
+        """(call, worker, its `Admitted`), or None when this worker cannot take it. The call is a
+        `StreamedCall` where the tokens come on the router's token stream to w."""
+        stream = await self._token_stream(w)
+        work.token_stream = stream.stream_id if stream is not None else ""
+        queue = stream.register(work.req_id) if stream is not None else None  # before: tokens may come first
         rpc = w.stub.PrefillAndDecode if colocated else w.stub.Decode
         call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
+        event = None
         try:
             event = await call.read()
         except asyncio.CancelledError:
@@ -107,7 +134,12 @@ class PairCalls:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return None
             raise RequestFailed(e.code(), e.details()) from None
+        finally:
+            if event is None and stream is not None:
+                stream.unregister(work.req_id, queue)
         w.stats.num_free_blocks = event.admitted.num_free_blocks
+        if stream is not None:
+            call = StreamedCall(call, stream, work.req_id, queue)
         return call, w, event.admitted
 
     async def prefill(self, work: worker_pb2.WorkRequest, decode: Worker, ticket: str,

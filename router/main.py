@@ -113,6 +113,7 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
     finally:
         for task in tasks:
             task.cancel()
+        router.calls.close()
         await server.set_serving(False)
         for runner in runners:
             await runner.cleanup()

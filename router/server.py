@@ -65,6 +65,9 @@ class RouterPolicy:
     queue_timeout_s: float = 30.0  # waiting for a decode worker with room
     max_failovers: int = 3
     failover_wait_s: float = 30.0  # for a usable worker to (re)appear during a failover
+    # take each decode worker's tokens for all of this router's requests on one stream, a message a
+    # step (router/token_streams.py), where the worker has it; False: each request's on its own call
+    token_streams: bool = True
 
     def __post_init__(self) -> None:
         for name in ("rpc_timeout_s", "queue_timeout_s", "failover_wait_s"):

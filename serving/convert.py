@@ -83,7 +83,7 @@ def parse_logprobs(msg: gen_pb2.TokenLogprobs, token_id: int) -> TokenLogprobs:
 
 
 # WorkerInfo fields the worker itself sets, not the engine's description
-WORKERS_OWN = ("role", "shm_probe", "shm_probe_nonce", "kv_dist_backends", "kv_target_ready")
+WORKERS_OWN = ("role", "shm_probe", "shm_probe_nonce", "kv_dist_backends", "kv_target_ready", "token_streams")
 
 
 def worker_info(role: str, desc) -> worker_pb2.WorkerInfo:

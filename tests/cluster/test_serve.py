@@ -116,6 +116,7 @@ def _connections(p: psutil.Process):
     ({"stream_interval": 0}, "stream_interval must be an integer >= 1, got 0"),
     ({"router.processes": 0}, "router.processes must be an integer >= 1, got 0"),
     ({"router.processes": 1.5}, "router.processes must be an integer >= 1, got 1.5"),
+    ({"router.token_streams": "yes"}, "router.token_streams must be true or false, got 'yes'"),
     ({"colour": "blue"}, "unknown field colour"),
     ({"router.port": 1}, "unknown field router.port"),
 ])

@@ -36,6 +36,7 @@ class InProcessSystem:
     max_failovers: int = 0
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # the decode workers' (0: every request to a prefill worker)
     merge_backlog: bool = True  # the decode workers'
+    token_streams: bool = True  # the router's (RouterPolicy.token_streams)
     engine_options: dict = field(default_factory=dict)  # more EngineConfig fields, for every worker
     transport: KVTransport | None = None  # default: a plain InProcessTransport
     inproc: InProcessTransport = field(default_factory=InProcessTransport)
@@ -61,7 +62,7 @@ class InProcessSystem:
         self.router = Router(pool, Validator(tokenizer, 10000, pool.limits), tokenizer,
                              AdmissionQueue(self.max_queued_requests, poll_s=0.2),
                              RouterPolicy(rpc_timeout_s=60, queue_timeout_s=self.queue_timeout_s,
-                                          max_failovers=self.max_failovers))
+                                          max_failovers=self.max_failovers, token_streams=self.token_streams))
         return self
 
     async def _start(self, service, engine_config: EngineConfig) -> str:
@@ -78,6 +79,7 @@ class InProcessSystem:
         return server.address
 
     async def __aexit__(self, *exc) -> None:
+        self.router.calls.close()
         for server in self.servers:
             await server.stop(grace=0.5)
         for service in (*self.prefills, *self.decodes):

@@ -59,6 +59,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.TokenStream = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/TokenStream',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.TokenStreamRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -97,6 +102,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenStream(self, request, context):
+        """One router's token stream (WorkerInfo.token_streams): the token deltas of every request whose
+        WorkRequest names it, a TokenBatch per engine step for all of them, instead of a message per
+        request on each one's own Decode stream. The Decode (or PrefillAndDecode) call still admits
+        the request, carries its failure's status and ends when it ends; cancelling it still aborts
+        it. The worker sends initial metadata once the stream is open (the router waits for it before
+        naming the stream); the stream ends OK when the worker has drained.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +141,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'TokenStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.TokenStream,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.TokenStreamRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.TokenBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +283,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/GetStats',
             pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/TokenStream',
+            pdserve_dot_v1_dot_worker__pb2.TokenStreamRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.TokenBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,168 @@
+"""A router's token stream on this decode worker: every request's tokens of a step in one message.
+
+Without it each request's deltas go on its own Decode stream: at 32 requests in flight that is 32
+gRPC messages a step, written here and read by the router, and a served token's CPU past the
+model is mostly those messages (BENCHMARKS.md, Streaming cost per token). A router that opened a
+`TokenStream` names it in each `WorkRequest.token_stream`; the request's outputs then go to the
+stream (`OpenStream.put`), whose coroutine wakes once a step and writes one `TokenBatch` with a
+`RequestTokens` for each request that has new tokens. A request's own call still answers
+`Admitted`, still ends with its failure's status (`DecodeRequest.events` keeps the failures),
+and ends OK once its last delta is on the stream (`DONE`); cancelling it still aborts the request.
+
+A batch holds each request's newest output (outputs are cumulative: the newest has every token of
+the others), so a stream that fell behind its engine merges, as a request's own stream does
+(`merge_backlog`). When the stream ends (the router cancelled it, or went away) the requests
+bound to it are ended as cancelled, their blocks freed. Once the worker has drained, its streams
+end OK (`close`), so stopping it does not wait out the server's grace period for them.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.engine.disagg import DecodeState
+from pdserve.engine.outputs import RequestOutput
+from pdserve.serving.convert import FINISH_REASONS, logprobs_message
+from pdserve.serving.engine_thread import EngineStepFailed
+from pdserve.serving.kv_transfer import TransferError, TransferFailure
+from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF
+from pdserve.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from pdserve.decode_worker.server import DecodeRequest
+
+DONE = object()  # put on a request's events once its last delta is on its token stream
+
+
+class OpenStream:
+    """One router's stream: the requests that name it, and the outputs waiting for its next batch."""
+
+    def __init__(self, stream_id: str):
+        self.stream_id = stream_id
+        self.pending: list[tuple[DecodeRequest, RequestOutput]] = []  # (DecodeRequest, its output), as they came
+        self.bound: set[DecodeRequest] = set()  # live requests whose tokens go here
+        self.wake = asyncio.Event()
+        self.closed = False
+
+    def put(self, r: DecodeRequest, out: RequestOutput) -> None:
+        self.pending.append((r, out))
+        self.wake.set()
+
+    def close(self) -> None:
+        """End the stream once what waits is sent."""
+        self.closed = True
+        self.wake.set()
+
+    def take(self, merge: bool) -> tuple[list[dict[DecodeRequest, RequestOutput]], int]:
+        """What waits, as the outputs of successive batches (a request at most once in each, in
+        the order of its first output), and how many outputs that left out. `merge`: one batch,
+        a request's newest output only; otherwise a batch a request's output waits for (a
+        message per output, as a request's own stream sends with `merge_backlog` off)."""
+        pending, self.pending = self.pending, []
+        batches: list[dict[DecodeRequest, RequestOutput]] = [{}]
+        for r, out in pending:
+            if r in batches[-1] and not merge:
+                batches.append({})
+            batches[-1][r] = out
+        return batches, len(pending) - sum(map(len, batches))
+
+
+def fill_delta(delta: worker_pb2.TokenDelta, out: RequestOutput, num_sent: int, num_steps_sent: int) -> None:
+    """Write into `delta` the tokens of `out` after the first `num_sent` it generated (those its
+    stream sent), with the engine steps they came from (those after the first `num_steps_sent`)."""
+    delta.token_ids.extend(out.token_ids[num_sent:])
+    if out.finish_reason:
+        delta.finish_reason = FINISH_REASONS[out.finish_reason.value]
+    delta.num_steps = out.num_steps - num_steps_sent
+    if out.logprobs is not None:
+        delta.logprobs.extend(logprobs_message(row) for row in out.logprobs[num_sent:])
+
+
+def token_delta(out: RequestOutput, num_sent: int, num_steps_sent: int) -> worker_pb2.DecodeEvent:
+    """`fill_delta`'s tokens as a request's own stream sends them."""
+    event = worker_pb2.DecodeEvent()
+    fill_delta(event.tokens, out, num_sent, num_steps_sent)
+    return event
+
+
+class TokenStreams:
+    """The decode worker servicer's token streams (a mixin: `self` is a `DecodeWorkerServicer`)."""
+
+    async def _until_done(self, r: DecodeRequest, context) -> None:
+        """The call of a request whose tokens go on a token stream: it returns once the last of
+        them is on the stream, and ends with a failure's status. The first wait covers the
+        transfer (reserved requests); then the request fails when its stream has sent it nothing
+        for `stream_timeout_s`."""
+        transferring = r.state is DecodeState.RESERVED
+        timeout = self.config.kv_transfer_timeout_s if transferring else self.config.stream_timeout_s
+        r.last_sent = time.monotonic()
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await r.events.get()
+            except TimeoutError:
+                idle = time.monotonic() - r.last_sent
+                if r.state is DecodeState.RUNNING and idle < self.config.stream_timeout_s:
+                    timeout = self.config.stream_timeout_s - idle  # it was sent tokens since the wait began
+                    continue
+                transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING)
+                self.num_reservations_expired += r.state is DecodeState.RESERVED
+                item = TransferError(TransferFailure.TIMEOUT, f"no {'verified KV transfer' if transferring else 'token'} "
+                                                              f"within {timeout:g} s")
+                self._end(r, item)
+            if item is DONE:
+                return
+            if isinstance(item, TransferError):
+                await context.abort(STATUS_OF[item.failure], str(item))
+            if isinstance(item, EngineStepFailed):
+                r.state = DecodeState.FAILED
+                await context.abort(grpc.StatusCode.INTERNAL, str(item))
+
+    async def TokenStream(self, request, context):
+        """A router's stream of its requests' tokens (`token_streams.py`): a `TokenBatch` each time
+        the engine gave any of them tokens, until the router cancels it or this worker drained."""
+        await self.check_accepting(context)  # not while draining: the stream would outlive the drain
+        sid = request.stream_id
+        if not sid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TokenStreamRequest.stream_id is empty")
+        if sid in self.token_streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"token stream {sid!r} is already open")
+        stream = self.token_streams[sid] = OpenStream(sid)
+        try:
+            await context.send_initial_metadata(())
+            while not (stream.closed and not stream.pending):
+                await stream.wake.wait()
+                stream.wake.clear()
+                batches, merged = stream.take(self.config.merge_backlog)
+                self.num_merged_outputs += merged
+                for outputs in batches:
+                    batch, done = worker_pb2.TokenBatch(), []
+                    now = time.monotonic()
+                    for r, out in outputs.items():
+                        if not r.is_live:
+                            continue  # ended meanwhile
+                        fill_delta(batch.requests.add(req_id=r.req_id).tokens, out, r.num_tokens, r.num_steps)
+                        self.num_stream_tokens += len(out.token_ids) - r.num_tokens
+                        r.num_tokens, r.num_steps, r.last_sent = len(out.token_ids), out.num_steps, now
+                        if out.finished:
+                            r.state = DecodeState.FINISHED
+                            done.append(r)
+                    if batch.requests:
+                        self.num_stream_messages += 1
+                        yield batch
+                    for r in done:  # its last tokens are written: its own call ends OK
+                        r.events.put_nowait(DONE)
+        finally:
+            del self.token_streams[sid]
+            for r in list(stream.bound):
+                self._end(r, TransferError(TransferFailure.ABORTED, f"its token stream {sid!r} ended"))
+
+    async def drain(self, timeout_s: float) -> int:
+        """`WorkerService.drain`, then the routers' token streams end (no request needs them)."""
+        remaining = await super().drain(timeout_s)
+        for stream in self.token_streams.values():
+            stream.close()
+        return remaining
