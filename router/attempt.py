@@ -209,7 +209,9 @@ class PairCalls:
                 if (last := _final_first_token(first)) is not None:
                     yield last
                     return
-                if not read.done() and first.done() and first.result() is not None:
+                # the prefill worker's token first, even where the decode stream's delta came in the
+                # same wake-up (a busy loop): that delta then skips its copy
+                if first.done() and first.result() is not None:
                     early = first.result()
                     logprobs = [early.logprobs] if early.HasField("logprobs") else []
                     yield [early.token_id], gen_pb2.FINISH_REASON_UNSPECIFIED, logprobs, 1
