@@ -28,9 +28,10 @@ fast serves a random two-layer model of the demo's vocabulary and tokenizer (bui
 output noise): an engine whose step is cheap beside its serving loops, as a GPU's is at large
 batches, so the loops, not the model, bound what the pair serves.
 
-The decode worker's engine thread gets cheaper per token as the batch grows; its serving loop,
-which writes a gRPC message per request and output, and the router's, which reads each and writes
-it on to the client, do not. The last columns are derived, not measured: the tokens/s at which
+The decode worker's engine thread gets cheaper per token as the batch grows; the router's serving
+loop, which writes a gRPC message per request and output to the clients, does not, nor does the
+decode worker's where it writes one per request and output too (a router with --no-token-streams;
+on a token stream it writes a message a step for all the router's requests). The last columns are derived, not measured: the tokens/s at which
 each loop would take a whole core (10^6 / its µs a token) beside the engine's (the same for the
 engine thread): where a loop's is the lower, the loop, not the model, caps what the process can
 serve, whatever the accelerator does.

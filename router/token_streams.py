@@ -4,11 +4,13 @@ A decode worker that says so (`WorkerInfo.token_streams`) takes a `TokenStream` 
 router and writes on it, each time its engine gives any of that router's requests tokens, one
 `TokenBatch` for all of them (decode_worker/token_streams.py). `WorkerTokenStream` is that call
 on the router's side: opened on the worker's first request and kept while it serves, its reader
-hands each request's `TokenDelta` to the queue that request registered under its id.
+hands each request's `TokenDelta` to the `Mailbox` that request registered under its id.
 
 `StreamedCall` stands in for a request's Decode call, so the attempt's code reads it as it reads
-a call (`read`, `cancel`): its deltas from the queue, and from the call itself (watched by one
-read) how it ends. The call's failure is the request's; an OK end is the worker saying the
+a call (`read`, `cancel`): its deltas from its mailbox, and from the call itself (watched by one
+read) how it ends. Deltas that wait in the mailbox when the request reads (its client's writes
+fell behind the stream) are read as one: the router, not the decode worker, now merges a backlog
+into one client message, as the worker's merge did for a request's own stream. The call's failure is the request's; an OK end is the worker saying the
 last delta is on the stream, and the request ends with that delta, which must follow within
 FINAL_DELTA_WAIT_S (the two come on different HTTP/2 streams, so either may come first). When
 the token stream itself breaks (the worker died, or drained), every request on it gets the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 
 import grpc
 
@@ -40,6 +43,42 @@ class _Ended:
 
     def __init__(self, read: asyncio.Future):
         self.read = read
+
+
+class Mailbox:
+    """A request's deltas from the token stream and the ends of its call and of the stream, in the
+    order they came (an `asyncio.Queue`'s part of it, with a look at what waits)."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self):
+        self.items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self):
+        while not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.items.popleft()
+
+    def merge_deltas(self, delta: worker_pb2.TokenDelta) -> int:
+        """Append to `delta` the deltas waiting right behind it (up to its request's last), as one
+        client message; how many it took."""
+        n = 0
+        while not delta.finish_reason and self.items and isinstance(self.items[0], worker_pb2.TokenDelta):
+            more = self.items.popleft()
+            steps = delta.num_steps + more.num_steps
+            delta.MergeFrom(more)  # token ids and log-probs appended, a finish reason taken
+            delta.num_steps, n = steps, n + 1
+        return n
 
 
 class _Broken:
@@ -69,7 +108,7 @@ class WorkerTokenStream:
     def __init__(self, stub, metadata):
         self.stub, self.metadata = stub, metadata
         self.stream_id = ""
-        self.queues: dict[str, asyncio.Queue] = {}  # req_id -> its deltas, and the stream's end
+        self.queues: dict[str, Mailbox] = {}  # req_id -> its deltas, and the stream's end
         self._open: asyncio.Future | None = None  # True once open, False if it failed to
         self._task: asyncio.Task | None = None
 
@@ -86,11 +125,11 @@ class WorkerTokenStream:
                 return False
         return self._open.result() and not self._task.done()
 
-    def register(self, req_id: str) -> asyncio.Queue:
-        q = self.queues[req_id] = asyncio.Queue()
+    def register(self, req_id: str) -> Mailbox:
+        q = self.queues[req_id] = Mailbox()
         return q
 
-    def unregister(self, req_id: str, q: asyncio.Queue) -> None:
+    def unregister(self, req_id: str, q: Mailbox) -> None:
         if self.queues.get(req_id) is q:  # only its own
             del self.queues[req_id]
 
@@ -132,7 +171,7 @@ class StreamedCall:
     read as the call itself would be: `read()` gives its token events, then EOF, or raises its
     failure (or `CancelledError` once cancelled)."""
 
-    def __init__(self, call, stream: WorkerTokenStream, req_id: str, queue: asyncio.Queue):
+    def __init__(self, call, stream: WorkerTokenStream, req_id: str, queue: Mailbox):
         self.call, self.stream, self.req_id, self.queue = call, stream, req_id, queue
         self.finished = False  # its last delta was read
         self.ended = False  # its call ended OK (the worker sent the last delta)
@@ -161,6 +200,7 @@ class StreamedCall:
             else:
                 item = await self.queue.get()
             if isinstance(item, worker_pb2.TokenDelta):
+                self.queue.merge_deltas(item)  # those that came while this request's client write waited
                 self.finished = bool(item.finish_reason)
                 return _Event(item)
             if isinstance(item, _Ended):

@@ -45,7 +45,9 @@ def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoi
                                                                       ignore_eos=True))[0]
 
     async def scenario():
-        async with InProcessSystem(text_checkpoint, merge_backlog=merge) as system:
+        # unmerged, each output is a client message only on the request's own call: a router
+        # reading a token stream merges what waits for a request itself (router/token_streams.py)
+        async with InProcessSystem(text_checkpoint, merge_backlog=merge, token_streams=merge) as system:
             msgs = await stalled_stream(system, PROMPTS[0])
             await system.wait_all_free()
             return msgs, system.decode.extra_stats()

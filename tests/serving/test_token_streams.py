@@ -180,3 +180,25 @@ def test_a_drained_worker_ends_its_token_streams(text_checkpoint):
             return len(system.decode.token_streams)
 
     assert run(scenario()) == 0
+
+
+def test_deltas_waiting_for_a_request_are_read_as_one_message():
+    from pdserve.router.token_streams import Mailbox
+
+    def delta(ids, steps, reason=0):
+        d = worker_pb2.TokenDelta(token_ids=ids, num_steps=steps, finish_reason=reason)
+        d.logprobs.extend(gen.TokenLogprobs(logprob=-float(i)) for i in ids)
+        return d
+
+    box = Mailbox()
+    for item in (delta([1], 1), delta([2, 3], 1), delta([4], 1, gen.LENGTH), delta([9], 1)):
+        box.put_nowait(item)
+    first = box.items.popleft()
+    assert box.merge_deltas(first) == 2  # up to the last delta of the request, not past it
+    assert list(first.token_ids) == [1, 2, 3, 4] and first.num_steps == 3 and first.finish_reason == gen.LENGTH
+    assert [lp.logprob for lp in first.logprobs] == [-1, -2, -3, -4]
+    box2 = Mailbox()
+    for item in (delta([1], 1), "the call ended", delta([2], 1)):
+        box2.put_nowait(item)
+    first = box2.items.popleft()
+    assert box2.merge_deltas(first) == 0 and list(first.token_ids) == [1]  # not past another event
