@@ -118,7 +118,7 @@ class PairCalls:
         `StreamedCall` where the tokens come on the router's token stream to w."""
         stream = await self._token_stream(w)
         work.token_stream = stream.stream_id if stream is not None else ""
-        queue = stream.register(work.req_id) if stream is not None else None  # before: tokens may come first
+        mailbox = stream.register(work.req_id) if stream is not None else None  # before: tokens may come first
         rpc = w.stub.PrefillAndDecode if colocated else w.stub.Decode
         call = rpc(work, timeout=max(deadline - time.monotonic(), 0.001), metadata=metadata)
         event = None
@@ -136,10 +136,10 @@ class PairCalls:
             raise RequestFailed(e.code(), e.details()) from None
         finally:
             if event is None and stream is not None:
-                stream.unregister(work.req_id, queue)
+                stream.unregister(work.req_id, mailbox)
         w.stats.num_free_blocks = event.admitted.num_free_blocks
         if stream is not None:
-            call = StreamedCall(call, stream, work.req_id, queue)
+            call = StreamedCall(call, stream, work.req_id, mailbox)
         return call, w, event.admitted
 
     async def prefill(self, work: worker_pb2.WorkRequest, decode: Worker, ticket: str,

@@ -8,13 +8,15 @@ hands each request's `TokenDelta` to the `Mailbox` that request registered under
 
 `StreamedCall` stands in for a request's Decode call, so the attempt's code reads it as it reads
 a call (`read`, `cancel`): its deltas from its mailbox, and from the call itself (watched by one
-read) how it ends. Deltas that wait in the mailbox when the request reads (its client's writes
-fell behind the stream) are read as one: the router, not the decode worker, now merges a backlog
-into one client message, as the worker's merge did for a request's own stream. The call's failure is the request's; an OK end is the worker saying the
-last delta is on the stream, and the request ends with that delta, which must follow within
+read) how it ends. The call's failure is the request's; an OK end is the worker saying the last
+delta is on the stream, and the request ends with that delta, which must follow within
 FINAL_DELTA_WAIT_S (the two come on different HTTP/2 streams, so either may come first). When
 the token stream itself breaks (the worker died, or drained), every request on it gets the
 stream's status, and the next request opens a new one.
+
+Deltas that wait in a request's mailbox when it reads (its client's writes fell behind the
+stream) are read as one: with token streams the router, not the decode worker, merges a
+request's backlog into one client message.
 
 A worker whose stream does not open within OPEN_TIMEOUT_S gets its requests' tokens on their own
 calls meanwhile, as one without token streams does.
@@ -103,12 +105,12 @@ class _Event:
 
 
 class WorkerTokenStream:
-    """This router's `TokenStream` on one decode worker, and the queues of the requests on it."""
+    """This router's `TokenStream` on one decode worker, and the mailboxes of the requests on it."""
 
     def __init__(self, stub, metadata):
         self.stub, self.metadata = stub, metadata
         self.stream_id = ""
-        self.queues: dict[str, Mailbox] = {}  # req_id -> its deltas, and the stream's end
+        self.mailboxes: dict[str, Mailbox] = {}  # req_id -> its deltas, and the stream's end
         self._open: asyncio.Future | None = None  # True once open, False if it failed to
         self._task: asyncio.Task | None = None
 
@@ -126,12 +128,12 @@ class WorkerTokenStream:
         return self._open.result() and not self._task.done()
 
     def register(self, req_id: str) -> Mailbox:
-        q = self.queues[req_id] = Mailbox()
-        return q
+        box = self.mailboxes[req_id] = Mailbox()
+        return box
 
-    def unregister(self, req_id: str, q: Mailbox) -> None:
-        if self.queues.get(req_id) is q:  # only its own
-            del self.queues[req_id]
+    def unregister(self, req_id: str, box: Mailbox) -> None:
+        if self.mailboxes.get(req_id) is box:  # only its own
+            del self.mailboxes[req_id]
 
     def close(self) -> None:
         if self._task is not None:
@@ -143,12 +145,12 @@ class WorkerTokenStream:
         try:
             await call.initial_metadata()
             opened.set_result(not call.done())
-            queues = self.queues
+            mailboxes = self.mailboxes
             async for batch in call:
                 for rt in batch.requests:
-                    q = queues.get(rt.req_id)
-                    if q is not None:
-                        q.put_nowait(rt.tokens)
+                    box = mailboxes.get(rt.req_id)
+                    if box is not None:
+                        box.put_nowait(rt.tokens)
         except asyncio.CancelledError:
             why = _Broken(grpc.StatusCode.CANCELLED, "the router closed its token stream")
             raise
@@ -161,9 +163,9 @@ class WorkerTokenStream:
             call.cancel()
             if not opened.done():
                 opened.set_result(False)
-            queues, self.queues = self.queues, {}
-            for q in queues.values():
-                q.put_nowait(why)
+            mailboxes, self.mailboxes = self.mailboxes, {}
+            for box in mailboxes.values():
+                box.put_nowait(why)
 
 
 class StreamedCall:
@@ -171,8 +173,8 @@ class StreamedCall:
     read as the call itself would be: `read()` gives its token events, then EOF, or raises its
     failure (or `CancelledError` once cancelled)."""
 
-    def __init__(self, call, stream: WorkerTokenStream, req_id: str, queue: Mailbox):
-        self.call, self.stream, self.req_id, self.queue = call, stream, req_id, queue
+    def __init__(self, call, stream: WorkerTokenStream, req_id: str, mailbox: Mailbox):
+        self.call, self.stream, self.req_id, self.mailbox = call, stream, req_id, mailbox
         self.finished = False  # its last delta was read
         self.ended = False  # its call ended OK (the worker sent the last delta)
         self._watch()
@@ -183,7 +185,7 @@ class StreamedCall:
     def _ended(self, read: asyncio.Future) -> None:
         if not read.cancelled():
             read.exception()  # retrieved: a request that ended before its call did never reads it
-        self.queue.put_nowait(_Ended(read))
+        self.mailbox.put_nowait(_Ended(read))
 
     async def read(self):
         if self.finished:
@@ -192,15 +194,15 @@ class StreamedCall:
             if self.ended:
                 try:
                     async with asyncio.timeout(FINAL_DELTA_WAIT_S):
-                        item = await self.queue.get()
+                        item = await self.mailbox.get()
                 except TimeoutError:
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=(
                         f"the request's call ended, and its last tokens did not come on the token stream "
                         f"within {FINAL_DELTA_WAIT_S:g} s")) from None
             else:
-                item = await self.queue.get()
+                item = await self.mailbox.get()
             if isinstance(item, worker_pb2.TokenDelta):
-                self.queue.merge_deltas(item)  # those that came while this request's client write waited
+                self.mailbox.merge_deltas(item)  # those that came while this request's client write waited
                 self.finished = bool(item.finish_reason)
                 return _Event(item)
             if isinstance(item, _Ended):
@@ -217,5 +219,5 @@ class StreamedCall:
             raise grpc.aio.AioRpcError(item.code, details=item.details)  # the token stream's failure
 
     def cancel(self) -> bool:
-        self.stream.unregister(self.req_id, self.queue)
+        self.stream.unregister(self.req_id, self.mailbox)
         return self.call.cancel()

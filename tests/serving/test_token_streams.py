@@ -106,7 +106,7 @@ def test_a_closed_stream_fails_its_requests_over_with_their_tokens(text_checkpoi
             msgs = []
             async for resp in system.router.generate(req):
                 if not msgs:  # close the stream the first tokens came on
-                    used = [s for s in system.router.calls.token_streams.values() if s.queues]
+                    used = [s for s in system.router.calls.token_streams.values() if s.mailboxes]
                     assert len(used) == 1
                     used[0].close()
                 msgs.append(resp)
