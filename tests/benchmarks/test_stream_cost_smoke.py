@@ -1,6 +1,7 @@
-"""benchmarks/stream_cost.py on its quick setting: three real disaggregated pairs (a decode worker
-as started by default, one with --stream-interval 4, one with --no-merge-backlog; the first
-measured again with its load on the OpenAI HTTP API) over one prefill worker, serving the
+"""benchmarks/stream_cost.py on its quick setting: four real disaggregated pairs (a decode worker
+and router as started by default, a decode worker with --stream-interval 4, one with
+--no-merge-backlog, a router with --no-token-streams; the first measured again with its load on
+the OpenAI HTTP API) over one prefill worker, serving the
 script's fast engine (a random two-layer model it builds), closed-loop load, each thread's CPU
 read from the processes' /metrics around it. Every column is filled for every run; no timing is
 asserted."""
@@ -16,7 +17,7 @@ def test_both_pairs_and_every_thread_are_measured(tmp_path, load_benchmark):
     result = json.loads((tmp_path / "stream_cost_fast_quick.json").read_text())
     assert (tmp_path / "stream_cost_fast_quick.png").stat().st_size > 0 and result["engine"] == "fast"
     assert {(r["variant"], r["concurrency"]) for r in result["rows"]} == {
-        (v, c) for v in ("1", "4", "1, unmerged", "1, HTTP") for c in (1, 4)}
+        (v, c) for v in ("1", "4", "1, unmerged", "1, own calls", "1, HTTP") for c in (1, 4)}
     for r in result["rows"]:
         assert set(r["us_per_token"]) == set(bench.COLUMNS), r["us_per_token"].keys()
         # a thread's clock counts nanoseconds; a process's counts ticks (10 ms), and a quick run's
