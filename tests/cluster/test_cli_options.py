@@ -65,10 +65,18 @@ def test_serve_flags_override_the_config(tmp_path):
     flagged = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--no-kv-shm",
                                                       "--decode-workers", "2", "--no-speculation",
                                                       "--local-prefill-tokens", "0", "--local-prefill-chunk-tokens",
-                                                      "0", "--stream-interval", "2"]))
+                                                      "0", "--stream-interval", "2", "--no-token-streams"]))
     assert flagged.kv_shm is False and flagged.decode.workers == 2 and flagged.num_speculative_tokens == 0
     assert flagged.local_prefill_tokens == 0 and flagged.local_prefill_chunk_tokens == 0
     assert flagged.stream_interval == 2
+    assert default.router.token_streams is True and flagged.router.token_streams is False
+    from pdserve.cluster.cli import router_config
+    from pdserve.cluster.serve import router_config as serve_router_config
+
+    assert serve_router_config(flagged, None).policy.token_streams is False
+    standalone = ["router", "--model", str(tmp_path), "--decode", "127.0.0.1:1"]
+    assert router_config(build_parser().parse_args(standalone)).policy.token_streams is True
+    assert router_config(build_parser().parse_args([*standalone, "--no-token-streams"])).policy.token_streams is False
     assert default.kv_cache_dtype == "auto"
     narrow = serve_config(build_parser().parse_args(["serve", "--config", str(config), "--kv-cache-dtype",
                                                      "bfloat16"]))
