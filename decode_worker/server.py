@@ -387,19 +387,11 @@ class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grp
                     async with asyncio.timeout(timeout):
                         item = await r.events.get()
                 except TimeoutError:
-                    transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING)
-                    what = "verified KV transfer" if transferring else "token"
-                    self.num_reservations_expired += r.state is DecodeState.RESERVED
-                    item = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
-                    self._end(r, item)
+                    item = self._timed_out(r, timeout)
             if self.config.merge_backlog and isinstance(item, RequestOutput):
                 item, held, merged = merge_backlog(item, r.events)
                 self.num_merged_outputs += merged
-            if isinstance(item, TransferError):
-                await context.abort(STATUS_OF[item.failure], str(item))
-            if isinstance(item, EngineStepFailed):
-                r.state = DecodeState.FAILED
-                await context.abort(grpc.StatusCode.INTERNAL, str(item))
+            await self._abort_if_failed(r, item, context)
             timeout = self.config.stream_timeout_s
             if item.finished:
                 r.state = DecodeState.FINISHED
@@ -410,6 +402,23 @@ class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grp
             yield delta
             if item.finished:
                 return
+
+    def _timed_out(self, r: DecodeRequest, timeout: float) -> TransferError:
+        """r waited `timeout` for its transfer or its next token: it ends, failed, with this error."""
+        transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING)
+        what = "verified KV transfer" if transferring else "token"
+        self.num_reservations_expired += r.state is DecodeState.RESERVED
+        err = TransferError(TransferFailure.TIMEOUT, f"no {what} within {timeout:g} s")
+        self._end(r, err)
+        return err
+
+    async def _abort_if_failed(self, r: DecodeRequest, item, context) -> None:
+        """End r's call with the status of a failure taken from its events (a no-op for anything else)."""
+        if isinstance(item, TransferError):
+            await context.abort(STATUS_OF[item.failure], str(item))
+        if isinstance(item, EngineStepFailed):
+            r.state = DecodeState.FAILED
+            await context.abort(grpc.StatusCode.INTERNAL, str(item))
 
     def _end(self, r: DecodeRequest, err: TransferError) -> None:
         """End a live request (failed, or cancelled when `err` is ABORTED): its stream gets the

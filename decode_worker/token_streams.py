@@ -26,9 +26,7 @@ import grpc
 from pdserve.engine.disagg import DecodeState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.serving.convert import FINISH_REASONS, logprobs_message
-from pdserve.serving.engine_thread import EngineStepFailed
 from pdserve.serving.kv_transfer import TransferError, TransferFailure
-from pdserve.serving.kv_transfer.grpc_transport import STATUS_OF
 from pdserve.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -96,8 +94,7 @@ class TokenStreams:
         them is on the stream, and ends with a failure's status. The first wait covers the
         transfer (reserved requests); then the request fails when its stream has sent it nothing
         for `stream_timeout_s`."""
-        transferring = r.state is DecodeState.RESERVED
-        timeout = self.config.kv_transfer_timeout_s if transferring else self.config.stream_timeout_s
+        timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
         r.last_sent = time.monotonic()
         while True:
             try:
@@ -108,18 +105,10 @@ class TokenStreams:
                 if r.state is DecodeState.RUNNING and idle < self.config.stream_timeout_s:
                     timeout = self.config.stream_timeout_s - idle  # it was sent tokens since the wait began
                     continue
-                transferring = r.state in (DecodeState.RESERVED, DecodeState.RECEIVING)
-                self.num_reservations_expired += r.state is DecodeState.RESERVED
-                item = TransferError(TransferFailure.TIMEOUT, f"no {'verified KV transfer' if transferring else 'token'} "
-                                                              f"within {timeout:g} s")
-                self._end(r, item)
+                item = self._timed_out(r, timeout)
             if item is DONE:
                 return
-            if isinstance(item, TransferError):
-                await context.abort(STATUS_OF[item.failure], str(item))
-            if isinstance(item, EngineStepFailed):
-                r.state = DecodeState.FAILED
-                await context.abort(grpc.StatusCode.INTERNAL, str(item))
+            await self._abort_if_failed(r, item, context)
 
     async def TokenStream(self, request, context):
         """A router's stream of its requests' tokens (`token_streams.py`): a `TokenBatch` each time
