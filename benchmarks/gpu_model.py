@@ -48,10 +48,13 @@ def _decode_rate(llm, prompts, new_tokens: int, sizes: Sizes) -> tuple[float, li
         return time.perf_counter() - start, outs
 
     # warm both shapes: the one-token run's step (a one-token chunk after the cached prompt, with
-    # prefix caching) is a kernel specialization of its own, compiled on first use
-    run(1), run(8)
-    one = min(run(1)[0] for _ in range(2))
-    full, outs = min((run(new_tokens) for _ in range(2)), key=lambda r: r[0])
+    # prefix caching) is a kernel specialization of its own, compiled on first use. --smoke (the
+    # interpreter compiles nothing, and its figure is not one) runs each shape once.
+    repeats = 1 if sizes.smoke else 2
+    if not sizes.smoke:
+        run(1), run(8)
+    one = min(run(1)[0] for _ in range(repeats))
+    full, outs = min((run(new_tokens) for _ in range(repeats)), key=lambda r: r[0])
     return len(prompts) * (new_tokens - 1) / (full - one), [o.token_ids for o in outs]
 
 
