@@ -3,8 +3,8 @@ AVX-512 never runs (AVX2, plain, the CRC fallbacks) are tested here too. Each va
 source with other flags (decoder.cpp and draft_passes.cpp with the three they call), under an op
 namespace of its own beside the loaded library.
 
-A variant takes 7 to 12 s to compile on these 2 cores (the decoder's, four sources, about
-30 s), eight in all: the suite's longest stretch of pure compiling. So when a selected test asks
+A variant takes 7 to 12 s to compile on these 2 cores (the decoder's, five sources, about
+30 s), six in all: the suite's longest stretch of pure compiling. So when a selected test asks
 for one, `conftest.py` starts this module as a background process at the start of the session
 (`nice`, one job at a time) and the builds mostly use the core the tests leave idle. A test then waits until its variant is built (with a
 timeout) and loads it from the shared build directory (ninja finds it up to date); when the
@@ -25,14 +25,14 @@ VARIANTS = {  # in the order the suite reaches them (tests/disagg before tests/k
     "pdserve_test_kv_xmm_folds": ("kv_copy.cpp", ["-mno-vpclmulqdq"]),
     "pdserve_test_kv_crc32_chains": ("kv_copy.cpp", ["-mno-pclmul"]),
     "pdserve_test_kv_byte_table": ("kv_copy.cpp", ["-mno-pclmul", "-mno-sse4.2", "-mno-avx2", "-mno-avx512f"]),
-    "pdserve_test_avx2": ("paged_attention.cpp", ["-mno-avx512f"]),
-    "pdserve_test_plain": ("paged_attention.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
-    "pdserve_test_linear_avx2": ("linear.cpp", ["-mno-avx512f"]),
-    "pdserve_test_linear_plain": ("linear.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
+    # the AVX2 build of the decoder holds the AVX2 builds of attention and the projections too:
+    # their tests take their ops from it rather than compiling those two sources again
     "pdserve_test_decoder_avx2": (("decoder.cpp", "draft_passes.cpp", "rejection.cpp", "linear.cpp",
                                    "paged_attention.cpp"), ["-mno-avx512f"]),
+    "pdserve_test_plain": ("paged_attention.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
+    "pdserve_test_linear_plain": ("linear.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
 }
-BUILD_TIMEOUT_S = 1200  # the background process's eight builds, niced beside the suite
+BUILD_TIMEOUT_S = 1200  # the background process's six builds, niced beside the suite
 BUILT = "built"  # written into a variant's directory once it is built
 
 

@@ -162,7 +162,7 @@ def test_narrower_instruction_sets_match_dense_attention(isa, native_variant):
     """The AVX2 and plain loops, which a CPU with AVX-512 never runs: the same source built
     again without those instructions (`native_variants.py`), under a namespace of its own
     beside the loaded library."""
-    op = native_variant(f"pdserve_test_{isa}").paged_attention_cpu
+    op = native_variant({"avx2": "pdserve_test_decoder_avx2", "plain": "pdserve_test_plain"}[isa]).paged_attention_cpu
     for case in CASES:
         for num_heads, num_kv_heads, head_dim in [(8, 4, 32), (4, 1, 64), (6, 3, 24)]:
             context_lens, query_lens = CASES[case]

@@ -186,7 +186,7 @@ def test_avx2_loops_match_f_linear(native_variant):
     """The AVX2 loops, which a CPU with AVX-512 never runs: one row over the whole panel, more
     rows over its two halves, three at a time, then the one or two left."""
     require_avx2_fma()
-    ops = native_variant("pdserve_test_linear_avx2")  # built with -mno-avx512f
+    ops = native_variant("pdserve_test_decoder_avx2")  # built with -mno-avx512f (the decoder's build holds linear.cpp)
     assert ops.linear_packed_available()
     _check(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
     _check_bfloat16(ops.linear_pack, ops.linear_packed, shapes=SHAPES + [(40, 8), (33, 5)], rows=ROWS + [3, 4, 8])
