@@ -69,7 +69,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.serving.auth import ClusterSecurity
-from pdserve.serving.convert import parse_work_request
+from pdserve.serving.convert import STREAM_TOKENS_METADATA, parse_work_request
 from pdserve.serving.engine_thread import EngineLoop, EngineStepFailed
 from pdserve.serving.grpc_server import KV_TRANSFER_OPTIONS, AioServer
 from pdserve.serving.kv_transfer import TransferError, TransferFailure
@@ -154,6 +154,9 @@ class DecodeRequest:
             if self.stream is not None:
                 self.stream.put(self, item)
                 return
+        elif self.stream is not None:  # a failure: after the tokens before it (`OpenStream.put_failure`)
+            self.stream.put_failure(self, item)
+            return
         self.events.put_nowait(item)
 
     @property
@@ -418,7 +421,9 @@ class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grp
             await context.abort(STATUS_OF[item.failure], str(item))
         if isinstance(item, EngineStepFailed):
             r.state = DecodeState.FAILED
-            await context.abort(grpc.StatusCode.INTERNAL, str(item))
+            # on a token stream: how many tokens it carried, which the router reads before failing
+            sent = ((STREAM_TOKENS_METADATA, str(r.num_tokens)),) if r.stream is not None else ()
+            await context.abort(grpc.StatusCode.INTERNAL, str(item), trailing_metadata=sent)
 
     def _end(self, r: DecodeRequest, err: TransferError) -> None:
         """End a live request (failed, or cancelled when `err` is ABORTED): its stream gets the

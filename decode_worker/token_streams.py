@@ -8,6 +8,9 @@ stream (`OpenStream.put`), whose coroutine wakes once a step and writes one `Tok
 `RequestTokens` for each request that has new tokens. A request's own call still answers
 `Admitted`, still ends with its failure's status (`DecodeRequest.events` keeps the failures),
 and ends OK once its last delta is on the stream (`DONE`); cancelling it still aborts the request.
+An engine failure reaches the call only once the outputs before it are written on the stream
+(`OpenStream.put_failure`), and the call's trailing metadata says how many tokens the stream
+carried (`STREAM_TOKENS_METADATA`): the router reads those before it fails the request.
 
 A batch holds each request's newest output (outputs are cumulative: the newest has every token of
 the others), so a stream that fell behind its engine merges, as a request's own stream does
@@ -36,17 +39,38 @@ DONE = object()  # put on a request's events once its last delta is on its token
 
 
 class OpenStream:
-    """One router's stream: the requests that name it, and the outputs waiting for its next batch."""
+    """One router's stream: the requests that name it, and the outputs waiting for its next batch.
 
-    def __init__(self, stream_id: str):
+    `merge` (the worker's `merge_backlog`): a request keeps one waiting output, its newest (each
+    has every token of those before it), in the place of its first, so what waits while the
+    router reads slowly is bounded by the requests, not by the steps; the outputs it replaced are
+    counted in `num_merged`. Otherwise every output waits for a message of its own."""
+
+    def __init__(self, stream_id: str, merge: bool = True):
         self.stream_id = stream_id
-        self.pending: list[tuple[DecodeRequest, RequestOutput]] = []  # (DecodeRequest, its output), as they came
+        self.merge = merge
+        self.newest: dict[DecodeRequest, RequestOutput] = {}  # merge: each request's newest output waiting
+        self.pending: list[tuple[DecodeRequest, RequestOutput]] = []  # not merge: (DecodeRequest, its output), as they came
+        self.num_merged = 0  # outputs replaced by a newer one before they were sent
+        self.failures: list[tuple[DecodeRequest, object]] = []  # each to its request's events once what came before is sent
         self.bound: set[DecodeRequest] = set()  # live requests whose tokens go here
         self.wake = asyncio.Event()
         self.closed = False
 
     def put(self, r: DecodeRequest, out: RequestOutput) -> None:
-        self.pending.append((r, out))
+        if not self.merge:
+            self.pending.append((r, out))
+        elif r in self.newest:
+            self.newest[r] = out  # keeps its place: the order of first outputs
+            self.num_merged += 1
+        else:
+            self.newest[r] = out
+        self.wake.set()
+
+    def put_failure(self, r: DecodeRequest, failure) -> None:
+        """The failure that ends r (an engine step's), for its call once the outputs that came
+        before it are written: its tokens go out ahead of it."""
+        self.failures.append((r, failure))
         self.wake.set()
 
     def close(self) -> None:
@@ -54,18 +78,28 @@ class OpenStream:
         self.closed = True
         self.wake.set()
 
-    def take(self, merge: bool) -> tuple[list[dict[DecodeRequest, RequestOutput]], int]:
-        """What waits, as the outputs of successive batches (a request at most once in each, in
-        the order of its first output), and how many outputs that left out. `merge`: one batch,
-        a request's newest output only; otherwise a batch a request's output waits for (a
-        message per output, as a request's own stream sends with `merge_backlog` off)."""
+    @property
+    def waiting(self) -> bool:
+        return bool(self.newest or self.pending or self.failures)
+
+    def take(self) -> tuple[list[dict[DecodeRequest, RequestOutput]], int, list[tuple[DecodeRequest, object]]]:
+        """What waits: the outputs of successive batches (a request at most once in each, in the
+        order of its first output), how many outputs were merged away since the last take, and
+        the failures to hand on once those batches are written. Merged, one batch of each
+        request's newest output; otherwise a batch a request's output waits for (a message per
+        output, as a request's own stream sends with `merge_backlog` off)."""
+        failures, self.failures = self.failures, []
+        if self.merge:
+            newest, self.newest = self.newest, {}
+            merged, self.num_merged = self.num_merged, 0
+            return [newest], merged, failures
         pending, self.pending = self.pending, []
         batches: list[dict[DecodeRequest, RequestOutput]] = [{}]
         for r, out in pending:
-            if r in batches[-1] and not merge:
+            if r in batches[-1]:
                 batches.append({})
             batches[-1][r] = out
-        return batches, len(pending) - sum(map(len, batches))
+        return batches, 0, failures
 
 
 def fill_delta(delta: worker_pb2.TokenDelta, out: RequestOutput, num_sent: int, num_steps_sent: int) -> None:
@@ -119,13 +153,13 @@ class TokenStreams:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "TokenStreamRequest.stream_id is empty")
         if sid in self.token_streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"token stream {sid!r} is already open")
-        stream = self.token_streams[sid] = OpenStream(sid)
+        stream = self.token_streams[sid] = OpenStream(sid, self.config.merge_backlog)
         try:
             await context.send_initial_metadata(())
-            while not (stream.closed and not stream.pending):
+            while not (stream.closed and not stream.waiting):
                 await stream.wake.wait()
                 stream.wake.clear()
-                batches, merged = stream.take(self.config.merge_backlog)
+                batches, merged, failures = stream.take()
                 self.num_merged_outputs += merged
                 for outputs in batches:
                     batch, done = worker_pb2.TokenBatch(), []
@@ -144,6 +178,8 @@ class TokenStreams:
                         yield batch
                     for r in done:  # its last tokens are written: its own call ends OK
                         r.events.put_nowait(DONE)
+                for r, failure in failures:  # the tokens before it are written: its call fails
+                    r.events.put_nowait(failure)
         finally:
             del self.token_streams[sid]
             for r in list(stream.bound):

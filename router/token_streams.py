@@ -10,9 +10,12 @@ hands each request's `TokenDelta` to the `Mailbox` that request registered under
 a call (`read`, `cancel`): its deltas from its mailbox, and from the call itself (watched by one
 read) how it ends. The call's failure is the request's; an OK end is the worker saying the last
 delta is on the stream, and the request ends with that delta, which must follow within
-FINAL_DELTA_WAIT_S (the two come on different HTTP/2 streams, so either may come first). When
-the token stream itself breaks (the worker died, or drained), every request on it gets the
-stream's status, and the next request opens a new one.
+FINAL_DELTA_WAIT_S (the two come on different HTTP/2 streams, so either may come first). A
+failure does not overtake the tokens before it either: the worker ends the call once they are
+written and says in its trailing metadata how many the stream carried, and the request reads
+them (within FINAL_DELTA_WAIT_S) before it fails. When the token stream itself breaks (the
+worker died, or drained), every request on it gets the stream's status, and the next request
+opens a new one.
 
 Deltas that wait in a request's mailbox when it reads (its client's writes fell behind the
 stream) are read as one: with token streams the router, not the decode worker, merges a
@@ -30,6 +33,7 @@ from collections import deque
 
 import grpc
 
+from pdserve.serving.convert import STREAM_TOKENS_METADATA
 from pdserve.v1 import worker_pb2
 
 log = logging.getLogger("pdserve.router")
@@ -168,6 +172,20 @@ class WorkerTokenStream:
                 box.put_nowait(why)
 
 
+def _stream_tokens(failure: BaseException) -> int:
+    """How many tokens a failed call's token stream carried before its failure (its trailing
+    metadata's `STREAM_TOKENS_METADATA`; 0 where it does not say)."""
+    if not isinstance(failure, grpc.aio.AioRpcError):
+        return 0
+    for key, value in failure.trailing_metadata() or ():
+        if key == STREAM_TOKENS_METADATA:
+            try:
+                return max(int(value), 0)
+            except ValueError:
+                return 0
+    return 0
+
+
 class StreamedCall:
     """A request's Decode (or PrefillAndDecode) call whose deltas come on a `WorkerTokenStream`,
     read as the call itself would be: `read()` gives its token events, then EOF, or raises its
@@ -177,6 +195,9 @@ class StreamedCall:
         self.call, self.stream, self.req_id, self.mailbox = call, stream, req_id, mailbox
         self.finished = False  # its last delta was read
         self.ended = False  # its call ended OK (the worker sent the last delta)
+        self.num_tokens = 0  # read from the stream
+        self.failure: grpc.aio.AioRpcError | None = None  # its call's, raised once the tokens before it are read
+        self.owed = 0  # how many tokens the stream carried before that failure (`STREAM_TOKENS_METADATA`)
         self._watch()
 
     def _watch(self) -> None:
@@ -191,11 +212,15 @@ class StreamedCall:
         if self.finished:
             return grpc.aio.EOF
         while True:
-            if self.ended:
+            if self.failure is not None and self.num_tokens >= self.owed:
+                raise self.failure
+            if self.ended or self.failure is not None:
                 try:
                     async with asyncio.timeout(FINAL_DELTA_WAIT_S):
                         item = await self.mailbox.get()
                 except TimeoutError:
+                    if self.failure is not None:  # its tokens are lost with the stream: the failure stands
+                        raise self.failure from None
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details=(
                         f"the request's call ended, and its last tokens did not come on the token stream "
                         f"within {FINAL_DELTA_WAIT_S:g} s")) from None
@@ -204,18 +229,25 @@ class StreamedCall:
             if isinstance(item, worker_pb2.TokenDelta):
                 self.mailbox.merge_deltas(item)  # those that came while this request's client write waited
                 self.finished = bool(item.finish_reason)
+                self.num_tokens += len(item.token_ids)
                 return _Event(item)
             if isinstance(item, _Ended):
                 if item.read.cancelled():
                     raise asyncio.CancelledError
-                if item.read.exception() is not None:
-                    raise item.read.exception()
+                if (failure := item.read.exception()) is not None:
+                    self.owed = _stream_tokens(failure)
+                    if self.num_tokens >= self.owed:
+                        raise failure
+                    self.failure = failure  # the tokens the stream carried before it come first
+                    continue
                 event = item.read.result()
                 if event is grpc.aio.EOF:
                     self.ended = True
                     continue
                 self._watch()  # an event on the call itself (a worker that streams there): read on
                 return event
+            if self.failure is not None:
+                raise self.failure
             raise grpc.aio.AioRpcError(item.code, details=item.details)  # the token stream's failure
 
     def cancel(self) -> bool:

@@ -12,6 +12,10 @@ _OPTIONAL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0
 
 FINISH_REASONS = {"stop": gen_pb2.STOP, "length": gen_pb2.LENGTH, "abort": gen_pb2.ABORT}
 FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+# The trailing metadata of a failed call whose tokens went on a token stream: how many of its
+# tokens the stream carried before the failure, which the router reads before it fails the call
+# (the call and the stream are two HTTP/2 streams, so the failure may come first).
+STREAM_TOKENS_METADATA = "pdserve-stream-tokens"
 
 
 # Stop conditions are checked against every token on the hot path: bounded wherever a request
