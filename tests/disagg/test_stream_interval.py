@@ -2,7 +2,7 @@
 and last at once, through a router disaggregated (the prefill worker's first token ahead) and
 colocated: the client gets the offline engine's tokens, with their logprobs, in those groups.
 Real processes: the shared prefill worker P, a decode worker of its own (with P's draft, which
-pairing asks for, at a fixed depth: a step emits 1 to DEPTH + 1 tokens), and two routers over it.
+pairing asks for, at a fixed depth: a step emits 1 to DEPTH + 1 tokens), and three routers over it.
 The decode worker runs with --no-merge-backlog: a stream that fell behind its engine would merge
 groups (tests/serving/test_merge_backlog.py), and the groups' exact sizes are what is checked here,
 on a router with --no-token-streams (each request's groups on its own call). A router reading a
