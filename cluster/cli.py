@@ -161,7 +161,8 @@ def router_config(args: argparse.Namespace):
                         max_prompt_chars=args.max_prompt_chars, cluster=cluster_security(args, "router"),
                         tls=TLSFiles(args.tls_cert, args.tls_key),
                         api_keys=ApiKeys.from_flags(args.api_key, args.api_key_rate_limit, args.api_key_max_concurrency),
-                        slo=SLO(**slo))
+                        slo=SLO(**slo), http_idle_timeout_s=args.http_idle_timeout,
+                        http_body_timeout_s=args.http_body_timeout)
 
 
 # `pdserve serve` flag -> config field (dotted: section.field)
@@ -334,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SLO on the time per output token after the first, seconds (default 0.1)")
     rt.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
+    rt.add_argument("--http-idle-timeout", type=float, default=75.0, help="seconds an HTTP connection may sit with "
+                    "no request in progress (new, between requests, or in its headers) before it is closed")
+    rt.add_argument("--http-body-timeout", type=float, default=30.0,
+                    help="seconds a request's body may take to arrive after its headers (then 408)")
     rt.add_argument("--no-token-streams", action="store_true", help="take each request's tokens on its own call, "
                     "not on one stream per decode worker for all of this router's requests (a message a step)")
     rt.add_argument("--reuse-port", action="store_true", help="share --port and --http-port with the other routers "

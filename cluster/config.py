@@ -54,6 +54,8 @@ class RouterSection:
     token_streams: bool = True
     health_interval: float = 1.0
     drain_timeout: float = 30.0
+    http_idle_timeout: float = 75.0  # seconds an HTTP connection may sit with no request in progress
+    http_body_timeout: float = 30.0  # seconds a request's body may take after its headers (then 408)
     slo_ttft: float = 1.0  # seconds; requests meeting both SLOs count toward goodput
     slo_tpot: float = 0.1  # seconds per output token after the first
 
@@ -224,7 +226,7 @@ def _check_router(r: RouterSection) -> None:
         if value is not None:
             _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 65536, f"router.{name}", value, "must be a port (0: any free one)")
     for name in ("rpc_timeout", "queue_timeout", "failover_wait", "health_interval", "drain_timeout", "slo_ttft",
-                 "slo_tpot"):
+                 "slo_tpot", "http_idle_timeout", "http_body_timeout"):
         _positive(f"router.{name}", getattr(r, name))
     _check(isinstance(r.processes, int) and not isinstance(r.processes, bool) and r.processes >= 1,
            "router.processes", r.processes, "must be an integer >= 1")

@@ -184,7 +184,7 @@ def router_config(config: ServeConfig, security):
         max_queued_requests=r.max_queued_requests, max_prompt_chars=r.max_prompt_chars, cluster=security,
         tls=TLSFiles(sec.tls_cert, sec.tls_key),
         api_keys=ApiKeys.from_flags(sec.api_keys, sec.api_key_rate_limit, sec.api_key_max_concurrency),
-        slo=SLO(r.slo_ttft, r.slo_tpot))
+        slo=SLO(r.slo_ttft, r.slo_tpot), http_idle_timeout_s=r.http_idle_timeout, http_body_timeout_s=r.http_body_timeout)
 
 
 async def serve(config: ServeConfig, ray_address: str | None, telemetry, until, on_ready) -> None:

@@ -9,8 +9,12 @@ cancellation and metrics are shared. Responses take OpenAI's shapes (`openai_for
 n = 1 and n = 2 agree on the first choice), run concurrently; their choices carry their index.
 
 Status codes, in OpenAI's error shape: 400 for bad input (naming the parameter), 404 for a model
-this server does not serve, 429 when no worker can admit the request, 503 when workers fail. A
-client that disconnects mid-stream cancels its requests, which frees their blocks on both workers.
+this server does not serve, 408 for a body that does not arrive within the body timeout, 413 for
+one larger than MAX_BODY_BYTES (said from its Content-Length, before it is read), 429 when no
+worker can admit the request, 503 when workers fail. A client that disconnects mid-stream cancels
+its requests, which frees their blocks on both workers. Every wait on a client is bounded: a
+connection with no request in progress (new, idle between requests, or stalled in its headers)
+is closed after the idle timeout.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from pdserve.router.openai_format import Choice, TokenText, error_response, sse,
 from pdserve.router.openai_params import OpenAIError, OpenAIRequest, parse_chat, parse_completion, parse_json
 from pdserve.router.request import RequestFailed, RouterRequest
 from pdserve.router.server import Router
-from pdserve.serving.metrics import metrics_handler, start_http_app
+from pdserve.serving.metrics import HTTP_IDLE_TIMEOUT_S, metrics_handler, start_http_app
 from pdserve.serving.tracing import extract
 
 log = logging.getLogger("pdserve.router.http")
@@ -59,8 +63,9 @@ def fan_out(req: RouterRequest, n: int) -> list[RouterRequest]:
 
 class OpenAIApp:
     def __init__(self, router: Router, model_name: str, chat_template: ChatTemplate | None = None,
-                 shared_port: bool = False):
+                 shared_port: bool = False, body_timeout_s: float = 30.0):
         self.router, self.model_name, self.chat_template = router, model_name, chat_template
+        self.body_timeout_s = body_timeout_s
         self.token_text = TokenText(router.tokenizer)
         self.shared_port = shared_port  # other router processes listen on this port too (SO_REUSEPORT)
 
@@ -130,10 +135,19 @@ class OpenAIApp:
     async def _serve(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         trace = self.router.metrics.arrived()
         try:
-            oreq, req = await self._parse(await request.read(), is_chat)
-        except web.HTTPRequestEntityTooLarge as e:  # counted like every other answer
+            oreq, req = await self._parse(await self._read_body(request), is_chat)
+        except web.HTTPRequestEntityTooLarge:  # counted like every other answer
             self.router.metrics.count("invalid_argument")
-            return error_response(413, e.text or "the request body is too large", None, "request_too_large")
+            resp = error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None,
+                                  "request_too_large")
+            resp.force_close()  # the rest of the body is not read
+            return resp
+        except TimeoutError:
+            self.router.metrics.count("invalid_argument")
+            resp = error_response(408, f"the request body did not arrive within {self.body_timeout_s:g} s of its "
+                                  "headers", None, "request_timeout")
+            resp.force_close()
+            return resp
         except OpenAIError as e:
             self.router.metrics.count("not_found" if e.status == 404 else "invalid_argument")
             return error_response(e.status, str(e), e.param, e.code)
@@ -157,6 +171,14 @@ class OpenAIApp:
         if oreq.stream:
             return await self._stream(request, oreq, reqs, traces, choices, meta, parent)
         return await self._complete(oreq, reqs, traces, choices, meta, parent)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, within the body timeout (TimeoutError); one whose Content-Length is
+        over the limit is refused before any of it is read."""
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY_BYTES, actual_size=request.content_length)
+        async with asyncio.timeout(self.body_timeout_s):
+            return await request.read()
 
     async def _parse(self, raw: bytes, is_chat: bool) -> tuple[OpenAIRequest, RouterRequest]:
         oreq = parse_chat(parse_json(raw)) if is_chat else parse_completion(parse_json(raw))
@@ -271,12 +293,16 @@ class OpenAIApp:
 
 async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve",
                      chat_template: ChatTemplate | None = None, ssl_context=None,
-                     reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+                     reuse_port: bool = False, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S,
+                     body_timeout_s: float = 30.0) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port.
-    `reuse_port`: the port shared with the other routers of a system (SO_REUSEPORT)."""
+    `reuse_port`: the port shared with the other routers of a system (SO_REUSEPORT).
+    `idle_timeout_s`: a connection with no request in progress is closed after it (aiohttp's
+    keep-alive timeout, which also runs from a connection's start and through its headers);
+    `body_timeout_s`: a request's body must arrive within it (408)."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    app = OpenAIApp(router, model_name, chat_template, shared_port=reuse_port).app()
+    app = OpenAIApp(router, model_name, chat_template, shared_port=reuse_port, body_timeout_s=body_timeout_s).app()
     runner, bound = await start_http_app(app, host, port, ssl_context, reuse_port=reuse_port,
-                                         handler_cancellation=True)
+                                         handler_cancellation=True, keepalive_timeout=idle_timeout_s)
     log.info("http listening address=%s:%d", host, bound)
     return runner, bound

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.serving.metrics import start_metrics_server
+from pdserve.serving.metrics import HTTP_IDLE_TIMEOUT_S, start_metrics_server
 from pdserve.v1 import generation_pb2
 from pdserve.serving.auth import ClusterSecurity, TLSFiles
 from pdserve.serving.grpc_server import AioServer
@@ -34,9 +34,14 @@ class RouterConfig:
     tls: TLSFiles = TLSFiles()  # on its public ports
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     slo: SLO = SLO()  # requests meeting it count toward goodput (`pdserve:request_slo_met_total`)
+    # the HTTP API's waits on a client: a connection with no request in progress (new, or idle
+    # between requests) is closed after http_idle_timeout_s; a request's body must have arrived
+    # http_body_timeout_s after its headers (else 408)
+    http_idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S
+    http_body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "health_interval_s"):
+        for name in ("connect_timeout_s", "health_interval_s", "http_idle_timeout_s", "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
         for name in ("max_queued_requests", "max_prompt_chars"):
@@ -96,7 +101,8 @@ async def serve_router(router: Router, config: RouterConfig, host: str, port: in
             from pdserve.router.http import start_http
 
             runner, bound = await start_http(router, host, http_port, config.name, ChatTemplate.from_dir(config.model),
-                                             config.tls.ssl_context() if config.tls.enabled else None, reuse_port)
+                                             config.tls.ssl_context() if config.tls.enabled else None, reuse_port,
+                                             config.http_idle_timeout_s, config.http_body_timeout_s)
             runners.append(runner)
             addresses["http"] = f"{host}:{bound}"
         if metrics_port is not None:

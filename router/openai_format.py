@@ -19,8 +19,8 @@ from pdserve.v1 import generation_pb2 as gen_pb2
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 401: "authentication_error",
-            429: "rate_limit_error"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
+            413: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code if code is not None else status}}
     return web.json_response(body, status=status)
 

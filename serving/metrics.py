@@ -28,6 +28,9 @@ from pdserve.serving.thread_cpu import ThreadCpuCollector
 from pdserve.v1 import worker_pb2
 
 PREFIX = "pdserve:"
+# an HTTP connection with no request in progress is closed after this (longer than the 60 s idle
+# timeout of common load balancers, which then close first and never reuse a closed connection)
+HTTP_IDLE_TIMEOUT_S = 75.0
 disable_created_metrics()  # process-wide in prometheus_client: every pdserve process imports this module
 
 # Seconds. LLM latencies span milliseconds (a decode step) to minutes (a long queue).
@@ -69,10 +72,12 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
 
 
 async def start_http_app(app: web.Application, host: str, port: int, ssl_context=None, reuse_port: bool = False,
-                         **runner_options) -> tuple[web.AppRunner, int]:
+                         keepalive_timeout: float = HTTP_IDLE_TIMEOUT_S, **runner_options) -> tuple[web.AppRunner, int]:
     """Serve an aiohttp app; returns its runner and the port it bound (`port` 0: a free one).
-    `reuse_port`: SO_REUSEPORT, the port shared with other processes that set it too."""
-    runner = web.AppRunner(app, access_log=None, **runner_options)
+    `reuse_port`: SO_REUSEPORT, the port shared with other processes that set it too.
+    `keepalive_timeout`: a connection with no request in progress (new, idle, or stalled in its
+    headers) is closed after it (aiohttp's own default is an hour)."""
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=keepalive_timeout, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
     try:

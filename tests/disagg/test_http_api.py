@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP API on router R: completions (plain and streamed as server-sent
-events), bad input as HTTP 400 naming the field, a vanished client freeing its blocks."""
+events), bad input as HTTP 400 naming the field, a vanished client freeing its blocks; and, on a
+router of its own with short timeouts, clients that stall: every wait on them ends."""
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import pytest
+from procs import wait_ready
 
 from pdserve.engine import SamplingParams
 
@@ -109,4 +112,59 @@ def test_vanished_streaming_client_frees_blocks(cluster):
     # and the router still serves; ignore_eos: at the default temperature a random model can sample EOS first
     status, resp, conn = post(cluster, {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
     assert status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+    conn.close()
+
+
+@pytest.fixture
+def impatient_router(cluster):
+    """A router over D2 whose HTTP API closes a connection idle for 2 s and waits 1 s for a body."""
+    proc = cluster.start_router("R-impatient", "--decode", cluster.address("D2"), "--http-port", "0",
+                                "--metrics-port", "0", "--http-idle-timeout", "2", "--http-body-timeout", "1")
+    try:
+        wait_ready(proc)
+        yield proc.addresses["http"]
+    finally:
+        proc.stop()
+        del cluster.procs["R-impatient"]
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)  # no wait below is longer
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (socket.timeout if it does not)."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_a_stalled_client_is_answered_or_dropped_not_waited_for(impatient_router):
+    # a body that stops short of its Content-Length: 408 once the body timeout is up, and closed
+    stalled = _connect(impatient_router)
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    # a Content-Length over the limit: 413 at once, none of the body read
+    huge = _connect(impatient_router)
+    huge.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 200000000\r\n\r\n{")
+    # no request at all, and a request whose headers never end: closed after the idle timeout
+    silent, half = _connect(impatient_router), _connect(impatient_router)
+    half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    head, _, body = _read_all(stalled).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "did not arrive within 1 s" in error["message"], error
+    head, _, body = _read_all(huge).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert _read_all(silent) == b"" and _read_all(half) == b""
+    for sock in (stalled, huge, silent, half):
+        sock.close()
+    # a client that takes its time between requests, not within one, is served as before
+    conn = http.client.HTTPConnection(impatient_router, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}))
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
     conn.close()
