@@ -40,9 +40,11 @@ request itself, and the same token stream follows.
 
 The token stream sends a delta per engine output (or per `stream_interval` tokens). When the
 serving loop falls behind the engine thread, as it does beside an engine that steps faster than
-it writes messages, the outputs queued for a stream go out as one delta (`merge_backlog`; counted
+it writes messages, the outputs waiting for a stream go out as one delta (`merge_backlog`; counted
 in `pdserve:stream_merged_outputs`): messages grow instead of queueing (BENCHMARKS.md, Streaming
-cost per token, an engine fast beside its loops).
+cost per token, an engine fast beside its loops). A request keeps one waiting output, its newest
+(outputs are cumulative), so a call that falls behind holds memory for one output, not for every
+step's copy of its tokens so far.
 
 A router may take every request's deltas on one stream of its own instead, a message a step for
 all of them (`TokenStream`; `token_streams.py`): then a request's call carries only its admission
@@ -83,6 +85,7 @@ from pdserve.serving.worker import WorkerService
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.decode")
+WAITING = object()  # in a request's events: its waiting output (`DecodeRequest.waiting`) is taken here
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +144,16 @@ class DecodeRequest:
     num_queued: int | None = None  # tokens handed to its stream so far (None: none yet)
     stream: OpenStream | None = None  # the router's token stream its tokens go on (None: its own call)
     last_sent: float = 0.0  # when its token stream last sent it tokens (monotonic)
+    merge: bool = True  # on its own call: a newer output replaces the one waiting (`merge_backlog`)
+    waiting: RequestOutput | None = None  # merging: its newest output its call has not taken (WAITING in events)
+    num_merged: int = 0  # outputs replaced while waiting since its call last took one
 
     def deliver(self, item) -> None:
         """The engine loop's sink for this request. An output goes to the stream when it completes
         a group (its first tokens, `interval` more, the last), a failure at once; an output short
         of a group is dropped, as the next one carries its tokens too (`RequestOutput.token_ids`
-        is all of them so far). So the stream's coroutine wakes once a group, not once a step."""
+        is all of them so far). So the stream's coroutine wakes once a group, not once a step.
+        Merging, an output its own call has not taken yet is replaced by the newer one (`take`)."""
         if isinstance(item, RequestOutput):
             if not item.finished and self.num_queued is not None and len(item.token_ids) - self.num_queued < self.interval:
                 return
@@ -154,10 +161,21 @@ class DecodeRequest:
             if self.stream is not None:
                 self.stream.put(self, item)
                 return
+            if self.merge:
+                if self.waiting is not None:  # its place in events is kept: a failure after it stays after it
+                    self.waiting, self.num_merged = item, self.num_merged + 1
+                    return
+                self.waiting, item = item, WAITING
         elif self.stream is not None:  # a failure: after the tokens before it (`OpenStream.put_failure`)
             self.stream.put_failure(self, item)
             return
         self.events.put_nowait(item)
+
+    def take(self, item):
+        """What an item from `events` stands for: the waiting output for WAITING, else itself."""
+        if item is WAITING:
+            item, self.waiting = self.waiting, None
+        return item
 
     @property
     def kv_blocks(self) -> Sequence | PinnedBlocks:
@@ -167,19 +185,6 @@ class DecodeRequest:
     @property
     def is_live(self) -> bool:
         return self.state in (DecodeState.RESERVED, DecodeState.RECEIVING, DecodeState.RUNNING)
-
-
-def merge_backlog(out: RequestOutput, events: asyncio.Queue) -> tuple[RequestOutput, object, int]:
-    """The newest of `out` and the outputs queued behind it (its tokens and log-probs are all of
-    theirs: `RequestOutput` is cumulative), the failure that stopped the merge if one did, and how
-    many outputs it took past `out`."""
-    merged = 0
-    while not out.finished and not events.empty():
-        item = events.get_nowait()
-        if not isinstance(item, RequestOutput):
-            return out, item, merged
-        out, merged = item, merged + 1
-    return out, None, merged
 
 
 class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grpc.DecodeWorkerServicer):
@@ -250,7 +255,7 @@ class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grp
         req_id, ids, params, stream = await self._parse(request, context)
         await self._check_new(req_id, context)
         r = DecodeRequest(req_id, DecodeState.RESERVED, spans=self._spans(req_id, context, len(ids)),
-                          interval=self.config.stream_interval, stream=stream)
+                          interval=self.config.stream_interval, stream=stream, merge=self.config.merge_backlog)
         r.seq, here = await self._reserve(r, ids, params, context)
         text = ""
         if here:  # the cache holds all but a short tail, which the engine is prefilling already
@@ -326,7 +331,7 @@ class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grp
         req_id, ids, params, stream = await self._parse(request, context)
         await self._check_new(req_id, context)
         r = DecodeRequest(req_id, DecodeState.RUNNING, spans=self._spans(req_id, context, len(ids)),
-                          interval=self.config.stream_interval, stream=stream)
+                          interval=self.config.stream_interval, stream=stream, merge=self.config.merge_backlog)
         r.spans.start("decode")
         self._track(r)
         try:
@@ -378,22 +383,17 @@ class DecodeWorkerServicer(KVIntake, TokenStreams, WorkerService, worker_pb2_grp
     async def _token_stream(self, r: DecodeRequest, context) -> AsyncIterator[worker_pb2.DecodeEvent]:
         """Token deltas until the request finishes; a failure ends the call with its status. The
         first wait covers the transfer (reserved requests), later ones a group of tokens each
-        (`DecodeRequest.deliver`: every token, or `stream_interval` of them), with any groups
-        queued behind it (`merge_backlog`)."""
+        (`DecodeRequest.deliver`: every token, or `stream_interval` of them; merging, the newest
+        of the groups that came while the last delta was written)."""
         timeout = self.config.kv_transfer_timeout_s if r.state is DecodeState.RESERVED else self.config.stream_timeout_s
-        held = None  # a failure found behind the outputs merged into the last delta: the next item
         while True:
-            if held is not None:
-                item, held = held, None
-            else:
-                try:  # a timer, not wait_for's task a delta: 12 against 8 µs a delta (scratch timing, one loop)
-                    async with asyncio.timeout(timeout):
-                        item = await r.events.get()
-                except TimeoutError:
-                    item = self._timed_out(r, timeout)
-            if self.config.merge_backlog and isinstance(item, RequestOutput):
-                item, held, merged = merge_backlog(item, r.events)
-                self.num_merged_outputs += merged
+            try:  # a timer, not wait_for's task a delta: 12 against 8 µs a delta (scratch timing, one loop)
+                async with asyncio.timeout(timeout):
+                    item = r.take(await r.events.get())
+            except TimeoutError:
+                item = self._timed_out(r, timeout)
+            self.num_merged_outputs += r.num_merged
+            r.num_merged = 0
             await self._abort_if_failed(r, item, context)
             timeout = self.config.stream_timeout_s
             if item.finished:

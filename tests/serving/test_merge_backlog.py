@@ -5,15 +5,15 @@ still ends the stream after their tokens went out. The whole path in this proces
 decode worker's engine thread keeps stepping makes the backlog."""
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
 import pytest
 
 from inprocess import PROMPTS, InProcessSystem, joined, run
-from pdserve.decode_worker.server import merge_backlog
+from pdserve.decode_worker.server import DecodeRequest
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.disagg import DecodeState
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sequence import FinishReason
 from pdserve.router.request import RequestFailed
@@ -39,15 +39,16 @@ async def stalled_stream(system: InProcessSystem, prompt: str) -> list:
     return msgs
 
 
-@pytest.mark.parametrize("merge", [True, False])
-def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoint, merge):
+@pytest.mark.parametrize("merge, token_streams", [(True, True), (True, False), (False, False)],
+                         ids=["token-stream", "own-call", "own-call-unmerged"])
+def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoint, merge, token_streams):
     want = LLM(text_checkpoint).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
                                                                       ignore_eos=True))[0]
 
     async def scenario():
         # unmerged, each output is a client message only on the request's own call: a router
         # reading a token stream merges what waits for a request itself (router/token_streams.py)
-        async with InProcessSystem(text_checkpoint, merge_backlog=merge, token_streams=merge) as system:
+        async with InProcessSystem(text_checkpoint, merge_backlog=merge, token_streams=token_streams) as system:
             msgs = await stalled_stream(system, PROMPTS[0])
             await system.wait_all_free()
             return msgs, system.decode.extra_stats()
@@ -67,12 +68,13 @@ def test_a_stream_behind_its_engine_sends_the_backlog_as_one_delta(text_checkpoi
         assert stats["stream_messages_total"] == NUM_TOKENS and stats["stream_merged_outputs_total"] == 0, stats
 
 
-def test_a_failure_behind_merged_outputs_ends_the_stream_after_their_tokens(text_checkpoint):
+@pytest.mark.parametrize("token_streams", [True, False], ids=["token-stream", "own-call"])
+def test_a_failure_behind_merged_outputs_ends_the_stream_after_their_tokens(text_checkpoint, token_streams):
     want = LLM(text_checkpoint).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
                                                                       ignore_eos=True))[0]
 
     async def scenario():
-        async with InProcessSystem(text_checkpoint) as system:
+        async with InProcessSystem(text_checkpoint, token_streams=token_streams) as system:
             engine = system.decode.engine
             real_step = engine.step
 
@@ -106,20 +108,26 @@ def _out(n: int, finished: bool = False) -> RequestOutput:
                          finish_reason=FinishReason.LENGTH if finished else None)
 
 
-def test_merge_stops_at_a_failure_and_at_the_last_output():
-    async def scenario():
-        q: asyncio.Queue = asyncio.Queue()
-        failure = EngineStepFailed("boom")
-        for item in (_out(2), _out(3), failure, _out(4)):
-            q.put_nowait(item)
-        first = merge_backlog(_out(1), q)
-        q2: asyncio.Queue = asyncio.Queue()
-        for item in (_out(2), _out(3, finished=True), _out(9)):
-            q2.put_nowait(item)
-        merged = merge_backlog(_out(1), q2)
-        return first, q.qsize(), merged, q2.qsize(), merge_backlog(_out(5, finished=True), q2)
+def test_an_own_call_keeps_one_waiting_output_and_a_failure_after_it():
+    """The decode worker's sink for a request on its own call, merging: however many outputs the
+    engine gives while the call writes, one waits (the newest, in the first one's place), and a
+    failure that came after them is taken after it. Unmerged, every output waits its turn."""
+    def drain(r: DecodeRequest) -> list:
+        taken = []
+        while not r.events.empty():
+            taken.append(r.take(r.events.get_nowait()))
+        return taken
 
-    (out, held, n), left, (last, none, n2), left2, (done, _, n3) = asyncio.run(scenario())
-    assert len(out.token_ids) == 3 and held is not None and n == 2 and left == 1  # the output after the failure waits
-    assert last.finished and len(last.token_ids) == 3 and none is None and n2 == 2 and left2 == 1  # nothing after the end
-    assert done.finished and len(done.token_ids) == 5 and n3 == 0  # a finished output takes nothing more
+    merged = DecodeRequest("r", DecodeState.RUNNING)
+    failure = EngineStepFailed("boom")
+    for item in (_out(1), _out(2), _out(3), failure):
+        merged.deliver(item)
+    assert merged.events.qsize() == 2 and merged.num_merged == 2
+    out, fail = drain(merged)
+    assert out.token_ids == [0, 1, 2] and fail is failure and merged.waiting is None
+    merged.deliver(_out(4))  # once taken, the next output waits again
+    assert [o.token_ids for o in drain(merged)] == [[0, 1, 2, 3]]
+    plain = DecodeRequest("r", DecodeState.RUNNING, merge=False)
+    for item in (_out(1), _out(2), _out(3, finished=True)):
+        plain.deliver(item)
+    assert [len(o.token_ids) for o in drain(plain)] == [1, 2, 3] and plain.num_merged == 0
