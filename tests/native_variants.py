@@ -6,15 +6,19 @@ namespace of its own beside the loaded library.
 A variant takes 7 to 12 s to compile on these 2 cores (the decoder's, five sources, about
 30 s), six in all: the suite's longest stretch of pure compiling. So when a selected test asks
 for one, `conftest.py` starts this module as a background process at the start of the session
-(`nice`, one job at a time) and the builds mostly use the core the tests leave idle. A test then waits until its variant is built (with a
-timeout) and loads it from the shared build directory (ninja finds it up to date); when the
-background build failed, the test builds the variant itself and so reports the compiler's error.
+(`nice` 19, so a test never waits for the CPU on its account), which builds JOBS variants at a
+time, in the order the suite reaches them: the builds take what the tests leave idle, and when a
+test waits for its variant, both cores compile. A test then waits until its variant is built
+(with a timeout) and loads it from the shared build directory (ninja finds it up to date); when
+the background build failed, the test builds the variant itself and so reports the compiler's
+error.
 
     python tests/native_variants.py BUILD_DIR   # builds every variant into BUILD_DIR/<name>
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +37,7 @@ VARIANTS = {  # in the order the suite reaches them (tests/disagg before tests/k
     "pdserve_test_linear_plain": ("linear.cpp", ["-mno-avx512f", "-mno-avx2", "-mno-fma"]),
 }
 BUILD_TIMEOUT_S = 1200  # the background process's six builds, niced beside the suite
+JOBS = 2  # variants built at once, each in a process of its own (a compile is one process: ninja's MAX_JOBS=1)
 BUILT = "built"  # written into a variant's directory once it is built
 
 
@@ -65,12 +70,13 @@ class Builder:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        # one compile at a time; the `ninja` wheel's binary sits beside this interpreter, maybe not on PATH
+        # one compile per variant at a time; the `ninja` wheel's binary sits beside this interpreter,
+        # maybe not on PATH; a process group of its own, so `stop` ends its pool and compilers too
         env = {**os.environ, "MAX_JOBS": "1",
                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(["nice", "-n", "19", sys.executable, __file__, str(self.build_dir)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+                                         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def ops(self, name: str):
         """Wait until the background process has built this variant (or ended, or timed out), then load it."""
@@ -84,21 +90,29 @@ class Builder:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
             for lock in self.build_dir.glob("*/lock"):  # a killed build's lock would stall the next one
                 lock.unlink(missing_ok=True)
 
 
+def _build_one(name: str, build_dir: str) -> str | None:
+    """A pool worker's task: build one variant; the error, if it fails."""
+    try:
+        build(name, Path(build_dir))
+    except Exception as e:  # the test building it again reports it
+        return f"{name}: {e!r}"
+    return None
+
+
 def main(build_dir: str) -> int:
-    failed = []
-    for name in VARIANTS:
-        try:
-            build(name, Path(build_dir))
-        except Exception as e:  # the test building it again reports it
-            failed.append(name)
-            print(f"{name}: {e!r}", flush=True)
-    return 1 if failed else 0
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(JOBS) as pool:  # tasks start in submission order: the suite's
+        errors = [e for e in pool.map(_build_one, VARIANTS, [build_dir] * len(VARIANTS)) if e]
+    for error in errors:
+        print(error, flush=True)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
