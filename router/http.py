@@ -135,7 +135,7 @@ class OpenAIApp:
     async def _serve(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         trace = self.router.metrics.arrived()
         try:
-            oreq, req = await self._parse(await self._read_body(request), is_chat)
+            raw = await self._read_body(request)
         except web.HTTPRequestEntityTooLarge:  # counted like every other answer
             self.router.metrics.count("invalid_argument")
             resp = error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None,
@@ -148,6 +148,8 @@ class OpenAIApp:
                                   "headers", None, "request_timeout")
             resp.force_close()
             return resp
+        try:
+            oreq, req = await self._parse(raw, is_chat)
         except OpenAIError as e:
             self.router.metrics.count("not_found" if e.status == 404 else "invalid_argument")
             return error_response(e.status, str(e), e.param, e.code)
