@@ -336,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get before they end with UNAVAILABLE")
     rt.add_argument("--http-idle-timeout", type=float, default=75.0, help="seconds an HTTP connection may sit with "
-                    "no request in progress (new, between requests, or in its headers) before it is closed")
+                    "no request in progress (new, between requests, or in its headers), or streaming to a client that takes nothing, "
+                    "before it is closed")
     rt.add_argument("--http-body-timeout", type=float, default=30.0,
                     help="seconds a request's body may take to arrive after its headers (then 408)")
     rt.add_argument("--no-token-streams", action="store_true", help="take each request's tokens on its own call, "

@@ -54,7 +54,7 @@ class RouterSection:
     token_streams: bool = True
     health_interval: float = 1.0
     drain_timeout: float = 30.0
-    http_idle_timeout: float = 75.0  # seconds an HTTP connection may sit with no request in progress
+    http_idle_timeout: float = 75.0  # seconds an HTTP connection may sit with no request in progress (or no reader)
     http_body_timeout: float = 30.0  # seconds a request's body may take after its headers (then 408)
     slo_ttft: float = 1.0  # seconds; requests meeting both SLOs count toward goodput
     slo_tpot: float = 0.1  # seconds per output token after the first

@@ -14,7 +14,7 @@ one larger than MAX_BODY_BYTES (said from its Content-Length, before it is read)
 worker can admit the request, 503 when workers fail. A client that disconnects mid-stream cancels
 its requests, which frees their blocks on both workers. Every wait on a client is bounded: a
 connection with no request in progress (new, idle between requests, or stalled in its headers)
-is closed after the idle timeout.
+is closed after the idle timeout, and so is a stream whose client takes nothing for as long.
 """
 from __future__ import annotations
 
@@ -46,6 +46,15 @@ OPEN_PATHS = ("/health", "/ready", "/metrics", "/prometheus/targets")  # probes 
 _END = object()
 
 
+def writer(resp: web.StreamResponse, timeout_s: float):
+    """resp.write, where a write that the client does not take within `timeout_s` (the
+    connection's buffers full: it reads nothing) raises TimeoutError."""
+    async def write(data: bytes) -> None:
+        async with asyncio.timeout(timeout_s):
+            await resp.write(data)
+    return write
+
+
 def derive_seed(seed: int, index: int) -> int:
     """Choice `index`'s seed: the request's own for choice 0, a hash of (seed, index) after."""
     if index == 0:
@@ -63,9 +72,9 @@ def fan_out(req: RouterRequest, n: int) -> list[RouterRequest]:
 
 class OpenAIApp:
     def __init__(self, router: Router, model_name: str, chat_template: ChatTemplate | None = None,
-                 shared_port: bool = False, body_timeout_s: float = 30.0):
+                 shared_port: bool = False, body_timeout_s: float = 30.0, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S):
         self.router, self.model_name, self.chat_template = router, model_name, chat_template
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
         self.token_text = TokenText(router.tokenizer)
         self.shared_port = shared_port  # other router processes listen on this port too (SO_REUSEPORT)
 
@@ -260,14 +269,19 @@ class OpenAIApp:
                 return error_response(_HTTP_STATUS.get(first.code, 503), str(first))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
-            await self._write_events(resp, oreq, choices, meta, queue, (i, first), len(tasks))
-            await resp.write(sse("[DONE]"))
+            write = writer(resp, self.idle_timeout_s)
+            try:
+                await self._write_events(write, oreq, choices, meta, queue, (i, first), len(tasks))
+                await write(sse("[DONE]"))
+            except TimeoutError:  # the client takes nothing: its connection goes, and its requests
+                log.warning("a streaming client took nothing for %g s; its connection is closed", self.idle_timeout_s)
+                request.transport.close()
             return resp
         finally:
             for t in tasks:  # a vanished client lands here too: the workers' calls are cancelled
                 t.cancel()
 
-    async def _write_events(self, resp, oreq, choices, meta, queue, item, num_open: int) -> None:
+    async def _write_events(self, write, oreq, choices, meta, queue, item, num_open: int) -> None:
         obj = "chat.completion.chunk" if oreq.is_chat else "text_completion"
         prompt_tokens = 0
         while True:
@@ -277,7 +291,7 @@ class OpenAIApp:
                 if num_open == 0:
                     break
             elif isinstance(msg, RequestFailed):
-                await resp.write(sse({"error": {"message": str(msg), "type": "server_error", "code": msg.code.name}}))
+                await write(sse({"error": {"message": str(msg), "type": "server_error", "code": msg.code.name}}))
             else:
                 choice = choices[i]
                 chunk = choice.chat_chunk(msg) if oreq.is_chat else choice.completion_chunk(msg)
@@ -286,10 +300,10 @@ class OpenAIApp:
                     prompt_tokens = msg.usage.prompt_tokens
                     if not oreq.is_chat:  # completions have always carried it on a choice's last chunk
                         event["usage"] = usage(prompt_tokens, msg.usage.completion_tokens)
-                await resp.write(sse(event))
+                await write(sse(event))
             item = await queue.get()
         if oreq.include_usage:
-            await resp.write(sse({**meta, "object": obj, "choices": [],
+            await write(sse({**meta, "object": obj, "choices": [],
                                   "usage": usage(prompt_tokens, sum(c.num_tokens for c in choices))}))
 
 
@@ -300,10 +314,12 @@ async def start_http(router: Router, host: str, port: int, model_name: str = "pd
     """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port.
     `reuse_port`: the port shared with the other routers of a system (SO_REUSEPORT).
     `idle_timeout_s`: a connection with no request in progress is closed after it (aiohttp's
-    keep-alive timeout, which also runs from a connection's start and through its headers);
+    keep-alive timeout, which also runs from a connection's start and through its headers), and
+    so is a streaming one whose client takes nothing for as long;
     `body_timeout_s`: a request's body must arrive within it (408)."""
     # handler_cancellation: a client gone mid-request cancels the handler, and so the request
-    app = OpenAIApp(router, model_name, chat_template, shared_port=reuse_port, body_timeout_s=body_timeout_s).app()
+    app = OpenAIApp(router, model_name, chat_template, shared_port=reuse_port, body_timeout_s=body_timeout_s,
+                    idle_timeout_s=idle_timeout_s).app()
     runner, bound = await start_http_app(app, host, port, ssl_context, reuse_port=reuse_port,
                                          handler_cancellation=True, keepalive_timeout=idle_timeout_s)
     log.info("http listening address=%s:%d", host, bound)
