@@ -42,6 +42,7 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_
 # the gRPC-side field a validation message names -> the OpenAI parameter it came from
 _OPENAI_PARAM = {"token_ids": "prompt", "request_id": "user"}
 MAX_BODY_BYTES = 8 << 20
+BODY_TIMEOUT_S = 30.0  # a request's body must have arrived this long after its headers (408)
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/prometheus/targets")  # probes and scrapes: no API key
 _END = object()
 
@@ -72,7 +73,7 @@ def fan_out(req: RouterRequest, n: int) -> list[RouterRequest]:
 
 class OpenAIApp:
     def __init__(self, router: Router, model_name: str, chat_template: ChatTemplate | None = None,
-                 shared_port: bool = False, body_timeout_s: float = 30.0, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S):
+                 shared_port: bool = False, body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S):
         self.router, self.model_name, self.chat_template = router, model_name, chat_template
         self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
         self.token_text = TokenText(router.tokenizer)
@@ -145,17 +146,13 @@ class OpenAIApp:
         trace = self.router.metrics.arrived()
         try:
             raw = await self._read_body(request)
-        except web.HTTPRequestEntityTooLarge:  # counted like every other answer
+        except (web.HTTPRequestEntityTooLarge, TimeoutError) as e:  # counted like every other answer
             self.router.metrics.count("invalid_argument")
-            resp = error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None,
-                                  "request_too_large")
+            resp = (error_response(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", None, "request_too_large")
+                    if isinstance(e, web.HTTPRequestEntityTooLarge) else
+                    error_response(408, f"the request body did not arrive within {self.body_timeout_s:g} s of its "
+                                   "headers", None, "request_timeout"))
             resp.force_close()  # the rest of the body is not read
-            return resp
-        except TimeoutError:
-            self.router.metrics.count("invalid_argument")
-            resp = error_response(408, f"the request body did not arrive within {self.body_timeout_s:g} s of its "
-                                  "headers", None, "request_timeout")
-            resp.force_close()
             return resp
         try:
             oreq, req = await self._parse(raw, is_chat)
@@ -310,7 +307,7 @@ class OpenAIApp:
 async def start_http(router: Router, host: str, port: int, model_name: str = "pdserve",
                      chat_template: ChatTemplate | None = None, ssl_context=None,
                      reuse_port: bool = False, idle_timeout_s: float = HTTP_IDLE_TIMEOUT_S,
-                     body_timeout_s: float = 30.0) -> tuple[web.AppRunner, int]:
+                     body_timeout_s: float = BODY_TIMEOUT_S) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API (HTTPS with `ssl_context`); returns the runner and the bound port.
     `reuse_port`: the port shared with the other routers of a system (SO_REUSEPORT).
     `idle_timeout_s`: a connection with no request in progress is closed after it (aiohttp's
